@@ -1,0 +1,3 @@
+from jex.cli import main
+
+main()

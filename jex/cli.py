@@ -1,0 +1,88 @@
+"""The `jex` command line (typer). Each command is a thin shell over a function in a room."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from jex.errors import JexError
+from jex.settings import load_settings
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="jex: reproducible LLM benchmark campaigns.")
+suite_app = typer.Typer(no_args_is_help=True, help="Suites: the sample generator.")
+bundle_app = typer.Typer(no_args_is_help=True, help="Bundles: deterministic archives of a suite.")
+config_app = typer.Typer(no_args_is_help=True, help="Settings (JEX_* variables and .env).")
+app.add_typer(suite_app, name="suite")
+app.add_typer(bundle_app, name="bundle")
+app.add_typer(config_app, name="config")
+
+
+def _fail(err: Exception) -> None:
+    typer.echo(f"error: {err}", err=True)
+    raise typer.Exit(2)
+
+
+@suite_app.command("sample")
+def suite_sample(out: Annotated[Path, typer.Option("-o", "--out", help="Suite folder to write")],
+                 rows: Annotated[int, typer.Option(help="Total rows over all catalogs")] = 360,
+                 seed: Annotated[int, typer.Option(help="Generator seed")] = 0) -> None:
+    """Write the embedded sample suite (deterministic for a given --rows and --seed)."""
+    from jex.sample_suite import write_sample_suite
+
+    try:
+        typer.echo(write_sample_suite(out, rows=rows, seed=seed))
+    except (JexError, ValueError) as e:
+        _fail(e)
+
+
+@bundle_app.command("build")
+def bundle_build(suite: Annotated[Path, typer.Argument(help="Suite folder (holds suite.toml)")],
+                 out: Annotated[Path, typer.Option("-o", "--out", help="Bundle file (.tar.gz)")],
+                 reference: Annotated[Path | None, typer.Option(help="Banked capture, 1:1 on run_id")] = None,
+                 shard_rows: Annotated[int, typer.Option(help="Rows per Parquet shard")] = 16384) -> None:
+    """Stream a suite into a byte-reproducible bundle; prints its sha256."""
+    from tasks.bundle import build_bundle
+
+    try:
+        result = build_bundle(suite, out, reference=reference, shard_rows=shard_rows)
+    except JexError as e:
+        _fail(e)
+    typer.echo(f"{result.sha256}  {result.path}  ({result.rows} rows)")
+
+
+@app.command("score")
+def score(suite: Annotated[Path, typer.Option(help="Suite folder or bundle file")],
+          predictions: Annotated[Path, typer.Option(help="JSONL or Parquet: run_id, choice[, probs]")],
+          out: Annotated[Path, typer.Option("-o", "--out", help="Folder for score.json and score.md")],
+          bootstrap: Annotated[int, typer.Option(help="Bootstrap draws")] = 2000,
+          seed: Annotated[int, typer.Option(help="Bootstrap seed")] = 20260929) -> None:
+    """Score predictions twice (vectorised and plain), with clustered bootstrap intervals."""
+    from tasks.score import score_files
+
+    try:
+        doc = score_files(suite, predictions, out, draws=bootstrap, seed=seed,
+                          settings=load_settings().public_dict())
+    except JexError as e:
+        _fail(e)
+    lo, hi = doc["ci"]
+    typer.echo(f"full {doc['full']:.4f}  95% CI [{lo:.4f}, {hi:.4f}]  -> {out / 'score.json'}")
+
+
+@config_app.command("show")
+def config_show() -> None:
+    """Print the effective settings; secrets are masked."""
+    settings = load_settings()
+    typer.echo(json.dumps(json.loads(settings.model_dump_json()), indent=2))
+
+
+def main() -> None:  # pragma: no cover - console entry for `python -m jex`
+    try:
+        app()
+    except JexError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,70 @@
+"""Atomic writes and content hashes: nothing is ever half-written."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+CHUNK = 1 << 20
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """Open a temporary file beside `path` for writing; it replaces `path` on success only."""
+    with atomic_path(path) as tmp:
+        with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def canonical_json(obj: Any) -> str:
+    """Deterministic JSON: sorted keys, full float precision (repr), library objects as str."""
+    return json.dumps(obj, sort_keys=True, indent=2, default=str, allow_nan=True) + "\n"
+
+
+def write_json(path: str | Path, obj: Any) -> str:
+    """Atomically write canonical JSON; returns the sha256 of the bytes written."""
+    text = canonical_json(obj)
+    with atomic_open(path, "w") as f:
+        f.write(text)
+    return sha256_bytes(text.encode())
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with atomic_open(path, "w") as f:
+        f.write(text)

@@ -1,0 +1,62 @@
+"""Provenance blocks: what produced an artifact, recorded so a re-run is a reproduction.
+
+A block holds the jex version and git commit, Python and package versions, the sha256 of every
+input and the settings used. It never holds secrets (callers pass `JexSettings.public_dict()`),
+timestamps or host names, so that the same inputs on the same stack give the same bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import jex
+
+PACKAGES = ("polars", "pyarrow", "numpy", "torch", "transformers", "prefect", "pydantic",
+            "vllm", "triton", "gguf", "accelerate")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def git_commit() -> dict[str, Any]:
+    """The commit of the jex checkout, and whether tracked files differ from it."""
+    try:
+        sha = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=10).stdout.strip() != ""
+        return {"commit": sha, "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "unknown", "dirty": None}
+
+
+@functools.cache
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def provenance(*, inputs: dict[str, str] | None = None, settings: dict[str, Any] | None = None,
+               **extra: Any) -> dict[str, Any]:
+    """A provenance block. `inputs` maps an input's name to its sha256; `extra` adds sections."""
+    block: dict[str, Any] = {
+        "jex": {"version": jex.__version__, **git_commit()},
+        "python": platform.python_version(),
+        "implementation": sys.implementation.name,
+        "packages": package_versions(),
+        "inputs": dict(sorted((inputs or {}).items())),
+        "settings": settings or {},
+    }
+    block.update(extra)
+    return block

@@ -1,0 +1,82 @@
+"""One settings model for the whole project: `JEX_*` environment variables and a `.env` file.
+
+Nested sections use a double underscore: `JEX_ENGINE__BATCH_SIZE=8`, `JEX_STORE__S3_BUCKET=...`.
+Secrets are `SecretStr`: they print as '**********' and `public_dict()` leaves them out entirely,
+so they reach no log, artifact or provenance block.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class EngineSettings(BaseModel):
+    kind: Literal["hf", "vllm"] = "hf"
+    model: str | None = Field(None, description="Model folder or GGUF file; None = embedded SmolLM2")
+    device: str = "cpu"
+    batch_size: int = Field(8, ge=1)
+    batch_invariant: bool = True
+    max_num_seqs: int = Field(32, ge=1)
+    cache_dir: Path = Field(Path.home() / ".cache" / "jex", description="Converted model cache")
+
+
+class StoreSettings(BaseModel):
+    root: Path = Field(Path("runs"), description="Local artifact store (campaign folders)")
+    s3_bucket: str | None = None
+    s3_prefix: str = "jex"
+    s3_endpoint_url: str | None = None
+    s3_region: str = "us-east-1"
+
+
+class InfraSettings(BaseModel):
+    provider: Literal["local", "ssh", "ec2", "command"] = "local"
+    price_per_hour: float = Field(3.5, ge=0, description="GPU machine price, $/hour")
+    budget_usd: float = Field(100.0, ge=0)
+    budget_hours: float = Field(72.0, ge=0)
+    ssh_user: str = "root"
+    ssh_port: int = 22
+    ssh_key_path: Path | None = None
+    ssh_known_hosts: Path | None = None
+    aws_access_key_id: SecretStr | None = None
+    aws_secret_access_key: SecretStr | None = None
+
+
+class PrefectSettings(BaseModel):
+    api_url: str | None = None
+    database_url: SecretStr | None = None
+    calibration_cron: str = "0 3 * * *"
+
+
+class JexSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="JEX_", env_nested_delimiter="__", env_file=".env",
+                                      env_file_encoding="utf-8", extra="ignore")
+
+    engine: EngineSettings = EngineSettings()
+    store: StoreSettings = StoreSettings()
+    infra: InfraSettings = InfraSettings()
+    prefect: PrefectSettings = PrefectSettings()
+    bootstrap_draws: int = Field(2000, ge=1)
+    bootstrap_seed: int = 20260929
+
+    def public_dict(self) -> dict[str, Any]:
+        """Settings with every secret field removed: safe for logs, artifacts and provenance."""
+        return _drop_secrets(self)
+
+
+def _drop_secrets(model: BaseModel) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, SecretStr):
+            continue
+        out[name] = _drop_secrets(value) if isinstance(value, BaseModel) else (
+            str(value) if isinstance(value, Path) else value)
+    return out
+
+
+def load_settings(**overrides: Any) -> JexSettings:
+    return JexSettings(**overrides)

@@ -1,0 +1,203 @@
+"""The suite format: a TOML manifest plus row files (JSONL or Parquet), validated as they stream.
+
+A manifest (`SUITE_DIR/suite.toml`) has a `[legs]` table of composite weights and one
+`[[catalogs]]` entry per catalog. A row is one multiple-choice request. Every validation error is
+an `InputError` naming the file, the row (1-based line for JSONL, 0-based index for Parquet) and
+the field.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from jex.errors import InputError
+
+MANIFEST_NAME = "suite.toml"
+ROW_FIELDS = ("run_id", "catalog", "question_id", "prompt", "options", "labels", "gold", "metadata")
+
+
+class Catalog(BaseModel):
+    """One benchmark catalog of the suite."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    leg: str = Field(min_length=1, description="Composite leg, e.g. public, eqS, eqO")
+    area: str = "general"
+    weight: float = Field(1.0, gt=0)
+    chance: float | None = Field(None, ge=0, lt=1, description="None: mean of 1/len(options)")
+    files: tuple[str, ...] = Field(min_length=1, description="Row files, relative to the suite dir")
+    exclusions: tuple[str, ...] = Field((), description="run_ids dropped at scoring time")
+
+
+class SuiteManifest(BaseModel):
+    """The parsed `suite.toml`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = "suite"
+    legs: dict[str, float]
+    catalogs: tuple[Catalog, ...] = Field(min_length=1)
+
+    @field_validator("legs")
+    @classmethod
+    def _positive_legs(cls, legs: dict[str, float]) -> dict[str, float]:
+        if not legs:
+            raise ValueError("[legs] must name at least one leg")
+        for leg, w in legs.items():
+            if not w > 0:
+                raise ValueError(f"leg '{leg}' must have a positive weight, got {w}")
+        return legs
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SuiteManifest:
+        ids = [c.id for c in self.catalogs]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"duplicate catalog id(s): {dup}")
+        for c in self.catalogs:
+            if c.leg not in self.legs:
+                raise ValueError(f"catalog '{c.id}' names leg '{c.leg}', not in [legs] {sorted(self.legs)}")
+        empty = [leg for leg in self.legs if not any(c.leg == leg for c in self.catalogs)]
+        if empty:
+            raise ValueError(f"leg(s) {empty} have no catalog")
+        return self
+
+    def catalog(self, catalog_id: str) -> Catalog:
+        for c in self.catalogs:
+            if c.id == catalog_id:
+                return c
+        raise KeyError(catalog_id)
+
+
+class Row(BaseModel):
+    """One multiple-choice request. `question_id` is the bootstrap cluster."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    run_id: str = Field(min_length=1)
+    catalog: str = Field(min_length=1)
+    question_id: str = Field(min_length=1)
+    prompt: str
+    options: list[str] = Field(min_length=2)
+    labels: list[str] = Field(min_length=2)
+    gold: int
+    metadata: dict[str, Any] | None = None
+
+
+def load_manifest(suite_dir: str | Path) -> SuiteManifest:
+    """Parse and validate `suite.toml`; errors name the file and the offending key."""
+    path = Path(suite_dir) / MANIFEST_NAME
+    try:
+        raw = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise InputError("no suite manifest here (expected suite.toml)", file=str(path)) from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"not UTF-8 ({e.reason} at byte {e.start})", file=str(path)) from None
+    except tomllib.TOMLDecodeError as e:
+        raise InputError(f"invalid TOML: {e}", file=str(path)) from None
+    try:
+        return SuiteManifest.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        row = None
+        if len(err["loc"]) >= 2 and err["loc"][0] == "catalogs" and isinstance(err["loc"][1], int):
+            row = err["loc"][1]
+        raise InputError(f"{err['msg']} (in [[catalogs]] entry {row})" if row is not None else err["msg"],
+                         file=str(path), field=loc or None) from None
+
+
+def _check_row(row: Row, *, file: str, line: int, catalogs: set[str], expected: str | None) -> None:
+    def bad(field: str, msg: str) -> InputError:
+        return InputError(msg, file=file, row=line, field=field)
+
+    if not row.prompt.strip():
+        raise bad("prompt", "empty prompt")
+    if row.catalog not in catalogs:
+        raise bad("catalog", f"unknown catalog '{row.catalog}' (manifest has {sorted(catalogs)})")
+    if expected is not None and row.catalog != expected:
+        raise bad("catalog", f"row of catalog '{row.catalog}' in a file listed under '{expected}'")
+    if len(row.labels) != len(row.options):
+        raise bad("labels", f"{len(row.labels)} labels for {len(row.options)} options")
+    if len(set(row.labels)) != len(row.labels) or any(not lab.strip() for lab in row.labels):
+        raise bad("labels", f"labels must be distinct and non-empty, got {row.labels}")
+    if any(not opt.strip() for opt in row.options):
+        raise bad("options", "empty option text")
+    if not 0 <= row.gold < len(row.options):
+        raise bad("gold", f"gold index {row.gold} out of range for {len(row.options)} options")
+
+
+def _parse(record: Any, *, file: str, line: int) -> Row:
+    if not isinstance(record, dict):
+        raise InputError("a row must be a JSON object", file=file, row=line)
+    unknown = sorted(set(record) - set(ROW_FIELDS))
+    if unknown:
+        raise InputError(f"unknown field(s) {unknown}", file=file, row=line, field=unknown[0])
+    try:
+        return Row.model_validate(record)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or None
+        raise InputError(err["msg"], file=file, row=line, field=field) from None
+
+
+def read_row_file(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (row number, raw record) from a JSONL or Parquet file, streaming."""
+    path = Path(path)
+    name = str(path)
+    if path.suffix == ".parquet":
+        pf = pq.ParquetFile(path)
+        index = 0
+        for batch in pf.iter_batches(batch_size=4096):
+            for record in batch.to_pylist():
+                if record.get("metadata") is None:
+                    record.pop("metadata", None)
+                yield index, record
+                index += 1
+        return
+    if path.suffix not in (".jsonl", ".ndjson"):
+        raise InputError("row files must be .jsonl or .parquet", file=name)
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"not UTF-8 ({e.reason} at byte {e.start})", file=name, row=line_no) from None
+            if not text.strip():
+                continue
+            try:
+                yield line_no, json.loads(text)
+            except json.JSONDecodeError as e:
+                raise InputError(f"invalid JSON: {e.msg} at column {e.colno}", file=name, row=line_no) from None
+
+
+def iter_rows(suite_dir: str | Path, manifest: SuiteManifest | None = None) -> Iterator[Row]:
+    """Stream every row of the suite in manifest order, validated; run_ids must be unique."""
+    suite_dir = Path(suite_dir)
+    manifest = manifest or load_manifest(suite_dir)
+    catalogs = {c.id for c in manifest.catalogs}
+    seen: dict[str, str] = {}
+    for cat in manifest.catalogs:
+        for rel in cat.files:
+            path = suite_dir / rel
+            if not path.is_file():
+                raise InputError(f"row file listed for catalog '{cat.id}' does not exist", file=str(path))
+            for line, record in read_row_file(path):
+                row = _parse(record, file=str(path), line=line)
+                _check_row(row, file=str(path), line=line, catalogs=catalogs, expected=cat.id)
+                if row.run_id in seen:
+                    raise InputError(f"duplicate run_id '{row.run_id}' (first seen at {seen[row.run_id]})",
+                                     file=str(path), row=line, field="run_id")
+                seen[row.run_id] = f"{path.name}:{line}"
+                yield row
+    for cat in manifest.catalogs:
+        missing = [r for r in cat.exclusions if r not in seen]
+        if missing:
+            raise InputError(f"catalog '{cat.id}' excludes unknown run_id(s) {missing[:5]}",
+                             file=str(suite_dir / MANIFEST_NAME), field="exclusions")

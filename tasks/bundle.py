@@ -1,0 +1,272 @@
+"""Bundle build and read: a suite streamed into a byte-reproducible tar.gz of Parquet shards.
+
+Layout of a bundle:
+
+    manifest.json              format, suite summary, per-catalog counts, sha256 of every member,
+                               provenance
+    suite.toml                 the suite manifest, verbatim
+    rows/shard-00000.parquet   rows in suite order, `shard_rows` per shard
+    reference/shard-00000.parquet   optional banked capture (run_id, choice, probs), 1:1 with rows
+
+The archive is byte-identical across runs: members sorted, mtime/uid/gid fixed, mode 0644,
+gzip header mtime 0. Rows stream through a bounded buffer: memory does not grow with the suite.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import shutil
+import tarfile
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from jex.errors import InputError, JexError
+from jex.fileio import atomic_path, canonical_json, sha256_file
+from jex.provenance import provenance
+from jex.suite import MANIFEST_NAME, SuiteManifest, iter_rows, load_manifest, read_row_file
+
+BUNDLE_FORMAT = "jex-bundle/1"
+MANIFEST_MEMBER = "manifest.json"
+DEFAULT_SHARD_ROWS = 16384
+ROW_SCHEMA = {
+    "run_id": pl.String, "catalog": pl.String, "question_id": pl.String, "prompt": pl.String,
+    "options": pl.List(pl.String), "labels": pl.List(pl.String), "gold": pl.Int32,
+    "metadata": pl.String,  # JSON text: a stable schema whatever the rows carry
+}
+REFERENCE_SCHEMA = {"run_id": pl.String, "choice": pl.Int32, "probs": pl.List(pl.Float64)}
+
+
+class BundleError(JexError):
+    """A bundle that fails its checks: tampered, unsafe or inconsistent."""
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    path: Path
+    sha256: str
+    rows: int
+    manifest: dict[str, Any]
+
+
+def _write_parquet(frame: pl.DataFrame, path: Path) -> None:
+    # Fixed compression and no statistics: the bytes depend only on the data and the polars version.
+    frame.write_parquet(path, compression="zstd", compression_level=9, statistics=False,
+                        row_group_size=len(frame) or 1)
+
+
+def _flush(buffer: list[dict[str, Any]], schema: dict[str, Any], folder: Path, index: int) -> Path:
+    path = folder / f"shard-{index:05d}.parquet"
+    _write_parquet(pl.DataFrame(buffer, schema=schema, orient="row"), path)
+    buffer.clear()
+    return path
+
+
+def _reference_rows(path: Path) -> Any:
+    for line, rec in read_row_file(path):
+        if not isinstance(rec, dict) or "run_id" not in rec or "choice" not in rec:
+            raise InputError("reference rows need 'run_id' and 'choice'", file=str(path), row=line,
+                             field="run_id" if not isinstance(rec, dict) or "run_id" not in rec else "choice")
+        yield line, rec
+
+
+def _check_reference(path: Path, suite_ids: dict[str, int], stage: Path, shard_rows: int) -> dict[str, Any]:
+    """Write the reference capture in suite order; it must match the suite 1:1 on run_id."""
+    seen: dict[str, dict[str, Any]] = {}
+    duplicated: list[str] = []
+    extra: list[str] = []
+    for line, rec in _reference_rows(path):
+        rid = str(rec["run_id"])
+        if rid in seen:
+            duplicated.append(rid)
+            continue
+        if rid not in suite_ids:
+            extra.append(rid)
+            continue
+        choice = rec["choice"]
+        if choice is not None and (not isinstance(choice, int) or isinstance(choice, bool)):
+            raise InputError(f"choice must be an integer or null, got {choice!r}", file=str(path), row=line,
+                             field="choice")
+        seen[rid] = {"run_id": rid, "choice": choice, "probs": rec.get("probs")}
+    missing = [rid for rid in suite_ids if rid not in seen]
+    if missing or extra or duplicated:
+        parts = [f"{name}: {len(ids)} (first: {ids[:3]})"
+                 for name, ids in (("missing", missing), ("extra", extra), ("duplicated", duplicated)) if ids]
+        raise InputError("reference rows do not match the suite 1:1 on run_id; " + "; ".join(parts),
+                         file=str(path), field="run_id")
+    folder = stage / "reference"
+    folder.mkdir()
+    buffer: list[dict[str, Any]] = []
+    shards = 0
+    for rid in suite_ids:  # suite order
+        buffer.append(seen[rid])
+        if len(buffer) == shard_rows:
+            _flush(buffer, REFERENCE_SCHEMA, folder, shards)
+            shards += 1
+    if buffer:
+        _flush(buffer, REFERENCE_SCHEMA, folder, shards)
+        shards += 1
+    return {"rows": len(seen), "shards": shards, "source_sha256": sha256_file(path)}
+
+
+def _pack(stage: Path, out: Path) -> None:
+    """Tar+gzip `stage` deterministically into `out`."""
+    members = sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file())
+    with atomic_path(out) as tmp, open(tmp, "wb") as raw:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz:
+            with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                for name in members:
+                    info = tarfile.TarInfo(name)
+                    info.size = (stage / name).stat().st_size
+                    info.mtime, info.uid, info.gid, info.mode = 0, 0, 0, 0o644
+                    info.uname = info.gname = ""
+                    with open(stage / name, "rb") as f:
+                        tar.addfile(info, f)
+
+
+def catalog_chance(catalog_counts: dict[int, int]) -> float:
+    """Chance level of a catalog: the mean of 1/len(options) over its scored rows, exactly rounded."""
+    n = sum(catalog_counts.values())
+    return float(sum((Fraction(c, k) for k, c in catalog_counts.items()), Fraction(0)) / n)
+
+
+def build_bundle(suite_dir: str | Path, out: str | Path, *, reference: str | Path | None = None,
+                 shard_rows: int = DEFAULT_SHARD_ROWS, settings: dict[str, Any] | None = None) -> BuildResult:
+    """Stream a suite into a deterministic bundle at `out`; returns its path, sha256 and manifest."""
+    suite_dir, out = Path(suite_dir), Path(out)
+    manifest = load_manifest(suite_dir)
+    with tempfile.TemporaryDirectory(prefix="jex-bundle-", dir=out.parent if out.parent.exists() else None) as t:
+        stage = Path(t)
+        rows_dir = stage / "rows"
+        rows_dir.mkdir()
+        shutil.copyfile(suite_dir / MANIFEST_NAME, stage / MANIFEST_NAME)
+        buffer: list[dict[str, Any]] = []
+        shards = 0
+        suite_ids: dict[str, int] = {}
+        options_hist: dict[str, Counter[int]] = {c.id: Counter() for c in manifest.catalogs}
+        counts: Counter[str] = Counter()
+        excluded = {c.id: set(c.exclusions) for c in manifest.catalogs}
+        for row in iter_rows(suite_dir, manifest):
+            suite_ids[row.run_id] = len(suite_ids)
+            counts[row.catalog] += 1
+            if row.run_id not in excluded[row.catalog]:
+                options_hist[row.catalog][len(row.options)] += 1
+            buffer.append({**row.model_dump(), "metadata": None if row.metadata is None else
+                           json.dumps(row.metadata, sort_keys=True, ensure_ascii=False)})
+            if len(buffer) == shard_rows:
+                _flush(buffer, ROW_SCHEMA, rows_dir, shards)
+                shards += 1
+        if buffer:
+            _flush(buffer, ROW_SCHEMA, rows_dir, shards)
+            shards += 1
+        if not suite_ids:
+            raise InputError("the suite has no rows", file=str(suite_dir / MANIFEST_NAME))
+        ref_info = _check_reference(Path(reference), suite_ids, stage, shard_rows) if reference else None
+        inputs = {f"suite/{p.relative_to(suite_dir).as_posix()}": sha256_file(p)
+                  for p in [suite_dir / MANIFEST_NAME, *(suite_dir / f for c in manifest.catalogs for f in c.files)]}
+        if reference:
+            inputs["reference"] = ref_info["source_sha256"]  # type: ignore[index]
+        catalogs = []
+        for c in manifest.catalogs:
+            if counts[c.id] == 0:
+                raise InputError(f"catalog '{c.id}' has no rows", file=str(suite_dir / MANIFEST_NAME),
+                                 field="files")
+            scored = sum(options_hist[c.id].values())
+            if scored == 0:
+                raise InputError(f"catalog '{c.id}' excludes every row", file=str(suite_dir / MANIFEST_NAME),
+                                 field="exclusions")
+            catalogs.append({**c.model_dump(mode="json"), "rows": counts[c.id], "scored_rows": scored,
+                             "chance": c.chance if c.chance is not None else catalog_chance(options_hist[c.id]),
+                             "chance_source": "manifest" if c.chance is not None else "mean 1/len(options)"})
+        members = {p.relative_to(stage).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+                   for p in sorted(stage.rglob("*")) if p.is_file()}
+        doc = {
+            "format": BUNDLE_FORMAT,
+            "suite": {"name": manifest.name, "legs": manifest.legs, "catalogs": catalogs},
+            "rows": len(suite_ids), "shard_rows": shard_rows, "row_shards": shards,
+            "reference": ref_info,
+            "members": members,
+            "provenance": provenance(inputs=inputs, settings=settings or {}),
+        }
+        (stage / MANIFEST_MEMBER).write_text(canonical_json(doc), encoding="utf-8")
+        _pack(stage, out)
+    return BuildResult(path=out, sha256=sha256_file(out), rows=len(suite_ids), manifest=doc)
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+def _safe_member(member: tarfile.TarInfo, bundle: Path) -> None:
+    name = member.name
+    if not member.isfile():
+        kind = ("a symbolic link" if member.issym() else "a hard link" if member.islnk() else
+                "a device" if member.isdev() else "a directory" if member.isdir() else "not a regular file")
+        raise BundleError(f"{bundle}: unsafe member '{name}': {kind}")
+    if name.startswith("/") or Path(name).is_absolute():
+        raise BundleError(f"{bundle}: unsafe member '{name}': absolute path")
+    if ".." in Path(name).parts or "\\" in name:
+        raise BundleError(f"{bundle}: unsafe member '{name}': path leaves the bundle")
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """An opened, verified bundle extracted into `root`."""
+
+    path: Path
+    sha256: str
+    root: Path
+    manifest: dict[str, Any]
+
+    def suite_manifest(self) -> SuiteManifest:
+        return load_manifest(self.root)
+
+    def row_shards(self) -> list[Path]:
+        return sorted((self.root / "rows").glob("shard-*.parquet"))
+
+    def rows(self, columns: list[str] | None = None) -> pl.DataFrame:
+        """All rows in suite order (scan of the shards, so `columns` limits what is read)."""
+        return pl.scan_parquet(self.row_shards()).select(columns or pl.all()).collect()
+
+    def reference(self) -> pl.DataFrame | None:
+        shards = sorted((self.root / "reference").glob("shard-*.parquet"))
+        return pl.read_parquet(shards) if shards else None
+
+    def catalogs(self) -> list[dict[str, Any]]:
+        return self.manifest["suite"]["catalogs"]
+
+
+def open_bundle(path: str | Path, dest: str | Path) -> Bundle:
+    """Extract `path` into `dest` after refusing unsafe members; verify every member's sha256."""
+    path, dest = Path(path), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        with tarfile.open(path, mode="r:gz") as tar:
+            members = tar.getmembers()
+            for m in members:
+                _safe_member(m, path)
+            tar.extractall(dest, members=members, filter="data")
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise BundleError(f"{path}: not a readable bundle ({e})") from None
+    try:
+        manifest = json.loads((dest / MANIFEST_MEMBER).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise BundleError(f"{path}: manifest.json missing or unreadable ({e})") from None
+    if manifest.get("format") != BUNDLE_FORMAT:
+        raise BundleError(f"{path}: unknown bundle format {manifest.get('format')!r}")
+    listed = manifest["members"]
+    present = {m.name for m in members if m.name != MANIFEST_MEMBER}
+    if present != set(listed):
+        raise BundleError(f"{path}: members differ from the manifest: unlisted {sorted(present - set(listed))}, "
+                          f"absent {sorted(set(listed) - present)}")
+    for name, meta in listed.items():
+        actual = sha256_file(dest / name)
+        if actual != meta["sha256"]:
+            raise BundleError(f"{path}: checksum mismatch for '{name}': manifest {meta['sha256'][:16]}…, "
+                              f"file {actual[:16]}… (the bundle was modified or corrupted)")
+    return Bundle(path=path, sha256=sha256_file(path), root=dest, manifest=manifest)

@@ -1,0 +1,91 @@
+"""The score stage: both scorers, the clustered bootstrap, and `score.json` + `score.md`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from jex.errors import JexError
+from jex.fileio import sha256_file, write_json, write_text
+from jex.provenance import provenance
+from tasks.bootstrap import DEFAULT_DRAWS, DEFAULT_SEED, bootstrap_ci
+from tasks.scoring import Score, catalog_chances, score_predictions, scored_frame
+from tasks.scoring_inputs import ScoreSpec, load_predictions, load_suite_table
+from tasks.scoring_plain import plain_score
+
+
+class ScorerDisagreement(JexError):
+    """The vectorised and the plain scorer differ: a bug in one of them; no report is written."""
+
+
+def _differences(a: Any, b: Any, path: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = [f"{path}/{k}: only in one scorer" for k in set(a) ^ set(b)]
+        for k in sorted(set(a) & set(b)):
+            out += _differences(a[k], b[k], f"{path}/{k}")
+        return out
+    same = a == b and type(a) is type(b) if not isinstance(a, float) else (
+        isinstance(b, float) and a.hex() == b.hex())
+    return [] if same else [f"{path}: {a!r} != {b!r}"]
+
+
+def score_twice(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec) -> Score:
+    """Score with both implementations; raise `ScorerDisagreement` unless they agree bit for bit."""
+    fast = score_predictions(rows, predictions, spec)
+    choices = dict(zip(predictions["run_id"].to_list(), predictions["choice"].to_list(), strict=True))
+    plain = plain_score(rows.to_dicts(), choices, spec.legs,
+                        [{"id": c.id, "leg": c.leg, "weight": c.weight, "chance": c.chance,
+                          "exclusions": c.exclusions} for c in spec.catalogs])
+    diffs = _differences(fast.to_json(), plain)
+    if diffs:
+        raise ScorerDisagreement("the two scorers disagree: " + "; ".join(diffs[:5]))
+    return fast
+
+
+def score_with_ci(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec, *,
+                  draws: int = DEFAULT_DRAWS, seed: int = DEFAULT_SEED) -> dict[str, Any]:
+    """The scoring contract's JSON body (without provenance)."""
+    score = score_twice(rows, predictions, spec)
+    frame = scored_frame(rows, predictions, spec)
+    ci = bootstrap_ci(frame, spec, catalog_chances(frame, spec), draws=draws, seed=seed)
+    doc = score.to_json()
+    doc["ci"] = ci["full"]
+    for leg, v in doc["legs"].items():
+        v["ci"] = ci["legs"][leg]
+    for cid, v in doc["catalogs"].items():
+        v["ci"] = ci["catalogs"][cid]
+    doc["bootstrap"] = {"draws": draws, "seed": seed, "cluster": "question_id", "strata": "catalog",
+                        "interval": "95% percentile"}
+    return doc
+
+
+def render_markdown(doc: dict[str, Any], title: str = "Score") -> str:
+    lo, hi = doc["ci"]
+    lines = [f"# {title}", "", f"**Full index: {doc['full']:.2f}** (95% CI {lo:.2f} to {hi:.2f}; "
+             f"raw {doc['full_raw']:.2f}); {doc['bootstrap']['draws']} clustered draws, "
+             f"seed {doc['bootstrap']['seed']}.", "", "| leg | index | 95% CI | raw |", "|---|---:|---|---:|"]
+    for leg, v in doc["legs"].items():
+        lines.append(f"| {leg} | {v['index']:.2f} | {v['ci'][0]:.2f} to {v['ci'][1]:.2f} | {v['raw']:.2f} |")
+    lines += ["", "| catalog | leg | n | correct | unsupported | acc | chance | skill | 95% CI | weight |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for cid, v in doc["catalogs"].items():
+        lines.append(f"| {cid} | {v['leg']} | {v['n']} | {v['correct']} | {v['unsupported']} | {v['acc']:.4f} | "
+                     f"{v['chance']:.4f} | {v['skill']:.4f} | {v['ci'][0]:.4f} to {v['ci'][1]:.4f} | "
+                     f"{v['weight']:g} |")
+    return "\n".join(lines) + "\n"
+
+
+def score_files(suite: str | Path, predictions: str | Path, out_dir: str | Path, *, draws: int = DEFAULT_DRAWS,
+                seed: int = DEFAULT_SEED, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`jex score`: read, score twice, bootstrap, write `score.json` and `score.md` atomically."""
+    table = load_suite_table(suite)
+    preds = load_predictions(predictions, table.rows)
+    doc = score_with_ci(table.rows, preds, table.spec, draws=draws, seed=seed)
+    doc["provenance"] = provenance(inputs={**table.sha256, "predictions": sha256_file(predictions)},
+                                   settings=settings or {})
+    out = Path(out_dir)
+    write_json(out / "score.json", doc)
+    write_text(out / "score.md", render_markdown(doc))
+    return doc
