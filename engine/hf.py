@@ -1,0 +1,233 @@
+"""The reference engine: transformers on CPU or GPU, greedy, deterministic.
+
+Batched calls left-pad and pass `position_ids = cumsum(attention_mask) - 1`, which keeps results
+within ~1e-6 of batch 1 but not bit-identical (padding changes the reduction shapes). With
+`batch_invariant=True` every request runs in its own forward pass (method "per-request"), so the
+result cannot depend on batch size, request order or shard count.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from engine.models import resolve_model, weights_sha256
+from engine.render import renderer_fingerprint
+from engine.types import (
+    EngineDeadError,
+    FinishReason,
+    Generation,
+    GenerateRequest,
+    Readout,
+    ReadoutMode,
+    ReadoutRequest,
+    cut_at_stop,
+    renormalise,
+)
+
+DEFAULT_CACHE = Path.home() / ".cache" / "jex"
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+class HFEngine:
+    name = "hf"
+
+    def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: str = "float32",
+                 batch_size: int = 8, batch_invariant: bool = True, cache_dir: Path = DEFAULT_CACHE,
+                 max_context: int | None = None):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.path = resolve_model(model, Path(cache_dir))
+        self.device, self.dtype = device, dtype
+        self.batch_invariant = batch_invariant
+        self.batch_size = batch_size
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+            self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, dtype)).to(device)
+        except (OSError, ValueError) as e:
+            raise EngineDeadError(f"cannot load model from {self.path}: {e}") from e
+        self.model.eval()
+        self.max_context = max_context or int(getattr(self.model.config, "max_position_embeddings", 2048))
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
+            self.tokenizer.eos_token_id
+        self.eos_ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        self.weights_sha256 = weights_sha256(self.path)
+        self.calls = {"readout": 0, "generate": 0}
+
+    @property
+    def batch_size(self) -> int:
+        """Rows per forward pass: always 1 in batch-invariant mode, whatever was requested."""
+        return 1 if self.batch_invariant else self.requested_batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        self.requested_batch_size = int(value)
+
+    # --- rendering -------------------------------------------------------------------------------
+    def chat_prompt(self, user_text: str) -> str:
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def label_token(self, label: str) -> int | None:
+        ids = self.encode(" " + label)
+        return ids[0] if len(ids) == 1 else None
+
+    # --- forward ---------------------------------------------------------------------------------
+    def _forward_logprobs(self, seqs: list[list[int]], last_only: bool) -> list[Any]:
+        """log-softmax (float32) for each sequence: of the last position, or of every position."""
+        torch = self.torch
+        out: list[Any] = []
+        for start in range(0, len(seqs), self.batch_size):
+            batch = seqs[start:start + self.batch_size]
+            width = max(map(len, batch))
+            ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, s in enumerate(batch):  # left padding: every sequence ends at the last column
+                ids[i, width - len(s):] = torch.tensor(s)
+                mask[i, width - len(s):] = 1
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            with torch.inference_mode():
+                kw = {"logits_to_keep": 1} if last_only else {}
+                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                    position_ids=pos.to(self.device), **kw).logits.float()
+            lp = torch.log_softmax(logits, dim=-1).cpu()
+            for i, s in enumerate(batch):
+                out.append(lp[i, -1] if last_only else lp[i, width - len(s):])
+        return out
+
+    def readout(self, requests: Sequence[ReadoutRequest], mode: ReadoutMode = ReadoutMode.LABEL_SLOT) -> list[Readout]:
+        self.calls["readout"] += 1
+        if mode is ReadoutMode.LABEL_SLOT:
+            return self._label_slot(requests)
+        return self._continuation(requests)
+
+    def _label_slot(self, requests: Sequence[ReadoutRequest]) -> list[Readout]:
+        results: dict[int, Readout] = {}
+        todo: list[tuple[int, list[int], list[int]]] = []
+        for i, r in enumerate(requests):
+            ids = self.encode(r.prompt)
+            labels = [self.label_token(lab) for lab in r.labels]
+            refusal = None
+            if any(t is None for t in labels):
+                bad = [lab for lab, t in zip(r.labels, labels, strict=True) if t is None]
+                refusal = f"label token: ' {bad[0]}' is not a single token"
+            elif len(ids) + 1 > self.max_context:
+                refusal = f"context: {len(ids)} prompt tokens + 1 > {self.max_context}"
+            if refusal:
+                results[i] = Readout(r.run_id, None, None, None, ReadoutMode.LABEL_SLOT, refusal)
+            else:
+                todo.append((i, ids, labels))  # type: ignore[arg-type]
+        lps = self._forward_logprobs([ids for _, ids, _ in todo], last_only=True)
+        for (i, _, labels), lp in zip(todo, lps, strict=True):
+            raw = tuple(float(lp[t]) for t in labels)
+            mass = float(self.torch.exp(lp[labels]).sum())
+            results[i] = Readout(requests[i].run_id, renormalise(raw), raw, mass, ReadoutMode.LABEL_SLOT)
+        return [results[i] for i in range(len(requests))]
+
+    def _continuation(self, requests: Sequence[ReadoutRequest]) -> list[Readout]:
+        results: dict[int, Readout] = {}
+        seqs: list[list[int]] = []
+        spans: list[tuple[int, list[tuple[int, int]]]] = []
+        for i, r in enumerate(requests):
+            ctx = self.encode(r.prompt)
+            opts = [self.encode(" " + o) for o in r.options]
+            if len(ctx) + max(map(len, opts)) > self.max_context:
+                results[i] = Readout(r.run_id, None, None, None, ReadoutMode.OPTION_CONTINUATION,
+                                     f"context: {len(ctx)} prompt tokens + option > {self.max_context}")
+                continue
+            first = len(seqs)
+            seqs += [ctx + o for o in opts]
+            spans.append((i, [(first + k, len(o)) for k, o in enumerate(opts)]))
+        lps = self._forward_logprobs(seqs, last_only=False)
+        for i, parts in spans:
+            raw = []
+            for seq_index, n_opt in parts:
+                seq, lp = seqs[seq_index], lps[seq_index]
+                # token t at position p is predicted by the distribution at p-1
+                raw.append(sum(float(lp[p - 1, seq[p]]) for p in range(len(seq) - n_opt, len(seq))))
+            raw_t = tuple(raw)
+            results[i] = Readout(requests[i].run_id, renormalise(raw_t), raw_t, None,
+                                 ReadoutMode.OPTION_CONTINUATION)
+        return [results[i] for i in range(len(requests))]
+
+    # --- generation ------------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Generation]:
+        torch = self.torch
+        self.calls["generate"] += 1
+        out: dict[int, Generation] = {}
+        todo = []
+        for i, r in enumerate(requests):
+            ids = self.encode(r.prompt)
+            if len(ids) + r.max_tokens > self.max_context:
+                out[i] = Generation(r.run_id, "", (), FinishReason.REFUSED, len(ids))
+            else:
+                todo.append((i, ids))
+        for start in range(0, len(todo), self.batch_size):
+            batch = todo[start:start + self.batch_size]
+            width = max(len(ids) for _, ids in batch)
+            ids_t = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for k, (_, ids) in enumerate(batch):
+                ids_t[k, width - len(ids):] = torch.tensor(ids)
+                mask[k, width - len(ids):] = 1
+            max_new = max(requests[i].max_tokens for i, _ in batch)
+            stops = sorted({s for i, _ in batch for s in requests[i].stop})
+            with torch.inference_mode():
+                gen = self.model.generate(
+                    input_ids=ids_t.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
+                    max_new_tokens=max_new, pad_token_id=self.pad_id,
+                    min_new_tokens=max_new if all(requests[i].ignore_eos for i, _ in batch) else None, stop_strings=stops or None,
+                    tokenizer=self.tokenizer if stops else None, temperature=None, top_p=None, top_k=None)
+            for k, (i, _) in enumerate(batch):
+                r = requests[i]
+                new = gen[k, width:].tolist()[: r.max_tokens]
+                # drop padding after this row finished (other rows kept the batch going)
+                for cut, t in enumerate(new):
+                    if t in self.eos_ids:
+                        new = new[: cut + 1]
+                        break
+                text = self.tokenizer.decode(new, skip_special_tokens=True)
+                text, stopped = cut_at_stop(text, r.stop)
+                finished = stopped or (bool(new) and new[-1] in self.eos_ids)
+                if stopped:  # keep the tokens up to the one that completed the stop string
+                    new = self._trim_to_stop(new, r.stop)
+                out[i] = Generation(r.run_id, text, tuple(new), FinishReason.STOP if finished else
+                                    FinishReason.LENGTH, len(self.encode(r.prompt)))
+        return [out[i] for i in range(len(requests))]
+
+    def _trim_to_stop(self, tokens: list[int], stop: Sequence[str]) -> list[int]:
+        for n in range(1, len(tokens) + 1):
+            if cut_at_stop(self.tokenizer.decode(tokens[:n], skip_special_tokens=True), stop)[1]:
+                return tokens[:n]
+        return tokens
+
+    # --- provenance ------------------------------------------------------------------------------
+    def fingerprint(self) -> dict[str, Any]:
+        """What fixes the function this engine computes (the cache-key part of provenance)."""
+        return {"engine": "hf", "weights_sha256": self.weights_sha256, "dtype": self.dtype,
+                "device_type": self.device.split(":")[0], "batch_invariant": self.batch_invariant,
+                "batch_size": self.batch_size, "torch": _version("torch"),
+                "transformers": _version("transformers"), "renderer": renderer_fingerprint()}
+
+    def provenance(self) -> dict[str, Any]:
+        torch = self.torch
+        gpu = torch.cuda.get_device_name(0) if self.device.startswith("cuda") else None
+        return {**self.fingerprint(), "model_path": str(self.path),
+                "batch_invariant_method": "per-request forward (batch 1)" if self.batch_invariant else None,
+                "requested_batch_size": self.requested_batch_size, "max_context": self.max_context,
+                "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "gpu": gpu,
+                "machine": platform.machine(), "jex_engine_api": 1}

@@ -1,0 +1,129 @@
+"""The engine boundary: frozen requests in, frozen results out, two error kinds."""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class ReadoutMode(str, enum.Enum):
+    LABEL_SLOT = "label_slot"
+    """One forward pass; log-probs of the label tokens (" A", " B", ...) at the answer slot."""
+    OPTION_CONTINUATION = "option_continuation"
+    """Sum of the log-probs of each option's text after the prompt (lm-evaluation-harness style)."""
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"          # end-of-sequence token or a stop string
+    LENGTH = "length"      # max_tokens reached
+    REFUSED = "refused"    # not run: the prompt does not fit the context
+
+
+class EngineError(Exception):
+    """Recoverable: the request or batch failed, the engine is fine; a retry may succeed."""
+
+
+class EngineDeadError(Exception):
+    """Fatal: the engine cannot serve any more requests (bad model, refused profile, CUDA error)."""
+
+
+class ContextRefusal(EngineError):
+    """The prompt (plus what must follow it) does not fit the model's context."""
+
+
+@dataclass(frozen=True)
+class ReadoutRequest:
+    run_id: str
+    prompt: str
+    """The rendered prompt, ending where the answer slot begins (e.g. '...Answer:')."""
+    labels: tuple[str, ...]
+    """Label texts, e.g. ('A', 'B', 'C', 'D'); read as the tokens ' A', ' B', ..."""
+    options: tuple[str, ...] = ()
+    """Option texts, used by OPTION_CONTINUATION."""
+
+
+@dataclass(frozen=True)
+class Readout:
+    run_id: str
+    logprobs: tuple[float, ...] | None
+    """Per-option log-probabilities renormalised over the options (None when refused)."""
+    raw_logprobs: tuple[float, ...] | None
+    """Label-token log-probs over the whole vocabulary, or continuation log-likelihood sums."""
+    label_mass: float | None
+    """LABEL_SLOT: total probability the label tokens hold at the slot; None for continuation."""
+    mode: ReadoutMode
+    refusal: str | None = None
+    """Why the request was not read (counted, never a silent answer)."""
+
+    @property
+    def probs(self) -> tuple[float, ...] | None:
+        return None if self.logprobs is None else tuple(math.exp(x) for x in self.logprobs)
+
+    @property
+    def choice(self) -> int | None:
+        if self.logprobs is None:
+            return None
+        return max(range(len(self.logprobs)), key=lambda i: (self.logprobs[i], -i))
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    run_id: str
+    prompt: str
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    """Generate exactly max_tokens (bake-offs compare fixed-length sequences)."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    run_id: str
+    text: str
+    """Generated text, cut before the first stop string."""
+    token_ids: tuple[int, ...]
+    """Every generated token id, as the engine produced them (greedy)."""
+    finish_reason: FinishReason
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    name: str
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """What the stages need from an inference engine. Greedy and deterministic."""
+
+    name: str
+
+    def chat_prompt(self, user_text: str) -> str:
+        """The model's chat template around one user turn, ready for the assistant's reply."""
+        ...
+
+    def readout(self, requests: Sequence[ReadoutRequest], mode: ReadoutMode = ReadoutMode.LABEL_SLOT,
+                ) -> list[Readout]:
+        ...
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Generation]:
+        ...
+
+    def provenance(self) -> dict[str, Any]:
+        """Versions, settings, model path and weights sha256: everything that fixes the function."""
+        ...
+
+
+def renormalise(raw: Sequence[float]) -> tuple[float, ...]:
+    """log-softmax over a few values, in float64."""
+    top = max(raw)
+    lse = top + math.log(math.fsum(math.exp(x - top) for x in raw))
+    return tuple(x - lse for x in raw)
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    cut = min((i for s in stop if (i := text.find(s)) >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
