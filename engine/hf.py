@@ -88,7 +88,7 @@ class HFEngine:
 
     # --- forward ---------------------------------------------------------------------------------
     def _forward_logprobs(self, seqs: list[list[int]], last_only: bool) -> list[Any]:
-        """log-softmax (float32) for each sequence: of the last position, or of every position."""
+        """log-softmax (float64) for each sequence: of the last position, or of every position."""
         torch = self.torch
         out: list[Any] = []
         for start in range(0, len(seqs), self.batch_size):
@@ -103,7 +103,7 @@ class HFEngine:
             with torch.inference_mode():
                 kw = {"logits_to_keep": 1} if last_only else {}
                 logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                    position_ids=pos.to(self.device), **kw).logits.float()
+                                    position_ids=pos.to(self.device), **kw).logits.double()
             lp = torch.log_softmax(logits, dim=-1).cpu()
             for i, s in enumerate(batch):
                 out.append(lp[i, -1] if last_only else lp[i, width - len(s):])

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from engine.types import EngineDeadError, EngineError
 from jex.errors import JexError
 from jex.settings import load_settings
 
@@ -71,6 +72,54 @@ def score(suite: Annotated[Path, typer.Option(help="Suite folder or bundle file"
         _fail(e)
     lo, hi = doc["ci"]
     typer.echo(f"full {doc['full']:.4f}  95% CI [{lo:.4f}, {hi:.4f}]  -> {out / 'score.json'}")
+
+
+@app.command("bakeoff")
+def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for bakeoff.json/.md/.png")],
+            arms: Annotated[str, typer.Option(help="Comma-separated arms (hf-bi, hf-control, vllm-bi, "
+                                                   "vllm-bi-fdo, vllm-control)")] = "hf-control,hf-bi",
+            model: Annotated[str | None, typer.Option(help="Model folder (default: embedded)")] = None,
+            prompts: int = 32, tokens: int = 256, ladder: str = "1,8,16,32", repeats: int = 2,
+            max_num_seqs: int = 32, device: str = "cpu") -> None:
+    """Batch-invariance bake-off: the ladder for an invariant arm and a control arm, each in its own process."""
+    from tasks.bakeoff import run_bakeoff
+
+    res = run_bakeoff(arms.split(","), model=model, prompts=prompts, tokens=tokens,
+                      ladder=[int(x) for x in ladder.split(",")], repeats=repeats, max_num_seqs=max_num_seqs,
+                      device=device, out_dir=out)
+    typer.echo(res["verdict"])
+    if res["errors"]:
+        _fail(JexError(f"arms failed: {res['errors']}"))
+
+
+@app.command("parity")
+def parity(suite: Annotated[Path, typer.Option(help="Suite folder")],
+           out: Annotated[Path, typer.Option("-o", "--out", help="Folder for parity.json and parity.md")],
+           engine_a: Annotated[str, typer.Option(help="hf | hf-batched | vllm | vllm-control")] = "hf",
+           engine_b: Annotated[str, typer.Option(help="hf | hf-batched | vllm | vllm-control")] = "hf-batched",
+           model: Annotated[str | None, typer.Option(help="Model folder (default: embedded)")] = None,
+           rows: Annotated[int, typer.Option(help="Rows to read (0 = all)")] = 0,
+           reason_rows: Annotated[int, typer.Option(help="Rows for generation parity")] = 0,
+           max_tokens: int = 96, device: str = "cpu", batch_size: int = 8) -> None:
+    """Parity of two engines on the same rows: readout agreement, |dp|, flips; choices after a rationale."""
+    from engine.factory import make_engine
+    from jex.fileio import write_json, write_text
+    from jex.suite import iter_rows
+    from tasks.parity import markdown, run_parity
+
+    try:
+        picked = list(iter_rows(suite))
+        picked = picked[:rows] if rows else picked
+        a = make_engine(engine_a, model=model, device=device, batch_size=batch_size)
+        b = make_engine(engine_b, model=model, device=device, batch_size=batch_size)
+        res = run_parity(a, b, picked, reason_rows=reason_rows, max_tokens=max_tokens)
+    except (JexError, ValueError, EngineError, EngineDeadError) as e:
+        _fail(e)
+    res["provenance"] = {"a": a.provenance(), "b": b.provenance()}
+    write_json(out / "parity.json", res)
+    write_text(out / "parity.md", markdown(res, (engine_a, engine_b)))
+    r = res["readout"]
+    typer.echo(f"argmax agreement {r['agree']}/{r['common']}, max |dp| {r['max_abs_dp']:.3g} -> {out}")
 
 
 @config_app.command("show")

@@ -1,0 +1,132 @@
+"""The HF reference engine on the embedded model (slow: loads SmolLM2 on CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from engine.hf import HFEngine
+from engine.types import FinishReason, GenerateRequest, ReadoutMode, ReadoutRequest
+from tasks.capture import fast_pass
+from tests.conftest import row
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return HFEngine(batch_invariant=True, batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def requests(engine, sample_suite):
+    from jex.suite import iter_rows
+    from engine.render import render_question
+
+    rows = list(iter_rows(sample_suite))[::24][:12]
+    out = []
+    for r in rows:
+        rr = render_question(engine.chat_prompt, run_id=r.run_id, prompt=r.prompt, labels=r.labels,
+                             options=r.options)
+        out.append(ReadoutRequest(r.run_id, rr.prompt, rr.labels, rr.options))
+    return out
+
+
+def test_label_slot_is_bit_identical_across_batch_sizes_and_order(engine, requests):
+    engine.batch_size = 1
+    one = {r.run_id: r.raw_logprobs for r in engine.readout(requests)}
+    engine.batch_size = 8
+    eight = {r.run_id: r.raw_logprobs for r in engine.readout(requests)}
+    shuffled = list(requests)
+    random.Random(0).shuffle(shuffled)
+    again = {r.run_id: r.raw_logprobs for r in engine.readout(shuffled)}
+    assert one == eight == again  # exact float equality, not approx
+
+
+def test_label_slot_matches_a_plain_transformers_forward(engine, requests):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(engine.path)
+    model = AutoModelForCausalLM.from_pretrained(engine.path, dtype=torch.float32)
+    for req, got in zip(requests[:4], engine.readout(requests[:4]), strict=True):
+        ids = tok(req.prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits[0, -1].double(), dim=-1)
+        label_ids = [tok.encode(" " + lab, add_special_tokens=False)[0] for lab in req.labels]
+        want = [float(lp[t]) for t in label_ids]
+        assert max(abs(a - b) for a, b in zip(got.raw_logprobs, want, strict=True)) < 1e-5
+        assert got.label_mass == pytest.approx(sum(math.exp(x) for x in want), abs=1e-5)
+        assert math.fsum(math.exp(x) for x in got.logprobs) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_batched_mode_is_close_but_says_it_is_not_invariant(requests):
+    batched = HFEngine(batch_invariant=False, batch_size=8)
+    ref = HFEngine(batch_invariant=True)
+    a, b = ref.readout(requests), batched.readout(requests)
+    assert max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra.raw_logprobs, rb.raw_logprobs,
+                                                                                 strict=True)) < 1e-3
+    assert batched.provenance()["batch_invariant_method"] is None
+    assert "per-request" in ref.provenance()["batch_invariant_method"]
+
+
+def test_option_continuation_sums_option_token_logprobs(engine):
+    import torch
+
+    req = ReadoutRequest("x", engine.chat_prompt("Name a colour.") + "Answer:", ("A", "B"), ("red", "blue sky"))
+    got = engine.readout([req], ReadoutMode.OPTION_CONTINUATION)[0]
+    for k, opt in enumerate(req.options):
+        ctx, cont = engine.encode(req.prompt), engine.encode(" " + opt)
+        with torch.no_grad():
+            lp = torch.log_softmax(engine.model(torch.tensor([ctx + cont])).logits[0].float(), -1)
+        want = sum(float(lp[len(ctx) + i - 1, t]) for i, t in enumerate(cont))
+        assert got.raw_logprobs[k] == pytest.approx(want, abs=1e-4)
+    assert got.label_mass is None and got.mode is ReadoutMode.OPTION_CONTINUATION
+
+
+def test_multi_token_label_is_a_counted_refusal_not_an_answer(engine):
+    req = ReadoutRequest("x", engine.chat_prompt("Pick one.") + "Answer:", ("A", "Zebra-42"), ("a", "b"))
+    got = engine.readout([req])[0]
+    assert got.logprobs is None and got.choice is None
+    assert got.refusal.startswith("label token") and "Zebra-42" in got.refusal
+
+
+def test_prompt_longer_than_context_is_refused():
+    small = HFEngine(max_context=32)
+    long_prompt = "word " * 100
+    got = small.readout([ReadoutRequest("x", long_prompt, ("A", "B"), ("a", "b"))])[0]
+    assert got.refusal.startswith("context") and got.logprobs is None
+    gen = small.generate([GenerateRequest("x", long_prompt, 8)])[0]
+    assert gen.finish_reason is FinishReason.REFUSED and gen.token_ids == ()
+
+
+def test_greedy_generation_is_deterministic_and_honours_stop(engine):
+    prompt = engine.chat_prompt("Count from 1 to 20, separated by commas.")
+    a = engine.generate([GenerateRequest("x", prompt, 24)])[0]
+    b = engine.generate([GenerateRequest("x", prompt, 24)])[0]
+    assert a == b and 0 < len(a.token_ids) <= 24
+    middle = len(a.text) // 2
+    stop = a.text[middle:middle + 2]  # a string the unconstrained run is known to produce
+    stopped = engine.generate([GenerateRequest("x", prompt, 24, stop=(stop,))])[0]
+    assert stopped.text == a.text[: a.text.find(stop)] and stopped.finish_reason is FinishReason.STOP
+    assert stopped.token_ids == a.token_ids[: len(stopped.token_ids)]
+    fixed = engine.generate([GenerateRequest("x", prompt, 12, ignore_eos=True)])[0]
+    assert len(fixed.token_ids) == 12
+
+
+def test_provenance_serialises_and_names_weights(engine):
+    prov = engine.provenance()
+    text = json.dumps(prov, default=str)
+    assert len(prov["weights_sha256"]) == 64 and prov["renderer"]["version"]
+    assert "torch" in text and prov["batch_invariant"] is True
+
+
+def test_fast_pass_on_suite_rows(engine):
+    rows = [row("r1", "c", k=4, gold=1), row("r2", "c", k=2, gold=0)]
+    from tasks.capture import as_row
+
+    out = fast_pass(engine, [as_row(r) for r in rows])
+    assert [len(o.logprobs) for o in out] == [4, 2] and all(0.3 < o.label_mass <= 1 for o in out)

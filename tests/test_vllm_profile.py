@@ -1,0 +1,77 @@
+"""The audit profile refuses settings that break batch invariance (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.types import EngineDeadError
+from engine.vllm_engine import VLLMEngine, VLLMProfile
+
+
+@pytest.fixture
+def model(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    return tmp_path
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"tensor_parallel_size": 2}, "tensor parallelism breaks batch invariance"),
+    ({"enable_prefix_caching": True}, "prefix caching on"),
+    ({"enforce_eager": True}, "1,889 of 3,072"),
+    ({"batch_invariant": False}, "VLLM_BATCH_INVARIANT must be 1"),
+    ({"attention_backend": "FLASHINFER"}, "TRITON_ATTN"),
+    ({"speculative_config": {"method": "ngram"}}, "speculative"),
+    ({"dtype": "float16"}, "bf16"),
+    ({"cudagraph_mode": "PIECEWISE"}, "cudagraph_mode=PIECEWISE"),
+])
+def test_audit_profile_refuses(model, settings, words):
+    with pytest.raises(EngineDeadError, match="audit profile refuses") as e:
+        VLLMEngine(model, VLLMProfile(**settings))
+    assert words in str(e.value) and "non-audited profile by name" in str(e.value)
+
+
+def test_gguf_model_is_refused(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(EngineDeadError, match="GGUF kernels"):
+        VLLMProfile().check(gguf)
+
+
+def test_non_audited_profile_passes_the_check_by_name(model):
+    VLLMProfile(name="control", batch_invariant=False, enforce_eager=True).check(model)
+
+
+def test_unknown_profile_name_is_refused(model):
+    with pytest.raises(EngineDeadError, match="unknown profile name"):
+        VLLMProfile(name="fast", tensor_parallel_size=2).check(model)
+
+
+def test_default_audit_profile_is_clean(model):
+    assert VLLMProfile().violations(model) == []
+    assert VLLMProfile().environment() == {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _has_cuda_vllm() -> bool:
+    try:
+        import torch
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda_vllm(), reason="needs CUDA and vLLM (pip install 'jex[gpu]'); the H200 "
+                    "results are in bench/results/, and the HF engine tests are this path's CPU twin")
+def test_vllm_label_readout_is_batch_invariant(tmp_path):
+    import os
+
+    from engine.types import ReadoutRequest
+
+    engine = VLLMEngine(os.environ.get("JEX_TEST_VLLM_MODEL", "/tmp/smollm2"))
+    reqs = [ReadoutRequest(f"r{i}", engine.chat_prompt(f"What is {i} + {i}?") + "Answer:", ("A", "B"), ("x", "y"))
+            for i in range(40)]
+    engine.batch_size = 1
+    one = [r.raw_logprobs for r in engine.readout(reqs)]
+    engine.batch_size = 40
+    assert one == [r.raw_logprobs for r in engine.readout(reqs)]
