@@ -74,6 +74,41 @@ def score(suite: Annotated[Path, typer.Option(help="Suite folder or bundle file"
     typer.echo(f"full {doc['full']:.4f}  95% CI [{lo:.4f}, {hi:.4f}]  -> {out / 'score.json'}")
 
 
+@app.command("run")
+def run(suite: Annotated[Path | None, typer.Option(help="Suite folder (default: the embedded sample)")] = None,
+        model: Annotated[str | None, typer.Option(help="Model folder or GGUF (default: embedded SmolLM2)")] = None,
+        coverage: Annotated[float, typer.Option(help="Share of rows gated for a rationale")] = 0.10,
+        out: Annotated[Path, typer.Option(help="Folder for run folders")] = Path("runs"),
+        store: Annotated[Path | None, typer.Option(help="Artifact store (default: OUT/store)")] = None,
+        engine: Annotated[str, typer.Option(help="hf | hf-batched | vllm | vllm-control")] = "hf",
+        device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1 ...")] = "cpu",
+        overlays: Annotated[Path | None, typer.Option(help="Overlay rule file (TOML)")] = None,
+        name: Annotated[str, typer.Option(help="Campaign name")] = "sample",
+        resume: Annotated[Path | None, typer.Option(help="Continue the campaign of this run folder")] = None) -> None:
+    """Run a whole campaign (embedded defaults: sample suite, SmolLM2, local Prefect, local store).
+
+    The last line printed is the run folder.
+    """
+    from flows.local_api import ensure_local_api
+
+    ensure_local_api()
+    from flows.campaign import CampaignSpec, load_spec, run_campaign
+    from tasks.engine_pool import EngineSpec
+
+    if resume is not None:
+        spec = load_spec(resume)
+    else:
+        spec = CampaignSpec(name=name, suite=str(suite) if suite else None, coverage=coverage,
+                            engine=EngineSpec(kind=engine, model=model, device=device),
+                            overlays=str(overlays) if overlays else None, out=str(out),
+                            store=str(store or out / "store"))
+    try:
+        run_dir = run_campaign(spec)
+    except (JexError, EngineError, EngineDeadError) as e:
+        _fail(e)
+    typer.echo(run_dir)
+
+
 @app.command("bakeoff")
 def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for bakeoff.json/.md/.png")],
             arms: Annotated[str, typer.Option(help="Comma-separated arms (hf-bi, hf-control, vllm-bi, "

@@ -1,0 +1,1 @@
+"""Flows: composition of the stages only (Prefect)."""

@@ -1,0 +1,120 @@
+"""The campaign flow: bundle -> fast pass -> gate -> reason -> fold -> calibrate -> overlay -> score -> report.
+
+Every stage is a cached Prefect task keyed by its inputs' content, so running the flow again, a
+flow-run retry, or `jex run --resume RUN` recomputes only what is missing: completed stages come back
+Cached and an interrupted engine stage resumes at its first missing shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import flow
+from pydantic import BaseModel, ConfigDict, Field
+
+from tasks.engine_pool import EngineSpec
+from tasks.prefect_tasks import (
+    bundle_task,
+    calibrate_task,
+    fast_pass_task,
+    fold_task,
+    gate_task,
+    overlay_task,
+    reason_task,
+    report_task,
+    score_task,
+)
+
+
+class CampaignSpec(BaseModel):
+    """Everything that defines a campaign; the Prefect UI shows it as the run form."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field("sample", description="Campaign name (prefix of the run folder)")
+    suite: str | None = Field(None, description="Suite folder; empty = the embedded sample suite")
+    sample_rows: int = Field(360, ge=18, description="Rows of the embedded sample suite")
+    engine: EngineSpec = EngineSpec()
+    coverage: float = Field(0.10, ge=0, le=1, description="Share of rows gated for a rationale")
+    per_catalog_cap: float | None = Field(None, gt=0, le=1, description="Max gated share of one catalog")
+    reason_max_tokens: int = Field(48, ge=1)
+    fold_rule: Literal["replace", "mix"] = "mix"
+    fold_weight: float = Field(0.5, ge=0, le=1, description="Weight of the post-thought readout (mix)")
+    calibration_folds: int = Field(5, ge=2)
+    overlays: str | None = Field(None, description="Overlay rule file (TOML)")
+    bootstrap_draws: int = Field(2000, ge=1)
+    bootstrap_seed: int = 20260929
+    fast_shard_rows: int = Field(32, ge=1)
+    reason_shard_rows: int = Field(8, ge=1)
+    store: str = Field("runs/store", description="Artifact store folder")
+    out: str = Field("runs", description="Folder the run folder is created in")
+
+    def identity(self) -> str:
+        """Hash of what defines the results (not where they are written)."""
+        doc = self.model_dump(exclude={"store", "out", "fast_shard_rows", "reason_shard_rows"})
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:10]
+
+    def run_dir(self) -> Path:
+        return Path(self.out) / f"{self.name}-{self.identity()}"
+
+
+def sample_suite_dir(spec: CampaignSpec) -> str:
+    from jex.sample_suite import write_sample_suite
+
+    folder = Path(spec.store) / "suites" / f"sample-{spec.sample_rows}"
+    if not (folder / "suite.toml").exists():
+        write_sample_suite(folder, rows=spec.sample_rows, seed=0)
+    return str(folder)
+
+
+@flow(name="campaign", log_prints=True, persist_result=True)
+def campaign(spec: CampaignSpec = CampaignSpec()) -> str:  # noqa: B008 - a pydantic default is the UI's form
+    """Run (or resume) a campaign; returns the run folder."""
+    run_dir = spec.run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "campaign.json").write_text(spec.model_dump_json(indent=2))
+    store = spec.store
+    timings: dict[str, float] = {}
+
+    def timed(name: str, fn: Any, **kw: Any) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        out = fn(**kw)
+        if not (Path(out.get("folder", "")) / "_SUCCESS.json").exists():  # Prefect cached a result the store lost
+            out = fn.with_options(refresh_cache=True)(**kw)
+        timings[name] = time.perf_counter() - t0
+        return out
+
+    suite = spec.suite or sample_suite_dir(spec)
+    s: dict[str, Any] = {}
+    s["bundle"] = timed("bundle", bundle_task, suite=suite, store=store)
+    s["fast_pass"] = timed("fast_pass", fast_pass_task, bundle=s["bundle"], engine=spec.engine, store=store,
+                           shard_rows=spec.fast_shard_rows)
+    s["gate"] = timed("gate", gate_task, bundle=s["bundle"], fast=s["fast_pass"], store=store, coverage=spec.coverage,
+                      per_catalog_cap=spec.per_catalog_cap)
+    s["reason"] = timed("reason", reason_task, bundle=s["bundle"], gate=s["gate"], engine=spec.engine, store=store,
+                        max_tokens=spec.reason_max_tokens, shard_rows=spec.reason_shard_rows)
+    s["fold"] = timed("fold", fold_task, bundle=s["bundle"], fast=s["fast_pass"], gate=s["gate"], reason=s["reason"],
+                      store=store, rule=spec.fold_rule, weight=spec.fold_weight, draws=spec.bootstrap_draws,
+                      seed=spec.bootstrap_seed)
+    s["calibrate"] = timed("calibrate", calibrate_task, bundle=s["bundle"], fold=s["fold"], store=store,
+                           folds=spec.calibration_folds)
+    s["overlay"] = timed("overlay", overlay_task, calibrated=s["calibrate"], store=store, rules_file=spec.overlays)
+    s["score"] = timed("score", score_task, bundle=s["bundle"], overlay=s["overlay"], fold=s["fold"], store=store,
+                       draws=spec.bootstrap_draws, seed=spec.bootstrap_seed)
+    report_task(run_dir=str(run_dir), summaries=s, spec=spec.model_dump(mode="json"), timings=timings)
+    errors = s["fold"]["errors"]
+    if any(errors.values()):
+        print(f"WARNING: error counters are not all zero: {errors}")
+    return str(run_dir)
+
+
+def run_campaign(spec: CampaignSpec) -> Path:
+    """Run the flow in this process (Prefect's local API unless PREFECT_API_URL is set)."""
+    return Path(campaign(spec))
+
+
+def load_spec(run_dir: str | Path) -> CampaignSpec:
+    return CampaignSpec.model_validate_json((Path(run_dir) / "campaign.json").read_text())

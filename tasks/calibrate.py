@@ -1,0 +1,99 @@
+"""Temperature scaling, fitted out-of-fold by question, which never changes a choice.
+
+For each fold k (questions hashed into `folds` groups), T_k minimises the negative log-likelihood of
+the gold option under softmax(log p / T) on the other folds (Guo et al., 2017, "On Calibration of
+Modern Neural Networks"); rows of fold k are then scaled by T_k. Dividing log-probs by T > 0 keeps
+their order, so the argmax is unchanged; the stage asserts it anyway.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+LOG_T_RANGE = (math.log(0.05), math.log(20.0))
+
+
+def _padded(logprobs: list[list[float]]) -> np.ndarray:
+    width = max(map(len, logprobs))
+    out = np.full((len(logprobs), width), -np.inf)
+    for i, lp in enumerate(logprobs):
+        out[i, : len(lp)] = lp
+    return out
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    top = x.max(axis=1, keepdims=True)
+    return x - top - np.log(np.exp(x - top).sum(axis=1, keepdims=True))
+
+
+def nll(lp: np.ndarray, gold: np.ndarray, temperature: float) -> float:
+    scaled = _log_softmax(lp / temperature)
+    return float(-scaled[np.arange(len(gold)), gold].mean())
+
+
+def fit_temperature(lp: np.ndarray, gold: np.ndarray, iters: int = 60) -> float:
+    """Golden-section search of log T on LOG_T_RANGE (the NLL is unimodal in T)."""
+    lo, hi = LOG_T_RANGE
+    g = (math.sqrt(5) - 1) / 2
+    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+    fa, fb = nll(lp, gold, math.exp(a)), nll(lp, gold, math.exp(b))
+    for _ in range(iters):
+        if fa < fb:
+            hi, b, fb = b, a, fa
+            a = hi - g * (hi - lo)
+            fa = nll(lp, gold, math.exp(a))
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + g * (hi - lo)
+            fb = nll(lp, gold, math.exp(b))
+    return math.exp((lo + hi) / 2)
+
+
+def reliability(probs: np.ndarray, gold: np.ndarray, bins: int = 10) -> dict[str, Any]:
+    conf = probs.max(axis=1)
+    correct = probs.argmax(axis=1) == gold
+    edges = np.linspace(0, 1, bins + 1)
+    which = np.clip(np.digitize(conf, edges) - 1, 0, bins - 1)
+    table, ece = [], 0.0
+    for b in range(bins):
+        m = which == b
+        if m.any():
+            table.append({"bin": b, "n": int(m.sum()), "confidence": float(conf[m].mean()),
+                          "accuracy": float(correct[m].mean())})
+            ece += m.mean() * abs(conf[m].mean() - correct[m].mean())
+    return {"ece": float(ece), "bins": table}
+
+
+def calibrate(frame: pl.DataFrame, *, folds: int = 5) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """`frame`: run_id, question_id, gold, folded_logprobs (non-null). Adds `calibrated_logprobs`."""
+    lp_list = frame["folded_logprobs"].to_list()
+    lp = _padded(lp_list)
+    gold = frame["gold"].to_numpy()
+    fold_of = np.array([zlib.crc32(q.encode()) % folds for q in frame["question_id"].to_list()])
+    out = np.empty_like(lp)
+    temps = []
+    for k in range(folds):
+        test = fold_of == k
+        if not test.any():
+            continue
+        train = ~test
+        t = fit_temperature(lp[train], gold[train]) if train.sum() >= 2 else 1.0
+        temps.append({"fold": k, "temperature": t, "rows": int(test.sum())})
+        out[test] = _log_softmax(lp[test] / t)
+    before, after = np.exp(_log_softmax(lp)), np.exp(out)
+    choice_before = np.array([max(range(len(x)), key=lambda i, x=x: (x[i], -i)) for x in lp_list])
+    cal_list = [list(out[i, : len(x)]) for i, x in enumerate(lp_list)]
+    choice_after = np.array([max(range(len(x)), key=lambda i, x=x: (x[i], -i)) for x in cal_list])
+    changed = int((choice_before != choice_after).sum())
+    if changed:
+        raise AssertionError(f"temperature scaling changed {changed} choices; it must be argmax-invariant")
+    report = {"folds": temps, "nll_before": nll(lp, gold, 1.0),
+              "nll_after": float(-out[np.arange(len(gold)), gold].mean()),
+              "reliability_before": reliability(before, gold), "reliability_after": reliability(after, gold),
+              "argmax_changed": changed}
+    return frame.with_columns(pl.Series("calibrated_logprobs", cal_list, dtype=pl.List(pl.Float64))), report

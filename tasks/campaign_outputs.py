@@ -1,0 +1,55 @@
+"""The run folder's final products, and their copies as Prefect artifacts."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from jex.fileio import write_json, write_text
+from jex.provenance import provenance
+from tasks.cpu_stages import read_json
+from tasks.report import reliability_plot, render_report, skill_plot
+
+
+def write_run_folder(run_dir: Path, s: dict[str, Any], spec: dict[str, Any], timings: dict[str, float]) -> str:
+    """predictions.parquet, score.json, fold.json, report.md, plots and provenance.json."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(s["overlay"]["predictions"], run_dir / "predictions.parquet")
+    policy, baseline = read_json(s["score"]["score_json"]), read_json(s["score"]["baseline_json"])
+    fold, calibration = read_json(s["fold"]["fold_json"]), read_json(s["calibrate"]["calibration_json"])
+    prov = provenance(inputs={"bundle": s["bundle"]["sha256"], "fast_pass": s["fast_pass"]["sha256"],
+                              "reason": s["reason"]["sha256"], "predictions": s["overlay"]["sha256"]},
+                      settings=spec, engine=s["fast_pass"]["engine"],
+                      stages={k: {"key": v.get("key"), "folder": v.get("folder")} for k, v in s.items()})
+    policy["provenance"] = prov
+    write_json(run_dir / "score.json", policy)
+    write_json(run_dir / "fold.json", fold)
+    write_json(run_dir / "provenance.json", prov)
+    skill_plot(baseline, policy, run_dir / "skill.png")
+    reliability_plot(calibration, run_dir / "reliability.png")
+    report = render_report(name=spec["name"], policy=policy, baseline=baseline, fold=fold, calibration=calibration,
+                           fast=s["fast_pass"], reason=s["reason"], gate=s["gate"], overlays=s["overlay"]["applied"],
+                           timings=timings, engine=s["fast_pass"]["engine"])
+    write_text(run_dir / "report.md", report)
+    return report
+
+
+def publish_report(report: str, run_dir: Path) -> None:
+    """The report and the per-catalog table as Prefect artifacts, so the UI shows them."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    create_markdown_artifact(markdown=report, key="campaign-report", description=f"report of {run_dir.name}")
+    fold = read_json(run_dir / "fold.json")
+    score = read_json(run_dir / "score.json")
+    table = [{"catalog": c, "n": v["n"], "acc": round(v["acc"], 4), "skill": round(v["skill"], 4),
+              "ci_low": round(v["ci"][0], 4), "ci_high": round(v["ci"][1], 4),
+              "gated": fold["catalogs"][c]["gated"], "fixed": fold["catalogs"][c]["fixed"],
+              "flipped": fold["catalogs"][c]["flipped"]} for c, v in score["catalogs"].items()]
+    create_table_artifact(table=table, key="campaign-catalogs", description=f"per-catalog results of {run_dir.name}")
+
+
+def predictions_frame(run_dir: Path) -> pl.DataFrame:
+    return pl.read_parquet(run_dir / "predictions.parquet")

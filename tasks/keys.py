@@ -1,0 +1,23 @@
+"""Stage cache keys: what a stage's output depends on, hashed.
+
+key = sha256(stage name, stage code version, parameters, sha256 of every input artifact, engine
+fingerprint). Never the request alone: changing the model, the render, the engine profile or the
+stage code changes exactly the keys downstream of the change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+# Bump a stage's version when its code changes what it writes.
+STAGE_VERSIONS = {"bundle": 1, "fast_pass": 1, "gate": 1, "reason": 1, "fold": 1, "calibrate": 1,
+                  "overlay": 1, "score": 1, "report": 1}
+
+
+def stage_key(stage: str, *, params: dict[str, Any], inputs: dict[str, str],
+              engine: dict[str, Any] | None = None) -> str:
+    doc = {"stage": stage, "version": STAGE_VERSIONS[stage], "params": params, "inputs": inputs,
+           "engine": engine}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]

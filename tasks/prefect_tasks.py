@@ -1,0 +1,112 @@
+"""Thin Prefect wrappers: caching, retries and progress artifacts around the stage functions.
+
+The cache key of every task is the stage's own content key (inputs' sha256s, parameters, engine
+fingerprint, stage version), so Prefect shows a re-run stage as Cached and never serves another
+model's capture. The stage functions are also idempotent on the store: if Prefect's cache is cold
+(a new PREFECT_HOME) they return the stored summary without loading an engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+
+from tasks import cpu_stages, stages
+from tasks.engine_pool import EngineSpec, fingerprint
+from tasks.keys import STAGE_VERSIONS
+from tasks.store import LocalStore
+
+
+def _key(context: Any, params: dict[str, Any]) -> str:
+    name = context.task.name
+    doc = {"task": name, "version": STAGE_VERSIONS.get(name), "params": params}
+    if isinstance(params.get("engine"), EngineSpec):
+        doc["engine_fingerprint"] = fingerprint(params["engine"])
+    return f"{name}-" + hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+CACHED = {"cache_key_fn": _key, "persist_result": True, "cache_expiration": None}
+
+
+def _progress(stage: str):
+    """Terminal bar plus a Prefect progress artifact, updated per shard."""
+    state: dict[str, Any] = {}
+
+    def update(name: str, done: int, total: int) -> None:
+        stages.terminal_progress(name, done, total)
+        pct = 100.0 * done / max(total, 1)
+        try:
+            if "id" not in state:
+                state["id"] = create_progress_artifact(progress=pct, key=f"{stage.replace('_', '-')}-progress",
+                                                       description=f"{stage}: shards done")
+            else:
+                update_progress_artifact(artifact_id=state["id"], progress=pct)
+        except Exception:  # noqa: BLE001 - progress display must never fail a stage
+            pass
+
+    return update
+
+
+@task(name="bundle", **CACHED)
+def bundle_task(suite: str, store: str) -> dict[str, Any]:
+    return stages.bundle_stage(suite, LocalStore(store))
+
+
+@task(name="fast_pass", retries=1, **CACHED)
+def fast_pass_task(bundle: dict[str, Any], engine: EngineSpec, store: str, shard_rows: int) -> dict[str, Any]:
+    return stages.fast_pass_stage(bundle, engine, LocalStore(store), shard_rows=shard_rows,
+                                  progress=_progress("fast_pass"))
+
+
+@task(name="gate", **CACHED)
+def gate_task(bundle: dict[str, Any], fast: dict[str, Any], store: str, coverage: float,
+              per_catalog_cap: float | None) -> dict[str, Any]:
+    return cpu_stages.gate_stage(bundle, fast, LocalStore(store), coverage=coverage, per_catalog_cap=per_catalog_cap)
+
+
+@task(name="reason", retries=1, **CACHED)
+def reason_task(bundle: dict[str, Any], gate: dict[str, Any], engine: EngineSpec, store: str, max_tokens: int,
+                shard_rows: int) -> dict[str, Any]:
+    return stages.reason_stage(bundle, gate, engine, LocalStore(store), max_tokens=max_tokens, shard_rows=shard_rows,
+                               progress=_progress("reason"))
+
+
+@task(name="fold", **CACHED)
+def fold_task(bundle: dict[str, Any], fast: dict[str, Any], gate: dict[str, Any], reason: dict[str, Any], store: str,
+              rule: str, weight: float, draws: int, seed: int) -> dict[str, Any]:
+    return cpu_stages.fold_stage(bundle, fast, gate, reason, LocalStore(store), rule=rule,  # type: ignore[arg-type]
+                                 weight=weight, draws=draws, seed=seed)
+
+
+@task(name="calibrate", **CACHED)
+def calibrate_task(bundle: dict[str, Any], fold: dict[str, Any], store: str, folds: int) -> dict[str, Any]:
+    return cpu_stages.calibrate_stage(bundle, fold, LocalStore(store), folds=folds)
+
+
+@task(name="overlay", **CACHED)
+def overlay_task(calibrated: dict[str, Any], store: str, rules_file: str | None) -> dict[str, Any]:
+    from tasks.overlay_rules import load_rules
+
+    rules, sha = load_rules(rules_file)
+    return cpu_stages.overlay_stage(calibrated, LocalStore(store), rules=rules, rules_sha256=sha)
+
+
+@task(name="score", **CACHED)
+def score_task(bundle: dict[str, Any], overlay: dict[str, Any], fold: dict[str, Any], store: str, draws: int,
+               seed: int) -> dict[str, Any]:
+    return cpu_stages.score_stage(bundle, overlay, fold, LocalStore(store), draws=draws, seed=seed)
+
+
+@task(name="report", cache_policy=NO_CACHE)
+def report_task(run_dir: str, summaries: dict[str, Any], spec: dict[str, Any], timings: dict[str, float]) -> str:
+    from tasks.campaign_outputs import publish_report, write_run_folder
+
+    report = write_run_folder(Path(run_dir), summaries, spec, timings)
+    publish_report(report, Path(run_dir))
+    return str(Path(run_dir) / "report.md")

@@ -1,0 +1,160 @@
+"""Engine stages: bundle, fast pass and reason, content-addressed in the store and sharded.
+
+Each function returns a small summary (paths, sha256s, counters): tasks hand each other these, never
+the frames. A completed stage folder is reused as is: the engine is not even loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from engine.render import REASON_TEMPLATE
+from engine.types import FinishReason, Generation, Readout
+from jex.fileio import sha256_file
+from tasks.bundle import build_bundle, open_bundle
+from tasks.capture import SimpleRow, fast_pass, reason, reread
+from tasks.engine_pool import CALLS, EngineSpec, fingerprint, get_engine
+from tasks.keys import stage_key
+from tasks.store import LocalStore, merge_shards, run_sharded
+
+Progress = Callable[[str, int, int], None]
+
+READOUT_SCHEMA = {"run_id": pl.String, "logprobs": pl.List(pl.Float64), "label_mass": pl.Float64,
+                  "refusal": pl.String}
+
+
+def terminal_progress(stage: str, done: int, total: int) -> None:
+    width = 30
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\r{stage:>10} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} shards")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def bundle_stage(suite_dir: str | Path, store: LocalStore) -> dict[str, Any]:
+    """Build (or reuse) the bundle of a suite folder; keyed by the suite files' sha256."""
+    from jex.suite import load_manifest
+
+    suite_dir = Path(suite_dir)
+    manifest = load_manifest(suite_dir)
+    files = [suite_dir / "suite.toml", *(suite_dir / f for c in manifest.catalogs for f in c.files)]
+    key = stage_key("bundle", params={}, inputs={p.relative_to(suite_dir).as_posix(): sha256_file(p) for p in files})
+    sd = store.stage("bundle", key)
+    if sd.complete:
+        return sd.summary()
+    result = build_bundle(suite_dir, sd.path / "bundle.tar.gz")
+    return sd.finish({"stage": "bundle", "key": key, "bundle": str(result.path), "sha256": result.sha256,
+                      "rows": result.rows})
+
+
+def _bundle_rows(bundle: dict[str, Any], store: LocalStore) -> pl.DataFrame:
+    opened = open_bundle(bundle["bundle"], store.root / "bundle" / bundle["key"] / "extracted")
+    if opened.sha256 != bundle["sha256"]:
+        raise RuntimeError(f"{bundle['bundle']} changed since it was built")
+    return opened.rows(["run_id", "catalog", "question_id", "prompt", "options", "labels", "gold"])
+
+
+def _as_rows(frame: pl.DataFrame) -> list[SimpleRow]:
+    return [SimpleRow(r["run_id"], r["prompt"], tuple(r["labels"]), tuple(r["options"]), r["gold"], r["catalog"])
+            for r in frame.iter_rows(named=True)]
+
+
+def readouts_frame(readouts: list[Readout]) -> pl.DataFrame:
+    return pl.DataFrame({"run_id": [r.run_id for r in readouts],
+                         "logprobs": [list(r.logprobs) if r.logprobs is not None else None for r in readouts],
+                         "label_mass": [r.label_mass for r in readouts],
+                         "refusal": [r.refusal for r in readouts]}, schema=READOUT_SCHEMA)
+
+
+def fast_pass_stage(bundle: dict[str, Any], engine: EngineSpec, store: LocalStore, *, shard_rows: int = 32,
+                    worker: int = 0, workers: int = 1, progress: Progress | None = None) -> dict[str, Any]:
+    """Label-slot readout of every row, sharded; `capture.parquet` is the merge of the shards."""
+    key = stage_key("fast_pass", params={"mode": "label_slot"}, inputs={"bundle": bundle["sha256"]},
+                    engine=fingerprint(engine))
+    sd = store.stage("fast_pass", key)
+    if sd.complete:
+        return sd.summary()
+    rows = _as_rows(_bundle_rows(bundle, store))
+
+    def compute(chunk: list[SimpleRow]) -> pl.DataFrame:
+        CALLS["fast_pass"] += 1
+        return readouts_frame(fast_pass(get_engine(engine), chunk))
+
+    shards = sd.path / f"shards-{shard_rows}"
+    stats = run_sharded(rows, shard_rows=shard_rows, folder=shards, compute=compute, worker=worker, workers=workers,
+                        on_shard=(lambda d, t: progress("fast_pass", d, t)) if progress else None)
+    if workers > 1 and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
+        return {"stage": "fast_pass", "key": key, "partial": True, "computed_shards": stats.computed}
+    frame = merge_shards(shards, stats.shards, sd.path / "capture.parquet")
+    refusals = frame.filter(pl.col("refusal").is_not_null())
+    return sd.finish({"stage": "fast_pass", "key": key, "capture": str(sd.path / "capture.parquet"),
+                      "sha256": sha256_file(sd.path / "capture.parquet"), "rows": frame.height,
+                      "shard_rows": shard_rows, "shards": stats.shards, "computed_shards": stats.computed,
+                      "reused_shards": stats.reused,
+                      "context_refusals": refusals.filter(pl.col("refusal").str.starts_with("context")).height,
+                      "readout_errors": refusals.filter(~pl.col("refusal").str.starts_with("context")).height,
+                      "engine": fingerprint(engine)})
+
+
+def reason_frame(gens: list[Generation], posts: list[Readout]) -> pl.DataFrame:
+    return pl.DataFrame({
+        "run_id": [g.run_id for g in gens], "rationale": [g.text for g in gens],
+        "token_ids": [list(g.token_ids) for g in gens], "finish_reason": [g.finish_reason.value for g in gens],
+        "post_logprobs": [list(p.logprobs) if p.logprobs is not None and g.finish_reason is not FinishReason.REFUSED
+                          else None for g, p in zip(gens, posts, strict=True)],
+        "refusal": ["context: rationale prompt too long" if g.finish_reason is FinishReason.REFUSED else p.refusal
+                    for g, p in zip(gens, posts, strict=True)]},
+        schema={"run_id": pl.String, "rationale": pl.String, "token_ids": pl.List(pl.Int64),
+                "finish_reason": pl.String, "post_logprobs": pl.List(pl.Float64), "refusal": pl.String})
+
+
+def reason_stage(bundle: dict[str, Any], gate: dict[str, Any], engine: EngineSpec, store: LocalStore, *,
+                 max_tokens: int, template: str = REASON_TEMPLATE, shard_rows: int = 8, worker: int = 0,
+                 workers: int = 1, progress: Progress | None = None) -> dict[str, Any]:
+    """A greedy rationale for each gated row, then the options re-read after it (post-thought readout)."""
+    key = stage_key("reason", params={"max_tokens": max_tokens, "template": template},
+                    inputs={"bundle": bundle["sha256"], "gate": gate["sha256"]}, engine=fingerprint(engine))
+    sd = store.stage("reason", key)
+    if sd.complete:
+        return sd.summary()
+    gated = pl.read_parquet(gate["gated"])["run_id"]
+    rows = _as_rows(_bundle_rows(bundle, store).join(gated.to_frame(), on="run_id", how="semi", maintain_order="left"))
+
+    def compute(chunk: list[SimpleRow]) -> pl.DataFrame:
+        CALLS["reason"] += 1
+        eng = get_engine(engine)
+        gens = reason(eng, chunk, max_tokens=max_tokens, template=template)
+        return reason_frame(gens, reread(eng, chunk, gens, template=template))
+
+    shards = sd.path / f"shards-{shard_rows}"
+    stats = run_sharded(rows, shard_rows=shard_rows, folder=shards, compute=compute, worker=worker, workers=workers,
+                        on_shard=(lambda d, t: progress("reason", d, t)) if progress else None)
+    if workers > 1 and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
+        return {"stage": "reason", "key": key, "partial": True, "computed_shards": stats.computed}
+    out = sd.path / "reasoned.parquet"
+    frame = merge_shards(shards, stats.shards, out) if stats.shards else _empty_reason(out)
+    lengths = [len(t) for t in frame["token_ids"].to_list()]
+    return sd.finish({"stage": "reason", "key": key, "reasoned": str(out), "sha256": sha256_file(out),
+                      "rows": frame.height, "shards": stats.shards, "computed_shards": stats.computed,
+                      "reused_shards": stats.reused,
+                      "context_refusals": frame.filter(pl.col("refusal").str.starts_with("context")).height,
+                      "readout_errors": frame.filter(pl.col("refusal").is_not_null()
+                                                     & ~pl.col("refusal").str.starts_with("context")).height,
+                      "rationale_tokens": {"mean": sum(lengths) / len(lengths) if lengths else 0.0,
+                                           "max": max(lengths, default=0),
+                                           "hit_max_tokens": frame.filter(pl.col("finish_reason") == "length").height},
+                      "engine": fingerprint(engine)})
+
+
+def _empty_reason(out: Path) -> pl.DataFrame:
+    from tasks.store import write_parquet
+
+    frame = reason_frame([], [])
+    write_parquet(frame, out)
+    return frame

@@ -1,0 +1,99 @@
+"""The local artifact store: content-addressed stage folders, atomic shards, completion records.
+
+Layout: `<root>/<stage>/<key>/...` where `key` is the stage's cache key (see `keys.py`). A stage
+folder is complete when `_SUCCESS.json` exists; it is written last, with the sha256 of every file,
+so a crash leaves at worst some finished shards (reused on resume) and never a half-written one.
+Copying a store to S3 and back is the infra room's job (`infra/`); the stages only see paths.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from jex.fileio import atomic_path, sha256_file, write_json
+
+SUCCESS = "_SUCCESS.json"
+
+
+@dataclass(frozen=True)
+class StageDir:
+    path: Path
+
+    @property
+    def complete(self) -> bool:
+        return (self.path / SUCCESS).exists()
+
+    def summary(self) -> dict[str, Any]:
+        return json.loads((self.path / SUCCESS).read_text())
+
+    def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """Record every file's sha256 and the summary; this marks the stage complete."""
+        files = {p.relative_to(self.path).as_posix(): sha256_file(p) for p in sorted(self.path.rglob("*"))
+                 if p.is_file() and p.name != SUCCESS and not p.name.startswith(".")}
+        doc = {**summary, "files": files, "folder": str(self.path)}
+        write_json(self.path / SUCCESS, doc)
+        return doc
+
+
+class LocalStore:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def stage(self, stage: str, key: str) -> StageDir:
+        path = self.root / stage / key
+        path.mkdir(parents=True, exist_ok=True)
+        return StageDir(path)
+
+
+def write_parquet(frame: pl.DataFrame, path: Path) -> None:
+    """Deterministic Parquet, atomically: the same frame gives the same bytes."""
+    with atomic_path(path) as tmp:
+        frame.write_parquet(tmp, compression="zstd", compression_level=9, statistics=False,
+                            row_group_size=max(len(frame), 1))
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    shards: int
+    computed: list[int]
+    reused: list[int]
+
+
+def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
+                compute: Callable[[Sequence[Any]], pl.DataFrame], worker: int = 0, workers: int = 1,
+                on_shard: Callable[[int, int], None] | None = None) -> ShardStats:
+    """Compute `items` in shards of `shard_rows`, each written atomically as `shard-NNNNN.parquet`.
+
+    Shards that exist are reused (a crashed run resumes at the first missing shard). With several
+    workers, worker w takes shards w, w+N, w+2N, ...; `merge_shards` gives the same bytes whatever
+    the split, as long as each row's result does not depend on its neighbours (batch invariance).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    n_shards = (len(items) + shard_rows - 1) // shard_rows
+    computed, reused = [], []
+    for i in range(worker, n_shards, workers):
+        path = folder / f"shard-{i:05d}.parquet"
+        if path.exists():
+            reused.append(i)
+        else:
+            write_parquet(compute(items[i * shard_rows:(i + 1) * shard_rows]), path)
+            computed.append(i)
+        if on_shard:
+            on_shard(len(computed) + len(reused), len(range(worker, n_shards, workers)))
+    return ShardStats(n_shards, computed, reused)
+
+
+def merge_shards(folder: Path, n_shards: int, out: Path) -> pl.DataFrame:
+    paths = [folder / f"shard-{i:05d}.parquet" for i in range(n_shards)]
+    missing = [p.name for p in paths if not p.exists()]
+    if missing:
+        raise FileNotFoundError(f"{folder}: shards missing: {missing[:5]}")
+    frame = pl.concat([pl.read_parquet(p) for p in paths]) if paths else pl.DataFrame()
+    write_parquet(frame, out)
+    return frame
