@@ -84,6 +84,8 @@ def run(suite: Annotated[Path | None, typer.Option(help="Suite folder (default: 
         device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1 ...")] = "cpu",
         overlays: Annotated[Path | None, typer.Option(help="Overlay rule file (TOML)")] = None,
         name: Annotated[str, typer.Option(help="Campaign name")] = "sample",
+        shard_rows: Annotated[int, typer.Option(help="Rows per fast-pass shard")] = 32,
+        reason_max_tokens: Annotated[int, typer.Option(help="Rationale length limit")] = 48,
         resume: Annotated[Path | None, typer.Option(help="Continue the campaign of this run folder")] = None) -> None:
     """Run a whole campaign (embedded defaults: sample suite, SmolLM2, local Prefect, local store).
 
@@ -101,6 +103,7 @@ def run(suite: Annotated[Path | None, typer.Option(help="Suite folder (default: 
         spec = CampaignSpec(name=name, suite=str(suite) if suite else None, coverage=coverage,
                             engine=EngineSpec(kind=engine, model=model, device=device),
                             overlays=str(overlays) if overlays else None, out=str(out),
+                            fast_shard_rows=shard_rows, reason_max_tokens=reason_max_tokens,
                             store=str(store or out / "store"))
     try:
         run_dir = run_campaign(spec)

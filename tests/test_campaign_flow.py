@@ -1,0 +1,124 @@
+"""The campaign flow end to end on a tiny suite with the embedded model (slow).
+
+Retrying never re-runs the capture: engine call counters prove it. A killed run resumes at the
+first missing shard. Merged captures are byte-identical whatever the shard size or worker split.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jex.sample_suite import write_sample_suite
+from tasks.engine_pool import CALLS, EngineSpec
+from tasks.stages import bundle_stage, fast_pass_stage
+from tasks.store import LocalStore
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_suite(tmp_path_factory):
+    return write_sample_suite(tmp_path_factory.mktemp("tiny") / "suite", rows=27, seed=5)
+
+
+def test_capture_bytes_do_not_depend_on_shard_size_or_workers(tiny_suite, tmp_path):
+    engine = EngineSpec()
+    captures = []
+    for name, shard_rows, workers in (("a", 5, 1), ("b", 16, 1), ("c", 4, 2)):
+        store = LocalStore(tmp_path / name)
+        bundle = bundle_stage(tiny_suite, store)
+        for w in range(workers):  # several workers, each taking every n-th shard, then the merge
+            summary = fast_pass_stage(bundle, engine, store, shard_rows=shard_rows, worker=w, workers=workers)
+        assert summary["rows"] == 27
+        captures.append(Path(summary["capture"]).read_bytes())
+    assert captures[0] == captures[1] == captures[2]
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def _spec(suite, tmp_path):
+    from flows.campaign import CampaignSpec
+
+    return CampaignSpec(name="t", suite=str(suite), coverage=0.2, reason_max_tokens=8, bootstrap_draws=50,
+                        fast_shard_rows=9, reason_shard_rows=3, store=str(tmp_path / "store"), out=str(tmp_path))
+
+
+def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, tmp_path, monkeypatch):
+    import tasks.cpu_stages as cpu
+    from flows.campaign import campaign
+
+    real = cpu.fold_predictions
+    failures = {"left": 1}
+
+    def flaky(*args, **kwargs):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("injected fold failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "fold_predictions", flaky)
+    spec = _spec(tiny_suite, tmp_path)
+    CALLS.clear()
+    with pytest.raises(RuntimeError, match="injected fold failure"):
+        campaign(spec)
+    assert CALLS["fast_pass"] == 3 and CALLS["reason"] >= 1  # the capture ran once
+    CALLS.clear()
+    run_dir = Path(campaign(spec))
+    assert CALLS["fast_pass"] == 0 and CALLS["reason"] == 0  # the retry re-ran nothing upstream of fold
+    for name in ("predictions.parquet", "score.json", "fold.json", "report.md", "skill.png", "reliability.png",
+                 "provenance.json"):
+        assert (run_dir / name).exists(), name
+    first = (run_dir / "score.json").read_bytes(), (run_dir / "predictions.parquet").read_bytes()
+    campaign(spec)
+    assert ((run_dir / "score.json").read_bytes(), (run_dir / "predictions.parquet").read_bytes()) == first
+    import json
+
+    fold = json.loads((run_dir / "fold.json").read_text())
+    assert fold["overall"]["panel_rows"] == 27 and fold["overall"]["gated"] == 5
+    assert fold["errors"] == {"context_refusals": 0, "readout_errors": 0, "unmatched_rows": 0}
+    assert "Fold (dry-run counters)" in (run_dir / "report.md").read_text()
+
+
+def test_killed_run_resumes_at_the_first_missing_shard(tiny_suite, tmp_path):
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+    jex = [sys.executable, "-m", "jex"]
+    cmd = jex + ["run", "--suite", str(tiny_suite), "--out", str(tmp_path), "--shard-rows", "3",
+                 "--reason-max-tokens", "4", "--name", "crash"]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    shards: list[Path] = []
+    while time.time() < deadline and proc.poll() is None:
+        shards = list((tmp_path / "store" / "fast_pass").glob("*/shards-3/shard-*.parquet"))
+        if len(shards) >= 2:
+            break
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 2 <= len(shards) < 9, "the run should be killed in the middle of the fast pass"
+    done_before = sorted(int(p.stem.split("-")[1]) for p in
+                         (tmp_path / "store" / "fast_pass").glob("*/shards-3/shard-*.parquet"))
+    run_dir = next(tmp_path.glob("crash-*"))
+    out = subprocess.run(jex + ["run", "--resume", str(run_dir)], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(run_dir)
+    import json
+
+    summary = json.loads(next((tmp_path / "store" / "fast_pass").glob("*/_SUCCESS.json")).read_text())
+    assert summary["reused_shards"] == done_before
+    assert summary["computed_shards"] == [i for i in range(9) if i not in done_before]
