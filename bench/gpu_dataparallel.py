@@ -32,11 +32,12 @@ def sha(path: str) -> str:
 
 
 def one_config(suite: Path, store_dir: Path, gpus: int, args: argparse.Namespace) -> dict:
+    """`gpus` workers; worker i runs on device args.devices[i] (default: GPU i)."""
     store = LocalStore(store_dir)
     bundle = bundle_stage(suite, store)
     engine = EngineSpec(kind="vllm", model=args.model, batch_size=args.batch, max_num_seqs=args.max_num_seqs)
     common = {"bundle": bundle, "engine": engine.model_dump(), "store": str(store_dir)}
-    devices = [str(i) for i in range(gpus)]
+    devices = (args.devices.split(",") if args.devices else [str(i) for i in range(args.gpus)])[:gpus]
     t0 = time.perf_counter()
     fast = run_workers("fast_pass", {**common, "shard_rows": args.fast_shard}, workers=gpus, devices=devices)
     fast_wall = time.perf_counter() - t0
@@ -66,6 +67,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--fast-shard", type=int, default=1000)
     p.add_argument("--reason-shard", type=int, default=100)
+    p.add_argument("--devices", default=None, help="CUDA_VISIBLE_DEVICES per worker, e.g. 0,1 (or 0,0 on one GPU)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,6 +82,7 @@ def main() -> None:
               "scaling_reason": many["reason"]["rows_per_s"] / one["reason"]["rows_per_s"],
               "scaling_combined": many["combined_rows_per_s"] / one["combined_rows_per_s"]}
     Path(args.out, "dataparallel.json").write_text(json.dumps(result, indent=1, default=str))
+    result["devices"] = args.devices or ",".join(str(i) for i in range(args.gpus))
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1, default=str))
     for r in runs:
         print(r["gpus"], "GPU:", {k: r[k] for k in ("rows", "gated")}, "fast", round(r["fast_pass"]["rows_per_s"], 1),
