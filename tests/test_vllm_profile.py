@@ -52,11 +52,12 @@ def test_default_audit_profile_is_clean(model):
 
 
 def _has_cuda_vllm() -> bool:
-    try:
-        import torch
-        import vllm  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:  # never import vllm here: batch invariance is set at import
         return False
+    import torch
+
     return torch.cuda.is_available()
 
 
