@@ -23,13 +23,16 @@ run: setup
 	$(VENV)/bin/jex run
 
 test: setup
+	$(VENV)/bin/ruff check .
 	bash .ci/services.sh $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
 
 bench: setup
-	$(VENV)/bin/python bench/run_all.py
+	$(VENV)/bin/python bench/spine.py
+	$(VENV)/bin/python bench/engine_cpu.py
+	$(VENV)/bin/python bench/campaign.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -51,7 +51,8 @@ def one_config(suite: Path, store_dir: Path, gpus: int, args: argparse.Namespace
     return {"gpus": gpus, "rows": fast["rows"], "gated": gate["rows"],
             "fast_pass": {"wall_s": fast_wall, "compute_s": fast_compute, "rows_per_s": fast["rows"] / fast_compute,
                           "workers": fast["workers"], "capture_sha256": sha(fast["capture"])},
-            "reason": {"wall_s": reason_wall, "compute_s": reason_compute, "rows_per_s": reason["rows"] / reason_compute,
+            "reason": {"wall_s": reason_wall, "compute_s": reason_compute,
+                       "rows_per_s": reason["rows"] / reason_compute,
                        "workers": reason["workers"], "reasoned_sha256": sha(reason["reasoned"])},
             "combined_rows_per_s": fast["rows"] / (fast_compute + reason_compute)}
 

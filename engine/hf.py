@@ -19,8 +19,8 @@ from engine.render import renderer_fingerprint
 from engine.types import (
     EngineDeadError,
     FinishReason,
-    Generation,
     GenerateRequest,
+    Generation,
     Readout,
     ReadoutMode,
     ReadoutRequest,
@@ -190,7 +190,8 @@ class HFEngine:
                 gen = self.model.generate(
                     input_ids=ids_t.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
                     max_new_tokens=max_new, pad_token_id=self.pad_id,
-                    min_new_tokens=max_new if all(requests[i].ignore_eos for i, _ in batch) else None, stop_strings=stops or None,
+                    min_new_tokens=max_new if all(requests[i].ignore_eos for i, _ in batch) else None,
+                    stop_strings=stops or None,
                     tokenizer=self.tokenizer if stops else None, temperature=None, top_p=None, top_k=None)
             for k, (i, _) in enumerate(batch):
                 r = requests[i]

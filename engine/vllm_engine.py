@@ -23,8 +23,8 @@ from engine.render import renderer_fingerprint
 from engine.types import (
     EngineDeadError,
     FinishReason,
-    Generation,
     GenerateRequest,
+    Generation,
     Readout,
     ReadoutMode,
     ReadoutRequest,
@@ -255,9 +255,11 @@ class VLLMEngine:
         return {**self.fingerprint(), "model_path": str(self.path), "audited": self.profile.name == AUDIT,
                 "environment": {k: os.environ[k] for k in env_names}, "transformers": _version("transformers"),
                 "triton": _version("triton"), "cuda": torch.version.cuda,
-                "driver": _driver_version(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                "batch_size": self.batch_size, "readout_api": "logprob_token_ids" if self.has_token_ids_api
-                else "top-k logprobs (checked)", "vllm_config": str(getattr(self.llm.llm_engine, "vllm_config", ""))[:4000]}
+                "driver": _driver_version(),
+                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                "batch_size": self.batch_size,
+                "readout_api": "logprob_token_ids" if self.has_token_ids_api else "top-k logprobs (checked)",
+                "vllm_config": str(getattr(self.llm.llm_engine, "vllm_config", ""))[:4000]}
 
 
 def _driver_version() -> str | None:

@@ -112,6 +112,33 @@ def run(suite: Annotated[Path | None, typer.Option(help="Suite folder (default: 
     typer.echo(run_dir)
 
 
+@app.command("calibrate")
+def calibrate_cmd(coverage: Annotated[float, typer.Option(help="Coverage gated within the sample")] = 0.30,
+                  sample_every: Annotated[int, typer.Option(help="Sample ~1/k of every catalog's questions")] = 4,
+                  target_rows: Annotated[int | None, typer.Option(help="Rows to project for")] = None,
+                  price: Annotated[float | None, typer.Option(help="$ per GPU-hour (default: settings)")] = None,
+                  budget_hours: Annotated[float | None, typer.Option(help="default: settings")] = None,
+                  budget_usd: Annotated[float | None, typer.Option(help="default: settings")] = None,
+                  suite: Annotated[Path | None, typer.Option(help="Suite folder (default: embedded)")] = None,
+                  out: Annotated[Path, typer.Option(help="Folder for run folders")] = Path("runs")) -> None:
+    """Measure reasoning cost and fix rate on a stratified sample; project time and cost per coverage."""
+    from flows.local_api import ensure_local_api
+
+    ensure_local_api()
+    from flows.calibration import CalibrationSpec, calibration
+    from flows.campaign import CampaignSpec
+
+    infra = load_settings().infra
+    spec = CalibrationSpec(campaign=CampaignSpec(suite=str(suite) if suite else None, out=str(out),
+                                                 store=str(out / "store")),
+                           coverage=coverage, sample_every=sample_every, target_rows=target_rows,
+                           price_per_gpu_hour=infra.price_per_hour if price is None else price,
+                           budget_hours=infra.budget_hours if budget_hours is None else budget_hours,
+                           budget_usd=infra.budget_usd if budget_usd is None else budget_usd)
+    doc = calibration(spec)
+    typer.echo(f"recommended coverage: {doc['projection']['recommended_coverage']}")
+
+
 @app.command("bakeoff")
 def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for bakeoff.json/.md/.png")],
             arms: Annotated[str, typer.Option(help="Comma-separated arms (hf-bi, hf-control, vllm-bi, "

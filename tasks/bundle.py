@@ -15,7 +15,6 @@ gzip header mtime 0. Rows stream through a bounded buffer: memory does not grow 
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import shutil
 import tarfile

@@ -37,19 +37,5 @@ def write_run_folder(run_dir: Path, s: dict[str, Any], spec: dict[str, Any], tim
     return report
 
 
-def publish_report(report: str, run_dir: Path) -> None:
-    """The report and the per-catalog table as Prefect artifacts, so the UI shows them."""
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
-    create_markdown_artifact(markdown=report, key="campaign-report", description=f"report of {run_dir.name}")
-    fold = read_json(run_dir / "fold.json")
-    score = read_json(run_dir / "score.json")
-    table = [{"catalog": c, "n": v["n"], "acc": round(v["acc"], 4), "skill": round(v["skill"], 4),
-              "ci_low": round(v["ci"][0], 4), "ci_high": round(v["ci"][1], 4),
-              "gated": fold["catalogs"][c]["gated"], "fixed": fold["catalogs"][c]["fixed"],
-              "flipped": fold["catalogs"][c]["flipped"]} for c, v in score["catalogs"].items()]
-    create_table_artifact(table=table, key="campaign-catalogs", description=f"per-catalog results of {run_dir.name}")
-
-
 def predictions_frame(run_dir: Path) -> pl.DataFrame:
     return pl.read_parquet(run_dir / "predictions.parquet")

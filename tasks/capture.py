@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.render import REASON_TEMPLATE, render_after_thought, render_question, render_reason
-from engine.types import Engine, Generation, GenerateRequest, Readout, ReadoutMode, ReadoutRequest
+from engine.types import Engine, GenerateRequest, Generation, Readout, ReadoutMode, ReadoutRequest
 
 
 class RowLike(Protocol):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +31,24 @@ def _panel(bundle: dict[str, Any], fast: dict[str, Any]) -> pl.DataFrame:
 
 
 def gate_stage(bundle: dict[str, Any], fast: dict[str, Any], store: LocalStore, *, coverage: float,
-               per_catalog_cap: float | None = None) -> dict[str, Any]:
-    key = stage_key("gate", params={"coverage": coverage, "per_catalog_cap": per_catalog_cap},
-                    inputs={"fast_pass": fast["sha256"]})
+               per_catalog_cap: float | None = None, sample_every: int | None = None) -> dict[str, Any]:
+    """Gate the panel; with `sample_every` = k, only a stratified sample is gated: the questions whose
+    crc32(question_id) % k == 0 (about 1/k of every catalog, whole clusters)."""
+    key = stage_key("gate", params={"coverage": coverage, "per_catalog_cap": per_catalog_cap,
+                                    "sample_every": sample_every}, inputs={"fast_pass": fast["sha256"]})
     sd = store.stage("gate", key)
     if sd.complete:
         return sd.summary()
-    gated = coverage_gate(_panel(bundle, fast), coverage=coverage, per_catalog_cap=per_catalog_cap)
+    panel = _panel(bundle, fast)
+    if sample_every:
+        keep = [zlib.crc32(q.encode()) % sample_every == 0 for q in panel["question_id"].to_list()]
+        panel = panel.filter(pl.Series(keep))
+    gated = coverage_gate(panel, coverage=coverage, per_catalog_cap=per_catalog_cap)
     write_parquet(gated, sd.path / "gated.parquet")
     return sd.finish({"stage": "gate", "key": key, "gated": str(sd.path / "gated.parquet"),
                       "sha256": sha256_file(sd.path / "gated.parquet"), "rows": gated.height,
-                      "coverage": coverage, "max_margin": gated["margin"].max() if gated.height else None})
+                      "coverage": coverage, "panel_rows": panel.height,
+                      "max_margin": gated["margin"].max() if gated.height else None})
 
 
 def fold_stage(bundle: dict[str, Any], fast: dict[str, Any], gate: dict[str, Any], reason: dict[str, Any],

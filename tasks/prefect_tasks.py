@@ -105,8 +105,24 @@ def score_task(bundle: dict[str, Any], overlay: dict[str, Any], fold: dict[str, 
 
 @task(name="report", cache_policy=NO_CACHE)
 def report_task(run_dir: str, summaries: dict[str, Any], spec: dict[str, Any], timings: dict[str, float]) -> str:
-    from tasks.campaign_outputs import publish_report, write_run_folder
+    from tasks.campaign_outputs import write_run_folder
 
     report = write_run_folder(Path(run_dir), summaries, spec, timings)
     publish_report(report, Path(run_dir))
     return str(Path(run_dir) / "report.md")
+
+
+def publish_report(report: str, run_dir: Path) -> None:
+    """The report and the per-catalog table as Prefect artifacts, so the UI shows them."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    from tasks.cpu_stages import read_json
+
+    create_markdown_artifact(markdown=report, key="campaign-report", description=f"report of {run_dir.name}")
+    fold = read_json(run_dir / "fold.json")
+    score = read_json(run_dir / "score.json")
+    table = [{"catalog": c, "n": v["n"], "acc": round(v["acc"], 4), "skill": round(v["skill"], 4),
+              "ci_low": round(v["ci"][0], 4), "ci_high": round(v["ci"][1], 4),
+              "gated": fold["catalogs"][c]["gated"], "fixed": fold["catalogs"][c]["fixed"],
+              "flipped": fold["catalogs"][c]["flipped"]} for c, v in score["catalogs"].items()]
+    create_table_artifact(table=table, key="campaign-catalogs", description=f"per-catalog results of {run_dir.name}")

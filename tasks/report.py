@@ -79,7 +79,8 @@ def render_report(*, name: str, policy: dict[str, Any], baseline: dict[str, Any]
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c, v in fold["catalogs"].items():
         ci = v["delta_skill_ci"]
-        lines.append(f"| {c} | {v['panel_rows']} | {v['gated']} | {v['fixed']} | {v['flipped']} | {_f(v['fix_rate'], 3)} "
+        lines.append(f"| {c} | {v['panel_rows']} | {v['gated']} | {v['fixed']} | {v['flipped']} | "
+                     f"{_f(v['fix_rate'], 3)} "
                      f"| {_f(v['baseline_acc'], 3)} | {_f(v['policy_acc'], 3)} | {v['delta_skill']:+.4f} | "
                      f"{ci[0]:+.3f} to {ci[1]:+.3f} |")
     lines += ["", "## Score", "", "| leg | index | 95% CI | raw |", "|---|---:|---|---:|"]
@@ -92,7 +93,8 @@ def render_report(*, name: str, policy: dict[str, Any], baseline: dict[str, Any]
               f"{calibration['reliability_before']['ece']:.4f} -> {calibration['reliability_after']['ece']:.4f}; "
               f"choices changed: {calibration['argmax_changed']}.", "", "![reliability](reliability.png)", "",
               "## Overlays", ""]
-    lines += [f"- `{a['id']}` on `{a['target']}`: {a['changed']} choices changed" for a in overlays] or ["None applied."]
+    applied = [f"- `{a['id']}` on `{a['target']}`: {a['changed']} choices changed" for a in overlays]
+    lines += applied or ["None applied."]
     lines += ["", "## Stages", "", "| stage | seconds | computed shards | reused shards |", "|---|---:|---:|---:|"]
     shard_info = {"fast_pass": fast, "reason": reason}
     for stage, secs in timings.items():

@@ -90,8 +90,9 @@ def catalog_chances(frame: pl.DataFrame, spec: ScoreSpec) -> dict[str, float]:
 def score_predictions(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec) -> Score:
     """Score predictions against the suite rows (vectorised over rows)."""
     frame = scored_frame(rows, predictions, spec)
-    per = {r["catalog"]: r for r in frame.group_by("catalog").agg(
-        n=pl.len(), correct=pl.col("correct").sum(), unsupported=pl.col("choice").is_null().sum()).iter_rows(named=True)}
+    totals = frame.group_by("catalog").agg(n=pl.len(), correct=pl.col("correct").sum(),
+                                           unsupported=pl.col("choice").is_null().sum())
+    per = {r["catalog"]: r for r in totals.iter_rows(named=True)}
     missing = [c.id for c in spec.catalogs if c.id not in per]
     if missing:
         raise ValueError(f"catalog(s) {missing} have no scored rows")

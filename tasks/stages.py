@@ -96,7 +96,8 @@ def fast_pass_stage(bundle: dict[str, Any], engine: EngineSpec, store: LocalStor
     return sd.finish({"stage": "fast_pass", "key": key, "capture": str(sd.path / "capture.parquet"),
                       "sha256": sha256_file(sd.path / "capture.parquet"), "rows": frame.height,
                       "shard_rows": shard_rows, "shards": stats.shards, "computed_shards": stats.computed,
-                      "reused_shards": stats.reused,
+                      "reused_shards": stats.reused, "compute_seconds": stats.compute_seconds,
+                      "computed_rows": stats.computed_rows,
                       "context_refusals": refusals.filter(pl.col("refusal").str.starts_with("context")).height,
                       "readout_errors": refusals.filter(~pl.col("refusal").str.starts_with("context")).height,
                       "engine": fingerprint(engine)})
@@ -142,7 +143,8 @@ def reason_stage(bundle: dict[str, Any], gate: dict[str, Any], engine: EngineSpe
     lengths = [len(t) for t in frame["token_ids"].to_list()]
     return sd.finish({"stage": "reason", "key": key, "reasoned": str(out), "sha256": sha256_file(out),
                       "rows": frame.height, "shards": stats.shards, "computed_shards": stats.computed,
-                      "reused_shards": stats.reused,
+                      "reused_shards": stats.reused, "compute_seconds": stats.compute_seconds,
+                      "computed_rows": stats.computed_rows,
                       "context_refusals": frame.filter(pl.col("refusal").str.starts_with("context")).height,
                       "readout_errors": frame.filter(pl.col("refusal").is_not_null()
                                                      & ~pl.col("refusal").str.starts_with("context")).height,

@@ -9,6 +9,7 @@ Copying a store to S3 and back is the infra room's job (`infra/`); the stages on
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,9 @@ class ShardStats:
     shards: int
     computed: list[int]
     reused: list[int]
+    compute_seconds: float = 0.0
+    """Wall seconds spent computing the shards this call computed (reused ones cost nothing)."""
+    computed_rows: int = 0
 
 
 def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
@@ -77,16 +81,21 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
     folder.mkdir(parents=True, exist_ok=True)
     n_shards = (len(items) + shard_rows - 1) // shard_rows
     computed, reused = [], []
+    seconds, rows = 0.0, 0
     for i in range(worker, n_shards, workers):
         path = folder / f"shard-{i:05d}.parquet"
         if path.exists():
             reused.append(i)
         else:
-            write_parquet(compute(items[i * shard_rows:(i + 1) * shard_rows]), path)
+            t0 = time.perf_counter()
+            chunk = items[i * shard_rows:(i + 1) * shard_rows]
+            write_parquet(compute(chunk), path)
+            seconds += time.perf_counter() - t0
+            rows += len(chunk)
             computed.append(i)
         if on_shard:
             on_shard(len(computed) + len(reused), len(range(worker, n_shards, workers)))
-    return ShardStats(n_shards, computed, reused)
+    return ShardStats(n_shards, computed, reused, seconds, rows)
 
 
 def merge_shards(folder: Path, n_shards: int, out: Path) -> pl.DataFrame:

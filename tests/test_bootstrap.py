@@ -6,7 +6,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from tasks.bootstrap import bootstrap_ci, bootstrap_loop, paired_bootstrap_ci, resampled_accuracy, ClusterLayout
+from tasks.bootstrap import ClusterLayout, bootstrap_ci, bootstrap_loop, paired_bootstrap_ci, resampled_accuracy
 from tasks.scoring import catalog_chances, scored_frame
 from tasks.scoring_inputs import load_suite_table
 

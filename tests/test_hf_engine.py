@@ -23,8 +23,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def requests(engine, sample_suite):
-    from jex.suite import iter_rows
     from engine.render import render_question
+    from jex.suite import iter_rows
 
     rows = list(iter_rows(sample_suite))[::24][:12]
     out = []

@@ -1,0 +1,100 @@
+"""Campaign benchmarks (issue 4), all in one run on this machine.
+
+    .venv/bin/python bench/campaign.py [--out bench/out/campaign.json]
+1. The main job (`jex run` on the embedded defaults) from a cold store: wall time, and per stage.
+2. The same campaign again, capture cached: wall time as a fraction of the first (target < 5%).
+3. Orchestration overhead, everything cached, in one process: the Prefect flow against the same
+   stage functions called directly (target: overhead < 15 s or < 1.2x, whichever is larger).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def stage_seconds(report: str) -> dict[str, float]:
+    part = report.split("## Stages", 1)[1]
+    return {m[1]: float(m[2]) for m in re.finditer(r"\| (\w+) \| ([\d.]+) \|", part)}
+
+
+def direct(spec) -> float:
+    """The stage functions in order, no Prefect (all stored already)."""
+    from flows.campaign import sample_suite_dir
+    from tasks import cpu_stages as c
+    from tasks import stages as s
+    from tasks.campaign_outputs import write_run_folder
+    from tasks.overlay_rules import load_rules
+    from tasks.store import LocalStore
+
+    t0 = time.perf_counter()
+    store = LocalStore(spec.store)
+    out = {"bundle": s.bundle_stage(spec.suite or sample_suite_dir(spec), store)}
+    out["fast_pass"] = s.fast_pass_stage(out["bundle"], spec.engine, store, shard_rows=spec.fast_shard_rows)
+    out["gate"] = c.gate_stage(out["bundle"], out["fast_pass"], store, coverage=spec.coverage)
+    out["reason"] = s.reason_stage(out["bundle"], out["gate"], spec.engine, store, max_tokens=spec.reason_max_tokens,
+                                   shard_rows=spec.reason_shard_rows)
+    out["fold"] = c.fold_stage(out["bundle"], out["fast_pass"], out["gate"], out["reason"], store, rule=spec.fold_rule,
+                               weight=spec.fold_weight, draws=spec.bootstrap_draws, seed=spec.bootstrap_seed)
+    out["calibrate"] = c.calibrate_stage(out["bundle"], out["fold"], store, folds=spec.calibration_folds)
+    rules, sha = load_rules(spec.overlays)
+    out["overlay"] = c.overlay_stage(out["calibrate"], store, rules=rules, rules_sha256=sha)
+    out["score"] = c.score_stage(out["bundle"], out["overlay"], out["fold"], store, draws=spec.bootstrap_draws,
+                                 seed=spec.bootstrap_seed)
+    write_run_folder(Path(tempfile.mkdtemp()), out, spec.model_dump(mode="json"), {})
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/out/campaign.json")
+    p.add_argument("--work", default=None, help="reuse this folder (skips nothing: the store decides)")
+    args = p.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="jex-bench-"))
+    env = {**os.environ, "PREFECT_HOME": str(work / "prefect")}
+    cmd = [str(ROOT / ".venv/bin/jex"), "run", "--out", str(work)]
+    res = {}
+    for name in ("first_run", "cached_rerun"):
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+        res[name] = {"wall_seconds": time.perf_counter() - t0}
+        run_dir = Path(proc.stdout.strip().splitlines()[-1])
+        res[name]["stages"] = stage_seconds((run_dir / "report.md").read_text())
+    res["rerun_fraction"] = res["cached_rerun"]["wall_seconds"] / res["first_run"]["wall_seconds"]
+    # in-process overhead, everything cached
+    os.environ["PREFECT_HOME"] = str(work / "prefect")
+    from flows.campaign import campaign, load_spec
+    from flows.local_api import ensure_local_api
+
+    ensure_local_api()
+    spec = load_spec(run_dir)
+    direct_s = min(direct(spec) for _ in range(2))
+    from prefect.testing.utilities import prefect_test_harness
+
+    t0 = time.perf_counter()
+    with prefect_test_harness(server_startup_timeout=120):
+        harness_start = time.perf_counter() - t0
+        flow_s = []
+        for _ in range(2):
+            t1 = time.perf_counter()
+            campaign(spec)
+            flow_s.append(time.perf_counter() - t1)
+    res["overhead"] = {"direct_seconds": direct_s, "flow_seconds": min(flow_s), "api_start_seconds": harness_start,
+                       "overhead_seconds": min(flow_s) - direct_s, "ratio": min(flow_s) / direct_s}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

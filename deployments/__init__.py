@@ -1,0 +1,1 @@
+"""deployments room (see docs/architecture.md)."""

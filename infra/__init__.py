@@ -1,0 +1,1 @@
+"""infra room (see docs/architecture.md)."""

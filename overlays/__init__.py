@@ -1,0 +1,1 @@
+"""overlays room (see docs/architecture.md)."""
