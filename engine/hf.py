@@ -225,10 +225,11 @@ class HFEngine:
                 "transformers": _version("transformers"), "renderer": renderer_fingerprint()}
 
     def provenance(self) -> dict[str, Any]:
+        """fingerprint() plus what describes the run but not the function (paths, hardware, threads)."""
         torch = self.torch
         gpu = torch.cuda.get_device_name(0) if self.device.startswith("cuda") else None
         return {**self.fingerprint(), "model_path": str(self.path),
                 "batch_invariant_method": "per-request forward (batch 1)" if self.batch_invariant else None,
                 "requested_batch_size": self.requested_batch_size, "max_context": self.max_context,
                 "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "gpu": gpu,
-                "machine": platform.machine(), "jex_engine_api": 1}
+                "machine": platform.machine(), "jex": _version("jex")}

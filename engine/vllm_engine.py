@@ -249,6 +249,7 @@ class VLLMEngine:
                 "vllm": _version("vllm"), "torch": _version("torch"), "renderer": renderer_fingerprint()}
 
     def provenance(self) -> dict[str, Any]:
+        """fingerprint() plus what describes the run but not the function (paths, hardware, threads)."""
         import torch
 
         env_names = sorted(k for k in os.environ if k.startswith(("VLLM_", "CUBLAS", "CUDA_VISIBLE")))
@@ -257,7 +258,7 @@ class VLLMEngine:
                 "triton": _version("triton"), "cuda": torch.version.cuda,
                 "driver": _driver_version(),
                 "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                "batch_size": self.batch_size,
+                "batch_size": self.batch_size, "jex": _version("jex"),
                 "readout_api": "logprob_token_ids" if self.has_token_ids_api else "top-k logprobs (checked)",
                 "vllm_config": str(getattr(self.llm.llm_engine, "vllm_config", ""))[:4000]}
 

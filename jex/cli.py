@@ -21,6 +21,8 @@ config_app = typer.Typer(no_args_is_help=True, help="Settings (JEX_* variables a
 app.add_typer(suite_app, name="suite")
 app.add_typer(bundle_app, name="bundle")
 app.add_typer(config_app, name="config")
+overlays_app = typer.Typer(no_args_is_help=True, help="Overlays on a finished run: mine, gate, ladder.")
+app.add_typer(overlays_app, name="overlays")
 
 
 def _fail(err: Exception) -> None:
@@ -185,6 +187,69 @@ def parity(suite: Annotated[Path, typer.Option(help="Suite folder")],
     write_text(out / "parity.md", markdown(res, (engine_a, engine_b)))
     r = res["readout"]
     typer.echo(f"argmax agreement {r['agree']}/{r['common']}, max |dp| {r['max_abs_dp']:.3g} -> {out}")
+
+
+@overlays_app.command("mine")
+def overlays_mine(run: Annotated[Path, typer.Argument(help="A finished run folder")],
+                  out: Annotated[Path, typer.Option("-o", "--out", help="Folder for mining.json, candidates.toml")],
+                  top: int = 5) -> None:
+    """Propose candidate rules where errors are systematic, with their out-of-fold gain."""
+    from jex.fileio import write_json, write_text
+    from tasks.overlay_lab import candidate_rules_toml, load_capture, mine
+
+    doc = mine(load_capture(run))
+    write_json(out / "mining.json", doc)
+    write_text(out / "candidates.toml", candidate_rules_toml(doc["candidates"], top=top))
+    for c in doc["candidates"][:top]:
+        typer.echo(f"{c['catalog']:>14} {c['kind']:<22} oof gain {c['oof_gain_full']:+.3f}")
+    typer.echo(out / "candidates.toml")
+
+
+@overlays_app.command("gate")
+def overlays_gate(run: Annotated[Path, typer.Argument(help="A finished run folder")],
+                  rules: Annotated[Path, typer.Option(help="Rule file (TOML)")],
+                  out: Annotated[Path, typer.Option("-o", "--out", help="Folder for gate-settings.json, gate.json")],
+                  alpha: float = 0.05, draws: int = 2000, permutations: int = 200, seed: int = 20260929) -> None:
+    """Pre-registered gate: settings hashed first; CI above zero, permutation p < alpha, no-degrade."""
+    from overlays import load_rule_file
+    from tasks.overlay_lab import GateSettings, gate, load_capture
+
+    try:
+        doc = gate(load_capture(run), [r for r in load_rule_file(rules) if r.enabled],
+                   GateSettings(alpha=alpha, draws=draws, seed=seed, permutations=permutations), out)
+    except JexError as e:
+        _fail(e)
+    for r in doc["results"]:
+        failed = [k for k, v in r["checks"].items() if not v]
+        typer.echo(f"{r['rule']['id']}: {'PASS' if r['passed'] else 'FAIL ' + ', '.join(failed)} "
+                   f"(gain {r['gain_full']:+.3f}, CI {r['ci_full'][0]:+.3f}..{r['ci_full'][1]:+.3f}, "
+                   f"p {r['permutation_p']:.4f})" + (f": {r['no_degrade_error']}" if r["no_degrade_error"] else ""))
+
+
+@overlays_app.command("ladder")
+def overlays_ladder(run: Annotated[Path, typer.Argument(help="A finished run folder")],
+                    rules: Annotated[Path, typer.Option(help="Rule file (TOML), applied in declared order")],
+                    out: Annotated[Path, typer.Option("-o", "--out", help="Folder for ladder.json, disclosure.md")],
+                    gate_record: Annotated[Path | None, typer.Option("--gate", help="gate.json: keep its passes")]
+                    = None) -> None:
+    """Ladder, leave-one-outs, no-degrade and reversibility checks, and the disclosure sheet."""
+    from jex.fileio import write_json, write_text
+    from overlays import load_rule_file
+    from tasks.overlay_lab import disclosure, ladder, load_capture
+
+    chosen = [r for r in load_rule_file(rules) if r.enabled]
+    if gate_record is not None:
+        passed = set(json.loads(gate_record.read_text())["passed"])
+        chosen = [r for r in chosen if r.id in passed]
+    try:
+        doc = ladder(load_capture(run), chosen)
+    except JexError as e:
+        _fail(e)
+    write_json(out / "ladder.json", doc)
+    write_text(out / "disclosure.md", disclosure(doc, chosen))
+    for s in doc["steps"]:
+        typer.echo(f"{s['step']:>24} {s['full']:.4f}")
+    typer.echo(out / "disclosure.md")
 
 
 @config_app.command("show")

@@ -10,11 +10,12 @@ from typing import Any
 import polars as pl
 
 from jex.fileio import sha256_file, write_json
+from overlays.rules import OverlayRuleBase
 from tasks.calibrate import calibrate
 from tasks.fold import FoldRule, error_counters, fold_counters, fold_predictions
 from tasks.gate import coverage_gate
 from tasks.keys import stage_key
-from tasks.overlay import OverlayRule, apply_overlays
+from tasks.overlay import apply_overlays, reversibility_check
 from tasks.score import score_with_ci
 from tasks.scoring_inputs import load_suite_table
 from tasks.store import LocalStore, write_parquet
@@ -93,16 +94,18 @@ def calibrate_stage(bundle: dict[str, Any], fold: dict[str, Any], store: LocalSt
                       "calibration_json": str(sd.path / "calibration.json")})
 
 
-def overlay_stage(calibrated: dict[str, Any], store: LocalStore, *, rules: list[OverlayRule],
+def overlay_stage(calibrated: dict[str, Any], store: LocalStore, *, rules: list[OverlayRuleBase],
                   rules_sha256: str | None) -> dict[str, Any]:
     key = stage_key("overlay", params={"rules": [r.record() for r in rules]},
                     inputs={"calibrate": calibrated["sha256"], "rules": rules_sha256 or "none"})
     sd = store.stage("overlay", key)
     if sd.complete:
         return sd.summary()
-    frame = pl.read_parquet(calibrated["calibrated"]).with_columns(
-        stage=pl.when(pl.col("folded")).then(pl.lit("fold")).otherwise(pl.lit("fast_pass")))
-    frame, applied = apply_overlays(frame, rules)
+    base = pl.read_parquet(calibrated["calibrated"]).with_columns(
+        stage=pl.when(pl.col("folded")).then(pl.lit("fold")).otherwise(pl.lit("fast_pass")),
+        probs=pl.col("calibrated_logprobs").list.eval(pl.element().exp()))
+    reversibility_check(base, apply_overlays(base, [])[0])
+    frame, applied = apply_overlays(base, rules)
     predictions = frame.select("run_id", "choice", probs=pl.col("calibrated_logprobs").list.eval(pl.element().exp()),
                                stage="stage")
     write_parquet(predictions, sd.path / "predictions.parquet")

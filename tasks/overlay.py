@@ -1,44 +1,58 @@
-"""The overlay stage's interface: decision rules laid on a frozen capture.
+"""The overlay stage's mechanics: decision rules laid on a frozen capture.
 
 An overlay changes emitted choices only; probabilities and the capture are never rewritten. The rule
-kinds, their gate and the ladder live in `overlays/`; this stage applies an ordered list of rules
-(none by default) and records which stage decided each row.
+kinds live in `overlays/`; this module applies an ordered list of them, records which stage decided
+each row, and checks the two promises every overlay run must keep: non-target catalogs are
+bit-identical to the base (no-degrade), and all flags off gives the base back exactly (reversible).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import polars as pl
 
-
-class OverlayRule(Protocol):
-    id: str
-    target: str
-
-    def decide(self, frame: pl.DataFrame) -> pl.Series:
-        """New choices for the rows of `frame` (its target catalog's rows only)."""
-        ...
-
-    def record(self) -> dict[str, Any]:
-        ...
+from jex.errors import JexError
+from overlays.rules import OverlayRuleBase
 
 
-def apply_overlays(frame: pl.DataFrame, rules: Sequence[OverlayRule]) -> tuple[pl.DataFrame, list[dict[str, Any]]]:
-    """`frame`: run_id, catalog, choice, stage, calibrated_logprobs. Returns the new frame and a record."""
+class NoDegradeViolation(JexError):
+    """An overlay changed predictions outside its target catalog."""
+
+
+def apply_overlays(frame: pl.DataFrame, rules: Sequence[OverlayRuleBase]) -> tuple[pl.DataFrame, list[dict[str, Any]]]:
+    """`frame`: run_id, catalog, choice, stage, probs (+ question_id, gold for fitted rules).
+
+    Rules apply in order; each may change only its target's rows, which `no_degrade_check` verifies
+    after each one. Returns the new frame and one record per rule.
+    """
     applied = []
     for rule in rules:
-        target = frame["catalog"] == rule.target
-        new = rule.decide(frame.filter(target))
-        old = frame.filter(target)["choice"]
-        changed = int((new != old).fill_null(True).sum())
-        choices = frame["choice"].to_list()
-        stages = frame["stage"].to_list()
-        idx = [i for i, t in enumerate(target.to_list()) if t]
-        for j, i in enumerate(idx):
-            if new[j] != choices[i]:
-                choices[i], stages[i] = new[j], f"overlay:{rule.id}"
-        frame = frame.with_columns(pl.Series("choice", choices, dtype=pl.Int32), pl.Series("stage", stages))
-        applied.append({**rule.record(), "changed": changed})
+        before = frame
+        new = rule.apply(frame)
+        changed = (new != frame["choice"]).fill_null(True)
+        frame = frame.with_columns(new.alias("choice"),
+                                   pl.when(changed).then(pl.lit(f"overlay:{rule.id}")).otherwise(pl.col("stage"))
+                                   .alias("stage"))
+        no_degrade_check(before, frame, targets={rule.target}, what=f"overlay {rule.id!r}")
+        applied.append({**rule.record(), "changed": int(changed.sum())})
     return frame, applied
+
+
+def no_degrade_check(base: pl.DataFrame, overlaid: pl.DataFrame, *, targets: set[str], what: str = "overlays") -> None:
+    """Every row outside `targets` must keep its exact choice; raise naming the catalog and rows."""
+    joined = base.select("run_id", "catalog", "choice").join(
+        overlaid.select("run_id", new="choice"), on="run_id", how="left", maintain_order="left")
+    moved = joined.filter(~pl.col("catalog").is_in(list(targets)) & (pl.col("choice").ne_missing(pl.col("new"))))
+    if moved.height:
+        by_cat = moved.group_by("catalog", maintain_order=True).agg(pl.col("run_id").head(3), n=pl.len())
+        detail = "; ".join(f"catalog '{c}': {n} rows (first: {ids})" for c, ids, n in by_cat.iter_rows())
+        raise NoDegradeViolation(f"{what} changed predictions outside its target(s) {sorted(targets)}: {detail}")
+
+
+def reversibility_check(base: pl.DataFrame, all_off: pl.DataFrame) -> None:
+    """With every flag off the choices must be the base's, row for row."""
+    if base["run_id"].to_list() != all_off["run_id"].to_list() or \
+            not base["choice"].equals(all_off["choice"], check_names=False):
+        raise JexError("overlays are not reversible: all flags off does not give the base predictions back")

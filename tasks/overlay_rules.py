@@ -12,8 +12,6 @@ def load_rules(path: str | None) -> tuple[list[Any], str | None]:
     """The enabled rules of a TOML rule file, in declared order, and the file's sha256."""
     if not path:
         return [], None
-    try:
-        from overlays import load_rule_file
-    except ImportError as e:  # the rule kinds arrive with the overlays issue
-        raise NotImplementedError(f"overlay rule files are not supported yet ({e}); run without --overlays") from e
+    from overlays import load_rule_file
+
     return [r for r in load_rule_file(Path(path)) if r.enabled], sha256_file(path)

@@ -61,8 +61,8 @@ def render_report(*, name: str, policy: dict[str, Any], baseline: dict[str, Any]
     dlo, dhi = fold["delta_full_ci"]
     lines = [f"# Campaign report: {name}", "",
              f"**Full index {policy['full']:.2f}** (95% CI {lo:.2f} to {hi:.2f}) against the fast-pass baseline "
-             f"{baseline['full']:.2f}; delta {policy['full'] - baseline['full']:+.2f} "
-             f"(paired 95% CI {dlo:+.2f} to {dhi:+.2f}).", "",
+             f"{baseline['full']:.2f}: delta {policy['full'] - baseline['full']:+.2f} with fold, calibration and "
+             f"overlays; the fold alone has a paired 95% CI of {dlo:+.2f} to {dhi:+.2f}.", "",
              f"Engine: `{engine.get('kind')}`, weights sha256 `{str(engine.get('weights_sha256'))[:16]}…`, "
              f"renderer `{engine.get('renderer', {}).get('version')}`.", "",
              "## Fold (dry-run counters)", "", "| counter | value |", "|---|---:|"]

@@ -1,0 +1,171 @@
+"""Overlay rules on hand-computed cases; the gate, the ladder, no-degrade and reversibility."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import polars as pl
+import pytest
+
+from jex.errors import InputError
+from overlays import IsotonicShrink, PositionalThreshold, SignedLogitThreshold, load_rule_file
+from overlays.rules import isotonic_apply, isotonic_fit
+from tasks.overlay import NoDegradeViolation, apply_overlays, no_degrade_check
+from tasks.overlay_lab import Capture, GateSettings, disclosure, gate, ladder, mine
+from tasks.scoring_inputs import CatalogSpec, ScoreSpec
+
+
+def frame(probs, choice, gold=None, catalog="c"):
+    n = len(probs)
+    return pl.DataFrame({"run_id": [f"r{i}" for i in range(n)], "catalog": [catalog] * n,
+                         "question_id": [f"q{i}" for i in range(n)], "choice": choice,
+                         "gold": gold if gold is not None else [0] * n, "probs": probs, "stage": ["base"] * n},
+                        schema={"run_id": pl.String, "catalog": pl.String, "question_id": pl.String,
+                                "choice": pl.Int32, "gold": pl.Int32, "probs": pl.List(pl.Float64),
+                                "stage": pl.String})
+
+
+def test_positional_threshold_by_hand():
+    # logit(0.3) = -0.847, logit(0.05) = -2.944: tau = -2 fires on the first row only
+    f = frame([[0.3, 0.7], [0.95, 0.05]], [1, 0])
+    rule = PositionalThreshold(id="p", target="c", projection_class="positional-construction-reuse",
+                               label_index=0, tau=-2.0)
+    assert rule.decide(f).to_list() == [0, 0]
+    rule1 = PositionalThreshold(id="p", target="c", projection_class="positional-construction-reuse",
+                                label_index=1, tau=math.log(0.05 / 0.95))  # exactly at the threshold: fires
+    assert rule1.decide(f).to_list() == [1, 1]
+
+
+def test_signed_logit_threshold_both_directions():
+    f = frame([[0.2, 0.5, 0.3], [0.6, 0.1, 0.3]], [1, 0])
+    above = SignedLogitThreshold(id="s", target="c", projection_class="fitted-on-public-oof", option_index=2,
+                                 tau=-1.0, direction="above")  # logit(0.3) = -0.85 >= -1
+    assert above.decide(f).to_list() == [2, 2]
+    below = SignedLogitThreshold(id="s", target="c", projection_class="fitted-on-public-oof", option_index=0,
+                                 tau=-1.0, direction="below")  # logit(0.2) = -1.39 < -1: best other = 1
+    assert below.decide(f).to_list() == [1, 0]
+
+
+def test_isotonic_fit_pools_violators():
+    right, values = isotonic_fit(np.array([0.1, 0.2, 0.3, 0.4]), np.array([0.0, 1.0, 0.0, 1.0]))
+    assert values.tolist() == [0.0, 0.5, 1.0] and right.tolist() == [0.1, 0.3, 0.4]
+    assert isotonic_apply((right, values), np.array([0.05, 0.25, 0.9])).tolist() == [0.0, 0.5, 1.0]
+
+
+def test_isotonic_shrink_is_out_of_fold_and_thresholds_at_half():
+    rng = np.random.default_rng(0)
+    p = rng.uniform(0, 1, 400)
+    gold = (rng.uniform(0, 1, 400) < 0.2).astype(int)  # option 0 is the positive; it is mostly wrong
+    gold = np.where(gold == 1, 0, 1)
+    f = frame([[x, 1 - x] for x in p], [0 if x >= 0.5 else 1 for x in p], gold.tolist())
+    rule = IsotonicShrink(id="i", target="c", projection_class="fitted-on-public-oof", positive_index=0, shrink=1.0,
+                          folds=5)
+    q = rule.calibrated(f)
+    assert np.all((q >= 0) & (q <= 1))
+    new = rule.decide(f).to_numpy()
+    assert (new == gold).mean() > (f["choice"].to_numpy() == gold).mean()  # the map learned "rarely positive"
+
+
+def test_apply_touches_only_the_target_and_records_the_stage():
+    other = frame([[0.4, 0.6]], [1], catalog="other").with_columns(run_id=pl.lit("o"))
+    f = pl.concat([frame([[0.4, 0.6]], [1]), other])
+    rule = PositionalThreshold(id="p", target="c", projection_class="positional-construction-reuse",
+                               label_index=0, tau=-5)
+    out, rec = apply_overlays(f, [rule])
+    assert out["choice"].to_list() == [0, 1] and out["stage"].to_list() == ["overlay:p", "base"]
+    assert rec[0]["changed"] == 1 and rec[0]["tau"] == -5
+
+
+def test_no_degrade_names_catalog_and_rows():
+    base = pl.DataFrame({"run_id": ["a", "b", "c"], "catalog": ["t", "x", "x"], "choice": [0, 0, 1]})
+    moved = base.with_columns(choice=pl.Series([1, 1, 1]))
+    with pytest.raises(NoDegradeViolation, match=r"catalog 'x': 1 rows \(first: \['b'\]\)"):
+        no_degrade_check(base, moved, targets={"t"})
+
+
+# --- a small capture: catalog 'pos' puts gold at option 3, the model prefers option 2 -------------------------
+
+@pytest.fixture
+def capture():
+    rng = np.random.default_rng(4)
+    rows, probs, choice = [], [], []
+    for cat, n in (("pos", 80), ("other", 80)):
+        for i in range(n):
+            gold = 3 if (cat == "pos" and rng.uniform() < 0.85) else int(rng.integers(0, 4))
+            p = rng.dirichlet([1, 1, 4, 1 + 2 * (gold == 3 and cat == "pos")])
+            rows.append({"run_id": f"{cat}{i}", "catalog": cat, "question_id": f"{cat}q{i}", "gold": gold,
+                         "n_options": 4})
+            probs.append(p.tolist())
+            choice.append(int(np.argmax(p)))
+    rows_df = pl.DataFrame(rows, schema={"run_id": pl.String, "catalog": pl.String, "question_id": pl.String,
+                                         "gold": pl.Int32, "n_options": pl.Int32})
+    base = rows_df.with_columns(pl.Series("choice", choice, dtype=pl.Int32),
+                                pl.Series("probs", probs, dtype=pl.List(pl.Float64)), stage=pl.lit("base"))
+    spec = ScoreSpec(legs={"L": 1.0}, catalogs=(CatalogSpec("pos", "L", 1.0, None), CatalogSpec("other", "L", 1.0,
+                                                                                                 None)))
+    return Capture(spec, rows_df, base)
+
+
+def test_mining_finds_the_positional_rule(capture):
+    doc = mine(capture)
+    best = doc["candidates"][0]
+    assert (best["catalog"], best["kind"], best["label_index"]) == ("pos", "positional-threshold", 3)
+    assert doc["catalogs"]["pos"]["gold_position"][3] > 60 and best["oof_gain_full"] > 0
+
+
+def _rule(**kw):
+    return PositionalThreshold(**{"id": "R", "target": "pos", "projection_class": "positional-construction-reuse",
+                                  "label_index": 3, "tau": -3.0, **kw})
+
+
+def test_gate_passes_the_positional_rule_and_registers_settings_first(capture, tmp_path):
+    doc = gate(capture, [_rule()], GateSettings(draws=300, permutations=99), tmp_path)
+    r = doc["results"][0]
+    assert r["passed"] and r["ci_full"][0] > 0 and r["permutation_p"] < 0.05
+    assert (tmp_path / "gate-settings.json").exists() and len(doc["settings_sha256"]) == 64
+
+
+def test_planted_harmful_rule_fails_the_gate(capture, tmp_path):
+    harmful = _rule(id="H", label_index=0, tau=-6.0)  # emit option 0 nearly always: gold is at 3
+    r = gate(capture, [harmful], GateSettings(draws=300, permutations=99), tmp_path)["results"][0]
+    assert not r["passed"] and not r["checks"]["ci_above_zero"] and r["gain_full"] < 0
+
+
+class LeakyPositional(PositionalThreshold):
+    """A buggy rule: decides every row, not only its target's."""
+
+    def apply(self, frame):
+        return self.decide(frame)
+
+
+def test_planted_rule_touching_a_second_catalog_fails_no_degrade(capture, tmp_path):
+    leaky = LeakyPositional(id="L", target="pos", projection_class="positional-construction-reuse", label_index=3,
+                            tau=-3.0)
+    r = gate(capture, [leaky], GateSettings(draws=100, permutations=19), tmp_path)["results"][0]
+    assert not r["passed"] and "catalog 'other'" in r["no_degrade_error"]
+    with pytest.raises(NoDegradeViolation, match="catalog 'other'"):
+        ladder(capture, [leaky])
+
+
+def test_ladder_leave_one_out_reversibility_and_disclosure(capture):
+    a, b = _rule(id="A"), _rule(id="B", label_index=2, tau=10.0)  # B never fires
+    doc = ladder(capture, [a, b])
+    base, step_a, step_b = (s["full"] for s in doc["steps"])
+    assert base == capture.full(capture.base["choice"])  # all flags off: the base, bit-exactly
+    assert step_a > base and step_b == step_a
+    assert [v["variant"] for v in doc["leave_one_out"]] == ["no A", "no B"]
+    assert doc["leave_one_out"][0]["full"] == base and doc["catalogs_moved"] == ["pos"]
+    sheet = disclosure(doc, [a, b])
+    assert "positional-construction-reuse" in sheet and "public-suite projection" in sheet
+
+
+def test_rule_file_errors_are_located(tmp_path):
+    f = tmp_path / "r.toml"
+    f.write_text('[[rules]]\nid = "x"\nkind = "nope"\ntarget = "c"\nprojection_class = "fitted-on-public-oof"\n')
+    with pytest.raises(InputError, match="unknown kind 'nope'") as e:
+        load_rule_file(f)
+    assert e.value.row == 0
+    f.write_text('[[rules]]\nid = "x"\nkind = "positional-threshold"\ntarget = "c"\nprojection_class = "guess"\n')
+    with pytest.raises(InputError, match="projection_class"):
+        load_rule_file(f)
