@@ -105,10 +105,25 @@ def campaign(spec: CampaignSpec = CampaignSpec()) -> str:  # noqa: B008 - a pyda
     s["score"] = timed("score", score_task, bundle=s["bundle"], overlay=s["overlay"], fold=s["fold"], store=store,
                        draws=spec.bootstrap_draws, seed=spec.bootstrap_seed)
     report_task(run_dir=str(run_dir), summaries=s, spec=spec.model_dump(mode="json"), timings=timings)
+    upload_to_s3(run_dir, s, store)
     errors = s["fold"]["errors"]
     if any(errors.values()):
         print(f"WARNING: error counters are not all zero: {errors}")
     return str(run_dir)
+
+
+def upload_to_s3(run_dir: Path, summaries: dict[str, Any], store: str) -> None:
+    """With JEX_STORE__S3_BUCKET set, copy the stage folders and the run folder to S3 (verified)."""
+    from jex.settings import load_settings
+
+    settings = load_settings()
+    if not settings.store.s3_bucket:
+        return
+    from infra.s3 import S3Store, sync_campaign
+
+    manifest = sync_campaign(S3Store.from_settings(settings.store, settings.infra), run_dir, summaries, Path(store))
+    print(f"uploaded {sum(o['uploaded'] for o in manifest['objects'])} of {len(manifest['objects'])} objects to "
+          f"s3://{manifest['bucket']}/{manifest['prefix']}")
 
 
 def run_campaign(spec: CampaignSpec) -> Path:

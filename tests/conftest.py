@@ -39,3 +39,14 @@ def row(run_id: str, catalog: str, *, q: str | None = None, k: int = 4, gold: in
 @pytest.fixture(scope="session")
 def sample_suite(tmp_path_factory) -> Path:
     return write_sample_suite(tmp_path_factory.mktemp("sample") / "suite", rows=360, seed=0)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()

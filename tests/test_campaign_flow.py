@@ -57,7 +57,7 @@ def _spec(suite, tmp_path):
                         fast_shard_rows=9, reason_shard_rows=3, store=str(tmp_path / "store"), out=str(tmp_path))
 
 
-def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, tmp_path, monkeypatch):
+def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, tmp_path, monkeypatch, s3_server):
     import tasks.cpu_stages as cpu
     from flows.campaign import campaign
 
@@ -87,6 +87,17 @@ def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, 
     assert ((run_dir / "score.json").read_bytes(), (run_dir / "predictions.parquet").read_bytes()) == first
     import json
 
+    import boto3
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket="campaigns")
+    monkeypatch.setenv("JEX_STORE__S3_BUCKET", "campaigns")
+    monkeypatch.setenv("JEX_STORE__S3_ENDPOINT_URL", s3_server)
+    campaign(spec)  # S3 configured: stage folders and the run folder go up, verified
+    uploaded = {o["key"] for o in json.loads((run_dir / "s3.json").read_text())["objects"]}
+    assert f"jex/runs/{run_dir.name}/score.json" in uploaded
+    assert any(k.startswith("jex/store/fast_pass/") and k.endswith("capture.parquet") for k in uploaded)
     fold = json.loads((run_dir / "fold.json").read_text())
     assert fold["overall"]["panel_rows"] == 27 and fold["overall"]["gated"] == 5
     assert fold["errors"] == {"context_refusals": 0, "readout_errors": 0, "unmatched_rows": 0}

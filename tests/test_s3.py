@@ -1,0 +1,54 @@
+"""S3 uploads against a real S3 API (moto's server on 127.0.0.1), through boto3's HTTP calls."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.s3 import S3Store, UploadError, sync_campaign
+from jex.fileio import sha256_file
+
+
+@pytest.fixture
+def store(s3_server, monkeypatch):
+    import uuid
+
+    import boto3
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    bucket = f"b-{uuid.uuid4().hex[:8]}"
+    client.create_bucket(Bucket=bucket)
+    return S3Store(bucket, "jex", client)
+
+
+def test_upload_records_and_verifies_sha256(store, tmp_path):
+    f = tmp_path / "a.bin"
+    f.write_bytes(b"x" * 1000)
+    got = store.put_file(f, store.key("runs", "a.bin"))
+    assert got["uploaded"] and got["sha256"] == sha256_file(f)
+    head = store.client.head_object(Bucket=store.bucket, Key="jex/runs/a.bin")
+    assert head["Metadata"]["sha256"] == sha256_file(f)
+    assert store.put_file(f, store.key("runs", "a.bin"))["uploaded"] is False  # idempotent
+    back = store.get_file("jex/runs/a.bin", tmp_path / "b.bin")
+    assert back.read_bytes() == f.read_bytes()
+
+
+def test_object_that_does_not_match_its_metadata_is_refused(store, tmp_path):
+    store.client.put_object(Bucket=store.bucket, Key="jex/x", Body=b"abc", Metadata={"sha256": "0" * 64})
+    with pytest.raises(UploadError, match="does not match"):
+        store.get_file("jex/x", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_sync_campaign_uploads_stage_folders_and_run_folder(store, tmp_path):
+    stage = tmp_path / "store" / "fast_pass" / "k1"
+    stage.mkdir(parents=True)
+    (stage / "capture.parquet").write_bytes(b"capture")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "score.json").write_text("{}")
+    manifest = sync_campaign(store, run, {"fast_pass": {"folder": str(stage)}}, tmp_path / "store")
+    keys = sorted(o["key"] for o in manifest["objects"])
+    assert keys == ["jex/runs/run/score.json", "jex/store/fast_pass/k1/capture.parquet"]
+    assert (run / "s3.json").exists()
