@@ -14,6 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from engine.base import TokenizedEngine
 from engine.models import resolve_model, weights_sha256
 from engine.render import renderer_fingerprint
 from engine.types import (
@@ -38,7 +39,7 @@ def _version(name: str) -> str | None:
         return None
 
 
-class HFEngine:
+class HFEngine(TokenizedEngine):
     name = "hf"
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: str = "float32",
@@ -74,18 +75,6 @@ class HFEngine:
     def batch_size(self, value: int) -> None:
         self.requested_batch_size = int(value)
 
-    # --- rendering -------------------------------------------------------------------------------
-    def chat_prompt(self, user_text: str) -> str:
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
-                                                  add_generation_prompt=True)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def label_token(self, label: str) -> int | None:
-        ids = self.encode(" " + label)
-        return ids[0] if len(ids) == 1 else None
-
     # --- forward ---------------------------------------------------------------------------------
     def _forward_logprobs(self, seqs: list[list[int]], last_only: bool) -> list[Any]:
         """log-softmax (float64) for each sequence: of the last position, or of every position."""
@@ -116,21 +105,7 @@ class HFEngine:
         return self._continuation(requests)
 
     def _label_slot(self, requests: Sequence[ReadoutRequest]) -> list[Readout]:
-        results: dict[int, Readout] = {}
-        todo: list[tuple[int, list[int], list[int]]] = []
-        for i, r in enumerate(requests):
-            ids = self.encode(r.prompt)
-            labels = [self.label_token(lab) for lab in r.labels]
-            refusal = None
-            if any(t is None for t in labels):
-                bad = [lab for lab, t in zip(r.labels, labels, strict=True) if t is None]
-                refusal = f"label token: ' {bad[0]}' is not a single token"
-            elif len(ids) + 1 > self.max_context:
-                refusal = f"context: {len(ids)} prompt tokens + 1 > {self.max_context}"
-            if refusal:
-                results[i] = Readout(r.run_id, None, None, None, ReadoutMode.LABEL_SLOT, refusal)
-            else:
-                todo.append((i, ids, labels))  # type: ignore[arg-type]
+        results, todo = self.plan_label_slot(requests)
         lps = self._forward_logprobs([ids for _, ids, _ in todo], last_only=True)
         for (i, _, labels), lp in zip(todo, lps, strict=True):
             raw = tuple(float(lp[t]) for t in labels)
@@ -139,19 +114,12 @@ class HFEngine:
         return [results[i] for i in range(len(requests))]
 
     def _continuation(self, requests: Sequence[ReadoutRequest]) -> list[Readout]:
-        results: dict[int, Readout] = {}
+        results, todo = self.plan_continuation(requests)
         seqs: list[list[int]] = []
         spans: list[tuple[int, list[tuple[int, int]]]] = []
-        for i, r in enumerate(requests):
-            ctx = self.encode(r.prompt)
-            opts = [self.encode(" " + o) for o in r.options]
-            if len(ctx) + max(map(len, opts)) > self.max_context:
-                results[i] = Readout(r.run_id, None, None, None, ReadoutMode.OPTION_CONTINUATION,
-                                     f"context: {len(ctx)} prompt tokens + option > {self.max_context}")
-                continue
-            first = len(seqs)
+        for i, ctx, opts in todo:
+            spans.append((i, [(len(seqs) + k, len(o)) for k, o in enumerate(opts)]))
             seqs += [ctx + o for o in opts]
-            spans.append((i, [(first + k, len(o)) for k, o in enumerate(opts)]))
         lps = self._forward_logprobs(seqs, last_only=False)
         for i, parts in spans:
             raw = []

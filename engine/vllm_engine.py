@@ -18,6 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from engine.base import TokenizedEngine
 from engine.models import weights_sha256
 from engine.render import renderer_fingerprint
 from engine.types import (
@@ -103,8 +104,9 @@ def _version(name: str) -> str | None:
         return None
 
 
-class VLLMEngine:
+class VLLMEngine(TokenizedEngine):
     name = "vllm"
+    continuation_reserve = 1  # vLLM must sample one token after the scored prompt
 
     def __init__(self, model: str | Path, profile: VLLMProfile | None = None, *, batch_size: int = 32):
         self.profile = profile or VLLMProfile()
@@ -147,17 +149,6 @@ class VLLMEngine:
         self.weights_sha256 = weights_sha256(self.path)
         self.calls = {"readout": 0, "generate": 0}
 
-    def chat_prompt(self, user_text: str) -> str:
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
-                                                  add_generation_prompt=True)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def label_token(self, label: str) -> int | None:
-        ids = self.encode(" " + label)
-        return ids[0] if len(ids) == 1 else None
-
     def _run(self, prompts: list[list[int]], params: Any) -> list[Any]:
         """Submit in chunks of `batch_size`: the batch shape the caller asked for."""
         out: list[Any] = []
@@ -170,21 +161,10 @@ class VLLMEngine:
         self.calls["readout"] += 1
         if mode is ReadoutMode.OPTION_CONTINUATION:
             return self._continuation(requests)
-        results: dict[int, Readout] = {}
+        results, todo = self.plan_label_slot(requests)
         groups: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
-        for i, r in enumerate(requests):
-            ids = self.encode(r.prompt)
-            labels = [self.label_token(lab) for lab in r.labels]
-            refusal = None
-            if any(t is None for t in labels):
-                bad = [lab for lab, t in zip(r.labels, labels, strict=True) if t is None]
-                refusal = f"label token: ' {bad[0]}' is not a single token"
-            elif len(ids) + 1 > self.max_context:
-                refusal = f"context: {len(ids)} prompt tokens + 1 > {self.max_context}"
-            if refusal:
-                results[i] = Readout(r.run_id, None, None, None, ReadoutMode.LABEL_SLOT, refusal)
-            else:
-                groups.setdefault(tuple(labels), []).append((i, ids))  # type: ignore[arg-type]
+        for i, ids, labels in todo:
+            groups.setdefault(tuple(labels), []).append((i, ids))
         for labels, items in groups.items():
             if self.has_token_ids_api:
                 params = self.SamplingParams(temperature=0, max_tokens=1, logprob_token_ids=list(labels))
@@ -204,14 +184,10 @@ class VLLMEngine:
 
     def _continuation(self, requests: Sequence[ReadoutRequest]) -> list[Readout]:
         params = self.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-        seqs, spans, results = [], [], {}
-        for i, r in enumerate(requests):
-            ctx = self.encode(r.prompt)
-            opts = [self.encode(" " + o) for o in r.options]
-            if len(ctx) + max(map(len, opts)) + 1 > self.max_context:
-                results[i] = Readout(r.run_id, None, None, None, ReadoutMode.OPTION_CONTINUATION,
-                                     f"context: {len(ctx)} prompt tokens + option > {self.max_context}")
-                continue
+        results, todo = self.plan_continuation(requests)
+        seqs: list[list[int]] = []
+        spans = []
+        for i, ctx, opts in todo:
             spans.append((i, [(len(seqs) + k, len(o)) for k, o in enumerate(opts)]))
             seqs += [ctx + o for o in opts]
         outs = self._run(seqs, params)

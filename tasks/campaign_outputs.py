@@ -6,8 +6,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import polars as pl
-
 from jex.fileio import write_json, write_text
 from jex.provenance import provenance
 from tasks.cpu_stages import read_json
@@ -36,6 +34,3 @@ def write_run_folder(run_dir: Path, s: dict[str, Any], spec: dict[str, Any], tim
     write_text(run_dir / "report.md", report)
     return report
 
-
-def predictions_frame(run_dir: Path) -> pl.DataFrame:
-    return pl.read_parquet(run_dir / "predictions.parquet")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-import numpy as np
 import polars as pl
 
 from tasks.bootstrap import paired_bootstrap_ci
@@ -108,6 +107,3 @@ def error_counters(fast: dict[str, Any], reason: dict[str, Any], unmatched: int)
     return {"context_refusals": fast["context_refusals"] + reason["context_refusals"],
             "readout_errors": fast["readout_errors"] + reason["readout_errors"], "unmatched_rows": unmatched}
 
-
-def nan_to_none(x: float | None) -> float | None:
-    return None if x is None or (isinstance(x, float) and np.isnan(x)) else x

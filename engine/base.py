@@ -1,0 +1,65 @@
+"""What every engine shares: the chat template, tokenisation, label tokens and request checks.
+
+Both engines tokenise prompts themselves (`add_special_tokens=False`: the chat template already
+holds the special tokens) and hand token ids to the model, so HF and vLLM read the same ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.types import Readout, ReadoutMode, ReadoutRequest
+
+
+class TokenizedEngine:
+    tokenizer: Any
+    max_context: int
+    continuation_reserve = 0  # tokens the engine must be able to add after a scored sequence
+
+    def chat_prompt(self, user_text: str) -> str:
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def label_token(self, label: str) -> int | None:
+        """The id of ' LABEL' if it is a single token, else None (a label slot cannot read it)."""
+        ids = self.encode(" " + label)
+        return ids[0] if len(ids) == 1 else None
+
+    def plan_label_slot(self, requests: Sequence[ReadoutRequest]
+                        ) -> tuple[dict[int, Readout], list[tuple[int, list[int], list[int]]]]:
+        """Counted refusals by request index, and (index, prompt ids, label ids) for the rest."""
+        refused: dict[int, Readout] = {}
+        todo = []
+        for i, r in enumerate(requests):
+            ids = self.encode(r.prompt)
+            labels = [self.label_token(lab) for lab in r.labels]
+            reason = None
+            if any(t is None for t in labels):
+                bad = [lab for lab, t in zip(r.labels, labels, strict=True) if t is None]
+                reason = f"label token: ' {bad[0]}' is not a single token"
+            elif len(ids) + 1 > self.max_context:
+                reason = f"context: {len(ids)} prompt tokens + 1 > {self.max_context}"
+            if reason:
+                refused[i] = Readout(r.run_id, None, None, None, ReadoutMode.LABEL_SLOT, reason)
+            else:
+                todo.append((i, ids, labels))
+        return refused, todo  # type: ignore[return-value]
+
+    def plan_continuation(self, requests: Sequence[ReadoutRequest]
+                          ) -> tuple[dict[int, Readout], list[tuple[int, list[int], list[list[int]]]]]:
+        """Counted refusals, and (index, context ids, ids of each ' option') for the rest."""
+        refused: dict[int, Readout] = {}
+        todo = []
+        for i, r in enumerate(requests):
+            ctx = self.encode(r.prompt)
+            opts = [self.encode(" " + o) for o in r.options]
+            if len(ctx) + max(map(len, opts)) + self.continuation_reserve > self.max_context:
+                refused[i] = Readout(r.run_id, None, None, None, ReadoutMode.OPTION_CONTINUATION,
+                                     f"context: {len(ctx)} prompt tokens + option > {self.max_context}")
+            else:
+                todo.append((i, ctx, opts))
+        return refused, todo
