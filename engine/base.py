@@ -7,9 +7,17 @@ holds the special tokens) and hand token ids to the model, so HF and vLLM read t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from importlib import metadata
 from typing import Any
 
 from engine.types import Readout, ReadoutMode, ReadoutRequest
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 class TokenizedEngine:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from engine.base import TokenizedEngine
+from engine.base import TokenizedEngine, package_version
 from engine.models import resolve_model, weights_sha256
 from engine.render import renderer_fingerprint
 from engine.types import (
@@ -31,12 +30,6 @@ from engine.types import (
 
 DEFAULT_CACHE = Path.home() / ".cache" / "jex"
 
-
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 class HFEngine(TokenizedEngine):
@@ -189,8 +182,8 @@ class HFEngine(TokenizedEngine):
         """What fixes the function this engine computes (the cache-key part of provenance)."""
         return {"engine": "hf", "weights_sha256": self.weights_sha256, "dtype": self.dtype,
                 "device_type": self.device.split(":")[0], "batch_invariant": self.batch_invariant,
-                "batch_size": self.batch_size, "torch": _version("torch"),
-                "transformers": _version("transformers"), "renderer": renderer_fingerprint()}
+                "batch_size": self.batch_size, "torch": package_version("torch"),
+                "transformers": package_version("transformers"), "renderer": renderer_fingerprint()}
 
     def provenance(self) -> dict[str, Any]:
         """fingerprint() plus what describes the run but not the function (paths, hardware, threads)."""
@@ -200,4 +193,4 @@ class HFEngine(TokenizedEngine):
                 "batch_invariant_method": "per-request forward (batch 1)" if self.batch_invariant else None,
                 "requested_batch_size": self.requested_batch_size, "max_context": self.max_context,
                 "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "gpu": gpu,
-                "machine": platform.machine(), "jex": _version("jex")}
+                "machine": platform.machine(), "jex": package_version("jex")}

@@ -14,11 +14,10 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from engine.base import TokenizedEngine
+from engine.base import TokenizedEngine, package_version
 from engine.models import weights_sha256
 from engine.render import renderer_fingerprint
 from engine.types import (
@@ -96,12 +95,6 @@ class VLLMProfile:
         return {"VLLM_BATCH_INVARIANT": "1" if self.batch_invariant else "0",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
-
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 class VLLMEngine(TokenizedEngine):
@@ -222,7 +215,7 @@ class VLLMEngine(TokenizedEngine):
 
     def fingerprint(self) -> dict[str, Any]:
         return {"engine": "vllm", "weights_sha256": self.weights_sha256, "profile": asdict(self.profile),
-                "vllm": _version("vllm"), "torch": _version("torch"), "renderer": renderer_fingerprint()}
+                "vllm": package_version("vllm"), "torch": package_version("torch"), "renderer": renderer_fingerprint()}
 
     def provenance(self) -> dict[str, Any]:
         """fingerprint() plus what describes the run but not the function (paths, hardware, threads)."""
@@ -230,11 +223,11 @@ class VLLMEngine(TokenizedEngine):
 
         env_names = sorted(k for k in os.environ if k.startswith(("VLLM_", "CUBLAS", "CUDA_VISIBLE")))
         return {**self.fingerprint(), "model_path": str(self.path), "audited": self.profile.name == AUDIT,
-                "environment": {k: os.environ[k] for k in env_names}, "transformers": _version("transformers"),
-                "triton": _version("triton"), "cuda": torch.version.cuda,
+                "environment": {k: os.environ[k] for k in env_names}, "transformers": package_version("transformers"),
+                "triton": package_version("triton"), "cuda": torch.version.cuda,
                 "driver": _driver_version(),
                 "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                "batch_size": self.batch_size, "jex": _version("jex"),
+                "batch_size": self.batch_size, "jex": package_version("jex"),
                 "readout_api": "logprob_token_ids" if self.has_token_ids_api else "top-k logprobs (checked)",
                 "vllm_config": str(getattr(self.llm.llm_engine, "vllm_config", ""))[:4000]}
 

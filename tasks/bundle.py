@@ -31,6 +31,7 @@ from jex.errors import InputError, JexError
 from jex.fileio import atomic_path, canonical_json, sha256_file
 from jex.provenance import provenance
 from jex.suite import MANIFEST_NAME, SuiteManifest, iter_rows, load_manifest, read_row_file
+from tasks.store import write_parquet
 
 BUNDLE_FORMAT = "jex-bundle/1"
 MANIFEST_MEMBER = "manifest.json"
@@ -55,15 +56,9 @@ class BuildResult:
     manifest: dict[str, Any]
 
 
-def _write_parquet(frame: pl.DataFrame, path: Path) -> None:
-    # Fixed compression and no statistics: the bytes depend only on the data and the polars version.
-    frame.write_parquet(path, compression="zstd", compression_level=9, statistics=False,
-                        row_group_size=len(frame) or 1)
-
-
 def _flush(buffer: list[dict[str, Any]], schema: dict[str, Any], folder: Path, index: int) -> Path:
     path = folder / f"shard-{index:05d}.parquet"
-    _write_parquet(pl.DataFrame(buffer, schema=schema, orient="row"), path)
+    write_parquet(pl.DataFrame(buffer, schema=schema, orient="row"), path)
     buffer.clear()
     return path
 

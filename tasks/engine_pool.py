@@ -7,12 +7,12 @@ files without loading the model, so a fully cached campaign never loads one.
 from __future__ import annotations
 
 from collections import Counter
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.base import package_version
 from engine.render import renderer_fingerprint
 
 CALLS: Counter[str] = Counter()
@@ -32,12 +32,6 @@ class EngineSpec(BaseModel):
     cache_dir: str = Field(str(Path.home() / ".cache" / "jex"), description="Converted-model cache")
 
 
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
 
 def fingerprint(spec: EngineSpec) -> dict[str, Any]:
     """The cache-key part of an engine's provenance, without loading the model."""
@@ -46,13 +40,13 @@ def fingerprint(spec: EngineSpec) -> dict[str, Any]:
     path = resolve_model(spec.model, Path(spec.cache_dir)) if spec.kind.startswith("hf") else Path(spec.model or "")
     fp: dict[str, Any] = {"kind": spec.kind, "weights_sha256": weights_sha256(path),
                           "device_type": spec.device.split(":")[0], "renderer": renderer_fingerprint(),
-                          "torch": _version("torch")}
+                          "torch": package_version("torch")}
     if spec.kind.startswith("hf"):
-        fp["transformers"] = _version("transformers")
+        fp["transformers"] = package_version("transformers")
         if spec.kind == "hf-batched":  # batched numerics depend on the batch shape
             fp["batch_size"] = spec.batch_size
     else:
-        fp["vllm"] = _version("vllm")
+        fp["vllm"] = package_version("vllm")
         fp["max_num_seqs"] = spec.max_num_seqs
     return fp
 

@@ -53,7 +53,8 @@ class LocalStore:
 
 
 def write_parquet(frame: pl.DataFrame, path: Path) -> None:
-    """Deterministic Parquet, atomically: the same frame gives the same bytes."""
+    """Deterministic Parquet, atomically: fixed compression, no statistics, one row group, so the bytes
+    depend only on the data and the polars version."""
     with atomic_path(path) as tmp:
         frame.write_parquet(tmp, compression="zstd", compression_level=9, statistics=False,
                             row_group_size=max(len(frame), 1))
