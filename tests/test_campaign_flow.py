@@ -102,6 +102,27 @@ def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, 
     assert fold["overall"]["panel_rows"] == 27 and fold["overall"]["gated"] == 5
     assert fold["errors"] == {"context_refusals": 0, "readout_errors": 0, "unmatched_rows": 0}
     assert "Fold (dry-run counters)" in (run_dir / "report.md").read_text()
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    wanted = ["campaign-report", "campaign-catalogs", "fast-pass-progress", "reason-progress"]
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=wanted)))
+    assert {a.key for a in found} == set(wanted)  # the UI shows the report, the table and the progress
+
+
+def test_calibration_flow_measures_and_projects(harness, tiny_suite, tmp_path):
+    from flows.calibration import CalibrationSpec, calibration
+
+    spec = CalibrationSpec(campaign=_spec(tiny_suite, tmp_path), coverage=0.5, sample_every=2, target_rows=150_000,
+                           coverages=[0.05, 0.5], price_per_gpu_hour=2.0, budget_hours=1e6, budget_usd=1e9)
+    doc = calibration(spec)
+    m = doc["measured"]
+    assert 0 < m["sample_rows"] < 27 and m["gated"] == round(0.5 * m["sample_rows"] + 1e-9)
+    assert m["fast_s_per_row"] > 0 and m["reason_s_per_row"] > 0
+    table = doc["projection"]["table"]
+    assert table[1]["hours"] > table[0]["hours"] and doc["projection"]["recommended_coverage"] == 0.5
+    assert "Recommended coverage" in next(tmp_path.glob("*-calibration/calibration.md")).read_text()
 
 
 def test_killed_run_resumes_at_the_first_missing_shard(tiny_suite, tmp_path):
