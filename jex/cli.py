@@ -169,23 +169,17 @@ def parity(suite: Annotated[Path, typer.Option(help="Suite folder")],
            reason_rows: Annotated[int, typer.Option(help="Rows for generation parity")] = 0,
            max_tokens: int = 96, device: str = "cpu", batch_size: int = 8) -> None:
     """Parity of two engines on the same rows: readout agreement, |dp|, flips; choices after a rationale."""
-    from engine.factory import make_engine
-    from jex.fileio import write_json, write_text
-    from jex.suite import iter_rows
-    from tasks.parity import markdown, run_parity
+    from flows.local_api import ensure_local_api
+
+    ensure_local_api()
+    from flows.experiments import parity as parity_flow
 
     try:
-        picked = list(iter_rows(suite))
-        picked = picked[:rows] if rows else picked
-        a = make_engine(engine_a, model=model, device=device, batch_size=batch_size)
-        b = make_engine(engine_b, model=model, device=device, batch_size=batch_size)
-        res = run_parity(a, b, picked, reason_rows=reason_rows, max_tokens=max_tokens)
+        r = parity_flow(suite=str(suite), engine_a=engine_a, engine_b=engine_b, model=model, rows=rows,
+                        reason_rows=reason_rows, max_tokens=max_tokens, device=device, batch_size=batch_size,
+                        out=str(out))
     except (JexError, ValueError, EngineError, EngineDeadError) as e:
         _fail(e)
-    res["provenance"] = {"a": a.provenance(), "b": b.provenance()}
-    write_json(out / "parity.json", res)
-    write_text(out / "parity.md", markdown(res, (engine_a, engine_b)))
-    r = res["readout"]
     typer.echo(f"argmax agreement {r['agree']}/{r['common']}, max |dp| {r['max_abs_dp']:.3g} -> {out}")
 
 

@@ -154,3 +154,21 @@ def test_killed_run_resumes_at_the_first_missing_shard(tiny_suite, tmp_path):
     summary = json.loads(next((tmp_path / "store" / "fast_pass").glob("*/_SUCCESS.json")).read_text())
     assert summary["reused_shards"] == done_before
     assert summary["computed_shards"] == [i for i in range(9) if i not in done_before]
+
+
+def test_bakeoff_and_parity_flows_publish_their_reports(harness, tiny_suite, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.experiments import bakeoff, parity
+
+    b = bakeoff(arms=["hf-control", "hf-bi"], prompts=2, tokens=4, ladder=[1, 2], repeats=1,
+                out=str(tmp_path / "bk"))
+    assert b["errors"] == {} and b["verdict"].split(":")[0] in ("UNDERPOWERED", "INVARIANT")
+    p = parity(suite=str(tiny_suite), engine_a="hf", engine_b="hf-batched", rows=9, out=str(tmp_path / "par"))
+    assert p["common"] == 9 and p["max_abs_dp"] < 1e-3  # batched padding moves probabilities by ~1e-6
+    assert (tmp_path / "par" / "parity.md").exists()
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["bakeoff-report", "parity-report"])))
+    assert {a.key for a in found} == {"bakeoff-report", "parity-report"}
