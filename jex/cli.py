@@ -84,6 +84,7 @@ def run(suite: Annotated[Path | None, typer.Option(help="Suite folder (default: 
         store: Annotated[Path | None, typer.Option(help="Artifact store (default: OUT/store)")] = None,
         engine: Annotated[str, typer.Option(help="hf | hf-batched | vllm | vllm-control")] = "hf",
         device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1 ...")] = "cpu",
+        batch_size: Annotated[int, typer.Option(help="Requests per engine call (hf-batched, vllm)")] = 8,
         overlays: Annotated[Path | None, typer.Option(help="Overlay rule file (TOML)")] = None,
         name: Annotated[str, typer.Option(help="Campaign name")] = "sample",
         shard_rows: Annotated[int, typer.Option(help="Rows per fast-pass shard")] = 32,
@@ -103,7 +104,7 @@ def run(suite: Annotated[Path | None, typer.Option(help="Suite folder (default: 
         spec = load_spec(resume)
     else:
         spec = CampaignSpec(name=name, suite=str(suite) if suite else None, coverage=coverage,
-                            engine=EngineSpec(kind=engine, model=model, device=device),
+                            engine=EngineSpec(kind=engine, model=model, device=device, batch_size=batch_size),
                             overlays=str(overlays) if overlays else None, out=str(out),
                             fast_shard_rows=shard_rows, reason_max_tokens=reason_max_tokens,
                             store=str(store or out / "store"))
