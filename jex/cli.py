@@ -21,6 +21,8 @@ config_app = typer.Typer(no_args_is_help=True, help="Settings (JEX_* variables a
 app.add_typer(suite_app, name="suite")
 app.add_typer(bundle_app, name="bundle")
 app.add_typer(config_app, name="config")
+stage_app = typer.Typer(no_args_is_help=True, help="Run one engine stage without Prefect (what a GPU worker runs).")
+app.add_typer(stage_app, name="stage")
 overlays_app = typer.Typer(no_args_is_help=True, help="Overlays on a finished run: mine, gate, ladder.")
 app.add_typer(overlays_app, name="overlays")
 
@@ -182,6 +184,19 @@ def parity(suite: Annotated[Path, typer.Option(help="Suite folder")],
     except (JexError, ValueError, EngineError, EngineDeadError) as e:
         _fail(e)
     typer.echo(f"argmax agreement {r['agree']}/{r['common']}, max |dp| {r['max_abs_dp']:.3g} -> {out}")
+
+
+@stage_app.command("run")
+def stage_run(stage: Annotated[str, typer.Argument(help="fast_pass | reason")],
+              args_file: Annotated[Path, typer.Option("--args", help="JSON: bundle, engine, store, shard_rows[, gate, "
+                                                                      "max_tokens]")],
+              worker: Annotated[int, typer.Option(help="This worker's index")] = 0,
+              workers: Annotated[int, typer.Option(help="Number of workers sharing the stage")] = 1) -> None:
+    """Compute this worker's shards of an engine stage into the store (shards w, w+N, ...)."""
+    from tasks.workers import stage_call
+
+    summary = stage_call(stage, json.loads(args_file.read_text()), worker=worker, workers=workers)
+    typer.echo(json.dumps({k: summary.get(k) for k in ("stage", "key", "rows", "computed_shards", "partial")}))
 
 
 @overlays_app.command("mine")

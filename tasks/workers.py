@@ -46,12 +46,12 @@ def run_workers(stage: str, args: dict[str, Any], *, workers: int, devices: list
         if p.returncode != 0:
             raise RuntimeError(f"{stage} worker {w} exited {p.returncode}")
         reports.append(json.loads(out.strip().splitlines()[-1]))
-    summary = _call(stage, args, worker=0, workers=1)
+    summary = stage_call(stage, args, worker=0, workers=1)
     spec_file.unlink(missing_ok=True)
     return {**summary, "workers": reports}
 
 
-def _call(stage: str, args: dict[str, Any], *, worker: int, workers: int) -> dict[str, Any]:
+def stage_call(stage: str, args: dict[str, Any], *, worker: int, workers: int) -> dict[str, Any]:
     from tasks.stages import fast_pass_stage, reason_stage
 
     engine = EngineSpec.model_validate(args["engine"])
@@ -72,7 +72,7 @@ def _main(stage: str, spec_file: str, worker: int, workers: int) -> None:
     t0 = time.perf_counter()
     get_engine(EngineSpec.model_validate(args["engine"]))
     started = time.perf_counter()
-    summary = _call(stage, args, worker=worker, workers=workers)
+    summary = stage_call(stage, args, worker=worker, workers=workers)
     done = time.perf_counter()
     print(json.dumps({"worker": worker, "engine_start_s": started - t0, "compute_s": done - started,
                       "computed_shards": summary.get("computed_shards", []),

@@ -1,0 +1,109 @@
+"""The worker protocol on a machine: heartbeat, log, and a completion marker written last.
+
+`python -m infra.worker_protocol RUN_DIR [--heartbeat S] [--artifacts GLOB ...] -- COMMAND ...` runs
+COMMAND as a child, rewrites `RUN_DIR/heartbeat.json` every S seconds while it runs, appends its
+output to `RUN_DIR/run.log`, and when it exits writes exactly one marker, atomically:
+
+    SUCCESS.json   exit code 0 and at least one artifact: the artifact list with sha256 and size
+    FAILED.json    otherwise: the exit code, the reason, and whatever artifacts exist (salvage)
+
+Started detached (`setsid nohup ... &`), it outlives the SSH session that started it. A supervisor
+trusts only the marker plus checksums it verifies itself, never an SSH exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from jex.fileio import sha256_file
+
+HEARTBEAT, SUCCESS, FAILED, LOG = "heartbeat.json", "SUCCESS.json", "FAILED.json", "run.log"
+
+
+def _atomic_json(path: Path, doc: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def artifact_manifest(run_dir: Path, patterns: list[str]) -> list[dict[str, Any]]:
+    files = sorted({p for pat in patterns for p in run_dir.glob(pat) if p.is_file()})
+    return [{"path": p.relative_to(run_dir).as_posix(), "sha256": sha256_file(p), "bytes": p.stat().st_size}
+            for p in files]
+
+
+def read_marker(run_dir: Path) -> dict[str, Any] | None:
+    """The completion marker, or None while the run has not finished (or died without one)."""
+    for name, ok in ((SUCCESS, True), (FAILED, False)):
+        path = run_dir / name
+        if path.exists():
+            return {**json.loads(path.read_text()), "ok": ok}
+    return None
+
+
+def read_heartbeat(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / HEARTBEAT).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run(run_dir: Path, command: list[str], *, heartbeat_s: float, artifacts: list[str]) -> int:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (SUCCESS, FAILED):  # a re-run starts clean; its marker will be written last
+        (run_dir / stale).unlink(missing_ok=True)
+    started = time.time()
+    with open(run_dir / LOG, "ab") as log:
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir)
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.is_set():
+                _atomic_json(run_dir / HEARTBEAT, {"time": time.time(), "pid": child.pid, "command": command[0],
+                                                   "elapsed_s": time.time() - started})
+                stop.wait(heartbeat_s)
+
+        thread = threading.Thread(target=beat, daemon=True)
+        thread.start()
+        signal.signal(signal.SIGTERM, lambda *_: child.terminate())
+        code = child.wait()
+        stop.set()
+        thread.join()
+    found = artifact_manifest(run_dir, artifacts)
+    doc = {"exit_code": code, "artifacts": found, "seconds": time.time() - started, "command": command}
+    if code == 0 and found:
+        _atomic_json(run_dir / SUCCESS, doc)
+    else:
+        reason = f"exit code {code}" if code != 0 else "exit code 0 but no artifact matched " + ", ".join(artifacts)
+        _atomic_json(run_dir / FAILED, {**doc, "reason": reason})
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        raise SystemExit("usage: python -m infra.worker_protocol RUN_DIR [--heartbeat S] [--artifacts GLOB ...] -- CMD")
+    split = argv.index("--")
+    p = argparse.ArgumentParser(prog="python -m infra.worker_protocol")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--heartbeat", type=float, default=10.0)
+    p.add_argument("--artifacts", nargs="+", default=["**/*.parquet"])
+    args = p.parse_args(argv[:split])
+    return run(args.run_dir.resolve(), argv[split + 1:], heartbeat_s=args.heartbeat, artifacts=args.artifacts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
