@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import zlib
 from pathlib import Path
@@ -22,7 +23,13 @@ from tasks.store import LocalStore, write_parquet
 
 
 def _suite(bundle: dict[str, Any]):
-    return load_suite_table(bundle["bundle"])
+    return _suite_table(bundle["bundle"], bundle["sha256"])
+
+
+@functools.lru_cache(maxsize=4)
+def _suite_table(path: str, sha256: str):
+    """The scored rows of a bundle, read and verified once per process (keyed by content, not path alone)."""
+    return load_suite_table(path)
 
 
 def _panel(bundle: dict[str, Any], fast: dict[str, Any]) -> pl.DataFrame:
