@@ -33,6 +33,8 @@ from engine.types import (
 )
 
 AUDIT = "audit"
+VLLM_PIN = "0.22.1"
+"""The vLLM release the audit profile was verified on (the `gpu` extra pins it; workers install it)."""
 NON_AUDITED_NAMES = ("control", "non-audited")
 
 

@@ -7,6 +7,7 @@ Cached and an interrupted engine stage resumes at its first missing shard.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -16,7 +17,9 @@ from typing import Any, Literal
 from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.engine_pool import EngineSpec
+from flows.remote import GpuFleet, MachinesSpec
+from jex.fileio import write_json
+from tasks.engine_pool import CALLS, EngineSpec
 from tasks.prefect_tasks import (
     bundle_task,
     calibrate_task,
@@ -51,10 +54,11 @@ class CampaignSpec(BaseModel):
     reason_shard_rows: int = Field(8, ge=1)
     store: str = Field("runs/store", description="Artifact store folder")
     out: str = Field("runs", description="Folder the run folder is created in")
+    machines: MachinesSpec = MachinesSpec()
 
     def identity(self) -> str:
-        """Hash of what defines the results (not where they are written)."""
-        doc = self.model_dump(exclude={"store", "out", "fast_shard_rows", "reason_shard_rows"})
+        """Hash of what defines the results (not where they are written, nor on which machines)."""
+        doc = self.model_dump(exclude={"store", "out", "fast_shard_rows", "reason_shard_rows", "machines"})
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:10]
 
     def run_dir(self) -> Path:
@@ -70,46 +74,96 @@ def sample_suite_dir(spec: CampaignSpec) -> str:
     return str(folder)
 
 
+STAGES = ("bundle", "fast_pass", "gate", "reason", "fold", "calibrate", "overlay", "score")
+
+
 @flow(name="campaign", log_prints=True, persist_result=True)
-def campaign(spec: CampaignSpec = CampaignSpec()) -> str:  # noqa: B008 - a pydantic default is the UI's form
-    """Run (or resume) a campaign; returns the run folder."""
+def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[str] | None = None) -> str:  # noqa: B008 - UI form
+    """Run (or resume) a campaign; returns the run folder.
+
+    `redo` names stages to compute again although cached (retry-stage): their stage folders from the
+    last run of this campaign are set aside (renamed, never deleted) and their Prefect cache refreshed.
+    """
     run_dir = spec.run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "campaign.json").write_text(spec.model_dump_json(indent=2))
     store = spec.store
     timings: dict[str, float] = {}
+    redo = list(redo or [])
+    unknown = set(redo) - set(STAGES)
+    if unknown:
+        raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages are {list(STAGES)}")
+    retired = retire_stages(run_dir, redo)
+    if retired:
+        print(f"retry: set aside {len(retired)} stage folder(s) for {redo}: {retired}")
+    s: dict[str, Any] = {}
 
     def timed(name: str, fn: Any, **kw: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
-        out = fn(**kw)
+        out = fn.with_options(refresh_cache=True)(**kw) if name in redo else fn(**kw)
         if not (Path(out.get("folder", "")) / "_SUCCESS.json").exists():  # Prefect cached a result the store lost
             out = fn.with_options(refresh_cache=True)(**kw)
         timings[name] = time.perf_counter() - t0
+        s[name] = out
+        write_json(run_dir / "stages.json", {k: {"key": v.get("key"), "folder": v.get("folder")} for k, v in s.items()})
         return out
 
     suite = spec.suite or sample_suite_dir(spec)
-    s: dict[str, Any] = {}
-    s["bundle"] = timed("bundle", bundle_task, suite=suite, store=store)
-    s["fast_pass"] = timed("fast_pass", fast_pass_task, bundle=s["bundle"], engine=spec.engine, store=store,
-                           shard_rows=spec.fast_shard_rows)
-    s["gate"] = timed("gate", gate_task, bundle=s["bundle"], fast=s["fast_pass"], store=store, coverage=spec.coverage,
-                      per_catalog_cap=spec.per_catalog_cap)
-    s["reason"] = timed("reason", reason_task, bundle=s["bundle"], gate=s["gate"], engine=spec.engine, store=store,
-                        max_tokens=spec.reason_max_tokens, shard_rows=spec.reason_shard_rows)
-    s["fold"] = timed("fold", fold_task, bundle=s["bundle"], fast=s["fast_pass"], gate=s["gate"], reason=s["reason"],
-                      store=store, rule=spec.fold_rule, weight=spec.fold_weight, draws=spec.bootstrap_draws,
-                      seed=spec.bootstrap_seed)
-    s["calibrate"] = timed("calibrate", calibrate_task, bundle=s["bundle"], fold=s["fold"], store=store,
-                           folds=spec.calibration_folds)
-    s["overlay"] = timed("overlay", overlay_task, calibrated=s["calibrate"], store=store, rules_file=spec.overlays)
-    s["score"] = timed("score", score_task, bundle=s["bundle"], overlay=s["overlay"], fold=s["fold"], store=store,
-                       draws=spec.bootstrap_draws, seed=spec.bootstrap_seed)
-    report_task(run_dir=str(run_dir), summaries=s, spec=spec.model_dump(mode="json"), timings=timings)
+    fleet = None if spec.machines.provider == "inprocess" else GpuFleet(spec.machines, campaign=run_dir.name,
+                                                                         store=store)
+    engine = spec.engine.model_dump(mode="json")
+    calls_before = dict(CALLS)
+    with fleet or contextlib.nullcontext():
+        timed("bundle", bundle_task, suite=suite, store=store)
+        if fleet:
+            fleet.run_stage("fast_pass", {"bundle": s["bundle"], "engine": engine, "store": store,
+                                          "shard_rows": spec.fast_shard_rows})
+        timed("fast_pass", fast_pass_task, bundle=s["bundle"], engine=spec.engine, store=store,
+              shard_rows=spec.fast_shard_rows, engine_fp=fleet.engine_fp if fleet else None)
+        timed("gate", gate_task, bundle=s["bundle"], fast=s["fast_pass"], store=store, coverage=spec.coverage,
+              per_catalog_cap=spec.per_catalog_cap)
+        if fleet:
+            fleet.run_stage("reason", {"bundle": s["bundle"], "gate": s["gate"], "engine": engine, "store": store,
+                                       "shard_rows": spec.reason_shard_rows, "max_tokens": spec.reason_max_tokens})
+        timed("reason", reason_task, bundle=s["bundle"], gate=s["gate"], engine=spec.engine, store=store,
+              max_tokens=spec.reason_max_tokens, shard_rows=spec.reason_shard_rows,
+              engine_fp=fleet.engine_fp if fleet else None)
+    machines = fleet.report() if fleet else None
+    timed("fold", fold_task, bundle=s["bundle"], fast=s["fast_pass"], gate=s["gate"], reason=s["reason"], store=store,
+          rule=spec.fold_rule, weight=spec.fold_weight, draws=spec.bootstrap_draws, seed=spec.bootstrap_seed)
+    timed("calibrate", calibrate_task, bundle=s["bundle"], fold=s["fold"], store=store, folds=spec.calibration_folds)
+    timed("overlay", overlay_task, calibrated=s["calibrate"], store=store, rules_file=spec.overlays)
+    timed("score", score_task, bundle=s["bundle"], overlay=s["overlay"], fold=s["fold"], store=store,
+          draws=spec.bootstrap_draws, seed=spec.bootstrap_seed)
+    engine_calls = {k: CALLS[k] - calls_before.get(k, 0) for k in ("fast_pass", "reason")}
+    if fleet:  # the engines ran on the machines: count the shard jobs they computed
+        engine_calls = {k: sum(len(j["artifacts"]) for m in machines["machines"] for j in m["jobs"] if j["job"] == k)
+                        for k in ("fast_pass", "reason")}
+    write_json(run_dir / "engine_calls.json", {"redo": redo, "retired": retired, "calls": engine_calls})
+    report_task(run_dir=str(run_dir), summaries=s, spec=spec.model_dump(mode="json"), timings=timings,
+                machines=machines)
     upload_to_s3(run_dir, s, store)
     errors = s["fold"]["errors"]
     if any(errors.values()):
         print(f"WARNING: error counters are not all zero: {errors}")
     return str(run_dir)
+
+
+def retire_stages(run_dir: Path, stages: list[str]) -> list[str]:
+    """Rename the stage folders the last run of this campaign used for `stages` (nothing is deleted)."""
+    record = run_dir / "stages.json"
+    if not stages or not record.exists():
+        return []
+    done = json.loads(record.read_text())
+    retired = []
+    for name in stages:
+        folder = Path((done.get(name) or {}).get("folder") or "")
+        if folder.name and folder.exists():
+            stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 10**6:06d}"
+            target = folder.with_name(f"{folder.name}.retired-{stamp}")
+            folder.rename(target)
+            retired.append(str(target))
+    return retired
 
 
 def upload_to_s3(run_dir: Path, summaries: dict[str, Any], store: str) -> None:

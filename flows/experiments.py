@@ -30,16 +30,13 @@ def parity(suite: str, engine_a: str = "hf", engine_b: str = "hf-batched", model
            reason_rows: int = 0, max_tokens: int = 96, device: str = "cpu", batch_size: int = 8,
            out: str = "runs/parity") -> dict[str, Any]:
     """Readout parity (and choice parity after a rationale) of two engines on the same rows."""
-    from engine.factory import make_engine
     from jex.suite import iter_rows
-    from tasks.parity import markdown, run_parity
+    from tasks.parity import markdown, parity_of_kinds
 
     picked = list(iter_rows(suite))
     picked = picked[:rows] if rows else picked
-    a = make_engine(engine_a, model=model, device=device, batch_size=batch_size)
-    b = make_engine(engine_b, model=model, device=device, batch_size=batch_size)
-    res = run_parity(a, b, picked, reason_rows=reason_rows, max_tokens=max_tokens)
-    res["provenance"] = {"a": a.provenance(), "b": b.provenance()}
+    res = parity_of_kinds(engine_a, engine_b, picked, model=model, device=device, batch_size=batch_size,
+                          reason_rows=reason_rows, max_tokens=max_tokens)
     text = markdown(res, (engine_a, engine_b))
     write_json(Path(out) / "parity.json", res)
     write_text(Path(out) / "parity.md", text)

@@ -9,6 +9,9 @@ output to `RUN_DIR/run.log`, and when it exits writes exactly one marker, atomic
 
 Started detached (`setsid nohup ... &`), it outlives the SSH session that started it. A supervisor
 trusts only the marker plus checksums it verifies itself, never an SSH exit status.
+
+`python -m infra.worker_protocol status RUN_DIR` and `... manifest RUN_DIR --artifacts GLOB ...`
+print what a supervisor polls (heartbeat, marker, liveness, log size) and what it can salvage.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import Any
 from jex.fileio import sha256_file
 
 HEARTBEAT, SUCCESS, FAILED, LOG = "heartbeat.json", "SUCCESS.json", "FAILED.json", "run.log"
+PGID = "worker.pgid"
+"""Written by whoever starts the wrapper detached: its process group, which teardown kills."""
 
 
 def _atomic_json(path: Path, doc: dict[str, Any]) -> None:
@@ -92,8 +97,29 @@ def run(run_dir: Path, command: list[str], *, heartbeat_s: float, artifacts: lis
     return code
 
 
+def status(run_dir: Path) -> dict[str, Any]:
+    """What a supervisor polls: the machine's clock, heartbeat, marker, whether the worker lives, log size."""
+    alive = False
+    try:
+        os.killpg(int((run_dir / PGID).read_text().strip()), 0)
+        alive = True
+    except (OSError, ValueError):
+        pass
+    log = run_dir / LOG
+    return {"now": time.time(), "heartbeat": read_heartbeat(run_dir), "marker": read_marker(run_dir), "alive": alive,
+            "log_bytes": log.stat().st_size if log.exists() else 0}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["status"], ["manifest"]):  # supervisor queries: print JSON, change nothing
+        q = argparse.ArgumentParser(prog=f"python -m infra.worker_protocol {argv[0]}")
+        q.add_argument("run_dir", type=Path)
+        q.add_argument("--artifacts", nargs="+", default=["**/*.parquet"])
+        a = q.parse_args(argv[1:])
+        doc: Any = status(a.run_dir) if argv[0] == "status" else artifact_manifest(a.run_dir, a.artifacts)
+        print(json.dumps(doc, default=str))
+        return 0
     if "--" not in argv:
         raise SystemExit("usage: python -m infra.worker_protocol RUN_DIR [--heartbeat S] [--artifacts GLOB ...] -- CMD")
     split = argv.index("--")

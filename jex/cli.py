@@ -21,6 +21,10 @@ config_app = typer.Typer(no_args_is_help=True, help="Settings (JEX_* variables a
 app.add_typer(suite_app, name="suite")
 app.add_typer(bundle_app, name="bundle")
 app.add_typer(config_app, name="config")
+server_app = typer.Typer(no_args_is_help=True, help="The orchestrator's Prefect server, worker and deployments.")
+app.add_typer(server_app, name="server")
+infra_app = typer.Typer(no_args_is_help=True, help="Machines: reconcile, ledger, providers.")
+app.add_typer(infra_app, name="infra")
 stage_app = typer.Typer(no_args_is_help=True, help="Run one engine stage without Prefect (what a GPU worker runs).")
 app.add_typer(stage_app, name="stage")
 overlays_app = typer.Typer(no_args_is_help=True, help="Overlays on a finished run: mine, gate, ladder.")
@@ -91,6 +95,11 @@ def run(suite: Annotated[Path | None, typer.Option(help="Suite folder (default: 
         name: Annotated[str, typer.Option(help="Campaign name")] = "sample",
         shard_rows: Annotated[int, typer.Option(help="Rows per fast-pass shard")] = 32,
         reason_max_tokens: Annotated[int, typer.Option(help="Rationale length limit")] = 48,
+        provider: Annotated[str | None, typer.Option(help="Where engine stages run: inprocess | local | ssh | ec2 | "
+                                                          "command (default: settings, 'local')")] = None,
+        host: Annotated[list[str] | None, typer.Option(help="ssh provider: host (repeatable)")] = None,
+        workers: Annotated[int, typer.Option(help="Machines sharing each engine stage")] = 1,
+        budget_usd: Annotated[float | None, typer.Option(help="Campaign machine budget (default: settings)")] = None,
         resume: Annotated[Path | None, typer.Option(help="Continue the campaign of this run folder")] = None) -> None:
     """Run a whole campaign (embedded defaults: sample suite, SmolLM2, local Prefect, local store).
 
@@ -100,19 +109,24 @@ def run(suite: Annotated[Path | None, typer.Option(help="Suite folder (default: 
 
     ensure_local_api()
     from flows.campaign import CampaignSpec, load_spec, run_campaign
+    from flows.remote import GoldenMismatch, JobFailed, MachinesSpec
+    from infra.ledger import BudgetExceeded
     from tasks.engine_pool import EngineSpec
 
+    settings = load_settings()
+    machines = MachinesSpec(provider=provider or settings.infra.provider, hosts=host or [], workers=workers,
+                            budget_usd=budget_usd)
     if resume is not None:
-        spec = load_spec(resume)
+        spec = load_spec(resume).model_copy(update={"machines": machines} if provider else {})
     else:
         spec = CampaignSpec(name=name, suite=str(suite) if suite else None, coverage=coverage,
                             engine=EngineSpec(kind=engine, model=model, device=device, batch_size=batch_size),
                             overlays=str(overlays) if overlays else None, out=str(out),
                             fast_shard_rows=shard_rows, reason_max_tokens=reason_max_tokens,
-                            store=str(store or out / "store"))
+                            store=str(store or out / "store"), machines=machines)
     try:
         run_dir = run_campaign(spec)
-    except (JexError, EngineError, EngineDeadError) as e:
+    except (JexError, EngineError, EngineDeadError, GoldenMismatch, JobFailed, BudgetExceeded) as e:
         _fail(e)
     typer.echo(run_dir)
 
@@ -184,6 +198,110 @@ def parity(suite: Annotated[Path, typer.Option(help="Suite folder")],
     except (JexError, ValueError, EngineError, EngineDeadError) as e:
         _fail(e)
     typer.echo(f"argmax agreement {r['agree']}/{r['common']}, max |dp| {r['max_abs_dp']:.3g} -> {out}")
+
+
+def _use_running_server() -> None:
+    """Talk to the server `jex server start` recorded, unless PREFECT_API_URL says otherwise."""
+    import os
+
+    from deployments.server import healthy, state_file
+
+    sf = state_file(load_settings())
+    if not os.environ.get("PREFECT_API_URL") and sf.exists():
+        url = json.loads(sf.read_text())["api_url"]
+        if healthy(url):
+            os.environ["PREFECT_API_URL"] = url
+
+
+@server_app.command("start")
+def server_start(port: Annotated[int | None, typer.Option(help="default: settings (4200)")] = None,
+                 database_url: Annotated[str | None, typer.Option(help="PostgreSQL URL, e.g. postgresql+asyncpg://"
+                                                                       "postgres@127.0.0.1:5432/test (default: "
+                                                                       "SQLite)")] = None,
+                 defaults: Annotated[Path | None, typer.Option(help="JSON: default campaign form values")] = None,
+                 worker: Annotated[bool, typer.Option(help="Start the process worker too")] = True) -> None:
+    """Start the Prefect server on 127.0.0.1, register the deployments and automation, start the worker."""
+    from deployments.server import ServerError, start
+
+    over: dict = {}
+    if port:
+        over["port"] = port
+    if database_url:
+        over["database_url"] = database_url
+    settings = load_settings()
+    if over:
+        settings = settings.model_copy(update={"prefect": settings.prefect.model_copy(update=over)})
+    try:
+        state = start(settings, campaign_defaults=json.loads(defaults.read_text()) if defaults else None,
+                      worker=worker)
+    except ServerError as e:
+        _fail(e)
+    typer.echo(f"Prefect UI: {state['ui_url']}  (API {state['api_url']}, {state['database']})")
+    typer.echo(f"deployments: {', '.join(k for k in state['deployments'] if k != 'automation')}; "
+               f"work pool {state['pool']}; PIDs {state['pids']}")
+    typer.echo(f"export PREFECT_API_URL={state['api_url']}")
+
+
+@server_app.command("stop")
+def server_stop() -> None:
+    """Stop exactly the processes `jex server start` started (by their process groups)."""
+    from deployments.server import stop
+
+    pids = stop(load_settings())
+    typer.echo(f"stopped {pids}" if pids else "no jex server recorded")
+
+
+@app.command("runs")
+def runs_cmd(limit: Annotated[int, typer.Option(help="Newest N campaign runs")] = 20,
+             as_json: Annotated[bool, typer.Option("--json", help="JSON lines")] = False) -> None:
+    """Campaign runs known to the Prefect API: state, index, coverage, machine cost."""
+    from flows.history import campaign_runs, format_runs
+
+    _use_running_server()
+    rows = campaign_runs(limit)
+    typer.echo("\n".join(json.dumps(r) for r in rows) if as_json else format_runs(rows))
+
+
+@infra_app.command("reconcile")
+def infra_reconcile(provider: Annotated[str | None, typer.Option(help="default: settings")] = None,
+                    campaign: Annotated[str | None, typer.Option(help="Only this campaign's machines")] = None) -> None:
+    """Supervise, collect and delete every machine the provider tags as jex's (after a restart, or scheduled)."""
+    from flows.local_api import ensure_local_api
+    from flows.reconcile import reconcile_flow
+
+    ensure_local_api()
+    report = reconcile_flow(provider=provider, campaign=campaign)
+    for m in report["machines"]:
+        typer.echo(f"{m['machine']} ({m['campaign'] or 'no campaign'}): {m.get('action')}, jobs "
+                   f"{[(j['job'], j['status']) for j in m['jobs']]}, deleted after "
+                   f"{(m.get('teardown') or {}).get('attempts')} attempt(s)")
+    typer.echo(f"{len(report['machines'])} machine(s) reconciled, {len(report['errors'])} error(s)")
+    if report["errors"]:
+        raise typer.Exit(1)
+
+
+@infra_app.command("ledger")
+def infra_ledger(campaign: Annotated[str | None, typer.Option(help="Only this campaign")] = None) -> None:
+    """Every machine's life in seconds, its price and cost, and the running total."""
+    from infra.ledger import Ledger
+
+    report = Ledger(Path(load_settings().infra.state_dir) / "ledger.json").report(campaign)
+    for m in report["machines"]:
+        typer.echo(f"{m['machine_id']:<28} {m['campaign'] or '-':<28} {m['seconds']:>9.1f} s "
+                   f"${m['cost_usd']:>9.4f}  {m['end_reason'] or 'running'}")
+    typer.echo(f"total ${report['total_usd']:.4f} over {report['machine_seconds']:.0f} machine-seconds")
+
+
+@stage_app.command("golden")
+def stage_golden(args_file: Annotated[Path, typer.Option("--args", help="JSON: bundle, engine, store")],
+                 rows: Annotated[int, typer.Option(help="Rows from the head of the bundle")] = 64,
+                 out: Annotated[Path, typer.Option(help="Readout Parquet")] = Path("golden.parquet"),
+                 fingerprint_out: Annotated[Path, typer.Option("--fingerprint")] = Path("fingerprint.json")) -> None:
+    """Pre-flight golden replay on a machine: read out the bundle's first rows; record the engine fingerprint."""
+    from tasks.golden import golden_job
+
+    golden_job(json.loads(args_file.read_text()), rows, out, fingerprint_out)
+    typer.echo(f"golden replay: {rows} rows -> {out}")
 
 
 @stage_app.command("run")

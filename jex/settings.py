@@ -33,14 +33,34 @@ class StoreSettings(BaseModel):
 
 
 class InfraSettings(BaseModel):
-    provider: Literal["local", "ssh", "ec2", "command"] = "local"
+    provider: Literal["inprocess", "local", "ssh", "ec2", "command"] = "local"
+    state_dir: Path = Field(Path("runs/infra"), description="Ledger, code bundles, job records of the orchestrator")
     price_per_hour: float = Field(3.5, ge=0, description="GPU machine price, $/hour")
     budget_usd: float = Field(100.0, ge=0)
     budget_hours: float = Field(72.0, ge=0)
+    heartbeat_s: float = Field(5.0, gt=0)
+    heartbeat_timeout_s: float = Field(60.0, gt=0)
+    poll_s: float = Field(2.0, gt=0)
+    worker_python: str | None = Field(None, description="Interpreter on the machine; None = this one (local) "
+                                                        "or python3")
+    pip_args: str = Field("", description="Extra pip options for the bootstrap (e.g. an index URL)")
+    hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1"], description="ssh provider: existing hosts")
+    remote_root: str = Field("/tmp/jex-machines", description="Machine folders on a host (local/ssh providers)")
     ssh_user: str = "root"
     ssh_port: int = 22
     ssh_key_path: Path | None = None
+    ssh_private_key: SecretStr | None = None
     ssh_known_hosts: Path | None = None
+    accept_new_host_keys: bool = Field(False, description="Trust a host key on first sight (explicit opt-in)")
+    ec2_region: str = "us-east-1"
+    ec2_endpoint_url: str | None = None
+    ec2_image_id: str = "ami-12c6146b"
+    ec2_instance_type: str = "p5.48xlarge"
+    ec2_key_name: str | None = None
+    command_create: str = ""
+    command_describe: str = ""
+    command_list: str = ""
+    command_delete: str = ""
     aws_access_key_id: SecretStr | None = None
     aws_secret_access_key: SecretStr | None = None
 
@@ -49,6 +69,9 @@ class PrefectSettings(BaseModel):
     api_url: str | None = None
     database_url: SecretStr | None = None
     calibration_cron: str = "0 3 * * *"
+    reconcile_every_s: float = Field(900.0, gt=0, description="Interval of the scheduled reconcile")
+    host: str = "127.0.0.1"
+    port: int = 4200
 
 
 class JexSettings(BaseSettings):

@@ -12,7 +12,8 @@ from tasks.cpu_stages import read_json
 from tasks.report import reliability_plot, render_report, skill_plot
 
 
-def write_run_folder(run_dir: Path, s: dict[str, Any], spec: dict[str, Any], timings: dict[str, float]) -> str:
+def write_run_folder(run_dir: Path, s: dict[str, Any], spec: dict[str, Any], timings: dict[str, float],
+                     machines: dict[str, Any] | None = None) -> str:
     """predictions.parquet, score.json, fold.json, report.md, plots and provenance.json."""
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(s["overlay"]["predictions"], run_dir / "predictions.parquet")
@@ -30,7 +31,9 @@ def write_run_folder(run_dir: Path, s: dict[str, Any], spec: dict[str, Any], tim
     reliability_plot(calibration, run_dir / "reliability.png")
     report = render_report(name=spec["name"], policy=policy, baseline=baseline, fold=fold, calibration=calibration,
                            fast=s["fast_pass"], reason=s["reason"], gate=s["gate"], overlays=s["overlay"]["applied"],
-                           timings=timings, engine=s["fast_pass"]["engine"])
+                           timings=timings, engine=s["fast_pass"]["engine"], machines=machines)
+    if machines is not None:
+        write_json(run_dir / "machines.json", machines)
     write_text(run_dir / "report.md", report)
     return report
 

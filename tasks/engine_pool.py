@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.base import package_version
 from engine.render import renderer_fingerprint
+from engine.vllm_engine import VLLM_PIN  # noqa: F401 - the worker stack pins it
 
 CALLS: Counter[str] = Counter()
 """Engine calls per stage in this process (tests use it to prove what a retry recomputed)."""

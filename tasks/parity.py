@@ -81,6 +81,18 @@ def run_parity(engine_a: Any, engine_b: Any, rows: Sequence[RowLike], *, reason_
     return out
 
 
+def parity_of_kinds(kind_a: str, kind_b: str, rows: Sequence[RowLike], *, model: str | None, device: str,
+                    batch_size: int, reason_rows: int = 0, max_tokens: int = 96) -> dict[str, Any]:
+    """`run_parity` on two engines built from their kinds, with both engines' provenance."""
+    from engine.factory import make_engine
+
+    a = make_engine(kind_a, model=model, device=device, batch_size=batch_size)
+    b = make_engine(kind_b, model=model, device=device, batch_size=batch_size)
+    res = run_parity(a, b, rows, reason_rows=reason_rows, max_tokens=max_tokens)
+    res["provenance"] = {"a": a.provenance(), "b": b.provenance()}
+    return res
+
+
 def _acc(readouts: Sequence[Readout], gold: dict[str, int]) -> float | None:
     scored = [r for r in readouts if r.run_id in gold]
     return sum(r.choice == gold[r.run_id] for r in scored) / len(scored) if scored else None

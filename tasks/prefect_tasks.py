@@ -27,7 +27,7 @@ def _key(context: Any, params: dict[str, Any]) -> str:
     name = context.task.name
     doc = {"task": name, "version": STAGE_VERSIONS.get(name), "params": params}
     if isinstance(params.get("engine"), EngineSpec):
-        doc["engine_fingerprint"] = fingerprint(params["engine"])
+        doc["engine_fingerprint"] = params.get("engine_fp") or fingerprint(params["engine"])
     return f"{name}-" + hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -59,9 +59,10 @@ def bundle_task(suite: str, store: str) -> dict[str, Any]:
 
 
 @task(name="fast_pass", retries=1, **CACHED)
-def fast_pass_task(bundle: dict[str, Any], engine: EngineSpec, store: str, shard_rows: int) -> dict[str, Any]:
+def fast_pass_task(bundle: dict[str, Any], engine: EngineSpec, store: str, shard_rows: int,
+                   engine_fp: dict[str, Any] | None = None) -> dict[str, Any]:
     return stages.fast_pass_stage(bundle, engine, LocalStore(store), shard_rows=shard_rows,
-                                  progress=_progress("fast_pass"))
+                                  progress=_progress("fast_pass"), engine_fp=engine_fp)
 
 
 @task(name="gate", **CACHED)
@@ -72,9 +73,9 @@ def gate_task(bundle: dict[str, Any], fast: dict[str, Any], store: str, coverage
 
 @task(name="reason", retries=1, **CACHED)
 def reason_task(bundle: dict[str, Any], gate: dict[str, Any], engine: EngineSpec, store: str, max_tokens: int,
-                shard_rows: int) -> dict[str, Any]:
+                shard_rows: int, engine_fp: dict[str, Any] | None = None) -> dict[str, Any]:
     return stages.reason_stage(bundle, gate, engine, LocalStore(store), max_tokens=max_tokens, shard_rows=shard_rows,
-                               progress=_progress("reason"))
+                               progress=_progress("reason"), engine_fp=engine_fp)
 
 
 @task(name="fold", **CACHED)
@@ -104,10 +105,11 @@ def score_task(bundle: dict[str, Any], overlay: dict[str, Any], fold: dict[str, 
 
 
 @task(name="report", cache_policy=NO_CACHE)
-def report_task(run_dir: str, summaries: dict[str, Any], spec: dict[str, Any], timings: dict[str, float]) -> str:
+def report_task(run_dir: str, summaries: dict[str, Any], spec: dict[str, Any], timings: dict[str, float],
+                machines: dict[str, Any] | None = None) -> str:
     from tasks.campaign_outputs import write_run_folder
 
-    report = write_run_folder(Path(run_dir), summaries, spec, timings)
+    report = write_run_folder(Path(run_dir), summaries, spec, timings, machines)
     publish_report(report, Path(run_dir))
     return str(Path(run_dir) / "report.md")
 

@@ -55,7 +55,8 @@ def _f(x: Any, nd: int = 4) -> str:
 
 def render_report(*, name: str, policy: dict[str, Any], baseline: dict[str, Any], fold: dict[str, Any],
                   calibration: dict[str, Any], fast: dict[str, Any], reason: dict[str, Any], gate: dict[str, Any],
-                  overlays: list[dict[str, Any]], timings: dict[str, float], engine: dict[str, Any]) -> str:
+                  overlays: list[dict[str, Any]], timings: dict[str, float], engine: dict[str, Any],
+                  machines: dict[str, Any] | None = None) -> str:
     o = fold["overall"]
     lo, hi = policy["ci"]
     dlo, dhi = fold["delta_full_ci"]
@@ -101,4 +102,28 @@ def render_report(*, name: str, policy: dict[str, Any], baseline: dict[str, Any]
         s = shard_info.get(stage, {})
         lines.append(f"| {stage} | {secs:.2f} | {len(s.get('computed_shards', [])) if s else '-'} | "
                      f"{len(s.get('reused_shards', [])) if s else '-'} |")
+    lines += machines_section(machines)
     return "\n".join(lines) + "\n"
+
+
+def machines_section(machines: dict[str, Any] | None) -> list[str]:
+    """Each machine's life, cost and end, the golden replays, and the campaign's running total."""
+    if machines is None:
+        return ["", "## Machines", "", "Engine stages ran in the orchestrator's process (provider `inprocess`)."]
+    lines = ["", "## Machines", "", f"Provider `{machines['provider']}`, {machines['workers']} worker(s).", "",
+             "| machine | life (s) | cost ($) | ended because | teardown attempts | jobs |",
+             "|---|---:|---:|---|---:|---|"]
+    for m in machines["machines"]:
+        t = m.get("teardown") or {}
+        jobs = ", ".join(f"{j['job']}: {j['status']} ({len(j['artifacts'])} artifacts)" for j in m["jobs"])
+        lines.append(f"| {m['machine']['id']} | {_f(m.get('life_s'), 1)} | {_f(m.get('cost_usd'), 4)} | "
+                     f"{t.get('reason', 'running')} | {t.get('attempts', '-')} | {jobs} |")
+    if not machines["machines"]:
+        lines.append("| (none: every engine stage was cached) | | | | | |")
+    for g in machines["golden"]:
+        how = "reference established" if g.get("established") else f"against {g['reference']}"
+        lines.append(f"\nGolden replay on {g['machine']}: {g['rows']} rows, max |dp| {g['max_abs_dp']:.3g} "
+                     f"(tolerance {g['tolerance']:.0e}), {how}.")
+    lines.append(f"\nCampaign machine cost so far: ${machines['ledger']['total_usd']:.4f} over "
+                 f"{machines['ledger']['machine_seconds']:.0f} machine-seconds.")
+    return lines

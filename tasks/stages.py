@@ -72,11 +72,45 @@ def readouts_frame(readouts: list[Readout]) -> pl.DataFrame:
                          "refusal": [r.refusal for r in readouts]}, schema=READOUT_SCHEMA)
 
 
+def stage_plan(stage: str, args: dict[str, Any], engine_fp: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Where an engine stage's shards go and how many there are, without loading anything heavy.
+
+    `args` is what `jex stage run` reads (bundle, engine, store, shard_rows[, gate, max_tokens]);
+    `engine_fp` is the fingerprint measured on the machine that computes the stage (default: here).
+    """
+    fp = engine_fp or fingerprint(EngineSpec.model_validate(args["engine"]))
+    if stage == "fast_pass":
+        key, rows = _fast_pass_key(args["bundle"], fp), args["bundle"]["rows"]
+    elif stage == "reason":
+        key, rows = _reason_key(args["bundle"], args["gate"], fp, args["max_tokens"], REASON_TEMPLATE), \
+            args["gate"]["rows"]
+    else:
+        raise ValueError(f"unknown engine stage {stage!r}")
+    folder = Path(args["store"]) / stage / key
+    return {"stage": stage, "key": key, "folder": str(folder),
+            "shards_dir": str(folder / f"shards-{args['shard_rows']}"),
+            "shards": -(-rows // args["shard_rows"]), "complete": (folder / "_SUCCESS.json").exists(), "engine": fp}
+
+
+def _fast_pass_key(bundle: dict[str, Any], fp: dict[str, Any]) -> str:
+    return stage_key("fast_pass", params={"mode": "label_slot"}, inputs={"bundle": bundle["sha256"]}, engine=fp)
+
+
+def _reason_key(bundle: dict[str, Any], gate: dict[str, Any], fp: dict[str, Any], max_tokens: int,
+                template: str) -> str:
+    return stage_key("reason", params={"max_tokens": max_tokens, "template": template},
+                     inputs={"bundle": bundle["sha256"], "gate": gate["sha256"]}, engine=fp)
+
+
 def fast_pass_stage(bundle: dict[str, Any], engine: EngineSpec, store: LocalStore, *, shard_rows: int = 32,
-                    worker: int = 0, workers: int = 1, progress: Progress | None = None) -> dict[str, Any]:
-    """Label-slot readout of every row, sharded; `capture.parquet` is the merge of the shards."""
-    key = stage_key("fast_pass", params={"mode": "label_slot"}, inputs={"bundle": bundle["sha256"]},
-                    engine=fingerprint(engine))
+                    worker: int = 0, workers: int = 1, progress: Progress | None = None,
+                    engine_fp: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Label-slot readout of every row, sharded; `capture.parquet` is the merge of the shards.
+
+    `engine_fp` overrides the local fingerprint when the shards were computed on another machine.
+    """
+    engine_fp = engine_fp or fingerprint(engine)
+    key = _fast_pass_key(bundle, engine_fp)
     sd = store.stage("fast_pass", key)
     if sd.complete:
         return sd.summary()
@@ -100,7 +134,7 @@ def fast_pass_stage(bundle: dict[str, Any], engine: EngineSpec, store: LocalStor
                       "computed_rows": stats.computed_rows,
                       "context_refusals": refusals.filter(pl.col("refusal").str.starts_with("context")).height,
                       "readout_errors": refusals.filter(~pl.col("refusal").str.starts_with("context")).height,
-                      "engine": fingerprint(engine)})
+                      "engine": engine_fp})
 
 
 def reason_frame(gens: list[Generation], posts: list[Readout]) -> pl.DataFrame:
@@ -117,10 +151,11 @@ def reason_frame(gens: list[Generation], posts: list[Readout]) -> pl.DataFrame:
 
 def reason_stage(bundle: dict[str, Any], gate: dict[str, Any], engine: EngineSpec, store: LocalStore, *,
                  max_tokens: int, template: str = REASON_TEMPLATE, shard_rows: int = 8, worker: int = 0,
-                 workers: int = 1, progress: Progress | None = None) -> dict[str, Any]:
+                 workers: int = 1, progress: Progress | None = None,
+                 engine_fp: dict[str, Any] | None = None) -> dict[str, Any]:
     """A greedy rationale for each gated row, then the options re-read after it (post-thought readout)."""
-    key = stage_key("reason", params={"max_tokens": max_tokens, "template": template},
-                    inputs={"bundle": bundle["sha256"], "gate": gate["sha256"]}, engine=fingerprint(engine))
+    engine_fp = engine_fp or fingerprint(engine)
+    key = _reason_key(bundle, gate, engine_fp, max_tokens, template)
     sd = store.stage("reason", key)
     if sd.complete:
         return sd.summary()
@@ -151,7 +186,7 @@ def reason_stage(bundle: dict[str, Any], gate: dict[str, Any], engine: EngineSpe
                       "rationale_tokens": {"mean": sum(lengths) / len(lengths) if lengths else 0.0,
                                            "max": max(lengths, default=0),
                                            "hit_max_tokens": frame.filter(pl.col("finish_reason") == "length").height},
-                      "engine": fingerprint(engine)})
+                      "engine": engine_fp})
 
 
 def _empty_reason(out: Path) -> pl.DataFrame:

@@ -50,3 +50,68 @@ def s3_server():
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory):
+    """A real OpenSSH server on 127.0.0.1 with a generated host key and user key; stopped by its PID."""
+    import os
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    exe = shutil.which("sshd") or "/usr/sbin/sshd"
+    if not Path(exe).exists():
+        pytest.skip("OpenSSH server not installed (`.ci/services.sh` installs it from Debian as root)")
+    if os.geteuid() != 0:
+        pytest.skip("a private sshd needs root here (CI runs as root)")
+    d = tmp_path_factory.mktemp("sshd")
+    for name in ("host_key", "user_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
+    (d / "authorized_keys").write_text((d / "user_key.pub").read_text())
+    port = _free_port()
+    (d / "sshd_config").write_text("\n".join([
+        f"Port {port}", "ListenAddress 127.0.0.1", f"HostKey {d / 'host_key'}",
+        f"AuthorizedKeysFile {d}/authorized_keys", "Subsystem sftp internal-sftp",
+        "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no",
+        "PermitRootLogin prohibit-password", f"PidFile {d / 'sshd.pid'}", "MaxStartups 50", "MaxSessions 50", ""]))
+    Path("/run/sshd").mkdir(parents=True, exist_ok=True)
+    subprocess.run([exe, "-f", str(d / "sshd_config"), "-E", str(d / "sshd.log")], check=True)
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    kind, b64 = (d / "host_key.pub").read_text().split()[:2]
+    (d / "known_hosts").write_text(f"[127.0.0.1]:{port} {kind} {b64}\n")
+    pid = int((d / "sshd.pid").read_text())
+    yield {"port": port, "key_path": d / "user_key", "known_hosts": d / "known_hosts", "pid": pid, "dir": d}
+    os.kill(pid, signal.SIGTERM)
+
+
+@pytest.fixture()
+def s3_bucket(s3_server):
+    """A fresh bucket on the session's S3 server, and an S3Store over it."""
+    import uuid
+
+    import boto3
+
+    from infra.s3 import S3Store
+
+    client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="test",
+                          aws_secret_access_key="test")
+    name = f"jex-{uuid.uuid4().hex[:8]}"
+    client.create_bucket(Bucket=name)
+    return S3Store(name, "jex", client)

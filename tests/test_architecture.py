@@ -12,7 +12,9 @@ FORBIDDEN = {
     "engine": {"prefect", "tasks", "flows", "infra", "overlays", "deployments", "boto3", "paramiko"},
     "tasks": {"flows", "infra", "deployments", "boto3", "paramiko"},
     "overlays": {"engine", "infra", "flows", "deployments", "boto3", "paramiko"},
-    "infra": {"engine", "tasks"},
+    "infra": {"engine", "tasks", "flows", "deployments", "prefect"},
+    "deployments": {"engine", "tasks", "infra"},
+    "flows": {"engine", "deployments"},
 }
 
 

@@ -52,9 +52,11 @@ def harness():
 
 def _spec(suite, tmp_path):
     from flows.campaign import CampaignSpec
+    from flows.remote import MachinesSpec
 
     return CampaignSpec(name="t", suite=str(suite), coverage=0.2, reason_max_tokens=8, bootstrap_draws=50,
-                        fast_shard_rows=9, reason_shard_rows=3, store=str(tmp_path / "store"), out=str(tmp_path))
+                        fast_shard_rows=9, reason_shard_rows=3, store=str(tmp_path / "store"), out=str(tmp_path),
+                        machines=MachinesSpec(provider="inprocess"))
 
 
 def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, tmp_path, monkeypatch, s3_server):
@@ -129,7 +131,7 @@ def test_killed_run_resumes_at_the_first_missing_shard(tiny_suite, tmp_path):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
     jex = [sys.executable, "-m", "jex"]
     cmd = jex + ["run", "--suite", str(tiny_suite), "--out", str(tmp_path), "--shard-rows", "3",
-                 "--reason-max-tokens", "4", "--name", "crash"]
+                 "--reason-max-tokens", "4", "--name", "crash", "--provider", "inprocess"]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + 300

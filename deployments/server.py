@@ -1,0 +1,124 @@
+"""`jex server start|stop`: the orchestrator's Prefect server, its process worker, and the deployments.
+
+start: `prefect server start` on 127.0.0.1 (SQLite under PREFECT_HOME by default; PostgreSQL when
+JEX_PREFECT__DATABASE_URL is set), waits for /api/health, registers the work pool, deployments and
+the failure automation, then starts a process worker on the pool. The PIDs (each process leads its
+own process group) go to `<state>/server.json`; `stop` signals exactly those groups, TERM then KILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from deployments.register import POOL, ROOT, register
+from jex.fileio import write_json
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def state_file(settings: Any) -> Path:
+    return Path(settings.infra.state_dir).resolve() / "server.json"
+
+
+def _env(settings: Any, api_url: str) -> dict[str, str]:
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": api_url,
+           "PREFECT_UI_API_URL": api_url, "PREFECT_LOGGING_LEVEL": "INFO"}  # flow-run logs reach the UI
+    if settings.prefect.database_url:
+        env["PREFECT_API_DATABASE_CONNECTION_URL"] = settings.prefect.database_url.get_secret_value()
+    return env
+
+
+def healthy(api_url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def start(settings: Any, *, campaign_defaults: dict[str, Any] | None = None, worker: bool = True,
+          timeout: float = 180.0) -> dict[str, Any]:
+    """Start server (+ worker), register everything; returns the state written to server.json."""
+    sf = state_file(settings)
+    if sf.exists():
+        old = json.loads(sf.read_text())
+        if healthy(old["api_url"]):
+            raise ServerError(f"a jex server is already running at {old['api_url']} (state {sf}); "
+                              "`jex server stop` first")
+        stop(settings)
+    host, port = settings.prefect.host, settings.prefect.port
+    api_url = f"http://{host}:{port}/api"
+    env = _env(settings, api_url)
+    logs = sf.parent / "server-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port),
+                               "--analytics-off"], env=env, cwd=ROOT, start_new_session=True,
+                              stdout=open(logs / "server.log", "ab"), stderr=subprocess.STDOUT)
+    state: dict[str, Any] = {"api_url": api_url, "ui_url": f"http://{host}:{port}", "pids": [server.pid],
+                             "database": "postgresql" if settings.prefect.database_url else "sqlite",
+                             "pool": POOL, "started_at": time.time()}
+    write_json(sf, state)
+    deadline = time.time() + timeout
+    while not healthy(api_url):
+        if server.poll() is not None or time.time() > deadline:
+            stop(settings)
+            raise ServerError(f"the Prefect server did not come up at {api_url}; see {logs / 'server.log'}")
+        time.sleep(0.5)
+    os.environ.update({"PREFECT_API_URL": api_url})
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        state["deployments"] = register(settings, campaign_defaults)
+    if worker:
+        w = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process",
+                              "--name", "jex-orchestrator-worker"], env=env, cwd=ROOT, start_new_session=True,
+                             stdout=open(logs / "worker.log", "ab"), stderr=subprocess.STDOUT)
+        state["pids"].append(w.pid)
+    write_json(sf, state)
+    return state
+
+
+def stop(settings: Any, grace: float = 15.0) -> list[int]:
+    """Stop the process groups recorded by `start` (and nothing else); returns the PIDs signalled."""
+    sf = state_file(settings)
+    if not sf.exists():
+        return []
+    pids = json.loads(sf.read_text())["pids"]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in pids if _alive(p)]
+        for p in alive:
+            try:
+                os.killpg(p, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + grace
+        while any(_alive(p) for p in alive) and time.time() < deadline:
+            time.sleep(0.2)
+    sf.unlink(missing_ok=True)
+    return pids
+
+
+def _alive(pgid: int) -> bool:
+    """Whether any live (non-zombie) process is in the process group `pgid`."""
+    try:  # reap the leader if it is our own child, so it does not linger as a zombie
+        os.waitpid(pgid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False

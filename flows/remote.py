@@ -1,0 +1,213 @@
+"""Engine stages on machines the orchestrator owns: golden replay, detached shards, collection, teardown.
+
+`GpuFleet` starts its machines lazily, the first time a stage has shards to compute, so a cached
+campaign never rents one; leaving the `with` block tears every machine down, whatever happened.
+Each machine first replays the golden rows against the stored reference (and stops there on a
+mismatch), then computes worker i of N of each stage; the shards come back verified and are merged
+here by the same stage function that runs in-process, so the capture is the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+import polars as pl
+from pydantic import BaseModel, ConfigDict, Field
+
+from infra.ledger import Ledger
+from infra.reconcile import make_provider, policy_from_settings
+from infra.remote import JobFailed, MachineSession, RemoteJob, stack_lock
+from jex.fileio import write_json
+from tasks.golden import compare_golden, find_reference, store_reference
+from tasks.stages import stage_plan
+from tasks.store import LocalStore
+
+ProviderName = Literal["inprocess", "local", "ssh", "ec2", "command"]
+
+
+class MachinesSpec(BaseModel):
+    """Where the engine stages run; the campaign form's 'machines' section."""
+
+    model_config = ConfigDict(extra="forbid")
+    provider: ProviderName = Field("local", description="inprocess = in this process; others rent machines")
+    hosts: list[str] = Field(default_factory=list, description="ssh: hosts to use (empty = settings)")
+    workers: int = Field(1, ge=1, description="Machines sharing each engine stage (one engine each)")
+    budget_usd: float | None = Field(None, ge=0, description="Campaign cost budget (empty = settings)")
+    price_per_hour: float | None = Field(None, ge=0, description="Price of one machine (empty = settings)")
+    wall_budget_hours: float | None = Field(None, gt=0, description="Max life of a machine (empty = settings)")
+    heartbeat_timeout_s: float | None = Field(None, gt=0)
+    golden_rows: int = Field(64, ge=1, description="Rows replayed before a machine runs its shards")
+    golden_tolerance: float = Field(1e-4, ge=0, description="Max |dp| of the golden replay")
+
+
+class GoldenMismatch(RuntimeError):
+    def __init__(self, machine: str, verdict: dict[str, Any]):
+        worst = ", ".join(f"{w['run_id']} ({w['max_abs_dp']:.3g})" for w in verdict["worst"][:3])
+        super().__init__(f"golden replay on {machine}: max |dp| {verdict['max_abs_dp']:.3g} > tolerance "
+                         f"{verdict['tolerance']:.3g}; worst rows: {worst}; {verdict['problems'][:3]}")
+        self.verdict = verdict
+
+
+class GpuFleet:
+    """N machines for the engine stages of one campaign (see the module docstring)."""
+
+    def __init__(self, spec: MachinesSpec, *, campaign: str, store: str, echo: Any = print, settings: Any = None,
+                 on_poll: Any = None):
+        from jex.settings import load_settings
+
+        self.spec, self.campaign, self.store, self.echo = spec, campaign, LocalStore(store), echo
+        self.settings = settings or load_settings()
+        infra = self.settings.infra
+        self.state_dir = Path(infra.state_dir)
+        self.provider = make_provider(infra, name=spec.provider, hosts=spec.hosts or None)
+        over = {k: v for k, v in {"budget_usd": spec.budget_usd, "price_per_hour": spec.price_per_hour,
+                                  "heartbeat_timeout_s": spec.heartbeat_timeout_s,
+                                  "wall_budget_s": spec.wall_budget_hours * 3600 if spec.wall_budget_hours else None
+                                  }.items() if v is not None}
+        self.policy = policy_from_settings(infra, **over)
+        self.ledger = Ledger(self.state_dir / "ledger.json")
+        self.s3 = _s3(self.settings)
+        self.on_poll = on_poll
+        self.sessions: list[MachineSession] = []
+        self.golden: list[dict[str, Any]] = []
+        self.engine_fp: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> GpuFleet:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        errors = []
+        for s in self.sessions:
+            try:
+                s.teardown("campaign stages done" if exc[0] is None else f"{exc[0].__name__}: {str(exc[1])[:160]}")
+            except RuntimeError as e:
+                errors.append(str(e))
+        if errors and exc[0] is None:
+            raise RuntimeError("; ".join(errors))
+
+    def _python(self) -> str:
+        import sys
+
+        return self.settings.infra.worker_python or (sys.executable if self.spec.provider == "local" else "python3")
+
+    def _stack(self, engine: dict[str, Any]) -> str:
+        if str(engine.get("kind", "hf")).startswith("vllm"):
+            from tasks.engine_pool import VLLM_PIN
+
+            return stack_lock({"vllm": VLLM_PIN}, with_torch=False)
+        return stack_lock()
+
+    def _start(self, args: dict[str, Any]) -> None:
+        """Start the machines (once), each replaying the golden rows before it may run shards."""
+        if self.sessions:
+            return
+        import os
+
+        if self.settings.infra.pip_args:
+            os.environ["JEX_PIP_ARGS"] = self.settings.infra.pip_args
+        for i in range(self.spec.workers):
+            session = MachineSession(self.provider, campaign=self.campaign, ledger=self.ledger, policy=self.policy,
+                                     label=f"w{i}", python=self._python(), state_dir=self.state_dir,
+                                     stack=self._stack(args["engine"]), s3=self.s3, echo=self.echo,
+                                     on_poll=self.on_poll)
+            self.sessions.append(session)
+            session.start()
+        with ThreadPoolExecutor(len(self.sessions)) as pool:
+            list(pool.map(lambda s: self._golden(s, args), self.sessions))
+
+    def _golden(self, session: MachineSession, args: dict[str, Any]) -> None:
+        rows = min(self.spec.golden_rows, args["bundle"]["rows"])
+        inbox = self.store.root / ".machines" / session.machine.id / "golden"
+        job = RemoteJob("golden", ["-m", "jex", "stage", "golden", "--args", "args.json", "--rows", str(rows),
+                                   "--out", "golden.parquet", "--fingerprint", "fingerprint.json"],
+                        ["golden.parquet", "fingerprint.json"], inbox,
+                        files=_job_files(args, inbox))
+        session.run(job)
+        fp = json.loads((inbox / "fingerprint.json").read_text())
+        replay = pl.read_parquet(inbox / "golden.parquet")
+        with self._lock:
+            self.engine_fp = self.engine_fp or fp
+            if fp != self.engine_fp:
+                raise GoldenMismatch(session.machine.id, {"max_abs_dp": float("inf"), "tolerance": 0, "worst": [],
+                                                           "problems": [f"engine fingerprint {fp} differs from "
+                                                                        f"{self.engine_fp}"]})
+            plan = stage_plan("fast_pass", {**args, "shard_rows": 1}, fp)
+            capture = Path(plan["folder"]) / "capture.parquet"
+            ref, source = find_reference(self.store, args["bundle"], fp, rows, str(capture))
+            if ref is None:
+                source = str(store_reference(self.store, args["bundle"], fp, replay))
+                verdict = {"ok": True, "rows": rows, "max_abs_dp": 0.0, "tolerance": self.spec.golden_tolerance,
+                           "worst": [], "problems": [], "established": True}
+            else:
+                verdict = {**compare_golden(ref, replay, self.spec.golden_tolerance).to_dict(), "established": False}
+            self.golden.append({"machine": session.machine.id, "reference": source, **verdict})
+        self.echo(f"machine {session.machine.id}: golden replay of {rows} rows: max |dp| {verdict['max_abs_dp']:.3g} "
+                  f"({'reference established' if verdict['established'] else 'against ' + source})")
+        if not verdict["ok"]:
+            raise GoldenMismatch(session.machine.id, verdict)
+
+    def run_stage(self, stage: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Compute the stage's missing shards on the machines; returns the plan (the shards are then local)."""
+        plan = stage_plan(stage, args, self.engine_fp)
+        if plan["complete"] or _all_shards(plan):  # e.g. collected by `jex infra reconcile` after a restart
+            return plan
+        self._start(args)
+        plan = stage_plan(stage, args, self.engine_fp)
+        if plan["complete"]:
+            return plan
+        n = len(self.sessions)
+
+        def one(i: int) -> None:
+            session = self.sessions[i]
+            inbox = self.store.root / ".machines" / session.machine.id / stage
+            job = RemoteJob(stage, ["-m", "jex", "stage", "run", stage, "--args", "args.json", "--worker", str(i),
+                                    "--workers", str(n)],
+                            [f"store/{stage}/{plan['key']}/shards-{args['shard_rows']}/shard-*.parquet"],
+                            self.store.root, files=_job_files(args, inbox), strip_prefix="store/")
+            session.run(job)  # the verified shards land in this store's stage folder
+
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(one, range(n)))
+        have = len(list(Path(plan["shards_dir"]).glob("shard-*.parquet")))
+        if have != plan["shards"]:
+            raise RuntimeError(f"{stage}: {have} of {plan['shards']} shards came back under key {plan['key']}; the "
+                               "machines computed a different key (engine or code differs)")
+        return plan
+
+    def report(self) -> dict[str, Any]:
+        return {"provider": self.provider.name, "workers": self.spec.workers, "golden": self.golden,
+                "machines": [s.report() for s in self.sessions],
+                "ledger": self.ledger.report(self.campaign)}
+
+
+def _all_shards(plan: dict[str, Any]) -> bool:
+    return len(list(Path(plan["shards_dir"]).glob("shard-*.parquet"))) == plan["shards"]
+
+
+def _job_files(args: dict[str, Any], inbox: Path) -> dict[str, Path]:
+    """The stage's inputs for the job folder, with `args.json` rewritten to the machine's relative paths."""
+    files: dict[str, Path] = {"inputs/bundle.tar.gz": Path(args["bundle"]["bundle"])}
+    remote = {**args, "store": "store", "bundle": {**args["bundle"], "bundle": "inputs/bundle.tar.gz"}}
+    if "gate" in args:
+        files["inputs/gated.parquet"] = Path(args["gate"]["gated"])
+        remote["gate"] = {**args["gate"], "gated": "inputs/gated.parquet"}
+    inbox.mkdir(parents=True, exist_ok=True)
+    write_json(inbox / "args.json", json.loads(json.dumps(remote, default=str)))
+    files["args.json"] = inbox / "args.json"
+    return files
+
+
+def _s3(settings: Any) -> Any:
+    if not settings.store.s3_bucket:
+        return None
+    from infra.s3 import S3Store
+
+    return S3Store.from_settings(settings.store, settings.infra)
+
+
+__all__ = ["GoldenMismatch", "GpuFleet", "JobFailed", "MachinesSpec"]

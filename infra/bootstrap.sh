@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Worker bootstrap, uploaded by the orchestrator and run on the machine. Idempotent: a second run
+# with the same code and stack finds everything in place and only rewrites provenance.json.
+#   bash bootstrap.sh WORKDIR CODE_SHA PYTHON
+# WORKDIR holds code-CODE_SHA.tar.gz and stack.lock (pip requirement pins). Prints one JSON line:
+# the python the jobs must use and whether the stack was reused or installed.
+set -euo pipefail
+W=$1; SHA=$2; PY=$3
+cd "$W"
+CODE="$W/code/$SHA"
+if [ ! -f "$CODE/.unpacked" ]; then
+  rm -rf "$CODE" && mkdir -p "$CODE"
+  tar -xzf "code-$SHA.tar.gz" -C "$CODE"
+  touch "$CODE/.unpacked"
+fi
+
+check_stack() {  # prints the pins the interpreter does not satisfy; empty output = all satisfied
+  "$1" - stack.lock <<'EOF'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+for line in open(sys.argv[1]):
+    line = line.split("#")[0].strip()
+    if not line:
+        continue
+    name, _, want = line.partition("==")
+    try:
+        have = version(name)
+    except PackageNotFoundError:
+        have = None
+    if have != want:
+        print(f"{name}: want {want}, have {have}")
+EOF
+}
+
+STACK=reused
+MISSING=$(check_stack "$PY")
+if [ -n "$MISSING" ]; then
+  if [ ! -x "$W/stack/bin/python" ] || [ -n "$(check_stack "$W/stack/bin/python")" ]; then
+    "$PY" -m venv "$W/stack"
+    # shellcheck disable=SC2086  # JEX_PIP_ARGS is a list of pip options (e.g. an index URL)
+    "$W/stack/bin/python" -m pip install -q ${JEX_PIP_ARGS:-} -r stack.lock >> bootstrap.log 2>&1
+    STACK=installed
+  fi
+  PY="$W/stack/bin/python"
+  MISSING=$(check_stack "$PY")
+  [ -z "$MISSING" ] || { echo "stack still unsatisfied: $MISSING" >&2; exit 3; }
+fi
+
+GPU=$(nvidia-smi -L 2>/dev/null | tr '\n' ';' || true)
+PYTHONPATH="$CODE" "$PY" - "$SHA" "$STACK" "$GPU" <<'EOF' > provenance.json.part
+import json, platform, socket, sys
+from importlib.metadata import version
+pins = [line.split("==")[0].strip() for line in open("stack.lock") if "==" in line]
+print(json.dumps({"host": socket.gethostname(), "platform": platform.platform(), "python": sys.version.split()[0],
+                  "executable": sys.executable, "code_sha256": sys.argv[1], "stack": sys.argv[2],
+                  "packages": {p: version(p) for p in pins}, "gpus": sys.argv[3]}, sort_keys=True))
+EOF
+mv provenance.json.part provenance.json
+printf '{"python": "%s", "code": "%s", "stack": "%s"}\n' "$PY" "$CODE" "$STACK"

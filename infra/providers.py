@@ -1,0 +1,344 @@
+"""Machine providers behind one interface: create, describe, list by campaign tag, delete.
+
+Every call is idempotent and logged (never with secrets). A machine is tagged with its campaign;
+`list()` is what reconciliation walks after an orchestrator restart.
+
+    local    the "machine" is a work folder plus detached processes on this host (embedded default)
+    ssh      a lease on an existing host reached with paramiko: a work folder plus its processes
+    ec2      boto3: run, tag, describe, terminate instances
+    command  any cloud CLI through create/describe/list/delete command templates printing JSON
+
+`python -m infra.providers --state DIR create|describe|list|delete ...` drives the local provider
+from a shell; the command provider's tests point their templates at it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import subprocess
+import sys
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infra.shell import LocalShell, Shell, ShellError, SSHShell
+
+log = logging.getLogger("jex.infra.providers")
+TAG_CAMPAIGN, TAG_MACHINE, TAG_MANAGED = "jex:campaign", "jex:machine", "jex:managed"
+
+
+@dataclass
+class Machine:
+    id: str
+    provider: str
+    campaign: str | None
+    host: str = "127.0.0.1"
+    port: int = 22
+    user: str = "root"
+    workdir: str = ""
+    created_at: float = field(default_factory=time.time)
+    state: str = "running"
+    host_key: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> Machine:
+        return cls(**{k: v for k, v in doc.items() if k in cls.__dataclass_fields__})
+
+
+class ProviderError(RuntimeError):
+    """The provider refused or failed a call."""
+
+
+class Provider(ABC):
+    """Create, describe, list and delete machines; all idempotent. `describe` returns None once gone."""
+
+    name: str
+
+    def create(self, campaign: str | None, label: str = "gpu") -> Machine:
+        log.info("provider %s: create campaign=%s label=%s", self.name, campaign, label)
+        machine = self._create(campaign, label)
+        log.info("provider %s: created %s at %s", self.name, machine.id, machine.host)
+        return machine
+
+    def describe(self, machine_id: str) -> Machine | None:
+        log.debug("provider %s: describe %s", self.name, machine_id)
+        return self._describe(machine_id)
+
+    def list(self, campaign: str | None = None) -> list[Machine]:
+        machines = self._list()
+        log.info("provider %s: list campaign=%s -> %d machine(s)", self.name, campaign, len(machines))
+        return [m for m in machines if campaign is None or m.campaign == campaign]
+
+    def delete(self, machine_id: str) -> None:
+        log.info("provider %s: delete %s", self.name, machine_id)
+        self._delete(machine_id)
+
+    @abstractmethod
+    def _create(self, campaign: str | None, label: str) -> Machine: ...
+
+    @abstractmethod
+    def _describe(self, machine_id: str) -> Machine | None: ...
+
+    @abstractmethod
+    def _list(self) -> list[Machine]: ...
+
+    @abstractmethod
+    def _delete(self, machine_id: str) -> None: ...
+
+    @abstractmethod
+    def shell(self, machine: Machine) -> Shell: ...
+
+
+def new_machine_id(label: str) -> str:
+    return f"jex-{label}-{uuid.uuid4().hex[:10]}"
+
+
+# A host lease: `ROOT/<id>/machine.json` marks the machine; its jobs live under `ROOT/<id>/work`.
+# Deleting it kills the process group of every job (`worker.pgid`) and removes the folder.
+_LIST = 'for f in {root}/*/machine.json; do [ -f "$f" ] && cat "$f" && echo; done; true'
+_DELETE = ('d={root}/{id}; [ -d "$d" ] || exit 0; '
+           'for p in "$d"/work/jobs/*/worker.pgid; do [ -f "$p" ] && kill -KILL -- -"$(cat "$p")" 2>/dev/null; done; '
+           'rm -rf "$d"')
+
+
+class HostProvider(Provider):
+    """Machines as leases on hosts reachable through a shell (this host, or SSH hosts)."""
+
+    def __init__(self, root: str | Path, hosts: list[str] | None = None):
+        self.root = str(root)
+        self.hosts = hosts or ["127.0.0.1"]
+        self._next = 0
+
+    def _shell_for(self, host: str) -> Shell:
+        raise NotImplementedError
+
+    def _create(self, campaign: str | None, label: str) -> Machine:
+        host = self.hosts[self._next % len(self.hosts)]
+        self._next += 1
+        machine = self._machine(new_machine_id(label), campaign, host)
+        sh = self._shell_for(host)
+        sh.run(f"mkdir -p {shlex.quote(machine.workdir)}/jobs && "
+               f"printf '%s' {shlex.quote(machine.to_json())} > {self.root}/{machine.id}/machine.json")
+        return machine
+
+    def _machine(self, machine_id: str, campaign: str | None, host: str) -> Machine:
+        raise NotImplementedError
+
+    def _describe(self, machine_id: str) -> Machine | None:
+        for m in self._list():
+            if m.id == machine_id:
+                return m
+        return None
+
+    def _list(self) -> list[Machine]:
+        found = []
+        for host in self.hosts:
+            out = self._shell_for(host).run(_LIST.format(root=shlex.quote(self.root))).stdout
+            found += [Machine.from_dict(json.loads(line)) for line in out.splitlines() if line.strip()]
+        return found
+
+    def _delete(self, machine_id: str) -> None:
+        for host in self.hosts:
+            self._shell_for(host).run(_DELETE.format(root=shlex.quote(self.root), id=shlex.quote(machine_id)))
+
+
+class LocalProvider(HostProvider):
+    name = "local"
+
+    def __init__(self, root: str | Path):
+        super().__init__(Path(root).resolve(), ["localhost"])
+
+    def _shell_for(self, host: str) -> Shell:
+        return LocalShell()
+
+    def _machine(self, machine_id: str, campaign: str | None, host: str) -> Machine:
+        return Machine(machine_id, self.name, campaign, host="localhost", port=0, user="",
+                       workdir=f"{self.root}/{machine_id}/work")
+
+    def shell(self, machine: Machine) -> Shell:
+        return LocalShell()
+
+
+class SSHProvider(HostProvider):
+    name = "ssh"
+
+    def __init__(self, root: str, hosts: list[str], *, port: int = 22, user: str = "root",
+                 key_path: Path | None = None, key_text: str | None = None, known_hosts: Path | None = None,
+                 accept_new_host_keys: bool = False):
+        super().__init__(root, hosts)
+        self.port, self.user = port, user
+        self._ssh = {"key_path": key_path, "key_text": key_text, "known_hosts": known_hosts,
+                     "accept_new_host_keys": accept_new_host_keys}
+        self._shells: dict[str, SSHShell] = {}
+
+    def _shell_for(self, host: str) -> Shell:
+        if host not in self._shells:
+            self._shells[host] = SSHShell(host, self.port, self.user, **self._ssh)
+        return self._shells[host]
+
+    def _machine(self, machine_id: str, campaign: str | None, host: str) -> Machine:
+        return Machine(machine_id, self.name, campaign, host=host, port=self.port, user=self.user,
+                       workdir=f"{self.root}/{machine_id}/work")
+
+    def shell(self, machine: Machine) -> Shell:
+        return SSHShell(machine.host, self.port, self.user, **self._ssh)
+
+
+class EC2Provider(Provider):
+    """EC2 instances tagged `jex:managed`, `jex:campaign`, `jex:machine`; reached over SSH."""
+
+    name = "ec2"
+    GONE = ("shutting-down", "terminated")
+
+    def __init__(self, client: Any, *, image_id: str, instance_type: str, key_name: str | None = None,
+                 workdir: str = "/opt/jex/work", user: str = "ubuntu", ssh: dict[str, Any] | None = None):
+        self.client, self.image_id, self.instance_type, self.key_name = client, image_id, instance_type, key_name
+        self.workdir, self.user, self._ssh = workdir, user, ssh or {}
+
+    def _as_machine(self, inst: dict[str, Any]) -> Machine:
+        tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
+        launched = inst.get("LaunchTime")
+        return Machine(inst["InstanceId"], self.name, tags.get(TAG_CAMPAIGN) or None,
+                       host=inst.get("PublicIpAddress") or inst.get("PrivateIpAddress") or "", port=22,
+                       user=self.user, workdir=self.workdir, state=inst["State"]["Name"],
+                       created_at=launched.timestamp() if hasattr(launched, "timestamp") else time.time(),
+                       meta={"instance_type": inst.get("InstanceType")})
+
+    def _create(self, campaign: str | None, label: str) -> Machine:
+        tags = [{"Key": TAG_MANAGED, "Value": "1"}, {"Key": TAG_MACHINE, "Value": new_machine_id(label)}]
+        if campaign:
+            tags.append({"Key": TAG_CAMPAIGN, "Value": campaign})
+        kw: dict[str, Any] = {"ImageId": self.image_id, "InstanceType": self.instance_type, "MinCount": 1,
+                              "MaxCount": 1, "TagSpecifications": [{"ResourceType": "instance", "Tags": tags}]}
+        if self.key_name:
+            kw["KeyName"] = self.key_name
+        inst = self.client.run_instances(**kw)["Instances"][0]
+        return self._as_machine(inst)
+
+    def _describe(self, machine_id: str) -> Machine | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            res = self.client.describe_instances(InstanceIds=[machine_id])["Reservations"]
+        except ClientError as e:
+            if "NotFound" in e.response.get("Error", {}).get("Code", ""):
+                return None
+            raise
+        insts = [i for r in res for i in r["Instances"]]
+        if not insts or insts[0]["State"]["Name"] in self.GONE:
+            return None
+        return self._as_machine(insts[0])
+
+    def _list(self) -> list[Machine]:
+        pages = self.client.get_paginator("describe_instances").paginate(
+            Filters=[{"Name": f"tag:{TAG_MANAGED}", "Values": ["1"]},
+                     {"Name": "instance-state-name", "Values": ["pending", "running", "stopping", "stopped"]}])
+        return [self._as_machine(i) for page in pages for r in page["Reservations"] for i in r["Instances"]]
+
+    def _delete(self, machine_id: str) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.terminate_instances(InstanceIds=[machine_id])
+        except ClientError as e:
+            if "NotFound" not in e.response.get("Error", {}).get("Code", ""):
+                raise
+
+    def shell(self, machine: Machine) -> Shell:
+        return SSHShell(machine.host, 22, self.user, host_key=machine.host_key, **self._ssh)
+
+
+@dataclass
+class CommandTemplates:
+    """Shell command templates; placeholders {campaign} {label} {id}. Output: one JSON machine per line."""
+
+    create: str
+    describe: str
+    list: str
+    delete: str
+
+
+class CommandProvider(Provider):
+    """Any cloud CLI: `create` prints the machine as JSON, `describe` prints it or nothing once gone."""
+
+    name = "command"
+
+    def __init__(self, templates: CommandTemplates, *, shell_for: Any = None, timeout: float = 300):
+        self.t, self.timeout = templates, timeout
+        self._shell_for = shell_for or (lambda m: LocalShell())
+
+    def _call(self, template: str, **kw: str) -> list[dict[str, Any]]:
+        cmd = template.format(**{k: shlex.quote(v) for k, v in kw.items()})
+        p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=self.timeout)
+        if p.returncode != 0:
+            raise ProviderError(f"command provider: `{cmd[:160]}` exited {p.returncode}: {p.stderr.strip()[-400:]}")
+        try:
+            return [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
+        except ValueError as e:
+            raise ProviderError(f"command provider: `{cmd[:160]}` printed something that is not JSON lines") from e
+
+    def _as_machine(self, doc: dict[str, Any]) -> Machine:
+        return Machine.from_dict({**doc, "provider": self.name})
+
+    def _create(self, campaign: str | None, label: str) -> Machine:
+        docs = self._call(self.t.create, campaign=campaign or "", label=label)
+        if len(docs) != 1:
+            raise ProviderError(f"command provider: create printed {len(docs)} machines, expected 1")
+        return self._as_machine(docs[0])
+
+    def _describe(self, machine_id: str) -> Machine | None:
+        docs = self._call(self.t.describe, id=machine_id)
+        return self._as_machine(docs[0]) if docs else None
+
+    def _list(self) -> list[Machine]:
+        return [self._as_machine(d) for d in self._call(self.t.list)]
+
+    def _delete(self, machine_id: str) -> None:
+        self._call(self.t.delete, id=machine_id)
+
+    def shell(self, machine: Machine) -> Shell:
+        return self._shell_for(machine)
+
+
+def _main(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m infra.providers", description="Drive the local provider")
+    p.add_argument("--state", required=True, type=Path)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("create")
+    c.add_argument("--campaign", default="")
+    c.add_argument("--label", default="gpu")
+    sub.add_parser("list")
+    for name in ("describe", "delete"):
+        sub.add_parser(name).add_argument("id")
+    args = p.parse_args(argv)
+    provider = LocalProvider(args.state)
+    if args.cmd == "create":
+        print(provider.create(args.campaign or None, args.label).to_json())
+    elif args.cmd == "list":
+        for m in provider.list():
+            print(m.to_json())
+    elif args.cmd == "describe":
+        if (m := provider.describe(args.id)) is not None:
+            print(m.to_json())
+    else:
+        provider.delete(args.id)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(_main(sys.argv[1:]))
+    except ShellError as e:
+        print(e, file=sys.stderr)
+        sys.exit(1)

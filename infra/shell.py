@@ -1,0 +1,202 @@
+"""A shell on a machine: run a command, copy a file each way. Local processes or SSH (paramiko).
+
+The SSH shell verifies the host key against a known_hosts file (or a key the provider returned)
+and rejects unknown hosts; it auto-accepts only when the user set `accept_new_host_keys` for this
+provider. A dropped connection is re-opened on the next call: the remote run never depended on it.
+Keys are read from a path or a secret and never logged.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+log = logging.getLogger("jex.infra.shell")
+
+
+class ShellError(RuntimeError):
+    """A command failed on the machine, or the machine could not be reached."""
+
+
+class Unreachable(ShellError):
+    """No connection to the machine (after the reconnect attempts)."""
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    code: int
+    stdout: str
+    stderr: str
+
+
+class Shell(Protocol):
+    def run(self, command: str, *, timeout: float = 120, check: bool = True) -> CommandResult: ...
+    def put(self, local: Path, remote: str) -> None: ...
+    def get(self, remote: str, local: Path) -> None: ...
+    def close(self) -> None: ...
+
+
+def _checked(command: str, result: CommandResult, check: bool, where: str) -> CommandResult:
+    if check and result.code != 0:
+        raise ShellError(f"{where}: `{command[:120]}` exited {result.code}: {result.stderr.strip()[-500:]}")
+    return result
+
+
+class LocalShell:
+    """The machine is this host: commands run under bash, files are copied (atomically)."""
+
+    where = "localhost"
+
+    def run(self, command: str, *, timeout: float = 120, check: bool = True) -> CommandResult:
+        p = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=timeout)
+        return _checked(command, CommandResult(p.returncode, p.stdout, p.stderr), check, self.where)
+
+    def put(self, local: Path, remote: str) -> None:
+        dest = Path(remote)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.part")
+        shutil.copyfile(local, tmp)
+        tmp.replace(dest)
+
+    def get(self, remote: str, local: Path) -> None:
+        self.put(Path(remote), str(local))
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class SSHShell:
+    """paramiko client with host-key pinning and transparent reconnects."""
+
+    host: str
+    port: int = 22
+    user: str = "root"
+    key_path: Path | None = None
+    key_text: str | None = field(default=None, repr=False)
+    known_hosts: Path | None = None
+    host_key: str | None = None
+    """'TYPE BASE64' returned by the provider (e.g. from the cloud's console output)."""
+    accept_new_host_keys: bool = False
+    connect_timeout: float = 10.0
+    reconnect_attempts: int = 5
+    _client: object | None = field(default=None, init=False, repr=False)
+
+    @property
+    def where(self) -> str:
+        return f"{self.user}@{self.host}:{self.port}"
+
+    def _host_pattern(self) -> str:
+        return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
+
+    def _connect(self):
+        import paramiko
+
+        client = paramiko.SSHClient()
+        if self.known_hosts and Path(self.known_hosts).exists():
+            client.load_host_keys(str(self.known_hosts))
+        if self.host_key:
+            kind, b64 = self.host_key.split()[:2]
+            client.get_host_keys().add(self._host_pattern(), kind, paramiko.PKey.from_type_string(kind, _b64(b64)))
+        client.set_missing_host_key_policy(paramiko.AutoAddPolicy() if self.accept_new_host_keys
+                                           else paramiko.RejectPolicy())
+        pkey = None
+        if self.key_text:
+            pkey = paramiko.Ed25519Key.from_private_key(io.StringIO(self.key_text)) if "OPENSSH" in self.key_text \
+                else paramiko.RSAKey.from_private_key(io.StringIO(self.key_text))
+        client.connect(self.host, port=self.port, username=self.user, pkey=pkey,
+                       key_filename=str(self.key_path) if self.key_path and not pkey else None,
+                       timeout=self.connect_timeout, banner_timeout=self.connect_timeout,
+                       auth_timeout=self.connect_timeout, allow_agent=False, look_for_keys=False)
+        return client
+
+    def client(self):
+        """The open connection, re-opened with backoff when it dropped."""
+        transport = self._client.get_transport() if self._client is not None else None  # type: ignore[attr-defined]
+        if transport is not None and transport.is_active():
+            return self._client
+        import paramiko
+
+        delay = 0.5
+        for attempt in range(1, self.reconnect_attempts + 1):
+            try:
+                self._client = self._connect()
+                if attempt > 1:
+                    log.warning("ssh %s: reconnected (attempt %d)", self.where, attempt)
+                return self._client
+            except paramiko.BadHostKeyException as e:
+                raise ShellError(f"ssh {self.where}: host key does not match known_hosts: {e}") from None
+            except paramiko.SSHException as e:
+                if "not found in known_hosts" in str(e):
+                    raise ShellError(f"ssh {self.where}: unknown host key (pin it in known_hosts, or set "
+                                     "accept_new_host_keys for this provider)") from None
+                last: Exception = e
+            except OSError as e:
+                last = e
+            log.warning("ssh %s: connect failed (%s), retrying in %.1fs", self.where, type(last).__name__, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 8)
+        raise Unreachable(f"ssh {self.where}: unreachable after {self.reconnect_attempts} attempts: {last}")
+
+    def _retrying(self, what: str, fn):
+        import paramiko
+
+        for attempt in (1, 2):
+            client = self.client()
+            try:
+                return fn(client)
+            except (paramiko.SSHException, EOFError, OSError) as e:
+                if isinstance(e, FileNotFoundError) or attempt == 2:
+                    raise
+                log.warning("ssh %s: %s interrupted (%s); reconnecting", self.where, what, type(e).__name__)
+                self.drop()
+
+    def run(self, command: str, *, timeout: float = 120, check: bool = True) -> CommandResult:
+        def go(client):
+            _, out, err = client.exec_command(command, timeout=timeout)
+            stdout, stderr = out.read().decode(), err.read().decode()
+            return CommandResult(out.channel.recv_exit_status(), stdout, stderr)
+
+        return _checked(command, self._retrying("command", go), check, self.where)
+
+    def put(self, local: Path, remote: str) -> None:
+        def go(client):
+            with client.open_sftp() as sftp:
+                tmp = f"{remote}.part"
+                sftp.put(str(local), tmp)
+                sftp.posix_rename(tmp, remote)
+
+        self._retrying("upload", go)
+
+    def get(self, remote: str, local: Path) -> None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(f".{local.name}.part")
+
+        def go(client):
+            with client.open_sftp() as sftp:
+                sftp.get(remote, str(tmp))
+            tmp.replace(local)
+
+        self._retrying("download", go)
+
+    def drop(self) -> None:
+        """Close the connection (the next call reconnects); fault tests call this mid-run."""
+        if self._client is not None:
+            try:
+                self._client.close()  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001
+                pass
+
+    close = drop
+
+
+def _b64(text: str) -> bytes:
+    import base64
+
+    return base64.b64decode(text)

@@ -1,0 +1,354 @@
+"""Machines owned by the orchestrator: providers, bootstrap, supervision, faults, reconciliation, budget.
+
+Real components throughout: an OpenSSH server on 127.0.0.1 (`sshd` fixture), moto's S3/EC2 server on
+127.0.0.1 (`s3_server`), detached processes under the worker protocol. After every fault: no
+machine is left, and every artifact the worker wrote is in S3 with its sha256 or named as lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infra.ledger import BudgetExceeded, Ledger
+from infra.providers import CommandProvider, CommandTemplates, EC2Provider, LocalProvider, SSHProvider
+from infra.reconcile import reconcile
+from infra.remote import JobFailed, MachineSession, Policy, RemoteJob
+from infra.shell import ShellError, SSHShell
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = {"poll_s": 0.3, "heartbeat_s": 0.5, "heartbeat_timeout_s": 4.0, "backoff_s": 0.1}
+
+
+def ssh_provider(sshd, root: Path, cls=SSHProvider) -> SSHProvider:
+    return cls(str(root), ["127.0.0.1"], port=sshd["port"], user="root", key_path=sshd["key_path"],
+               known_hosts=sshd["known_hosts"])
+
+
+def session_for(provider, tmp_path, s3=None, *, campaign="c1", **policy) -> MachineSession:
+    state = tmp_path / "state"
+    return MachineSession(provider, campaign=campaign, ledger=Ledger(state / "ledger.json"),
+                          policy=Policy(**{**FAST, **policy}), python=sys.executable, state_dir=state, s3=s3)
+
+
+def shell_job(name: str, script: str, dest: Path, artifacts=("*.bin",)) -> RemoteJob:
+    """A job whose process is `sh -c SCRIPT` (its parent is the worker-protocol wrapper)."""
+    return RemoteJob(name, ["-c", f"import os; os.execvp('sh', ['sh', '-c', {script!r}])"], list(artifacts), dest)
+
+
+def assert_no_machine_and_nothing_lost(provider, campaign, s3, outcome, written: set[str]):
+    assert provider.list(campaign) == [], "a machine was left running"
+    in_s3 = set()
+    for art in outcome.artifacts:
+        head = s3.head(art["s3_key"])
+        assert head["Metadata"]["sha256"] == art["sha256"] and head["ContentLength"] == art["bytes"]
+        assert art["s3_key"].startswith(s3.key("campaigns", campaign) + "/")
+        in_s3.add(art["path"])
+    lost = {x["path"] for x in outcome.lost}
+    assert written <= in_s3 | lost, f"unaccounted artifacts: {written - in_s3 - lost}"
+
+
+# -- providers ----------------------------------------------------------------------------------------
+
+def _exercise(provider):
+    a, b = provider.create("camp-a", "gpu"), provider.create("camp-b", "gpu")
+    assert {m.id for m in provider.list("camp-a")} == {a.id}
+    assert {a.id, b.id} <= {m.id for m in provider.list()}
+    assert provider.describe(a.id).campaign == "camp-a"
+    provider.delete(a.id)
+    provider.delete(a.id)  # idempotent
+    assert provider.describe(a.id) is None and [m.id for m in provider.list("camp-a")] == []
+    provider.delete(b.id)
+    assert provider.list("camp-b") == []
+
+
+def test_local_provider_creates_lists_by_campaign_and_deletes_idempotently(tmp_path):
+    _exercise(LocalProvider(tmp_path / "machines"))
+
+
+def test_ssh_provider_creates_lists_by_campaign_and_deletes_idempotently(sshd, tmp_path):
+    _exercise(ssh_provider(sshd, tmp_path / "remote"))
+
+
+def test_command_provider_drives_a_cli_through_templates(tmp_path):
+    cli = f"{sys.executable} -m infra.providers --state {tmp_path / 'machines'}"
+    _exercise(CommandProvider(CommandTemplates(create=f"{cli} create --campaign {{campaign}} --label {{label}}",
+                                               describe=f"{cli} describe {{id}}", list=f"{cli} list",
+                                               delete=f"{cli} delete {{id}}")))
+
+
+def test_ec2_provider_runs_tags_describes_and_terminates_through_boto3(s3_server):
+    import boto3
+
+    ec2 = boto3.client("ec2", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="test",
+                       aws_secret_access_key="test")
+    _exercise(EC2Provider(ec2, image_id="ami-12c6146b", instance_type="p5.48xlarge"))
+
+
+def test_ssh_refuses_a_host_whose_key_is_not_pinned(sshd, tmp_path):
+    (tmp_path / "empty").write_text("")
+    shell = SSHShell("127.0.0.1", sshd["port"], "root", key_path=sshd["key_path"], known_hosts=tmp_path / "empty",
+                     reconnect_attempts=1)
+    with pytest.raises(ShellError, match="unknown host key"):
+        shell.run("true")
+    wrong = tmp_path / "wrong"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "k")], check=True)
+    kind, b64 = (tmp_path / "k.pub").read_text().split()[:2]
+    wrong.write_text(f"[127.0.0.1]:{sshd['port']} {kind} {b64}\n")
+    with pytest.raises(ShellError, match="does not match"):
+        SSHShell("127.0.0.1", sshd["port"], "root", key_path=sshd["key_path"], known_hosts=wrong).run("true")
+
+
+# -- the lifecycle and its faults ----------------------------------------------------------------------
+
+def test_job_survives_a_dropped_ssh_connection(sshd, tmp_path, s3_bucket):
+    provider = ssh_provider(sshd, tmp_path / "remote")
+    session = session_for(provider, tmp_path, s3_bucket)
+
+    def drop_every_connection(s, job, poll):  # the server side of every SSH session dies
+        if poll == 3:
+            children = subprocess.run(["pgrep", "-P", str(sshd["pid"])], capture_output=True, text=True).stdout
+            for pid in children.split():
+                os.kill(int(pid), signal.SIGKILL)
+
+    session.on_poll = drop_every_connection
+    with session:
+        outcome = session.run(shell_job("j", "sleep 2; head -c 300000 /dev/urandom > a.bin; echo b > b.bin",
+                                        tmp_path / "got"))
+    assert outcome.status == "success" and len(outcome.artifacts) == 2
+    assert_no_machine_and_nothing_lost(provider, "c1", s3_bucket, outcome, {"a.bin", "b.bin"})
+
+
+def test_killed_worker_process_is_salvaged_and_the_machine_deleted(sshd, tmp_path, s3_bucket):
+    provider = ssh_provider(sshd, tmp_path / "remote")
+    session = session_for(provider, tmp_path, s3_bucket)
+
+    def kill_the_stage(s, job, poll):
+        if poll == 4:
+            subprocess.run(["pkill", "-KILL", "-f", r"^sh -c echo partial"])  # the stage process only
+
+    session.on_poll = kill_the_stage
+    with pytest.raises(JobFailed) as err, session:
+        session.run(shell_job("j", "echo partial > part.bin; sleep 41.5; echo never > late.bin", tmp_path / "got"))
+    outcome = err.value.outcome
+    assert outcome.status == "failed" and outcome.exit_code != 0
+    assert [a["path"] for a in outcome.artifacts] == ["part.bin"]
+    assert_no_machine_and_nothing_lost(provider, "c1", s3_bucket, outcome, {"part.bin"})
+    assert session.teardown_record["reason"].startswith("JobFailed")
+
+
+def test_success_without_a_marker_is_salvaged(sshd, tmp_path, s3_bucket):
+    provider = ssh_provider(sshd, tmp_path / "remote")
+    session = session_for(provider, tmp_path, s3_bucket)
+    with pytest.raises(JobFailed) as err, session:  # the job finishes its work, then its wrapper dies
+        session.run(shell_job("j", "echo done > out.bin; kill -9 $PPID; exit 0", tmp_path / "got"))
+    outcome = err.value.outcome
+    assert outcome.status == "no_marker"
+    assert [a["path"] for a in outcome.artifacts] == ["out.bin"]
+    assert_no_machine_and_nothing_lost(provider, "c1", s3_bucket, outcome, {"out.bin"})
+
+
+def test_marker_naming_missing_artifacts_reports_them_lost(sshd, tmp_path, s3_bucket):
+    provider = ssh_provider(sshd, tmp_path / "remote")
+    session = session_for(provider, tmp_path, s3_bucket)
+
+    def lose_a_file_after_the_marker(s, job, poll):  # SUCCESS.json lists it; the disk no longer has it
+        rd = s.run_dir(job)
+        s.shell.run(f"while [ ! -f {rd}/SUCCESS.json ]; do sleep 0.1; done; rm {rd}/gone.bin")
+
+    session.on_poll = lose_a_file_after_the_marker
+    with pytest.raises(JobFailed) as err, session:
+        session.run(shell_job("j", "echo x > kept.bin; echo y > gone.bin", tmp_path / "got"))
+    outcome = err.value.outcome
+    assert outcome.status == "invalid_marker"
+    assert outcome.lost == [{"path": "gone.bin", "reason": "listed by the worker but absent on the machine"}]
+    assert_no_machine_and_nothing_lost(provider, "c1", s3_bucket, outcome, {"kept.bin", "gone.bin"})
+
+
+def test_upload_failing_twice_then_succeeding_loses_nothing(sshd, tmp_path, s3_bucket):
+    failures = []
+
+    def fail_twice(**kw):
+        if len(failures) < 2:
+            failures.append(1)
+            raise ConnectionResetError("injected upload failure")
+
+    s3_bucket.client.meta.events.register("before-send.s3.PutObject", fail_twice)
+    provider = ssh_provider(sshd, tmp_path / "remote")
+    session = session_for(provider, tmp_path, s3_bucket)
+    with session:
+        outcome = session.run(shell_job("j", "echo payload > a.bin", tmp_path / "got"))
+    assert len(failures) == 2 and outcome.ok
+    assert_no_machine_and_nothing_lost(provider, "c1", s3_bucket, outcome, {"a.bin"})
+
+
+def test_provider_delete_failing_once_is_retried_until_the_machine_is_gone(sshd, tmp_path, s3_bucket):
+    class FlakyDelete(SSHProvider):
+        fails = 1
+
+        def _delete(self, machine_id):
+            if self.fails:
+                self.fails -= 1
+                raise ShellError("injected: the provider's delete call failed")
+            super()._delete(machine_id)
+
+    provider = ssh_provider(sshd, tmp_path / "remote", FlakyDelete)
+    session = session_for(provider, tmp_path, s3_bucket)
+    with session:
+        outcome = session.run(shell_job("j", "echo a > a.bin", tmp_path / "got"))
+    assert session.teardown_record["attempts"] == 2
+    assert_no_machine_and_nothing_lost(provider, "c1", s3_bucket, outcome, {"a.bin"})
+
+
+def test_heartbeat_loss_tears_the_machine_down_after_the_timeout(sshd, tmp_path, s3_bucket):
+    provider = ssh_provider(sshd, tmp_path / "remote")
+    session = session_for(provider, tmp_path, s3_bucket, heartbeat_timeout_s=2.0)
+
+    def freeze(s, job, poll):  # the machine hangs: every process of the job stops
+        if poll == 3:
+            pgid = s.shell.run(f"cat {s.run_dir(job)}/worker.pgid").stdout.strip()
+            s.shell.run(f"kill -STOP -- -{pgid}")
+
+    session.on_poll = freeze
+    with pytest.raises(JobFailed) as err, session:
+        session.run(shell_job("j", "echo early > early.bin; sleep 60", tmp_path / "got"))
+    outcome = err.value.outcome
+    assert outcome.status == "heartbeat_lost"
+    assert_no_machine_and_nothing_lost(provider, "c1", s3_bucket, outcome, {"early.bin"})
+
+
+def test_budget_tears_down_running_machines_and_refuses_new_ones(tmp_path, s3_bucket):
+    provider = LocalProvider(tmp_path / "machines")
+    session = session_for(provider, tmp_path, s3_bucket, price_per_hour=36_000.0, budget_usd=20.0)  # $10 a second
+    with pytest.raises(JobFailed) as err, session:
+        session.run(shell_job("j", "echo started > s.bin; sleep 60", tmp_path / "got"))
+    outcome = err.value.outcome
+    assert outcome.status == "budget" and "cost budget" in outcome.reason
+    assert_no_machine_and_nothing_lost(provider, "c1", s3_bucket, outcome, {"s.bin"})
+    with pytest.raises(BudgetExceeded):
+        session_for(provider, tmp_path, s3_bucket, price_per_hour=36_000.0, budget_usd=20.0).start()
+    assert provider.list() == []
+    ledger = Ledger(tmp_path / "state" / "ledger.json").report("c1")
+    assert len(ledger["machines"]) == 1 and ledger["total_usd"] >= 20.0
+
+
+_ORCHESTRATOR = """
+import sys, time
+from pathlib import Path
+from infra.ledger import Ledger
+from infra.providers import SSHProvider
+from infra.remote import MachineSession, Policy, RemoteJob
+tmp, port, key, known = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+p = SSHProvider(str(tmp / "remote"), ["127.0.0.1"], port=port, key_path=Path(key), known_hosts=Path(known))
+s = MachineSession(p, campaign="c1", ledger=Ledger(tmp / "state/ledger.json"), python=sys.executable,
+                   state_dir=tmp / "state", policy=Policy(poll_s=0.3, heartbeat_s=0.5, heartbeat_timeout_s=4))
+s.start()
+job = RemoteJob("j", ["-c", "import os; os.execvp('sh', ['sh', '-c', 'sleep 3; echo result > r.bin'])"],
+                ["*.bin"], tmp / "got")
+s.launch(job)
+print("launched", flush=True)
+s.supervise(job)
+"""
+
+
+def test_orchestrator_killed_mid_run_then_reconcile_collects_and_deletes(sshd, tmp_path, s3_bucket):
+    proc = subprocess.Popen([sys.executable, "-c", _ORCHESTRATOR, str(tmp_path), str(sshd["port"]),
+                             str(sshd["key_path"]), str(sshd["known_hosts"])], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "launched"
+    proc.kill()  # the laptop went to sleep
+    proc.wait()
+    provider = ssh_provider(sshd, tmp_path / "remote")
+    orphan = provider.create(None, "stray")  # a machine nobody claims
+    assert len(provider.list("c1")) == 1
+    report = reconcile(provider, Ledger(tmp_path / "state" / "ledger.json"), policy=Policy(**FAST), s3=s3_bucket)
+    by_id = {m["machine"]: m for m in report["machines"]}
+    assert by_id[orphan.id]["action"] == "orphan"
+    collected = next(m for m in report["machines"] if m["campaign"] == "c1")
+    assert collected["jobs"] == [{"job": "j", "status": "success", "artifacts": 1, "lost": []}]
+    assert (tmp_path / "got" / "r.bin").read_text() == "result\n"
+    assert provider.list() == [] and report["errors"] == []
+
+
+# -- the campaign through the lifecycle -----------------------------------------------------------------
+
+def _env(tmp_path, sshd=None, s3_server=None, bucket=None) -> dict[str, str]:
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "JEX_INFRA__STATE_DIR": str(tmp_path / "infra"),
+           "JEX_INFRA__POLL_S": "0.5", "JEX_INFRA__HEARTBEAT_S": "1", "JEX_INFRA__WORKER_PYTHON": sys.executable}
+    if sshd:
+        env.update({"JEX_INFRA__SSH_PORT": str(sshd["port"]), "JEX_INFRA__SSH_KEY_PATH": str(sshd["key_path"]),
+                    "JEX_INFRA__SSH_KNOWN_HOSTS": str(sshd["known_hosts"]),
+                    "JEX_INFRA__REMOTE_ROOT": str(tmp_path / "remote")})
+    if bucket:
+        env.update({"JEX_STORE__S3_BUCKET": bucket.bucket, "JEX_STORE__S3_ENDPOINT_URL": s3_server,
+                    "JEX_INFRA__AWS_ACCESS_KEY_ID": "test", "JEX_INFRA__AWS_SECRET_ACCESS_KEY": "s3cr3t-not-logged"})
+    return env
+
+
+@pytest.mark.slow
+def test_jex_run_over_ssh_runs_the_gpu_stages_through_the_full_lifecycle(sshd, tmp_path, s3_server, s3_bucket):
+    from jex.sample_suite import write_sample_suite
+
+    suite = write_sample_suite(tmp_path / "suite", rows=36, seed=3)
+    out = subprocess.run([sys.executable, "-m", "jex", "run", "--provider", "ssh", "--host", "127.0.0.1", "--suite",
+                          str(suite), "--out", str(tmp_path / "runs"), "--shard-rows", "9", "--reason-max-tokens", "6",
+                          "--name", "ssh"], env=_env(tmp_path, sshd, s3_server, s3_bucket), cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_dir = Path(out.stdout.strip().splitlines()[-1])
+    machines = json.loads((run_dir / "machines.json").read_text())
+    (m,) = machines["machines"]
+    assert m["machine"]["provider"] == "ssh" and m["teardown"]["reason"] == "campaign stages done"
+    assert [j["status"] for j in m["jobs"]] == ["success"] * 3 and m["life_s"] > 0 and m["cost_usd"] > 0
+    assert machines["golden"][0]["rows"] == 36 and machines["golden"][0]["ok"]
+    report = (run_dir / "report.md").read_text()
+    assert "## Machines" in report and m["machine"]["id"] in report
+    assert SSHProvider(str(tmp_path / "remote"), ["127.0.0.1"], port=sshd["port"], key_path=sshd["key_path"],
+                       known_hosts=sshd["known_hosts"]).list() == []
+    keys = {o["Key"] for o in s3_bucket.client.list_objects_v2(Bucket=s3_bucket.bucket)["Contents"]}
+    shards = [j for j in m["jobs"] if j["job"] == "fast_pass"][0]["artifacts"]
+    assert len(shards) == 4 and all(a["s3_key"] in keys for a in shards)
+    for f in [*run_dir.rglob("*.json"), *run_dir.rglob("*.md"), tmp_path / "infra" / "ledger.json"]:
+        assert "s3cr3t-not-logged" not in f.read_text()
+    assert "s3cr3t-not-logged" not in out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_golden_replay_mismatch_stops_the_machine_before_its_shards(tmp_path, monkeypatch):
+    import polars as pl
+
+    from flows.remote import GoldenMismatch, GpuFleet, MachinesSpec
+    from jex.sample_suite import write_sample_suite
+    from jex.settings import load_settings
+    from tasks.engine_pool import EngineSpec
+    from tasks.golden import reference_path
+    from tasks.stages import bundle_stage
+    from tasks.store import LocalStore, write_parquet
+
+    for k, v in _env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    store = LocalStore(tmp_path / "store")
+    bundle = bundle_stage(write_sample_suite(tmp_path / "suite", rows=18, seed=1), store)
+    args = {"bundle": bundle, "engine": EngineSpec().model_dump(mode="json"), "store": str(store.root),
+            "shard_rows": 9}
+    spec = MachinesSpec(provider="local", golden_rows=6)
+    with GpuFleet(spec, campaign="g", store=str(store.root), settings=load_settings(), echo=lambda s: None) as fleet:
+        fleet.run_stage("fast_pass", args)  # the first machine establishes the reference
+    ref_file = reference_path(store, bundle, fleet.engine_fp, 6)
+    ref = pl.read_parquet(ref_file)
+    write_parquet(ref.with_columns(pl.col("logprobs").list.eval(pl.element() + 0.01)), ref_file)  # a drifted machine
+    for f in (tmp_path / "store" / "fast_pass").rglob("shard-*.parquet"):
+        f.unlink()
+    second = GpuFleet(spec, campaign="g2", store=str(store.root), settings=load_settings(), echo=lambda s: None)
+    with pytest.raises(GoldenMismatch, match="worst rows") as err, second:
+        second.run_stage("fast_pass", args)
+    assert err.value.verdict["max_abs_dp"] > 1e-4 and len(err.value.verdict["worst"]) == 5
+    assert second.provider.list() == []
+    assert [j.job for j in second.sessions[0].outcomes] == ["golden"]  # no shard job was started
+    assert not list((tmp_path / "store" / "fast_pass").rglob("shard-*.parquet"))

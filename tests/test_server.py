@@ -1,0 +1,252 @@
+"""The orchestrator's Prefect server: deployments, UI-triggered runs, schedules, automation, retry-stage, history.
+
+A real `jex server start` on 127.0.0.1 (server, process worker, deployments) per module, stopped by
+`jex server stop`; a real browser (Debian's Chromium driven by playwright) for the UI test; a
+PostgreSQL database on 127.0.0.1:5432 for the second backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from deployments.server import _alive
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+DOCS_IMG = ROOT / "docs" / "img"
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _jex(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "jex", *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out
+
+
+def _start(tmp: Path, defaults: dict, extra_env: dict[str, str] | None = None) -> dict:
+    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect"), "JEX_INFRA__STATE_DIR": str(tmp / "infra"),
+           "JEX_PREFECT__PORT": str(_port()), "JEX_INFRA__POLL_S": "0.5", "JEX_INFRA__HEARTBEAT_S": "1",
+           "PREFECT_LOGGING_LEVEL": "WARNING", **(extra_env or {})}
+    env.pop("PREFECT_API_URL", None)
+    (tmp / "defaults.json").write_text(json.dumps(defaults))
+    _jex(["server", "start", "--defaults", str(tmp / "defaults.json")], env)
+    state = json.loads((tmp / "infra" / "server.json").read_text())
+    return {"env": {**env, "PREFECT_API_URL": state["api_url"]}, "state": state, "tmp": tmp}
+
+
+def _stop(server: dict) -> None:
+    out = _jex(["server", "stop"], server["env"])
+    assert "stopped" in out.stdout
+    assert not any(_alive(pid) for pid in server["state"]["pids"]), "jex server stop left a process running"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from jex.sample_suite import write_sample_suite
+
+    tmp = tmp_path_factory.mktemp("server")
+    suite = write_sample_suite(tmp / "suite", rows=36, seed=5)
+    defaults = {"name": "ui", "suite": str(suite), "reason_max_tokens": 6, "bootstrap_draws": 100,
+                "fast_shard_rows": 9, "store": str(tmp / "store"), "out": str(tmp / "runs"),
+                "machines": {"provider": "local", "golden_rows": 8}}
+    srv = _start(tmp, defaults)
+    srv["defaults"] = defaults
+    old = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = srv["state"]["api_url"]
+    try:
+        yield srv
+    finally:
+        if old is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = old
+        _stop(srv)
+
+
+def _run(name: str, parameters: dict, timeout: float = 900):
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: os.environ["PREFECT_API_URL"]}):
+        return run_deployment(name, parameters=parameters, timeout=timeout)
+
+
+def _client():
+    from prefect.client.orchestration import get_client
+
+    return get_client(sync_client=True)
+
+
+def test_campaign_deployment_runs_from_the_api_and_publishes_its_report(server):
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    spec = {**server["defaults"], "name": "api"}
+    run = _run("campaign/campaign", {"spec": spec})
+    assert run.state_name == "Completed", run.state.message
+    with _client() as c:
+        arts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+    report = next(a for a in arts if a.key == "campaign-report")
+    assert "Campaign report: api" in report.data and "## Machines" in report.data
+    run_dir = next((server["tmp"] / "runs").glob("api-*"))
+    assert json.loads((run_dir / "machines.json").read_text())["machines"][0]["teardown"]["reason"] == \
+        "campaign stages done"
+    out = _jex(["runs", "--json"], server["env"])
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    mine = next(r for r in rows if r["id"] == str(run.id))
+    assert mine["state"] == "Completed" and mine["index"] is not None and mine["cost_usd"] > 0
+
+
+def test_a_browser_starts_a_campaign_from_the_run_form(server):
+    if not shutil.which("chromium"):
+        pytest.skip("Debian's chromium is not installed (`.ci/services.sh` installs it as root)")
+    from playwright.sync_api import sync_playwright
+
+    ui = server["state"]["ui_url"]
+    DOCS_IMG.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium"),
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{ui}/deployments", wait_until="networkidle")
+        page.get_by_text("retry-stage").first.wait_for()
+        page.screenshot(path=str(DOCS_IMG / "ui-deployments.png"))
+        page.locator('a[href^="/deployments/deployment/"]', has_text="campaign").first.click()
+        run = page.get_by_role("button", name="Run", exact=True)
+        run.wait_for(timeout=30_000)
+        run.click()
+        page.get_by_role("button", name="Custom run").click()
+        page.wait_for_url("**/run?**")
+        page.get_by_text("Campaign name (prefix of the run folder)").wait_for()
+        boxes = page.locator("textarea")
+        name = next(boxes.nth(i) for i in range(boxes.count()) if boxes.nth(i).input_value() == "ui")
+        name.fill("browser")  # the form is pre-filled with the deployment's defaults
+        page.screenshot(path=str(DOCS_IMG / "ui-run-form.png"))
+        page.get_by_role("button", name="Submit").click()
+        run_id = _wait_for_run_named("browser")  # the run the form created, with the name typed into it
+        page.goto(f"{ui}/runs/flow-run/{run_id}", wait_until="networkidle")
+        deadline = time.time() + 900
+        while time.time() < deadline:
+            with _client() as c:
+                state = c.read_flow_run(run_id).state_name
+            if state in ("Completed", "Failed", "Crashed"):
+                break
+            time.sleep(3)
+        assert state == "Completed"
+        page.reload(wait_until="networkidle")
+        page.get_by_text("Completed", exact=True).first.wait_for(timeout=30_000)  # and the UI shows it
+        page.screenshot(path=str(DOCS_IMG / "ui-run-completed.png"))
+        browser.close()
+    assert next((server["tmp"] / "runs").glob("browser-*/report.md")).exists()
+
+
+def _wait_for_run_named(name: str, timeout: float = 60) -> str:
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with _client() as c:
+            runs = c.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["campaign"])))
+        for r in runs:
+            if (r.parameters.get("spec") or {}).get("name") == name:
+                return str(r.id)
+        time.sleep(1)
+    raise AssertionError(f"no campaign run named {name!r} was created")
+
+
+def test_the_calibration_schedule_creates_runs(server):
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    deadline, runs = time.time() + 60, []
+    while time.time() < deadline and not runs:
+        with _client() as c:
+            runs = c.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["calibration"])))
+        time.sleep(1)
+    assert runs and all(r.state_name == "Scheduled" for r in runs)
+    assert {r.expected_start_time.astimezone().hour for r in runs} == {3} or \
+        {r.expected_start_time.hour for r in runs} == {3}
+
+
+def test_a_failed_campaign_triggers_reconcile_through_the_automation(server):
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    failed = _run("campaign/campaign", {"spec": {**server["defaults"], "name": "bad", "suite": "/nonexistent"}})
+    assert failed.state_name == "Failed"
+    deadline, triggered = time.time() + 180, None
+    while time.time() < deadline:
+        with _client() as c:
+            runs = c.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["reconcile"])))
+        triggered = next((r for r in runs if r.parameters.get("flow_run_id") == str(failed.id)), None)
+        if triggered is not None and triggered.state_name == "Completed":
+            break
+        time.sleep(2)
+    assert triggered is not None, "the automation did not run reconcile"
+    assert triggered.state_name == "Completed"
+
+
+def test_retry_stage_reruns_only_the_named_stage_and_after(server):
+    spec = {**server["defaults"], "name": "retry", "store": str(server["tmp"] / "retry-store"),
+            "machines": {"provider": "inprocess"}}
+    first = _run("campaign/campaign", {"spec": spec})
+    assert first.state_name == "Completed", first.state.message
+    run_dir = next((server["tmp"] / "runs").glob("retry-*"))
+    calls = json.loads((run_dir / "engine_calls.json").read_text())
+    assert calls["calls"]["fast_pass"] == 4 and calls["calls"]["reason"] >= 1
+
+    fold = _run("retry-stage/retry-stage", {"run_dir": str(run_dir), "stage": "fold"})
+    assert fold.state_name == "Completed", fold.state.message
+    calls = json.loads((run_dir / "engine_calls.json").read_text())
+    assert calls["redo"] == ["fold", "calibrate", "overlay", "score"]
+    assert calls["calls"] == {"fast_pass": 0, "reason": 0} and len(calls["retired"]) == 4
+
+    reason = _run("retry-stage/retry-stage", {"run_dir": str(run_dir), "stage": "reason"})
+    assert reason.state_name == "Completed", reason.state.message
+    calls = json.loads((run_dir / "engine_calls.json").read_text())
+    assert calls["calls"]["fast_pass"] == 0 and calls["calls"]["reason"] >= 1
+
+
+def test_the_server_runs_on_postgresql(tmp_path):
+    import asyncio
+
+    import asyncpg
+
+    db = f"jex_{uuid.uuid4().hex[:8]}"
+
+    async def admin(sql: str) -> None:
+        conn = await asyncpg.connect(host="127.0.0.1", port=5432, user="postgres", database="test")
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    try:
+        asyncio.run(admin(f"CREATE DATABASE {db}"))
+    except (OSError, asyncpg.PostgresError) as e:
+        pytest.skip(f"no PostgreSQL on 127.0.0.1:5432 ({e})")
+    srv = _start(tmp_path, {"name": "pg"}, {
+        "JEX_PREFECT__DATABASE_URL": f"postgresql+asyncpg://postgres@127.0.0.1:5432/{db}"})
+    try:
+        assert srv["state"]["database"] == "postgresql"
+        os.environ["PREFECT_API_URL"] = srv["state"]["api_url"]
+        run = _run("reconcile/reconcile", {"provider": "local"}, timeout=300)
+        assert run.state_name == "Completed", run.state.message
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+        _stop(srv)
+        asyncio.run(admin(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
