@@ -113,21 +113,25 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[str] | None = None)
                                                                          store=store)
     engine = spec.engine.model_dump(mode="json")
     calls_before = dict(CALLS)
-    with fleet or contextlib.nullcontext():
-        timed("bundle", bundle_task, suite=suite, store=store)
-        if fleet:
-            fleet.run_stage("fast_pass", {"bundle": s["bundle"], "engine": engine, "store": store,
-                                          "shard_rows": spec.fast_shard_rows})
-        timed("fast_pass", fast_pass_task, bundle=s["bundle"], engine=spec.engine, store=store,
-              shard_rows=spec.fast_shard_rows, engine_fp=fleet.engine_fp if fleet else None)
-        timed("gate", gate_task, bundle=s["bundle"], fast=s["fast_pass"], store=store, coverage=spec.coverage,
-              per_catalog_cap=spec.per_catalog_cap)
-        if fleet:
-            fleet.run_stage("reason", {"bundle": s["bundle"], "gate": s["gate"], "engine": engine, "store": store,
-                                       "shard_rows": spec.reason_shard_rows, "max_tokens": spec.reason_max_tokens})
-        timed("reason", reason_task, bundle=s["bundle"], gate=s["gate"], engine=spec.engine, store=store,
-              max_tokens=spec.reason_max_tokens, shard_rows=spec.reason_shard_rows,
-              engine_fp=fleet.engine_fp if fleet else None)
+    try:
+        with fleet or contextlib.nullcontext():
+            timed("bundle", bundle_task, suite=suite, store=store)
+            if fleet:
+                fleet.run_stage("fast_pass", {"bundle": s["bundle"], "engine": engine, "store": store,
+                                              "shard_rows": spec.fast_shard_rows})
+            timed("fast_pass", fast_pass_task, bundle=s["bundle"], engine=spec.engine, store=store,
+                  shard_rows=spec.fast_shard_rows, engine_fp=fleet.engine_fp if fleet else None)
+            timed("gate", gate_task, bundle=s["bundle"], fast=s["fast_pass"], store=store, coverage=spec.coverage,
+                  per_catalog_cap=spec.per_catalog_cap)
+            if fleet:
+                fleet.run_stage("reason", {"bundle": s["bundle"], "gate": s["gate"], "engine": engine, "store": store,
+                                           "shard_rows": spec.reason_shard_rows, "max_tokens": spec.reason_max_tokens})
+            timed("reason", reason_task, bundle=s["bundle"], gate=s["gate"], engine=spec.engine, store=store,
+                  max_tokens=spec.reason_max_tokens, shard_rows=spec.reason_shard_rows,
+                  engine_fp=fleet.engine_fp if fleet else None)
+    finally:
+        if fleet:  # also when a machine failed, went quiet, ran out of budget or failed its golden replay
+            publish_machines(run_dir, fleet.report())
     machines = fleet.report() if fleet else None
     timed("fold", fold_task, bundle=s["bundle"], fast=s["fast_pass"], gate=s["gate"], reason=s["reason"], store=store,
           rule=spec.fold_rule, weight=spec.fold_weight, draws=spec.bootstrap_draws, seed=spec.bootstrap_seed)
@@ -147,6 +151,20 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[str] | None = None)
     if any(errors.values()):
         print(f"WARNING: error counters are not all zero: {errors}")
     return str(run_dir)
+
+
+def publish_machines(run_dir: Path, machines: dict[str, Any]) -> None:
+    """`machines.json` in the run folder and the machines section as a Prefect artifact."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from tasks.report import machines_section
+
+    write_json(run_dir / "machines.json", machines)
+    try:
+        create_markdown_artifact(markdown="\n".join(machines_section(machines)), key="campaign-machines",
+                                 description=f"machines of {run_dir.name}")
+    except Exception as e:  # noqa: BLE001 - the JSON is written; a display failure must not hide the run's own error
+        print(f"could not publish the machines artifact: {e}")
 
 
 def retire_stages(run_dir: Path, stages: list[str]) -> list[str]:

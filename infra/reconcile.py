@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -106,18 +105,3 @@ def reconcile(provider: Provider, ledger: Ledger, *, policy: Policy | None = Non
         echo(f"reconcile: {machine.id} ({machine.campaign or 'no campaign'}): {entry.get('action')}, deleted")
     return report
 
-
-def main() -> int:
-    """`python -m infra.reconcile`: reconcile the configured provider once (the CLI's `jex infra reconcile`)."""
-    from jex.settings import load_settings
-
-    settings = load_settings()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    report = reconcile(make_provider(settings.infra), Ledger(Path(settings.infra.state_dir) / "ledger.json"),
-                       policy=policy_from_settings(settings.infra))
-    print(json.dumps(report, indent=1, default=str))
-    return 0 if not report["errors"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

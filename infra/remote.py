@@ -249,7 +249,11 @@ class MachineSession:
         return f"{self.machine.workdir}/jobs/{job.name}"
 
     def _py(self, args: str) -> str:
-        return f"env PYTHONPATH={shlex.quote(self.code_dir)} {shlex.quote(self.python)} {args}"
+        return f"env PYTHONPATH={self._pythonpath()} {shlex.quote(self.python)} {args}"
+
+    def _pythonpath(self) -> str:
+        """The code bundle first, then whatever the machine's environment already puts on the path."""
+        return shlex.quote(self.code_dir) + '${PYTHONPATH:+:$PYTHONPATH}'
 
     def launch(self, job: RemoteJob) -> None:
         """Start the job detached under the worker protocol; a second call is a no-op."""
@@ -267,7 +271,7 @@ class MachineSession:
         cmd = " ".join(shlex.quote(a) for a in [self.python, *job.argv])
         globs = " ".join(shlex.quote(a) for a in job.artifacts)
         wrapper = self._py(f"-m infra.worker_protocol {shlex.quote(rd)} --heartbeat {self.policy.heartbeat_s} "
-                           f"--artifacts {globs} -- env PYTHONPATH={shlex.quote(self.code_dir)} {cmd}")
+                           f"--artifacts {globs} -- env PYTHONPATH={self._pythonpath()} {cmd}")
         sh.run(f"cd {shlex.quote(rd)} && if [ -f worker.pgid ]; then exit 0; fi; "
                f"setsid nohup {wrapper} >/dev/null 2>&1 </dev/null & echo $! > {shlex.quote(rd)}/worker.pgid")
         self.echo(f"machine {self.machine.id}: job {job.name} started")

@@ -32,8 +32,6 @@ def write_run_folder(run_dir: Path, s: dict[str, Any], spec: dict[str, Any], tim
     report = render_report(name=spec["name"], policy=policy, baseline=baseline, fold=fold, calibration=calibration,
                            fast=s["fast_pass"], reason=s["reason"], gate=s["gate"], overlays=s["overlay"]["applied"],
                            timings=timings, engine=s["fast_pass"]["engine"], machines=machines)
-    if machines is not None:
-        write_json(run_dir / "machines.json", machines)
     write_text(run_dir / "report.md", report)
     return report
 

@@ -352,3 +352,15 @@ def test_golden_replay_mismatch_stops_the_machine_before_its_shards(tmp_path, mo
     assert second.provider.list() == []
     assert [j.job for j in second.sessions[0].outcomes] == ["golden"]  # no shard job was started
     assert not list((tmp_path / "store" / "fast_pass").rglob("shard-*.parquet"))
+
+
+def test_jex_infra_reconcile_deletes_orphans_from_the_command_line(tmp_path):
+    state = tmp_path / "infra"
+    orphan = LocalProvider(state / "machines").create(None, "stray")
+    out = subprocess.run([sys.executable, "-m", "jex", "infra", "reconcile"], env=_env(tmp_path), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"{orphan.id} (no campaign): orphan" in out.stdout
+    assert LocalProvider(state / "machines").list() == []
+    ledger = Ledger(state / "ledger.json").get(orphan.id)
+    assert ledger.end_reason == "reconcile: orphan" and ledger.deleted_at is not None
