@@ -33,12 +33,14 @@ def main() -> None:
     ap.add_argument("--golden-rows", type=int, default=64)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--one-gpu", action="store_true", help="workers share one GPU: run their jobs one after another "
+                    "(two vLLM engines starting on one GPU each count the other's memory against their budget)")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="jex-gpu-fleet-"))
     os.environ.update({"JEX_INFRA__STATE_DIR": str(work / "infra"), "JEX_INFRA__POLL_S": "1",
                        "JEX_INFRA__HEARTBEAT_S": "2", "JEX_INFRA__HEARTBEAT_TIMEOUT_S": "300",
                        "JEX_INFRA__WORKER_PYTHON": sys.executable})
-    from flows.remote import GpuFleet, MachinesSpec
+    from flows.remote import GpuFleet, JobFailed, MachinesSpec
     from jex.fileio import sha256_file
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
@@ -59,10 +61,20 @@ def main() -> None:
                 "shard_rows": a.shard_rows}
         t0 = time.time()
         lines: list[str] = []
-        with GpuFleet(MachinesSpec(provider="local", workers=n, golden_rows=a.golden_rows), campaign=f"gpu-{n}",
-                      store=str(store.root), settings=load_settings(), echo=lines.append) as fleet:
-            fleet.run_stage("fast_pass", args)
-            fast = fast_pass_stage(bundle, engine, store, shard_rows=a.shard_rows, engine_fp=fleet.engine_fp)
+        spec = MachinesSpec(provider="local", workers=n, golden_rows=a.golden_rows, concurrent=not a.one_gpu)
+        fleet = GpuFleet(spec, campaign=f"gpu-{n}",
+                         store=str(store.root), settings=load_settings(), echo=lines.append)
+        try:
+            with fleet:
+                fleet.run_stage("fast_pass", args)
+                fast = fast_pass_stage(bundle, engine, store, shard_rows=a.shard_rows, engine_fp=fleet.engine_fp)
+        except JobFailed as e:
+            result["runs"][str(n)] = {"error": str(e), "log_tail": e.outcome.log_tail[-4000:],
+                                      "report": fleet.report()}
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+            print(str(e), e.outcome.log_tail[-3000:])
+            raise
         rep = fleet.report()
         result["runs"][str(n)] = {
             "wall_s": round(time.time() - t0, 1), "capture_sha256": fast["sha256"],
@@ -76,6 +88,8 @@ def main() -> None:
                          for m in rep["machines"]],
             "left_running": [m.id for m in fleet.provider.list()], "log_tail": lines[-8:]}
         print(json.dumps(result["runs"][str(n)], default=str)[:2000], flush=True)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
         first_store = first_store or store.root
     shas = {r["capture_sha256"] for r in result["runs"].values()}
     result["byte_identical_across_worker_counts"] = len(shas) == 1

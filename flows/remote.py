@@ -42,6 +42,8 @@ class MachinesSpec(BaseModel):
     heartbeat_timeout_s: float | None = Field(None, gt=0)
     golden_rows: int = Field(64, ge=1, description="Rows replayed before a machine runs its shards")
     golden_tolerance: float = Field(1e-4, ge=0, description="Max |dp| of the golden replay")
+    concurrent: bool = Field(True, description="Machines compute at the same time (off: one after another, e.g. "
+                                               "workers emulated on one shared GPU)")
 
 
 class GoldenMismatch(RuntimeError):
@@ -117,7 +119,7 @@ class GpuFleet:
                                      on_poll=self.on_poll)
             self.sessions.append(session)
             session.start()
-        with ThreadPoolExecutor(len(self.sessions)) as pool:
+        with ThreadPoolExecutor(len(self.sessions) if self.spec.concurrent else 1) as pool:
             list(pool.map(lambda s: self._golden(s, args), self.sessions))
 
     def _golden(self, session: MachineSession, args: dict[str, Any]) -> None:
@@ -171,7 +173,7 @@ class GpuFleet:
                             self.store.root, files=_job_files(args, inbox), strip_prefix="store/")
             session.run(job)  # the verified shards land in this store's stage folder
 
-        with ThreadPoolExecutor(n) as pool:
+        with ThreadPoolExecutor(n if self.spec.concurrent else 1) as pool:
             list(pool.map(one, range(n)))
         have = len(list(Path(plan["shards_dir"]).glob("shard-*.parquet")))
         if have != plan["shards"]:

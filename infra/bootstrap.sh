@@ -47,13 +47,22 @@ if [ -n "$MISSING" ]; then
 fi
 
 GPU=$(nvidia-smi -L 2>/dev/null | tr '\n' ';' || true)
-PYTHONPATH="$CODE" "$PY" - "$SHA" "$STACK" "$GPU" <<'EOF' > provenance.json.part
+PYTHONPATH="$CODE${PYTHONPATH:+:$PYTHONPATH}" "$PY" - "$SHA" "$STACK" "$GPU" <<'EOF' > provenance.json.part
 import json, platform, socket, sys
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
+
+
+def installed(name):
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
 pins = [line.split("==")[0].strip() for line in open("stack.lock") if "==" in line]
 print(json.dumps({"host": socket.gethostname(), "platform": platform.platform(), "python": sys.version.split()[0],
                   "executable": sys.executable, "code_sha256": sys.argv[1], "stack": sys.argv[2],
-                  "packages": {p: version(p) for p in pins}, "gpus": sys.argv[3]}, sort_keys=True))
+                  "packages": {p: installed(p) for p in pins}, "gpus": sys.argv[3]}, sort_keys=True))
 EOF
 mv provenance.json.part provenance.json
 printf '{"python": "%s", "code": "%s", "stack": "%s"}\n' "$PY" "$CODE" "$STACK"
