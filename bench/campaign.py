@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--work", default=None, help="reuse this folder (skips nothing: the store decides)")
     args = p.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="jex-bench-"))
-    env = {**os.environ, "PREFECT_HOME": str(work / "prefect")}
+    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "JEX_INFRA__STATE_DIR": str(work / "infra")}
     cmd = [str(ROOT / ".venv/bin/jex"), "run", "--out", str(work)]
     res = {}
     for name in ("first_run", "cached_rerun"):

@@ -98,8 +98,12 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[str] | None = None)
         print(f"retry: set aside {len(retired)} stage folder(s) for {redo}: {retired}")
     s: dict[str, Any] = {}
 
-    def timed(name: str, fn: Any, **kw: Any) -> dict[str, Any]:
+    def timed(name: str, fn: Any, remote: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
+        """Run one stage (its missing shards first on the machines, when `remote` args are given)."""
         t0 = time.perf_counter()
+        if fleet and remote is not None:
+            fleet.run_stage(name, remote)
+            kw["engine_fp"] = fleet.engine_fp  # measured on the machines (None: every shard was already here)
         out = fn.with_options(refresh_cache=True)(**kw) if name in redo else fn(**kw)
         if not (Path(out.get("folder", "")) / "_SUCCESS.json").exists():  # Prefect cached a result the store lost
             out = fn.with_options(refresh_cache=True)(**kw)
@@ -116,19 +120,16 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[str] | None = None)
     try:
         with fleet or contextlib.nullcontext():
             timed("bundle", bundle_task, suite=suite, store=store)
-            if fleet:
-                fleet.run_stage("fast_pass", {"bundle": s["bundle"], "engine": engine, "store": store,
-                                              "shard_rows": spec.fast_shard_rows})
-            timed("fast_pass", fast_pass_task, bundle=s["bundle"], engine=spec.engine, store=store,
-                  shard_rows=spec.fast_shard_rows, engine_fp=fleet.engine_fp if fleet else None)
+            timed("fast_pass", fast_pass_task, remote={"bundle": s["bundle"], "engine": engine, "store": store,
+                                                       "shard_rows": spec.fast_shard_rows},
+                  bundle=s["bundle"], engine=spec.engine, store=store, shard_rows=spec.fast_shard_rows)
             timed("gate", gate_task, bundle=s["bundle"], fast=s["fast_pass"], store=store, coverage=spec.coverage,
                   per_catalog_cap=spec.per_catalog_cap)
-            if fleet:
-                fleet.run_stage("reason", {"bundle": s["bundle"], "gate": s["gate"], "engine": engine, "store": store,
-                                           "shard_rows": spec.reason_shard_rows, "max_tokens": spec.reason_max_tokens})
-            timed("reason", reason_task, bundle=s["bundle"], gate=s["gate"], engine=spec.engine, store=store,
-                  max_tokens=spec.reason_max_tokens, shard_rows=spec.reason_shard_rows,
-                  engine_fp=fleet.engine_fp if fleet else None)
+            timed("reason", reason_task, remote={"bundle": s["bundle"], "gate": s["gate"], "engine": engine,
+                                                 "store": store, "shard_rows": spec.reason_shard_rows,
+                                                 "max_tokens": spec.reason_max_tokens},
+                  bundle=s["bundle"], gate=s["gate"], engine=spec.engine, store=store,
+                  max_tokens=spec.reason_max_tokens, shard_rows=spec.reason_shard_rows)
     finally:
         if fleet:  # also when a machine failed, went quiet, ran out of budget or failed its golden replay
             publish_machines(run_dir, fleet.report())
@@ -150,6 +151,7 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[str] | None = None)
     errors = s["fold"]["errors"]
     if any(errors.values()):
         print(f"WARNING: error counters are not all zero: {errors}")
+    print(f"run folder: {run_dir.resolve()} (retry a stage: the retry-stage deployment with this run_dir)")
     return str(run_dir)
 
 
