@@ -23,7 +23,7 @@ from infra.remote import JobFailed, MachineSession, Policy, RemoteJob
 from infra.shell import ShellError, SSHShell
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = {"poll_s": 0.3, "heartbeat_s": 0.5, "heartbeat_timeout_s": 4.0, "backoff_s": 0.1}
+FAST = {"poll_s": 0.3, "heartbeat_s": 0.5, "heartbeat_timeout_s": 10.0, "backoff_s": 0.1}  # generous: CI is loaded
 
 
 def ssh_provider(sshd, root: Path, cls=SSHProvider) -> SSHProvider:
@@ -247,7 +247,7 @@ from infra.remote import MachineSession, Policy, RemoteJob
 tmp, port, key, known = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 p = SSHProvider(str(tmp / "remote"), ["127.0.0.1"], port=port, key_path=Path(key), known_hosts=Path(known))
 s = MachineSession(p, campaign="c1", ledger=Ledger(tmp / "state/ledger.json"), python=sys.executable,
-                   state_dir=tmp / "state", policy=Policy(poll_s=0.3, heartbeat_s=0.5, heartbeat_timeout_s=4))
+                   state_dir=tmp / "state", policy=Policy(poll_s=0.3, heartbeat_s=0.5, heartbeat_timeout_s=10))
 s.start()
 job = RemoteJob("j", ["-c", "import os; os.execvp('sh', ['sh', '-c', 'sleep 3; echo result > r.bin'])"],
                 ["*.bin"], tmp / "got")

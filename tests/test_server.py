@@ -7,6 +7,7 @@ PostgreSQL database on 127.0.0.1:5432 for the second backend.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -88,10 +89,15 @@ def _run(name: str, parameters: dict, timeout: float = 900):
         return run_deployment(name, parameters=parameters, timeout=timeout)
 
 
+@contextlib.contextmanager
 def _client():
+    """A client of the server under test. Settings are read once when prefect is imported (maybe by an
+    earlier test module), so the API URL is set through a settings context, not the environment."""
     from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    return get_client(sync_client=True)
+    with temporary_settings({PREFECT_API_URL: os.environ["PREFECT_API_URL"]}), get_client(sync_client=True) as c:
+        yield c
 
 
 def test_campaign_deployment_runs_from_the_api_and_publishes_its_report(server):
