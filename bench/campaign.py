@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 def stage_seconds(report: str) -> dict[str, float]:
     part = report.split("## Stages", 1)[1]
-    return {m[1]: float(m[2]) for m in re.finditer(r"\| (\w+) \| ([\d.]+) \|", part)}
+    return {m[1]: float(m[2]) for m in re.finditer(r"^\| ([a-z_]+) \| ([\d.]+) \|", part, re.M)}
 
 
 def direct(spec) -> float:

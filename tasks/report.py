@@ -96,12 +96,19 @@ def render_report(*, name: str, policy: dict[str, Any], baseline: dict[str, Any]
               "## Overlays", ""]
     applied = [f"- `{a['id']}` on `{a['target']}`: {a['changed']} choices changed" for a in overlays]
     lines += applied or ["None applied."]
-    lines += ["", "## Stages", "", "| stage | seconds | computed shards | reused shards |", "|---|---:|---:|---:|"]
+    on_machines: dict[str, int] = {}
+    for m in (machines or {}).get("machines", []):
+        for j in m["jobs"]:
+            on_machines[j["job"]] = on_machines.get(j["job"], 0) + len(j["artifacts"])
+    lines += ["", "## Stages", "", "| stage | seconds | shards computed here | shards computed on machines | "
+              "shards reused |", "|---|---:|---:|---:|---:|"]
     shard_info = {"fast_pass": fast, "reason": reason}
     for stage, secs in timings.items():
         s = shard_info.get(stage, {})
+        remote = on_machines.get(stage, 0) if s else None
+        reused = len(s.get("reused_shards", [])) - (remote or 0) if s else None
         lines.append(f"| {stage} | {secs:.2f} | {len(s.get('computed_shards', [])) if s else '-'} | "
-                     f"{len(s.get('reused_shards', [])) if s else '-'} |")
+                     f"{'-' if remote is None else remote} | {'-' if reused is None else reused} |")
     lines += machines_section(machines)
     return "\n".join(lines) + "\n"
 
