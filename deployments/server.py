@@ -74,7 +74,6 @@ def start(settings: Any, *, campaign_defaults: dict[str, Any] | None = None, wor
             stop(settings)
             raise ServerError(f"the Prefect server did not come up at {api_url}; see {logs / 'server.log'}")
         time.sleep(0.5)
-    os.environ.update({"PREFECT_API_URL": api_url})
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: api_url}):

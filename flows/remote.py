@@ -108,15 +108,11 @@ class GpuFleet:
         """Start the machines (once), each replaying the golden rows before it may run shards."""
         if self.sessions:
             return
-        import os
-
-        if self.settings.infra.pip_args:
-            os.environ["JEX_PIP_ARGS"] = self.settings.infra.pip_args
         for i in range(self.spec.workers):
             session = MachineSession(self.provider, campaign=self.campaign, ledger=self.ledger, policy=self.policy,
                                      label=f"w{i}", python=self._python(), state_dir=self.state_dir,
                                      stack=self._stack(args["engine"]), s3=self.s3, echo=self.echo,
-                                     on_poll=self.on_poll)
+                                     on_poll=self.on_poll, pip_args=self.settings.infra.pip_args)
             self.sessions.append(session)
             session.start()
         with ThreadPoolExecutor(len(self.sessions) if self.spec.concurrent else 1) as pool:

@@ -32,17 +32,11 @@ def make_provider(infra: Any, *, name: str | None = None, hosts: list[str] | Non
     if name == "ssh":
         return SSHProvider(infra.remote_root, hosts or infra.hosts, port=infra.ssh_port, user=infra.ssh_user, **ssh)
     if name == "ec2":
-        import boto3
+        from infra.aws import aws_client
 
-        kw: dict[str, Any] = {"region_name": infra.ec2_region}
-        if infra.ec2_endpoint_url:
-            kw["endpoint_url"] = infra.ec2_endpoint_url
-        if infra.aws_access_key_id and infra.aws_secret_access_key:
-            kw["aws_access_key_id"] = infra.aws_access_key_id.get_secret_value()
-            kw["aws_secret_access_key"] = infra.aws_secret_access_key.get_secret_value()
-        return EC2Provider(boto3.client("ec2", **kw), image_id=infra.ec2_image_id,
-                           instance_type=infra.ec2_instance_type, key_name=infra.ec2_key_name, user=infra.ssh_user,
-                           ssh={k: v for k, v in ssh.items()})
+        client = aws_client("ec2", region=infra.ec2_region, endpoint_url=infra.ec2_endpoint_url, infra=infra)
+        return EC2Provider(client, image_id=infra.ec2_image_id, instance_type=infra.ec2_instance_type,
+                           key_name=infra.ec2_key_name, user=infra.ssh_user, ssh=ssh)
     if name == "command":
         templates = CommandTemplates(infra.command_create, infra.command_describe, infra.command_list,
                                      infra.command_delete)

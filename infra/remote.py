@@ -28,7 +28,7 @@ from typing import Any
 from infra.ledger import Ledger
 from infra.providers import Machine, Provider
 from infra.shell import Shell, ShellError
-from jex.fileio import sha256_file, write_json
+from jex.fileio import sha256_bytes, sha256_file, write_json
 
 log = logging.getLogger("jex.infra.remote")
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,9 +105,7 @@ def code_bundle(dest_dir: Path) -> tuple[Path, str]:
                     with open(path, "rb") as f:
                         tar.addfile(info, f)
     data = buf.getvalue()
-    import hashlib
-
-    sha = hashlib.sha256(data).hexdigest()
+    sha = sha256_bytes(data)
     out = dest_dir / f"code-{sha}.tar.gz"
     if not out.exists():
         dest_dir.mkdir(parents=True, exist_ok=True)
@@ -144,7 +142,7 @@ class MachineSession:
                  label: str = "gpu", python: str = "python3", state_dir: Path | None = None,
                  stack: str | None = None, s3: Any = None, echo: Callable[[str], None] | None = None,
                  on_poll: Callable[[MachineSession, RemoteJob, int], None] | None = None,
-                 machine: Machine | None = None):
+                 machine: Machine | None = None, pip_args: str = ""):
         self.provider, self.campaign, self.ledger = provider, campaign, ledger
         self.policy = policy or Policy()
         self.label, self.python_hint = label, python
@@ -158,6 +156,7 @@ class MachineSession:
         self.outcomes: list[JobOutcome] = []
         self.teardown_record: dict[str, Any] | None = None
         self.provenance_file: Path | None = None
+        self.pip_args = pip_args
 
     # -- life ---------------------------------------------------------------------------------------
     def __enter__(self) -> MachineSession:
@@ -204,7 +203,8 @@ class MachineSession:
         sh.put(code, f"{m.workdir}/{code.name}")
         sh.put(lock, f"{m.workdir}/stack.lock")
         sh.put(Path(__file__).with_name("bootstrap.sh"), f"{m.workdir}/bootstrap.sh")
-        out = sh.run(f"bash {shlex.quote(m.workdir)}/bootstrap.sh {shlex.quote(m.workdir)} {sha} "
+        wd = shlex.quote(m.workdir)
+        out = sh.run(f"JEX_PIP_ARGS={shlex.quote(self.pip_args)} bash {wd}/bootstrap.sh {wd} {sha} "
                      f"{shlex.quote(self.python_hint)}", timeout=self.policy.boot_timeout_s)
         boot = json.loads(out.stdout.strip().splitlines()[-1])
         self.python, self.code_dir = boot["python"], boot["code"]

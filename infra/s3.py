@@ -32,15 +32,10 @@ class S3Store:
 
     @classmethod
     def from_settings(cls, store: Any, infra: Any) -> S3Store:
-        import boto3
+        from infra.aws import aws_client
 
-        kw: dict[str, Any] = {"region_name": store.s3_region}
-        if store.s3_endpoint_url:
-            kw["endpoint_url"] = store.s3_endpoint_url
-        if infra.aws_access_key_id and infra.aws_secret_access_key:
-            kw["aws_access_key_id"] = infra.aws_access_key_id.get_secret_value()
-            kw["aws_secret_access_key"] = infra.aws_secret_access_key.get_secret_value()
-        return cls(store.s3_bucket, store.s3_prefix.strip("/"), boto3.client("s3", **kw))
+        client = aws_client("s3", region=store.s3_region, endpoint_url=store.s3_endpoint_url, infra=infra)
+        return cls(store.s3_bucket, store.s3_prefix.strip("/"), client)
 
     def key(self, *parts: str) -> str:
         return "/".join(p.strip("/") for p in (self.prefix, *parts) if p)
