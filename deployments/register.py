@@ -46,7 +46,16 @@ def deployment_specs(settings: Any, campaign_defaults: dict[str, Any] | None = N
          "description": "Supervise, collect and delete every jex machine; orphans are torn down"},
         {"name": "retry-stage", "entrypoint": "flows/retry.py:retry_stage",
          "description": "Continue a campaign (its run folder) from a named stage; the capture upstream is reused"},
+        {"name": "experiment", "entrypoint": "flows/experiment.py:experiment",
+         "parameters": {"spec": _experiment_defaults(spec)},
+         "description": "Arms against the base: placebos, twin audit, sweeps, pre-registered gate, decision ledger"},
     ]
+
+
+def _experiment_defaults(spec: Any) -> dict[str, Any]:
+    from flows.experiment import ExperimentSpec
+
+    return ExperimentSpec(campaign=spec, out=str(Path(spec.out) / "experiment")).model_dump(mode="json")
 
 
 def register(settings: Any, campaign_defaults: dict[str, Any] | None = None) -> dict[str, str]:

@@ -4,6 +4,11 @@ start: `prefect server start` on 127.0.0.1 (SQLite under PREFECT_HOME by default
 JEX_PREFECT__DATABASE_URL is set), waits for /api/health, registers the work pool, deployments and
 the failure automation, then starts a process worker on the pool. The PIDs (each process leads its
 own process group) go to `<state>/server.json`; `stop` signals exactly those groups, TERM then KILL.
+
+Nobody in who does not belong: bound to anything but loopback, the server refuses to start without
+basic authentication (`JEX_PREFECT__AUTH_STRING` = 'user:password', Prefect's `server.api.auth_string`).
+The server, its worker and the flows it runs get the secret through their environment only; it is
+in no command line, no state file, no log line.
 """
 
 from __future__ import annotations
@@ -19,15 +24,40 @@ from pathlib import Path
 from typing import Any
 
 from deployments.register import POOL, ROOT, register
+from jex.errors import ServerError
 from jex.fileio import write_json
-
-
-class ServerError(RuntimeError):
-    pass
 
 
 def state_file(settings: Any) -> Path:
     return Path(settings.infra.state_dir).resolve() / "server.json"
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(settings: Any) -> None:
+    """Refuse a server reachable from other machines without authentication."""
+    host = settings.prefect.host
+    if not is_loopback(host) and not settings.prefect.auth_string:
+        raise ServerError(f"refusing to serve on {host}: other machines could start campaigns with the team's "
+                          "cloud credentials. Set JEX_PREFECT__AUTH_STRING='user:password' (basic authentication) "
+                          "or bind 127.0.0.1")
+    if settings.prefect.auth_string and ":" not in settings.prefect.auth_string.get_secret_value():
+        raise ServerError("JEX_PREFECT__AUTH_STRING must have the form 'user:password'")
+
+
+def client_env(settings: Any) -> dict[str, str]:
+    """What a Prefect client of this server needs besides the URL: the basic-auth secret, if any."""
+    auth = settings.prefect.auth_string
+    return {"PREFECT_API_AUTH_STRING": auth.get_secret_value()} if auth else {}
 
 
 def _env(settings: Any, api_url: str) -> dict[str, str]:
@@ -35,6 +65,9 @@ def _env(settings: Any, api_url: str) -> dict[str, str]:
            "PREFECT_UI_API_URL": api_url, "PREFECT_LOGGING_LEVEL": "INFO"}  # flow-run logs reach the UI
     if settings.prefect.database_url:
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = settings.prefect.database_url.get_secret_value()
+    if settings.prefect.auth_string:  # the server checks it; its worker and their flows send it
+        env["PREFECT_SERVER_API_AUTH_STRING"] = settings.prefect.auth_string.get_secret_value()
+        env.update(client_env(settings))
     return env
 
 
@@ -49,6 +82,7 @@ def healthy(api_url: str, timeout: float = 2.0) -> bool:
 def start(settings: Any, *, campaign_defaults: dict[str, Any] | None = None, worker: bool = True,
           timeout: float = 180.0) -> dict[str, Any]:
     """Start server (+ worker), register everything; returns the state written to server.json."""
+    check_bind(settings)
     sf = state_file(settings)
     if sf.exists():
         old = json.loads(sf.read_text())
@@ -66,7 +100,7 @@ def start(settings: Any, *, campaign_defaults: dict[str, Any] | None = None, wor
                               stdout=open(logs / "server.log", "ab"), stderr=subprocess.STDOUT)
     state: dict[str, Any] = {"api_url": api_url, "ui_url": f"http://{host}:{port}", "pids": [server.pid],
                              "database": "postgresql" if settings.prefect.database_url else "sqlite",
-                             "pool": POOL, "started_at": time.time()}
+                             "pool": POOL, "started_at": time.time(), "auth": bool(settings.prefect.auth_string)}
     write_json(sf, state)
     deadline = time.time() + timeout
     while not healthy(api_url):
@@ -74,9 +108,10 @@ def start(settings: Any, *, campaign_defaults: dict[str, Any] | None = None, wor
             stop(settings)
             raise ServerError(f"the Prefect server did not come up at {api_url}; see {logs / 'server.log'}")
         time.sleep(0.5)
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: api_url}):
+    auth = settings.prefect.auth_string.get_secret_value() if settings.prefect.auth_string else None
+    with temporary_settings({PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth}):
         state["deployments"] = register(settings, campaign_defaults)
     if worker:
         w = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process",

@@ -13,10 +13,12 @@ from engine.types import (
     FinishReason,
     GenerateRequest,
     Generation,
+    NextTokenRequest,
+    NextTokenStats,
     Readout,
     ReadoutMode,
     ReadoutRequest,
 )
 
 __all__ = ["ContextRefusal", "Engine", "EngineDeadError", "EngineError", "FinishReason", "Generation",
-           "GenerateRequest", "Readout", "ReadoutMode", "ReadoutRequest"]
+           "GenerateRequest", "NextTokenRequest", "NextTokenStats", "Readout", "ReadoutMode", "ReadoutRequest"]

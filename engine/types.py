@@ -6,7 +6,10 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from engine.render import Renderer, RenderSpec
 
 
 class ReadoutMode(str, enum.Enum):
@@ -80,6 +83,28 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class NextTokenRequest:
+    """Where would the model go next? Read after the prompt plus `continuation` (token ids)."""
+
+    run_id: str
+    prompt: str
+    continuation: tuple[int, ...]
+    """Token ids appended to the encoded prompt (e.g. the first m tokens of a rationale)."""
+    watch: tuple[int, ...]
+    """Token ids whose log-prob and rank are read at the next position (e.g. end-of-sequence)."""
+
+
+@dataclass(frozen=True)
+class NextTokenStats:
+    run_id: str
+    logprobs: tuple[float | None, ...]
+    """Log-prob of each watched token over the whole vocabulary (None: the engine could not read it)."""
+    ranks: tuple[int | None, ...]
+    """1 = the most likely next token; None when the engine can only see its top-k and it is not there."""
+    refusal: str | None = None
+
+
+@dataclass(frozen=True)
 class Generation:
     run_id: str
     text: str
@@ -105,11 +130,19 @@ class Engine(Protocol):
         """The model's chat template around one user turn, ready for the assistant's reply."""
         ...
 
+    def renderer(self, spec: RenderSpec) -> Renderer:
+        """`spec` applied with this model's tokenizer and chat template."""
+        ...
+
     def readout(self, requests: Sequence[ReadoutRequest], mode: ReadoutMode = ReadoutMode.LABEL_SLOT,
                 ) -> list[Readout]:
         ...
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Generation]:
+        ...
+
+    def next_token(self, requests: Sequence[NextTokenRequest]) -> list[NextTokenStats]:
+        """Log-prob and rank of watched tokens after prompt + continuation (the early-exit probe)."""
         ...
 
     def provenance(self) -> dict[str, Any]:

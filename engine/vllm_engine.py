@@ -19,12 +19,13 @@ from typing import Any
 
 from engine.base import TokenizedEngine, package_version
 from engine.models import weights_sha256
-from engine.render import renderer_fingerprint
 from engine.types import (
     EngineDeadError,
     FinishReason,
     GenerateRequest,
     Generation,
+    NextTokenRequest,
+    NextTokenStats,
     Readout,
     ReadoutMode,
     ReadoutRequest,
@@ -36,6 +37,10 @@ AUDIT = "audit"
 VLLM_PIN = "0.22.1"
 """The vLLM release the audit profile was verified on (the `gpu` extra pins it; workers install it)."""
 NON_AUDITED_NAMES = ("control", "non-audited")
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPECULATIVE_PROFILES = {"audit-ngram": NGRAM}
+"""Audit profiles plus one speculative method each: allowed only with an exactness proof on the same
+run (every sampled rationale token-identical to the audited base engine's; tasks/spec_proof.py)."""
 
 
 @dataclass(frozen=True)
@@ -86,12 +91,23 @@ class VLLMProfile:
 
     def check(self, model: Path) -> None:
         problems = self.violations(model)
+        if self.name in SPECULATIVE_PROFILES:
+            want = SPECULATIVE_PROFILES[self.name]
+            if (self.speculative_config or {}).get("method") != want["method"]:
+                raise EngineDeadError(f"profile {self.name!r} speculates by {want['method']!r}; got "
+                                      f"speculative_config={self.speculative_config!r}")
+            problems = [p for p in problems if not p.startswith("speculative decoding")]
+            if problems:
+                raise EngineDeadError(f"profile {self.name!r} keeps every other audit setting; it refuses: "
+                                      + "; ".join(problems))
+            return
         if self.name == AUDIT and problems:
             raise EngineDeadError("the audit profile refuses these settings: " + "; ".join(problems) +
                                   f". Ask for a non-audited profile by name ({', '.join(NON_AUDITED_NAMES)}) "
                                   "to run them anyway.")
         if self.name != AUDIT and self.name not in NON_AUDITED_NAMES:
-            raise EngineDeadError(f"unknown profile name {self.name!r}: use '{AUDIT}' or one of {NON_AUDITED_NAMES}")
+            raise EngineDeadError(f"unknown profile name {self.name!r}: use '{AUDIT}', one of "
+                                  f"{tuple(SPECULATIVE_PROFILES)} or one of {NON_AUDITED_NAMES}")
 
     def environment(self) -> dict[str, str]:
         return {"VLLM_BATCH_INVARIANT": "1" if self.batch_invariant else "0",
@@ -215,9 +231,27 @@ class VLLMEngine(TokenizedEngine):
                 out[i] = Generation(requests[i].run_id, text, tuple(int(t) for t in o.token_ids), reason, len(ids))
         return [out[i] for i in range(len(requests))]
 
+    def next_token(self, requests: Sequence[NextTokenRequest]) -> list[NextTokenStats]:
+        """Log-prob and vocabulary rank of each watched token when it is among the top 20 next tokens;
+        None beyond (enough for the early-exit gate, which asks for rank 1)."""
+        out = []
+        for r in requests:
+            seq = self.encode(r.prompt) + list(r.continuation)
+            if len(seq) + 1 > self.max_context:
+                out.append(NextTokenStats(r.run_id, (None,) * len(r.watch), (None,) * len(r.watch),
+                                          f"context: {len(seq)} tokens + 1 > {self.max_context}"))
+                continue
+            # the top 20 with their vocabulary ranks (measured on the H200: with `logprob_token_ids` vLLM ranks
+            # the listed ids among themselves, so every watched token came back rank 1)
+            params = self.SamplingParams(temperature=0, max_tokens=1, logprobs=20)
+            lp = self._run([seq], params)[0].outputs[0].logprobs[0]
+            out.append(NextTokenStats(r.run_id, tuple(float(lp[t].logprob) if t in lp else None for t in r.watch),
+                                      tuple(getattr(lp[t], "rank", None) if t in lp else None for t in r.watch)))
+        return out
+
     def fingerprint(self) -> dict[str, Any]:
         return {"engine": "vllm", "weights_sha256": self.weights_sha256, "profile": asdict(self.profile),
-                "vllm": package_version("vllm"), "torch": package_version("torch"), "renderer": renderer_fingerprint()}
+                "vllm": package_version("vllm"), "torch": package_version("torch")}
 
     def provenance(self) -> dict[str, Any]:
         """fingerprint() plus what describes the run but not the function (paths, hardware, threads)."""

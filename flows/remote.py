@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from infra.ledger import Ledger
 from infra.reconcile import make_provider, policy_from_settings
 from infra.remote import JobFailed, MachineSession, RemoteJob, stack_lock
+from jex.errors import FlowError, InfraError, JexError
 from jex.fileio import write_json
 from tasks.golden import compare_golden, find_reference, store_reference
 from tasks.stages import stage_plan
@@ -46,7 +47,7 @@ class MachinesSpec(BaseModel):
                                                "workers emulated on one shared GPU)")
 
 
-class GoldenMismatch(RuntimeError):
+class GoldenMismatch(FlowError):
     def __init__(self, machine: str, verdict: dict[str, Any]):
         worst = ", ".join(f"{w['run_id']} ({w['max_abs_dp']:.3g})" for w in verdict["worst"][:3])
         super().__init__(f"golden replay on {machine}: max |dp| {verdict['max_abs_dp']:.3g} > tolerance "
@@ -72,7 +73,7 @@ class GpuFleet:
                                   }.items() if v is not None}
         self.policy = policy_from_settings(infra, **over)
         self.ledger = Ledger(self.state_dir / "ledger.json")
-        self.s3 = _s3(self.settings)
+        self.s3 = s3_store(self.settings)
         self.on_poll = on_poll
         self.sessions: list[MachineSession] = []
         self.golden: list[dict[str, Any]] = []
@@ -87,10 +88,19 @@ class GpuFleet:
         for s in self.sessions:
             try:
                 s.teardown("campaign stages done" if exc[0] is None else f"{exc[0].__name__}: {str(exc[1])[:160]}")
-            except RuntimeError as e:
+            except JexError as e:
                 errors.append(str(e))
         if errors and exc[0] is None:
-            raise RuntimeError("; ".join(errors))
+            raise InfraError("; ".join(errors))
+
+    def _machine_credentials(self) -> dict[str, str]:
+        """For the machines' watchdogs: temporary credentials limited to this campaign's prefix."""
+        if self.s3 is None:
+            return {}
+        from infra.aws import scoped_credentials
+
+        return scoped_credentials(self.settings.store, self.settings.infra,
+                                  key_prefix=self.s3.key("campaigns", self.campaign), ttl_s=self.policy.machine_ttl_s())
 
     def _python(self) -> str:
         import sys
@@ -112,7 +122,8 @@ class GpuFleet:
             session = MachineSession(self.provider, campaign=self.campaign, ledger=self.ledger, policy=self.policy,
                                      label=f"w{i}", python=self._python(), state_dir=self.state_dir,
                                      stack=self._stack(args["engine"]), s3=self.s3, echo=self.echo,
-                                     on_poll=self.on_poll, pip_args=self.settings.infra.pip_args)
+                                     on_poll=self.on_poll, pip_args=self.settings.infra.pip_args,
+                                     machine_credentials=self._machine_credentials)
             self.sessions.append(session)
             session.start()
         with ThreadPoolExecutor(len(self.sessions) if self.spec.concurrent else 1) as pool:
@@ -149,13 +160,16 @@ class GpuFleet:
         if not verdict["ok"]:
             raise GoldenMismatch(session.machine.id, verdict)
 
-    def run_stage(self, stage: str, args: dict[str, Any]) -> dict[str, Any]:
-        """Compute the stage's missing shards on the machines; returns the plan (the shards are then local)."""
-        plan = stage_plan(stage, args, self.engine_fp)
+    def run_stage(self, stage: str, args: dict[str, Any], engine_fp: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Compute the stage's missing shards on the machines; returns the plan (the shards are then local).
+
+        `engine_fp` is the fingerprint of the engine `args` names when it is not the fleet's own (the
+        audited base of a speculative profile, which the machines also serve)."""
+        plan = stage_plan(stage, args, engine_fp or self.engine_fp)
         if plan["complete"] or _all_shards(plan):  # e.g. collected by `jex infra reconcile` after a restart
             return plan
         self._start(args)
-        plan = stage_plan(stage, args, self.engine_fp)
+        plan = stage_plan(stage, args, engine_fp or self.engine_fp)
         if plan["complete"]:
             return plan
         n = len(self.sessions)
@@ -173,7 +187,7 @@ class GpuFleet:
             list(pool.map(one, range(n)))
         have = len(list(Path(plan["shards_dir"]).glob("shard-*.parquet")))
         if have != plan["shards"]:
-            raise RuntimeError(f"{stage}: {have} of {plan['shards']} shards came back under key {plan['key']}; the "
+            raise FlowError(f"{stage}: {have} of {plan['shards']} shards came back under key {plan['key']}; the "
                                "machines computed a different key (engine or code differs)")
         return plan
 
@@ -200,7 +214,11 @@ def _job_files(args: dict[str, Any], inbox: Path) -> dict[str, Path]:
     return files
 
 
-def _s3(settings: Any) -> Any:
+def s3_store(settings: Any = None) -> Any:
+    """The S3 store of the settings (`JEX_STORE__S3_*`), or None when no bucket is set."""
+    from jex.settings import load_settings
+
+    settings = settings or load_settings()
     if not settings.store.s3_bucket:
         return None
     from infra.s3 import S3Store

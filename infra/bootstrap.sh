@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Worker bootstrap, uploaded by the orchestrator and run on the machine. Idempotent: a second run
 # with the same code and stack finds everything in place and only rewrites provenance.json.
-#   bash bootstrap.sh WORKDIR CODE_SHA PYTHON
+#   bash bootstrap.sh WORKDIR CODE_SHA PYTHON   (stdin: one JSON line of watchdog credentials, or empty)
 # WORKDIR holds code-CODE_SHA.tar.gz and stack.lock (pip requirement pins). Prints one JSON line:
 # the python the jobs must use and whether the stack was reused or installed.
 set -euo pipefail
@@ -44,6 +44,24 @@ if [ -n "$MISSING" ]; then
   PY="$W/stack/bin/python"
   MISSING=$(check_stack "$PY")
   [ -z "$MISSING" ] || { echo "stack still unsatisfied: $MISSING" >&2; exit 3; }
+fi
+
+# The dead-man's switch (infra/watchdog.py), when the orchestrator sent its watchdog.json: started once,
+# detached, with the credentials it reads from this script's stdin (never written to disk).
+if [ -f "$W/watchdog.json" ]; then
+  IFS= read -r CREDS || CREDS=""
+  touch "$W/lease"
+  if ! { [ -f "$W/watchdog.pid" ] && kill -0 -- "-$(cat "$W/watchdog.pid")" 2>/dev/null; }; then
+    printf '%s\n' "$CREDS" | PYTHONPATH="$CODE${PYTHONPATH:+:$PYTHONPATH}" setsid nohup "$PY" -m infra.watchdog "$W" \
+      >> "$W/watchdog.log" 2>&1 &
+    echo $! > "$W/watchdog.pid"
+  fi
+  unset CREDS
+  # a cloud machine that powers off terminates (EC2: InstanceInitiatedShutdownBehavior=terminate); schedule it
+  if [ -n "${JEX_POWEROFF_AFTER_S:-}" ]; then
+    M=$(( (JEX_POWEROFF_AFTER_S + 59) / 60 ))
+    sudo -n shutdown -h "+$M" >/dev/null 2>&1 || shutdown -h "+$M" >/dev/null 2>&1 || true
+  fi
 fi
 
 GPU=$(nvidia-smi -L 2>/dev/null | tr '\n' ';' || true)

@@ -16,10 +16,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from jex.errors import InfraError
 from jex.fileio import write_json
 
 
-class BudgetExceeded(RuntimeError):
+class BudgetExceeded(InfraError):
     """The campaign's cost (or wall-clock) budget is spent."""
 
 

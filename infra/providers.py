@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.shell import LocalShell, Shell, ShellError, SSHShell
+from jex.errors import InfraError
 
 log = logging.getLogger("jex.infra.providers")
 TAG_CAMPAIGN, TAG_MACHINE, TAG_MANAGED = "jex:campaign", "jex:machine", "jex:managed"
@@ -54,7 +55,7 @@ class Machine:
         return cls(**{k: v for k, v in doc.items() if k in cls.__dataclass_fields__})
 
 
-class ProviderError(RuntimeError):
+class ProviderError(InfraError):
     """The provider refused or failed a call."""
 
 
@@ -62,6 +63,8 @@ class Provider(ABC):
     """Create, describe, list and delete machines; all idempotent. `describe` returns None once gone."""
 
     name: str
+    self_shutdown: str = "poweroff"
+    """How the machine's watchdog stops it: poweroff (a cloud machine) | host (a lease on a host)."""
 
     def create(self, campaign: str | None, label: str = "gpu") -> Machine:
         log.info("provider %s: create campaign=%s label=%s", self.name, campaign, label)
@@ -106,7 +109,8 @@ def new_machine_id(label: str) -> str:
 # Deleting it kills the process group of every job (`worker.pgid`) and removes the folder.
 _LIST = 'for f in {root}/*/machine.json; do [ -f "$f" ] && cat "$f" && echo; done; true'
 _DELETE = ('d={root}/{id}; [ -d "$d" ] || exit 0; '
-           'for p in "$d"/work/jobs/*/worker.pgid; do [ -f "$p" ] && kill -KILL -- -"$(cat "$p")" 2>/dev/null; done; '
+           'for p in "$d"/work/watchdog.pid "$d"/work/jobs/*/worker.pgid; do '
+           '[ -f "$p" ] && kill -KILL -- -"$(cat "$p")" 2>/dev/null; done; '
            'rm -rf "$d"')
 
 
@@ -117,6 +121,8 @@ class HostProvider(Provider):
         self.root = str(root)
         self.hosts = hosts or ["127.0.0.1"]
         self._next = 0
+
+    self_shutdown = "host"
 
     def _shell_for(self, host: str) -> Shell:
         raise NotImplementedError
@@ -218,7 +224,8 @@ class EC2Provider(Provider):
         if campaign:
             tags.append({"Key": TAG_CAMPAIGN, "Value": campaign})
         kw: dict[str, Any] = {"ImageId": self.image_id, "InstanceType": self.instance_type, "MinCount": 1,
-                              "MaxCount": 1, "TagSpecifications": [{"ResourceType": "instance", "Tags": tags}]}
+                              "MaxCount": 1, "TagSpecifications": [{"ResourceType": "instance", "Tags": tags}],
+                              "InstanceInitiatedShutdownBehavior": "terminate"}  # the watchdog's poweroff ends it
         if self.key_name:
             kw["KeyName"] = self.key_name
         inst = self.client.run_instances(**kw)["Instances"][0]

@@ -15,8 +15,18 @@ from typing import Any
 
 from infra.ledger import Ledger
 from infra.providers import CommandProvider, CommandTemplates, EC2Provider, LocalProvider, Provider, SSHProvider
-from infra.remote import JobFailed, MachineSession, Policy, RemoteJob
+from infra.remote import (
+    JobFailed,
+    JobOutcome,
+    MachineSession,
+    Policy,
+    RemoteJob,
+    adopt_artifacts,
+    self_terminated_marker,
+)
 from infra.shell import ShellError
+from infra.watchdog import MARKER
+from jex.errors import InputError
 
 log = logging.getLogger("jex.infra.reconcile")
 
@@ -41,7 +51,7 @@ def make_provider(infra: Any, *, name: str | None = None, hosts: list[str] | Non
         templates = CommandTemplates(infra.command_create, infra.command_describe, infra.command_list,
                                      infra.command_delete)
         if not all((templates.create, templates.describe, templates.list, templates.delete)):
-            raise ValueError("the command provider needs JEX_INFRA__COMMAND_CREATE, _DESCRIBE, _LIST and _DELETE")
+            raise InputError("the command provider needs JEX_INFRA__COMMAND_CREATE, _DESCRIBE, _LIST and _DELETE")
         from infra.shell import LocalShell, SSHShell
 
         def shell_for(m: Any) -> Any:
@@ -50,13 +60,15 @@ def make_provider(infra: Any, *, name: str | None = None, hosts: list[str] | Non
             return SSHShell(m.host, m.port or 22, m.user or infra.ssh_user, host_key=m.host_key, **ssh)
 
         return CommandProvider(templates, shell_for=shell_for)
-    raise ValueError(f"unknown provider {name!r}")
+    raise InputError(f"unknown provider {name!r}; providers: local, ssh, ec2, command", field="provider")
 
 
 def policy_from_settings(infra: Any, **overrides: Any) -> Policy:
     return Policy(**{"poll_s": infra.poll_s, "heartbeat_s": infra.heartbeat_s,
                      "heartbeat_timeout_s": infra.heartbeat_timeout_s, "budget_usd": infra.budget_usd,
-                     "price_per_hour": infra.price_per_hour, "wall_budget_s": infra.budget_hours * 3600, **overrides})
+                     "price_per_hour": infra.price_per_hour, "wall_budget_s": infra.budget_hours * 3600,
+                     "watchdog": infra.watchdog, "lease_s": infra.lease_s, "finish_grace_s": infra.finish_grace_s,
+                     "ttl_s": infra.ttl_hours * 3600 if infra.ttl_hours else None, **overrides})
 
 
 def _jobs_on(session: MachineSession) -> list[dict[str, Any]]:
@@ -97,5 +109,46 @@ def reconcile(provider: Provider, ledger: Ledger, *, policy: Policy | None = Non
             entry["teardown"] = session.teardown(f"reconcile: {entry.get('action', 'error')}")
         report["machines"].append(entry)
         echo(f"reconcile: {machine.id} ({machine.campaign or 'no campaign'}): {entry.get('action')}, deleted")
+    if s3 is not None:
+        listed = {m["machine"] for m in report["machines"]}
+        try:
+            report["machines"] += adopt_self_terminated(s3, ledger, campaign=campaign, skip=listed,
+                                                        provider=provider.name, policy=policy or Policy(), echo=echo)
+        except Exception as e:  # noqa: BLE001 - S3 down: report it; the next reconcile adopts them
+            report["errors"].append(f"adopting self-terminated machines from S3: {type(e).__name__}: {e}")
     return report
+
+
+def adopt_self_terminated(s3: Any, ledger: Ledger, *, campaign: str | None, skip: set[str], provider: str,
+                          policy: Policy, echo: Any) -> list[dict[str, Any]]:
+    """Machines that stopped themselves (their SELF_TERMINATED.json in S3): fetch their artifacts where
+    their jobs said they belong (sha256-verified) and record them in the ledger as self-terminated."""
+    root = s3.key("campaigns") + "/"
+    entries = []
+    for obj in s3.list(root + (f"{campaign}/" if campaign else "")):
+        parts = obj["key"][len(root):].split("/")  # <campaign>/machines/<machine>/SELF_TERMINATED.json
+        if len(parts) != 4 or parts[1] != "machines" or parts[3] != MARKER or parts[2] in skip:
+            continue
+        camp, machine_id = parts[0], parts[2]
+        known = ledger.get(machine_id)
+        if known is not None and (known.end_reason or "").startswith("self-terminated"):
+            continue  # adopted before
+        state = Path(ledger.path).parent / "self-terminated" / f"{machine_id}.json"
+        doc = self_terminated_marker(s3, camp, machine_id, state)
+        if doc is None:
+            continue
+        jobs = []
+        for name, job in (doc.get("jobs") or {}).items():
+            rec = job["record"]
+            to, strip = Path(rec["collect_to"]), rec.get("strip_prefix", "")
+            outcome = JobOutcome(name, machine_id, "self_terminated")
+            adopt_artifacts(s3, job, lambda rel, to=to, strip=strip: to / rel.removeprefix(strip), outcome)
+            status = "adopted" if job.get("status") == "success" and not outcome.lost else "self_terminated"
+            jobs.append({"job": name, "status": status, "artifacts": len(outcome.artifacts), "lost": outcome.lost})
+        ledger.open(machine_id, camp, provider, policy.price_per_hour, doc.get("created_at") or doc["time"])
+        ledger.close(machine_id, f"self-terminated: {doc.get('reason')}", doc["time"])
+        entries.append({"machine": machine_id, "campaign": camp, "action": "adopted", "jobs": jobs, "teardown": None})
+        echo(f"reconcile: {machine_id} ({camp}) stopped itself ({doc.get('reason')}); adopted "
+             f"{sum(j['artifacts'] for j in jobs)} artifact(s) from S3")
+    return entries
 

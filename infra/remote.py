@@ -27,14 +27,18 @@ from typing import Any
 
 from infra.ledger import Ledger
 from infra.providers import Machine, Provider
+from infra.retry import Backoff, retry
 from infra.shell import Shell, ShellError
+from infra.watchdog import MARKER, WatchdogConfig
+from jex.errors import InfraError
 from jex.fileio import sha256_bytes, sha256_file, write_json
 
 log = logging.getLogger("jex.infra.remote")
 ROOT = Path(__file__).resolve().parent.parent
 CODE_PACKAGES = ("jex", "engine", "tasks", "overlays", "infra")
 STACK_PACKAGES = ("transformers", "gguf", "accelerate", "safetensors", "numpy", "polars", "pyarrow", "pydantic",
-                  "pydantic-settings", "typer")
+                  "pydantic-settings", "typer", "boto3")
+"""`boto3`: the machine's watchdog uploads its own artifacts when the orchestrator is gone."""
 
 
 @dataclass
@@ -49,6 +53,23 @@ class Policy:
     upload_attempts: int = 5
     backoff_s: float = 0.5
     boot_timeout_s: float = 600.0
+    watchdog: bool = True
+    """Start the machine-side dead-man's switch (`infra.watchdog`) at bootstrap."""
+    lease_s: float = 900.0
+    """The machine stops itself after this long without a poll from the orchestrator."""
+    ttl_s: float | None = None
+    """Hard time to live of a machine; None: the wall budget, else the cost budget at the machine's price."""
+    finish_grace_s: float = 0.0
+    """After a lease expiry, how long a running job may go on before the watchdog stops it."""
+    watchdog_check_s: float = 5.0
+
+    def machine_ttl_s(self) -> float:
+        """The hard time to live: worst case in money = this x `price_per_hour`."""
+        if self.ttl_s:
+            return self.ttl_s
+        caps = [self.wall_budget_s or 0, self.budget_usd / self.price_per_hour * 3600 if self.price_per_hour else 0]
+        caps = [c for c in caps if c > 0]
+        return min(caps) if caps else 72 * 3600.0
 
 
 @dataclass
@@ -73,7 +94,8 @@ class JobOutcome:
     job: str
     machine: str
     status: str
-    """success | failed | heartbeat_lost | no_marker | invalid_marker | budget | unreachable"""
+    """success | adopted (from S3, after the machine stopped itself) | failed | heartbeat_lost | no_marker |
+    invalid_marker | budget | unreachable | watchdog_lost | self_terminated (stopped itself, incomplete)"""
     reason: str = ""
     exit_code: int | None = None
     artifacts: list[dict[str, Any]] = field(default_factory=list)
@@ -83,10 +105,10 @@ class JobOutcome:
 
     @property
     def ok(self) -> bool:
-        return self.status == "success" and not self.lost
+        return self.status in ("success", "adopted") and not self.lost
 
 
-class JobFailed(RuntimeError):
+class JobFailed(InfraError):
     def __init__(self, outcome: JobOutcome):
         super().__init__(f"job {outcome.job} on {outcome.machine}: {outcome.status}: {outcome.reason}"
                          + (f"; lost {[x['path'] for x in outcome.lost]}" if outcome.lost else ""))
@@ -142,7 +164,8 @@ class MachineSession:
                  label: str = "gpu", python: str = "python3", state_dir: Path | None = None,
                  stack: str | None = None, s3: Any = None, echo: Callable[[str], None] | None = None,
                  on_poll: Callable[[MachineSession, RemoteJob, int], None] | None = None,
-                 machine: Machine | None = None, pip_args: str = ""):
+                 machine: Machine | None = None, pip_args: str = "",
+                 machine_credentials: Callable[[], dict[str, str]] | None = None):
         self.provider, self.campaign, self.ledger = provider, campaign, ledger
         self.policy = policy or Policy()
         self.label, self.python_hint = label, python
@@ -157,6 +180,9 @@ class MachineSession:
         self.teardown_record: dict[str, Any] | None = None
         self.provenance_file: Path | None = None
         self.pip_args = pip_args
+        self.machine_credentials = machine_credentials
+        """Credentials for the watchdog's own uploads (scoped to the campaign's prefix); sent on stdin."""
+        self.self_terminated: dict[str, Any] | None = None
 
     # -- life ---------------------------------------------------------------------------------------
     def __enter__(self) -> MachineSession:
@@ -182,16 +208,16 @@ class MachineSession:
         return self.machine
 
     def _wait_reachable(self) -> Shell:
-        deadline = time.time() + self.policy.boot_timeout_s
-        while True:
+        def probe() -> Shell:
             shell = self.provider.shell(self.machine)
-            try:
-                shell.run("true", timeout=30)
-                return shell
-            except ShellError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(self.policy.backoff_s)
+            shell.run("true", timeout=30)
+            return shell
+
+        return retry(probe, self._backoff(attempts=None, deadline_s=self.policy.boot_timeout_s),
+                     retry_on=(ShellError,), what=f"reach {self.machine.id}")
+
+    def _backoff(self, **kw: Any) -> Backoff:
+        return Backoff(**{"attempts": 5, "base_s": self.policy.backoff_s, "cap_s": 10.0, **kw})
 
     def bootstrap(self) -> dict[str, Any]:
         """Upload the code bundle, the stack pins and the bootstrap script; run it (idempotent)."""
@@ -204,14 +230,34 @@ class MachineSession:
         sh.put(lock, f"{m.workdir}/stack.lock")
         sh.put(Path(__file__).with_name("bootstrap.sh"), f"{m.workdir}/bootstrap.sh")
         wd = shlex.quote(m.workdir)
-        out = sh.run(f"JEX_PIP_ARGS={shlex.quote(self.pip_args)} bash {wd}/bootstrap.sh {wd} {sha} "
-                     f"{shlex.quote(self.python_hint)}", timeout=self.policy.boot_timeout_s)
+        creds, poweroff = "", ""
+        if self.policy.watchdog:
+            cfg = self.state_dir / "watchdog" / f"{m.id}.json"
+            write_json(cfg, asdict(self.watchdog_config()))
+            sh.put(cfg, f"{m.workdir}/watchdog.json")
+            creds = json.dumps(self.machine_credentials() if self.machine_credentials else {})
+            if self.provider.self_shutdown == "poweroff":
+                poweroff = f"JEX_POWEROFF_AFTER_S={int(self.policy.machine_ttl_s())} "
+        out = sh.run(f"{poweroff}JEX_PIP_ARGS={shlex.quote(self.pip_args)} bash {wd}/bootstrap.sh {wd} {sha} "
+                     f"{shlex.quote(self.python_hint)}", timeout=self.policy.boot_timeout_s, input=creds + "\n")
         boot = json.loads(out.stdout.strip().splitlines()[-1])
         self.python, self.code_dir = boot["python"], boot["code"]
         self.provenance_file = self.state_dir / "machines-provenance" / f"{m.id}.json"
         sh.get(f"{m.workdir}/provenance.json", self.provenance_file)
         self.echo(f"machine {m.id}: bootstrapped (stack {boot['stack']}, code {sha[:12]})")
         return boot
+
+    def watchdog_config(self) -> WatchdogConfig:
+        m, p = self.machine, self.policy
+        s3 = self.s3
+        return WatchdogConfig(
+            machine=m.id, campaign=self.campaign, created_at=m.created_at, lease_s=p.lease_s,
+            ttl_s=p.machine_ttl_s(), finish_grace_s=p.finish_grace_s, check_s=min(p.watchdog_check_s, p.lease_s / 3),
+            shutdown=self.provider.self_shutdown,
+            remove_dir=str(PurePosixPath(m.workdir).parent) if self.provider.self_shutdown == "host" else "",
+            bucket=s3.bucket if s3 else None, prefix=s3.prefix if s3 else "jex",
+            endpoint_url=s3.client.meta.endpoint_url if s3 else None,
+            region=s3.client.meta.region_name if s3 else "us-east-1")
 
     def teardown(self, reason: str) -> dict[str, Any]:
         """Delete the machine, retrying until the provider says it is gone; close its ledger entry."""
@@ -220,22 +266,25 @@ class MachineSession:
         m, t0 = self.machine, time.time()
         if self.shell is not None:
             self.shell.close()
-        delay, attempts = self.policy.backoff_s, 0
-        while True:
+        attempts = 0
+
+        def delete() -> None:
+            nonlocal attempts
             attempts += 1
-            try:
-                self.provider.delete(m.id)
-                if self.provider.describe(m.id) is None:
-                    break
-                log.warning("teardown %s: provider still lists it (attempt %d)", m.id, attempts)
-            except Exception as e:  # noqa: BLE001 - any provider error is retried; giving up is not an option
-                log.warning("teardown %s: delete failed (%s: %s), attempt %d", m.id, type(e).__name__, e, attempts)
-                if attempts >= self.policy.teardown_attempts:
-                    raise RuntimeError(f"machine {m.id} could not be deleted after {attempts} attempts; "
-                                       "`jex infra reconcile` will retry") from e
-            time.sleep(delay)
-            delay = min(delay * 2, 10)
-        self.ledger.close(m.id, reason, time.time())
+            self.provider.delete(m.id)
+            if self.provider.describe(m.id) is not None:
+                raise InfraError(f"provider still lists {m.id} after delete")
+
+        try:  # any provider error is retried
+            retry(delete, self._backoff(attempts=self.policy.teardown_attempts), what=f"teardown {m.id}")
+        except Exception as e:
+            raise InfraError(f"machine {m.id} could not be deleted after {attempts} attempts; "
+                             "`jex infra reconcile` will retry") from e
+        ended = time.time()
+        if self.self_terminated is not None:  # the machine stopped itself (its watchdog); it cost until then
+            reason = f"self-terminated: {self.self_terminated.get('reason', '')}"
+            ended = float(self.self_terminated.get("time") or ended)
+        self.ledger.close(m.id, reason, ended)
         entry = self.ledger.get(m.id)
         self.teardown_record = {"machine": m.id, "reason": reason, "attempts": attempts,
                                 "teardown_s": round(time.time() - t0, 3),
@@ -277,7 +326,10 @@ class MachineSession:
         self.echo(f"machine {self.machine.id}: job {job.name} started")
 
     def status(self, job: RemoteJob) -> dict[str, Any]:
-        out = self.shell.run(self._py(f"-m infra.worker_protocol status {shlex.quote(self.run_dir(job))}"), timeout=60)
+        """One poll; it also renews the machine's lease (the watchdog's dead-man's switch)."""
+        guard = f" --workdir {shlex.quote(self.machine.workdir)}" if self.policy.watchdog else ""
+        out = self.shell.run(self._py(f"-m infra.worker_protocol status {shlex.quote(self.run_dir(job))}{guard}"),
+                             timeout=60)
         return json.loads(out.stdout)
 
     def run(self, job: RemoteJob, *, relaunch: bool = True) -> JobOutcome:
@@ -309,14 +361,28 @@ class MachineSession:
                 offset = self._stream_log(job, offset, st["log_bytes"], tail)
                 unreachable_since = None
             except (ShellError, ValueError) as e:
+                if (adopted := self._adopt(job, t0, tail)) is not None:  # it stopped itself, results in S3
+                    return adopted
                 unreachable_since = unreachable_since or time.time()
                 if time.time() - unreachable_since > p.heartbeat_timeout_s:
                     return self._finish(job, "unreachable", f"machine unreachable for {p.heartbeat_timeout_s:.0f} s: "
                                         f"{e}", t0, tail, lost_all=True)
                 time.sleep(p.poll_s)
                 continue
+            if st.get("gone") or st.get("self_terminated"):  # its watchdog stopped it while nobody polled
+                if (adopted := self._adopt(job, t0, tail)) is not None:
+                    return adopted
+                if st.get("self_terminated"):  # the upload failed: the artifacts are still on its disk
+                    self.self_terminated = self._local_marker()
+                    return self._salvage(job, "self_terminated", "the machine's watchdog stopped it and could not "
+                                         "upload; salvaging from its disk", t0, tail)
+                return self._finish(job, "unreachable", "the machine is gone and left no SELF_TERMINATED.json in "
+                                    "S3", t0, tail, lost_all=True)
             if st["marker"] is not None:
                 return self._collect(job, st["marker"], t0, tail)
+            if st.get("watchdog") is False:
+                return self._salvage(job, "watchdog_lost", "the machine's watchdog is not running (its dead-man's "
+                                     "switch is gone); stopping the machine", t0, tail)
             beat = (st["heartbeat"] or {}).get("time")
             if not st["alive"]:
                 dead_polls += 1
@@ -369,6 +435,36 @@ class MachineSession:
         outcome.seconds = round(time.time() - t0, 3)
         return outcome
 
+    def _local_marker(self) -> dict[str, Any]:
+        """The SELF_TERMINATED.json the watchdog left on the machine (its upload failed)."""
+        try:
+            out = self.shell.run(f"cat {shlex.quote(self.machine.workdir)}/{MARKER}", timeout=60)
+            return json.loads(out.stdout)
+        except (ShellError, ValueError) as e:
+            return {"reason": f"stopped itself (marker unreadable: {e})", "time": time.time()}
+
+    def _adopt(self, job: RemoteJob, t0: float, tail: list[str]) -> JobOutcome | None:
+        """When the machine's watchdog uploaded its results and stopped it: fetch them from S3 (verified)."""
+        if self.s3 is None:
+            return None
+        doc = self_terminated_marker(self.s3, self.campaign, self.machine.id,
+                                     self.state_dir / "self-terminated" / f"{self.machine.id}.json")
+        if doc is None:
+            return None
+        self.self_terminated = doc
+        self.echo(f"machine {self.machine.id}: stopped itself ({doc.get('reason')}); adopting its results from S3")
+        entry = (doc.get("jobs") or {}).get(job.name)
+        outcome = JobOutcome(job.name, self.machine.id, "self_terminated",
+                             f"machine stopped itself: {doc.get('reason')}", log_tail="\n".join(tail))
+        if entry is None:
+            outcome.lost.append({"path": "*", "reason": "the machine's SELF_TERMINATED.json does not list this job"})
+        else:
+            adopt_artifacts(self.s3, entry, job.local_path, outcome)
+            if entry.get("status") == "success" and not outcome.lost:
+                outcome.status = "adopted"
+        outcome.seconds = round(time.time() - t0, 3)
+        return outcome
+
     def _finish(self, job: RemoteJob, status: str, reason: str, t0: float, tail: list[str],
                 lost_all: bool = False) -> JobOutcome:
         outcome = JobOutcome(job.name, self.machine.id, status, reason, log_tail="\n".join(tail),
@@ -409,18 +505,9 @@ class MachineSession:
     def _upload(self, local: Path, job: RemoteJob, rel: str) -> str:
         """Upload under the campaign's prefix only, retrying with backoff; verified by sha256."""
         key = self.s3.key("campaigns", self.campaign, "machines", self.machine.id, job.name, rel)
-        delay = self.policy.backoff_s
-        for attempt in range(1, self.policy.upload_attempts + 1):
-            try:
-                self.s3.put_file(local, key)
-                return key
-            except Exception as e:  # noqa: BLE001
-                if attempt == self.policy.upload_attempts:
-                    raise
-                log.warning("upload %s failed (%s), attempt %d; retrying", key, type(e).__name__, attempt)
-                time.sleep(delay)
-                delay = min(delay * 2, 10)
-        raise AssertionError("unreachable")
+        retry(lambda: self.s3.put_file(local, key), self._backoff(attempts=self.policy.upload_attempts),
+              what=f"upload {key}")
+        return key
 
     def report(self) -> dict[str, Any]:
         m = self.machine
@@ -431,3 +518,32 @@ class MachineSession:
                 "life_s": round(entry.seconds(), 3) if entry else None,
                 "cost_usd": round(entry.cost(), 6) if entry else None}
 
+
+
+def self_terminated_marker(s3: Any, campaign: str, machine_id: str, dest: Path) -> dict[str, Any] | None:
+    """The SELF_TERMINATED.json a machine's watchdog left in S3 (verified download), or None."""
+    key = s3.key("campaigns", campaign, "machines", machine_id, MARKER)
+    if s3.head(key) is None:
+        return None
+    s3.get_file(key, dest)
+    return json.loads(dest.read_text())
+
+
+def adopt_artifacts(s3: Any, entry: dict[str, Any], local_path: Callable[[str], Path], outcome: JobOutcome) -> None:
+    """Download the artifacts a watchdog uploaded (each checked against the sha256 it recorded)."""
+    for art in entry.get("artifacts", []):
+        rel = _safe_rel(art["path"])
+        local = local_path(rel)
+        try:
+            if not (local.exists() and sha256_file(local) == art["sha256"]):
+                s3.get_file(art["s3_key"], local)
+                if sha256_file(local) != art["sha256"]:
+                    local.unlink(missing_ok=True)
+                    raise ValueError("the object in S3 does not match the sha256 the machine recorded")
+        except Exception as e:  # noqa: BLE001 - recorded as lost, never silently dropped
+            outcome.lost.append({"path": rel, "reason": f"adoption from S3 failed: {e}"})
+            continue
+        outcome.artifacts.append({"path": rel, "sha256": art["sha256"], "bytes": art["bytes"], "local": str(local),
+                                  "s3_key": art["s3_key"]})
+    for art in entry.get("on_disk", []):
+        outcome.lost.append({"path": art["path"], "reason": "left on the machine's disk (its upload failed)"})

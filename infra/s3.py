@@ -3,24 +3,35 @@
 Objects carry their content's sha256 in metadata (`x-amz-meta-sha256`); an upload is complete only
 when a HEAD of the object shows that sha256 and the right size. Large files go up in multipart
 chunks (boto3's transfer manager). Layout under `s3://BUCKET/PREFIX/`:
-    store/<stage>/<key>/...     stage folders (content-addressed, shared between campaigns)
-    runs/<run folder>/...       a campaign's products
+    store/<stage>/<key>/...     stage folders (content-addressed, shared between campaigns);
+                                `_SUCCESS.json` goes up last, so a folder with it is complete
+    runs/<run folder>/...       a campaign's products; `campaign.json` and `stages.json` go up after
+                                every stage (`checkpoint`), so a new orchestrator can resume
+    campaigns/<run folder>/machines/<machine>/<job>/...   what machines computed (shards)
+
+The store is read back too: `pull_campaign` brings a campaign's run record, its complete stage
+folders and its machines' shards into an empty local store, every object checked against its sha256
+and every stage folder against its `_SUCCESS.json`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass
+import os
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jex.errors import InfraError
 from jex.fileio import sha256_file, write_json
 
 log = logging.getLogger("jex.infra.s3")
 MULTIPART_BYTES = 64 * 1024 * 1024
 
 
-class UploadError(RuntimeError):
+class UploadError(InfraError):
     """An object in S3 does not match the file that was uploaded."""
 
 
@@ -81,6 +92,12 @@ class S3Store:
         tmp.replace(dest)
         return dest
 
+    def list(self, key_prefix: str) -> list[dict[str, Any]]:
+        """Every object under `key_prefix` (a full key prefix, e.g. `self.key('runs') + '/'`): key and size."""
+        log.info("s3 list s3://%s/%s", self.bucket, key_prefix)
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=key_prefix)
+        return [{"key": o["Key"], "bytes": o["Size"]} for page in pages for o in page.get("Contents", [])]
+
     def put_tree(self, folder: Path, key_prefix: str) -> list[dict[str, Any]]:
         return [self.put_file(p, self.key(key_prefix, p.relative_to(folder).as_posix()))
                 for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".")]
@@ -97,3 +114,131 @@ def sync_campaign(s3: S3Store, run_dir: Path, summaries: dict[str, Any], store_r
     manifest = {"bucket": s3.bucket, "prefix": s3.prefix, "objects": uploaded}
     write_json(run_dir / "s3.json", manifest)
     return manifest
+
+
+STAGE_SUCCESS = "_SUCCESS.json"
+RUN_RECORD = ("campaign.json", "stages.json")
+
+
+def stage_rel(folder: str | Path) -> str:
+    """`<stage>/<key>` of a stage folder, wherever its store lives."""
+    parts = Path(folder).parts
+    if len(parts) < 2:
+        raise UploadError(f"{folder} is not a stage folder (<store>/<stage>/<key>)")
+    return "/".join(parts[-2:])
+
+
+def checkpoint(s3: S3Store, run_dir: Path, stage_folder: str | Path | None) -> list[dict[str, Any]]:
+    """After a stage: its folder (if complete; `_SUCCESS.json` last), then the run record, to S3."""
+    done: list[dict[str, Any]] = []
+    folder = Path(stage_folder) if stage_folder else None
+    if folder is not None and (folder / STAGE_SUCCESS).exists():
+        rel = stage_rel(folder)
+        files = [p for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".")
+                 and p.name != STAGE_SUCCESS]
+        for p in [*files, folder / STAGE_SUCCESS]:
+            done.append(s3.put_file(p, s3.key("store", rel, p.relative_to(folder).as_posix())))
+    for name in RUN_RECORD:
+        if (run_dir / name).exists():
+            done.append(s3.put_file(run_dir / name, s3.key("runs", run_dir.name, name)))
+    return done
+
+
+@dataclass
+class PullReport:
+    """What `pull_campaign` brought back (every object sha256-verified)."""
+
+    run_dir: Path
+    store: Path
+    pulled: list[str] = field(default_factory=list)
+    """Stage folders (`<stage>/<key>`) downloaded and verified against their `_SUCCESS.json`."""
+    present: list[str] = field(default_factory=list)
+    """Stage folders already complete in the local store (left alone)."""
+    incomplete: list[str] = field(default_factory=list)
+    """Stages the run record names whose folder in S3 is not complete (computed again on resume)."""
+    shards: int = 0
+    """Shards the campaign's machines uploaded, placed in the local store."""
+    objects: int = 0
+    bytes: int = 0
+
+
+def find_run(s3: S3Store, campaign: str) -> str:
+    """The run folder name in S3 of `campaign` (a run folder name, or a campaign name with one run)."""
+    prefix = s3.key("runs") + "/"
+    runs = sorted({o["key"][len(prefix):].split("/", 1)[0] for o in s3.list(prefix)
+                   if o["key"].endswith("/campaign.json")})
+    match = [r for r in runs if r == campaign] or [r for r in runs if r.rsplit("-", 1)[0] == campaign]
+    if not match:
+        raise UploadError(f"no campaign {campaign!r} in s3://{s3.bucket}/{prefix} (runs there: {runs[:20]})")
+    if len(match) > 1:
+        raise UploadError(f"campaign {campaign!r} has {len(match)} runs in S3 ({match}); name the run folder")
+    return match[0]
+
+
+def _get_verified(s3: S3Store, key: str, dest: Path) -> int:
+    """Download unless `dest` already holds the object's bytes (sha256 from its metadata)."""
+    want = ((s3.head(key) or {}).get("Metadata") or {}).get("sha256")
+    if want is None:
+        raise UploadError(f"s3://{s3.bucket}/{key}: no sha256 in its metadata; refusing to trust it")
+    if dest.exists() and sha256_file(dest) == want:
+        return 0
+    s3.get_file(key, dest)
+    return dest.stat().st_size
+
+
+def _pull_stage(s3: S3Store, rel: str, store: Path, report: PullReport) -> None:
+    prefix = s3.key("store", rel) + "/"
+    objects = {o["key"][len(prefix):]: o for o in s3.list(prefix)}
+    if STAGE_SUCCESS not in objects:
+        report.incomplete.append(rel)
+        return
+    final = store / rel
+    tmp = final.with_name(f".{final.name}.pull-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for name in sorted(objects):
+            report.bytes += _get_verified(s3, prefix + name, tmp / name)
+            report.objects += 1
+        record = json.loads((tmp / STAGE_SUCCESS).read_text())
+        files = {n for n in objects if n != STAGE_SUCCESS and not Path(n).name.startswith(".")}
+        listed = record.get("files") or {}
+        if not set(listed) <= files:
+            raise UploadError(f"s3 stage folder {rel}: {STAGE_SUCCESS} lists files S3 lacks: "
+                              f"{sorted(set(listed) - files)[:5]}")
+        for name, sha in listed.items():
+            if sha256_file(tmp / name) != sha:
+                raise UploadError(f"s3 stage folder {rel}: {name} does not match its {STAGE_SUCCESS}")
+        for name in sorted(objects, key=lambda n: n == STAGE_SUCCESS):  # the completion record last
+            (final / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp / name, final / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report.pulled.append(rel)
+
+
+def pull_campaign(s3: S3Store, campaign: str, *, out: Path, store: Path | None = None) -> PullReport:
+    """Bring a campaign back from S3 into `out/<run folder>` and its store (default: the store named in
+    its `campaign.json`): the run record, every complete stage folder it names, its machines' shards."""
+    run = find_run(s3, campaign)
+    run_dir = Path(out) / run
+    prefix = s3.key("runs", run) + "/"
+    objects = s3.list(prefix)
+    for o in objects:
+        _get_verified(s3, o["key"], run_dir / o["key"][len(prefix):])
+    spec = json.loads((run_dir / "campaign.json").read_text())
+    store = Path(store if store is not None else spec["store"])
+    report = PullReport(run_dir=run_dir, store=store, objects=len(objects))
+    stages = json.loads((run_dir / "stages.json").read_text()) if (run_dir / "stages.json").exists() else {}
+    for rec in stages.values():
+        rel = stage_rel(rec["folder"])
+        if (store / rel / STAGE_SUCCESS).exists():
+            report.present.append(rel)
+        else:
+            _pull_stage(s3, rel, store, report)
+    machines = s3.key("campaigns", run, "machines") + "/"
+    for o in s3.list(machines):
+        rest = o["key"][len(machines):].split("/", 2)  # <machine>/<job>/<path in the job folder>
+        if len(rest) == 3 and rest[2].startswith("store/"):
+            report.bytes += _get_verified(s3, o["key"], store / rest[2].removeprefix("store/"))
+            report.shards += 1
+    return report

@@ -12,15 +12,17 @@ import io
 import logging
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from infra.retry import Backoff, retry
+from jex.errors import InfraError
+
 log = logging.getLogger("jex.infra.shell")
 
 
-class ShellError(RuntimeError):
+class ShellError(InfraError):
     """A command failed on the machine, or the machine could not be reached."""
 
 
@@ -36,7 +38,8 @@ class CommandResult:
 
 
 class Shell(Protocol):
-    def run(self, command: str, *, timeout: float = 120, check: bool = True) -> CommandResult: ...
+    def run(self, command: str, *, timeout: float = 120, check: bool = True,
+            input: str | None = None) -> CommandResult: ...
     def put(self, local: Path, remote: str) -> None: ...
     def get(self, remote: str, local: Path) -> None: ...
     def close(self) -> None: ...
@@ -53,8 +56,11 @@ class LocalShell:
 
     where = "localhost"
 
-    def run(self, command: str, *, timeout: float = 120, check: bool = True) -> CommandResult:
-        p = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=timeout)
+    def run(self, command: str, *, timeout: float = 120, check: bool = True,
+            input: str | None = None) -> CommandResult:
+        """`input` goes to the command's stdin (secrets travel this way, never on a command line)."""
+        p = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=timeout,
+                           input=input if input is not None else "")
         return _checked(command, CommandResult(p.returncode, p.stdout, p.stderr), check, self.where)
 
     def put(self, local: Path, remote: str) -> None:
@@ -106,10 +112,7 @@ class SSHShell:
             client.get_host_keys().add(self._host_pattern(), kind, paramiko.PKey.from_type_string(kind, _b64(b64)))
         client.set_missing_host_key_policy(paramiko.AutoAddPolicy() if self.accept_new_host_keys
                                            else paramiko.RejectPolicy())
-        pkey = None
-        if self.key_text:
-            pkey = paramiko.Ed25519Key.from_private_key(io.StringIO(self.key_text)) if "OPENSSH" in self.key_text \
-                else paramiko.RSAKey.from_private_key(io.StringIO(self.key_text))
+        pkey = load_private_key(self.key_text) if self.key_text else None
         client.connect(self.host, port=self.port, username=self.user, pkey=pkey,
                        key_filename=str(self.key_path) if self.key_path and not pkey else None,
                        timeout=self.connect_timeout, banner_timeout=self.connect_timeout,
@@ -123,26 +126,23 @@ class SSHShell:
             return self._client
         import paramiko
 
-        delay = 0.5
-        for attempt in range(1, self.reconnect_attempts + 1):
+        def connect() -> object:
             try:
-                self._client = self._connect()
-                if attempt > 1:
-                    log.warning("ssh %s: reconnected (attempt %d)", self.where, attempt)
-                return self._client
+                return self._connect()
             except paramiko.BadHostKeyException as e:
                 raise ShellError(f"ssh {self.where}: host key does not match known_hosts: {e}") from None
             except paramiko.SSHException as e:
                 if "not found in known_hosts" in str(e):
                     raise ShellError(f"ssh {self.where}: unknown host key (pin it in known_hosts, or set "
                                      "accept_new_host_keys for this provider)") from None
-                last: Exception = e
-            except OSError as e:
-                last = e
-            log.warning("ssh %s: connect failed (%s), retrying in %.1fs", self.where, type(last).__name__, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 8)
-        raise Unreachable(f"ssh {self.where}: unreachable after {self.reconnect_attempts} attempts: {last}")
+                raise
+
+        try:
+            self._client = retry(connect, Backoff(attempts=self.reconnect_attempts, base_s=0.5, cap_s=8.0),
+                                 retry_on=(paramiko.SSHException, OSError), what=f"ssh connect {self.where}")
+        except (paramiko.SSHException, OSError) as e:
+            raise Unreachable(f"ssh {self.where}: unreachable after {self.reconnect_attempts} attempts: {e}") from None
+        return self._client
 
     def _retrying(self, what: str, fn):
         import paramiko
@@ -157,9 +157,13 @@ class SSHShell:
                 log.warning("ssh %s: %s interrupted (%s); reconnecting", self.where, what, type(e).__name__)
                 self.drop()
 
-    def run(self, command: str, *, timeout: float = 120, check: bool = True) -> CommandResult:
+    def run(self, command: str, *, timeout: float = 120, check: bool = True,
+            input: str | None = None) -> CommandResult:
         def go(client):
-            _, out, err = client.exec_command(command, timeout=timeout)
+            stdin, out, err = client.exec_command(command, timeout=timeout)
+            if input:
+                stdin.write(input)
+            stdin.channel.shutdown_write()
             stdout, stderr = out.read().decode(), err.read().decode()
             return CommandResult(out.channel.recv_exit_status(), stdout, stderr)
 
@@ -194,6 +198,63 @@ class SSHShell:
                 pass
 
     close = drop
+
+
+_PEM_KINDS = {"RSA": "ssh-rsa", "EC": "ecdsa"}
+
+
+def private_key_type(text: str) -> str:
+    """The key type ('ssh-ed25519', 'ssh-rsa', 'ecdsa-sha2-nistp256', ...) of a private key's text.
+
+    OpenSSH format (`ssh-keygen`'s default): the type is the first field of the public key inside
+    the blob (PROTOCOL.key: magic, cipher, kdf, kdf options, key count, public key). PEM: the header.
+    """
+    import base64
+    import struct
+
+    lines = [line.strip() for line in text.strip().splitlines()]
+    header = lines[0] if lines else ""
+    if header == "-----BEGIN OPENSSH PRIVATE KEY-----":
+        try:
+            blob = base64.b64decode("".join(line for line in lines[1:] if not line.startswith("-----")))
+            magic = b"openssh-key-v1\0"
+            if not blob.startswith(magic):
+                raise ValueError("no openssh-key-v1 magic")
+            pos = len(magic)
+
+            def string() -> bytes:
+                nonlocal pos
+                (n,) = struct.unpack(">I", blob[pos:pos + 4])
+                pos += 4 + n
+                return blob[pos - n:pos]
+
+            string(), string(), string()  # cipher, kdf, kdf options
+            pos += 4  # number of keys
+            public = string()
+            (n,) = struct.unpack(">I", public[:4])
+            return public[4:4 + n].decode("ascii")
+        except (ValueError, struct.error, UnicodeDecodeError) as e:
+            raise InfraError(f"the SSH private key is not a readable OpenSSH key ({e})") from None
+    for word, kind in _PEM_KINDS.items():
+        if header == f"-----BEGIN {word} PRIVATE KEY-----":
+            return kind
+    raise InfraError("the SSH private key is neither OpenSSH nor PEM (RSA/EC) text; "
+                     "write it with `ssh-keygen -t ed25519|rsa|ecdsa`")
+
+
+def load_private_key(text: str):  # -> paramiko.PKey
+    """A paramiko key of the key's actual type (Ed25519, RSA or ECDSA), in OpenSSH or PEM format."""
+    import paramiko
+
+    kind = private_key_type(text)
+    cls = (paramiko.Ed25519Key if kind == "ssh-ed25519" else paramiko.RSAKey if kind == "ssh-rsa"
+           else paramiko.ECDSAKey if kind.startswith("ecdsa") else None)
+    if cls is None:
+        raise InfraError(f"SSH private keys of type {kind} are not supported; use ed25519, rsa or ecdsa")
+    try:
+        return cls.from_private_key(io.StringIO(text))
+    except paramiko.SSHException as e:
+        raise InfraError(f"the {kind} SSH private key could not be loaded: {e}") from None
 
 
 def _b64(text: str) -> bytes:

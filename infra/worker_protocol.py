@@ -97,17 +97,32 @@ def run(run_dir: Path, command: list[str], *, heartbeat_s: float, artifacts: lis
     return code
 
 
-def status(run_dir: Path) -> dict[str, Any]:
-    """What a supervisor polls: the machine's clock, heartbeat, marker, whether the worker lives, log size."""
-    alive = False
+def _group_alive(pid_file: Path) -> bool:
     try:
-        os.killpg(int((run_dir / PGID).read_text().strip()), 0)
-        alive = True
+        os.killpg(int(pid_file.read_text().strip()), 0)
+        return True
     except (OSError, ValueError):
-        pass
+        return False
+
+
+def status(run_dir: Path, *, workdir: Path | None = None) -> dict[str, Any]:
+    """What a supervisor polls: the machine's clock, heartbeat, marker, whether the worker lives, log size.
+
+    With `workdir` (a machine guarded by `infra.watchdog`) the poll also renews the machine's lease
+    and reports whether its watchdog lives and whether it stopped the machine (`self_terminated`).
+    """
     log = run_dir / LOG
-    return {"now": time.time(), "heartbeat": read_heartbeat(run_dir), "marker": read_marker(run_dir), "alive": alive,
-            "log_bytes": log.stat().st_size if log.exists() else 0}
+    doc: dict[str, Any] = {"now": time.time(), "heartbeat": read_heartbeat(run_dir), "marker": read_marker(run_dir),
+                           "alive": _group_alive(run_dir / PGID), "log_bytes": log.stat().st_size if log.exists()
+                           else 0}
+    if workdir is not None:
+        guarded = (workdir / "watchdog.json").exists()
+        doc["gone"] = not workdir.exists()
+        doc["self_terminated"] = (workdir / "SELF_TERMINATED.json").exists()
+        if guarded and not doc["self_terminated"]:
+            (workdir / "lease").touch()
+        doc["watchdog"] = _group_alive(workdir / "watchdog.pid") if guarded else None
+    return doc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         q = argparse.ArgumentParser(prog=f"python -m infra.worker_protocol {argv[0]}")
         q.add_argument("run_dir", type=Path)
         q.add_argument("--artifacts", nargs="+", default=["**/*.parquet"])
+        q.add_argument("--workdir", type=Path, default=None, help="status: renew this machine's lease")
         a = q.parse_args(argv[1:])
-        doc: Any = status(a.run_dir) if argv[0] == "status" else artifact_manifest(a.run_dir, a.artifacts)
+        doc: Any = (status(a.run_dir, workdir=a.workdir) if argv[0] == "status"
+                    else artifact_manifest(a.run_dir, a.artifacts))
         print(json.dumps(doc, default=str))
         return 0
     if "--" not in argv:

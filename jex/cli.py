@@ -10,12 +10,17 @@ from typing import Annotated
 import typer
 
 from engine.types import EngineDeadError, EngineError
-from jex.errors import JexError
+from jex import cli_interop
+from jex.cli_experiment import experiment_app
+from jex.cli_probe import probe_app
+from jex.cli_store import resume_from_s3, store_app
+from jex.cli_suite import import_app, suite_ls, suite_validate
+from jex.errors import InputError, JexError
 from jex.settings import load_settings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="jex: reproducible LLM benchmark campaigns.")
-suite_app = typer.Typer(no_args_is_help=True, help="Suites: the sample generator.")
+suite_app = typer.Typer(no_args_is_help=True, help="Suites: import, validate, list, and the sample generator.")
 bundle_app = typer.Typer(no_args_is_help=True, help="Bundles: deterministic archives of a suite.")
 config_app = typer.Typer(no_args_is_help=True, help="Settings (JEX_* variables and .env).")
 app.add_typer(suite_app, name="suite")
@@ -29,11 +34,65 @@ stage_app = typer.Typer(no_args_is_help=True, help="Run one engine stage without
 app.add_typer(stage_app, name="stage")
 overlays_app = typer.Typer(no_args_is_help=True, help="Overlays on a finished run: mine, gate, ladder.")
 app.add_typer(overlays_app, name="overlays")
+app.add_typer(experiment_app, name="experiment")
+app.add_typer(store_app, name="store")
+suite_app.add_typer(import_app, name="import")
+app.add_typer(probe_app, name="probe")
+suite_app.command("validate")(suite_validate)
+suite_app.command("ls")(suite_ls)
+cli_interop.register(app)  # jex show, jex export inspect|lm-eval
 
 
 def _fail(err: Exception) -> None:
     typer.echo(f"error: {err}", err=True)
     raise typer.Exit(2)
+
+
+def _check_hub_model(model: str | None) -> None:
+    """Offline, a Hub id must be in the local cache: say so before any flow or engine starts. (Online,
+    the machine that runs the engine downloads it: the orchestrator never fetches weights it won't use.)"""
+    from huggingface_hub import constants
+
+    from engine.models import HUB_ID, resolve_hub
+
+    if model and constants.HF_HUB_OFFLINE and not Path(model).exists() and HUB_ID.match(model):
+        try:
+            resolve_hub(model)
+        except EngineDeadError as e:
+            raise JexError(str(e)) from None
+
+
+def render_spec_from(path: Path | None, *, chat_template: str, system_prompt: str | None, num_fewshot: int):
+    """A RenderSpec from a TOML file (any field), then the command-line flags that were given."""
+    import tomllib
+
+    from pydantic import ValidationError
+
+    from engine.render import RenderSpec
+
+    fields: dict = {}
+    if path is not None:
+        try:
+            fields = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise InputError(f"cannot read the render file: {e}", file=str(path)) from None
+    if chat_template not in ("auto", "none"):
+        template = Path(chat_template)
+        if not template.is_file():
+            raise InputError("--chat-template: neither auto, none nor a readable Jinja file", file=chat_template)
+        fields["chat_template"] = template.read_text(encoding="utf-8")
+    elif chat_template != "auto" or "chat_template" not in fields:
+        fields["chat_template"] = chat_template
+    if system_prompt is not None:
+        fields["system_prompt"] = system_prompt
+    if num_fewshot:
+        fields["num_fewshot"] = num_fewshot
+    try:
+        return RenderSpec.model_validate(fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise InputError(err["msg"].removeprefix("Value error, "), file=str(path) if path else None,
+                         field=".".join(str(p) for p in err["loc"]) or None) from None
 
 
 @suite_app.command("sample")
@@ -65,15 +124,26 @@ def bundle_build(suite: Annotated[Path, typer.Argument(help="Suite folder (holds
 
 
 @app.command("score")
-def score(suite: Annotated[Path, typer.Option(help="Suite folder or bundle file")],
-          predictions: Annotated[Path, typer.Option(help="JSONL or Parquet: run_id, choice[, probs]")],
-          out: Annotated[Path, typer.Option("-o", "--out", help="Folder for score.json and score.md")],
+def score(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for score.json and score.md")],
+          suite: Annotated[Path | None, typer.Option(help="Suite folder or bundle file (optional with --from)")] = None,
+          predictions: Annotated[Path | None, typer.Option(help="JSONL or Parquet: run_id, choice[, probs]")] = None,
           bootstrap: Annotated[int, typer.Option(help="Bootstrap draws")] = 2000,
-          seed: Annotated[int, typer.Option(help="Bootstrap seed")] = 20260929) -> None:
+          seed: Annotated[int, typer.Option(help="Bootstrap seed")] = 20260929,
+          source: Annotated[Path | None, typer.Argument(help="--from: lm-eval samples file or output folder, or an "
+                                                             "Inspect log")] = None,
+          from_: Annotated[str | None, typer.Option("--from", help="lm-eval | inspect: score that tool's output "
+                                                                   "(docs/bring-your-own.md)")] = None,
+          map_by: Annotated[str, typer.Option(help="--from: auto | doc_id | id | content")] = "auto",
+          id_field: Annotated[str | None, typer.Option(help="--from: the documents' id field")] = None) -> None:
     """Score predictions twice (vectorised and plain), with clustered bootstrap intervals."""
     from tasks.score import score_files
 
+    if from_ is not None:  # another tool's per-document output (jex/cli_interop.py)
+        return cli_interop.score_from(from_, source, out=out, suite=suite, draws=bootstrap, seed=seed, map_by=map_by,
+                                      id_field=id_field)
     try:
+        if suite is None or predictions is None:
+            raise JexError("--suite and --predictions are both needed (or --from lm-eval|inspect SOURCE)")
         doc = score_files(suite, predictions, out, draws=bootstrap, seed=seed,
                           settings=load_settings().public_dict())
     except JexError as e:
@@ -84,7 +154,8 @@ def score(suite: Annotated[Path, typer.Option(help="Suite folder or bundle file"
 
 @app.command("run")
 def run(suite: Annotated[Path | None, typer.Option(help="Suite folder (default: the embedded sample)")] = None,
-        model: Annotated[str | None, typer.Option(help="Model folder or GGUF (default: embedded SmolLM2)")] = None,
+        model: Annotated[str | None, typer.Option(help="Model folder, GGUF, or Hub id org/name[@revision] (default: "
+                                                       "embedded SmolLM2)")] = None,
         coverage: Annotated[float, typer.Option(help="Share of rows gated for a rationale")] = 0.10,
         out: Annotated[Path, typer.Option(help="Folder for run folders")] = Path("runs"),
         store: Annotated[Path | None, typer.Option(help="Artifact store (default: OUT/store)")] = None,
@@ -100,7 +171,30 @@ def run(suite: Annotated[Path | None, typer.Option(help="Suite folder (default: 
         host: Annotated[list[str] | None, typer.Option(help="ssh provider: host (repeatable)")] = None,
         workers: Annotated[int, typer.Option(help="Machines sharing each engine stage")] = 1,
         budget_usd: Annotated[float | None, typer.Option(help="Campaign machine budget (default: settings)")] = None,
-        resume: Annotated[Path | None, typer.Option(help="Continue the campaign of this run folder")] = None) -> None:
+        resume: Annotated[Path | None, typer.Option(help="Continue the campaign of this run folder")] = None,
+        chat_template: Annotated[str, typer.Option(help="auto (the model's; plain text if it has none) | none | "
+                                                        "a Jinja template FILE")] = "auto",
+        system_prompt: Annotated[str | None, typer.Option(help="System turn before every question")] = None,
+        num_fewshot: Annotated[int, typer.Option(help="Solved examples before each question (the catalogs' "
+                                                      "few-shot rows)")] = 0,
+        render: Annotated[Path | None, typer.Option(help="TOML with any RenderSpec field (question_template, "
+                                                         "reason_template, option_format, answer_slot, ...)")] = None,
+        dtype: Annotated[str | None, typer.Option(help="Weights dtype (default: JEX_ENGINE__DTYPE, else the "
+                                                       "engine's)")] = None,
+        gpu_memory_utilization: Annotated[float | None, typer.Option(
+            help="vLLM: share of GPU memory (default: JEX_ENGINE__GPU_MEMORY_UTILIZATION, 0.30)")] = None,
+        max_model_len: Annotated[int | None, typer.Option(help="vLLM: context limit (default: "
+                                                               "JEX_ENGINE__MAX_MODEL_LEN, the model's)")] = None,
+        engine_profile: Annotated[str, typer.Option(help="audit | audit-ngram (n-gram speculative decoding, kept "
+                                                         "only when this run proves it token-exact)")] = "audit",
+        spec_proof_rows: Annotated[int, typer.Option(help="Gated rows re-generated by the audited base to prove a "
+                                                          "speculative profile")] = 64,
+        reference: Annotated[Path | None, typer.Option(help="Reference rows (run_id, choice, probs) of an earlier "
+                                                            "run: audit this run against them")] = None,
+        reference_min_agreement: Annotated[float | None, typer.Option(help="Fail below this final agreement "
+                                                                          "with the reference")] = None,
+        require_zero_errors: Annotated[bool, typer.Option(help="Fail unless every error counter is zero")] = False,
+        ) -> None:
     """Run a whole campaign (embedded defaults: sample suite, SmolLM2, local Prefect, local store).
 
     The last line printed is the run folder.
@@ -117,13 +211,27 @@ def run(suite: Annotated[Path | None, typer.Option(help="Suite folder (default: 
     machines = MachinesSpec(provider=provider or settings.infra.provider, hosts=host or [], workers=workers,
                             budget_usd=budget_usd)
     if resume is not None:
+        resume_from_s3(resume)
         spec = load_spec(resume).model_copy(update={"machines": machines} if provider else {})
     else:
+        try:
+            _check_hub_model(model or settings.engine.model)
+            render_spec = render_spec_from(render, chat_template=chat_template, system_prompt=system_prompt,
+                                           num_fewshot=num_fewshot)
+            es = settings.engine
+            engine_spec = EngineSpec(kind=engine, model=model or es.model, device=device, batch_size=batch_size,
+                                     dtype=dtype or es.dtype, render=render_spec,
+                                     gpu_memory_utilization=gpu_memory_utilization or es.gpu_memory_utilization,
+                                     max_model_len=max_model_len or es.max_model_len, profile=engine_profile)
+        except (JexError, ValueError) as e:
+            _fail(e)
         spec = CampaignSpec(name=name, suite=str(suite) if suite else None, coverage=coverage,
-                            engine=EngineSpec(kind=engine, model=model, device=device, batch_size=batch_size),
+                            engine=engine_spec,
                             overlays=str(overlays) if overlays else None, out=str(out),
                             fast_shard_rows=shard_rows, reason_max_tokens=reason_max_tokens,
-                            store=str(store or out / "store"), machines=machines)
+                            spec_proof_rows=spec_proof_rows, store=str(store or out / "store"), machines=machines,
+                            reference=str(reference) if reference else None,
+                            reference_min_agreement=reference_min_agreement, require_zero_errors=require_zero_errors)
     try:
         run_dir = run_campaign(spec)
     except (JexError, EngineError, EngineDeadError, GoldenMismatch, JobFailed, BudgetExceeded) as e:
@@ -160,7 +268,8 @@ def calibrate_cmd(coverage: Annotated[float, typer.Option(help="Coverage gated w
 
 @app.command("bakeoff")
 def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for bakeoff.json/.md/.png")],
-            arms: Annotated[str, typer.Option(help="Comma-separated arms (hf-bi, hf-control, vllm-bi, "
+            arms: Annotated[str, typer.Option(help="Comma-separated arms (hf-bi, hf-bi-ngram, hf-control, vllm-bi, "
+                                                   "vllm-bi-ngram, "
                                                    "vllm-bi-fdo, vllm-control)")] = "hf-control,hf-bi",
             model: Annotated[str | None, typer.Option(help="Model folder (default: embedded)")] = None,
             prompts: int = 32, tokens: int = 256, ladder: str = "1,8,16,32", repeats: int = 2,
@@ -184,8 +293,20 @@ def parity(suite: Annotated[Path, typer.Option(help="Suite folder")],
            model: Annotated[str | None, typer.Option(help="Model folder (default: embedded)")] = None,
            rows: Annotated[int, typer.Option(help="Rows to read (0 = all)")] = 0,
            reason_rows: Annotated[int, typer.Option(help="Rows for generation parity")] = 0,
-           max_tokens: int = 96, device: str = "cpu", batch_size: int = 8) -> None:
+           max_tokens: int = 96, device: str = "cpu", batch_size: int = 8,
+           reference: Annotated[Path | None, typer.Option(help="Stored capture (capture.parquet or reference "
+                                                          "rows): engine A against it, no engine B")] = None) -> None:
     """Parity of two engines on the same rows: readout agreement, |dp|, flips; choices after a rationale."""
+    if reference is not None:
+        from tasks.parity import capture_parity_files
+
+        try:
+            r = capture_parity_files(suite, reference, out, kind=engine_a, model=model, device=device,
+                                     batch_size=batch_size, rows=rows)["readout"]
+        except (JexError, ValueError, EngineError, EngineDeadError) as e:
+            _fail(e)
+        typer.echo(f"argmax agreement {r['agree']}/{r['common']}, max |dp| {r['max_abs_dp']:.3g} -> {out}")
+        return
     from flows.local_api import ensure_local_api
 
     ensure_local_api()
@@ -204,8 +325,10 @@ def _use_running_server() -> None:
     """Talk to the server `jex server start` recorded, unless PREFECT_API_URL says otherwise."""
     import os
 
-    from deployments.server import healthy, state_file
+    from deployments.server import client_env, healthy, state_file
 
+    for k, v in client_env(load_settings()).items():  # basic auth of the server, when it has one
+        os.environ.setdefault(k, v)
     sf = state_file(load_settings())
     if not os.environ.get("PREFECT_API_URL") and sf.exists():
         url = json.loads(sf.read_text())["api_url"]
@@ -215,6 +338,8 @@ def _use_running_server() -> None:
 
 @server_app.command("start")
 def server_start(port: Annotated[int | None, typer.Option(help="default: settings (4200)")] = None,
+                 host: Annotated[str | None, typer.Option(help="Bind address (default: settings, 127.0.0.1); not "
+                                                               "loopback needs JEX_PREFECT__AUTH_STRING")] = None,
                  database_url: Annotated[str | None, typer.Option(help="PostgreSQL URL, e.g. postgresql+asyncpg://"
                                                                        "postgres@127.0.0.1:5432/test (default: "
                                                                        "SQLite)")] = None,
@@ -226,6 +351,8 @@ def server_start(port: Annotated[int | None, typer.Option(help="default: setting
     over: dict = {}
     if port:
         over["port"] = port
+    if host:
+        over["host"] = host
     if database_url:
         over["database_url"] = database_url
     settings = load_settings()
@@ -387,9 +514,21 @@ def config_show() -> None:
     typer.echo(json.dumps(json.loads(settings.model_dump_json()), indent=2))
 
 
-def main() -> None:  # pragma: no cover - console entry for `python -m jex`
+def main() -> None:
+    """The console entry (`jex`, `python -m jex`): user errors print one line, never a traceback.
+
+    A `JexError` (bad input, machines, S3, flows, server), invalid parameters (pydantic) and a path
+    that does not exist are user errors; anything else is a bug and keeps its traceback.
+    `JEX_TRACEBACK=1` shows the traceback of a user error too.
+    """
+    import os
+
+    from pydantic import ValidationError
+
     try:
         app()
-    except JexError as e:
+    except (JexError, ValidationError, FileNotFoundError) as e:
+        if os.environ.get("JEX_TRACEBACK") == "1":
+            raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

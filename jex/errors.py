@@ -1,4 +1,9 @@
-"""Errors a user can act on: each names where the problem is and what to do."""
+"""Errors a user can act on: each names where the problem is and what to do.
+
+One root, `JexError`, for every error jex raises on purpose: bad input, machines/SSH/S3 (infra),
+a campaign that cannot go on (flow) and the orchestrator server. The console entry point prints a
+`JexError` as one line, never a traceback; anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -18,3 +23,15 @@ class InputError(JexError):
             f"row {row}" if row is not None else "",
             f"field '{field}'" if field else "") if p)
         super().__init__(f"{where}: {message}" if where else message)
+
+
+class InfraError(JexError):
+    """A machine, provider, SSH connection or bucket refused or failed (infra/)."""
+
+
+class FlowError(JexError):
+    """A campaign or another flow cannot go on (flows/)."""
+
+
+class ServerError(JexError):
+    """The orchestrator's Prefect server could not be started, reached or configured (deployments/)."""

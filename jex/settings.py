@@ -16,11 +16,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 class EngineSettings(BaseModel):
     kind: Literal["hf", "vllm"] = "hf"
-    model: str | None = Field(None, description="Model folder or GGUF file; None = embedded SmolLM2")
+    model: str | None = Field(None, description="Model folder, GGUF file or Hub id org/name[@revision]; "
+                                                "None = embedded SmolLM2")
     device: str = "cpu"
     batch_size: int = Field(8, ge=1)
     batch_invariant: bool = True
     max_num_seqs: int = Field(32, ge=1)
+    dtype: str | None = Field(None, description="Weights dtype; None = the engine's (hf float32, vllm bfloat16)")
+    gpu_memory_utilization: float = Field(0.30, gt=0, le=0.95, description="vLLM: share of GPU memory")
+    max_model_len: int | None = Field(None, ge=16, description="vLLM: context limit; None = the model's")
     cache_dir: Path = Field(Path.home() / ".cache" / "jex", description="Converted model cache")
 
 
@@ -41,6 +45,13 @@ class InfraSettings(BaseModel):
     heartbeat_s: float = Field(5.0, gt=0)
     heartbeat_timeout_s: float = Field(60.0, gt=0)
     poll_s: float = Field(2.0, gt=0)
+    watchdog: bool = Field(True, description="Every machine gets a dead-man's switch (infra/watchdog.py)")
+    lease_s: float = Field(900.0, gt=0, description="A machine stops itself after this long without the "
+                                                    "orchestrator (its lease is renewed on every poll)")
+    ttl_hours: float | None = Field(None, gt=0, description="Hard time to live of a machine; None: budget_hours, "
+                                                            "capped by budget_usd / price_per_hour")
+    finish_grace_s: float = Field(0.0, ge=0, description="After a lease expiry, time a running job may still "
+                                                         "finish before the machine stops it")
     worker_python: str | None = Field(None, description="Interpreter on the machine; None = this one (local) "
                                                         "or python3")
     pip_args: str = Field("", description="Extra pip options for the bootstrap (e.g. an index URL)")
@@ -70,8 +81,12 @@ class PrefectSettings(BaseModel):
     database_url: SecretStr | None = None
     calibration_cron: str = "0 3 * * *"
     reconcile_every_s: float = Field(900.0, gt=0, description="Interval of the scheduled reconcile")
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="Address the server binds; anything but loopback needs auth_string")
     port: int = 4200
+    auth_string: SecretStr | None = Field(None, description="'user:password' of the server's basic authentication "
+                                                            "(Prefect's server.api.auth_string); sent by every client")
+    notify_block: str | None = Field(None, description="Prefect notification block ('type-slug/name', e.g. "
+                                                       "'custom-webhook/jex-alerts') told of every failed campaign")
 
 
 class JexSettings(BaseSettings):

@@ -12,7 +12,7 @@ import json
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -35,6 +35,11 @@ class Catalog(BaseModel):
     chance: float | None = Field(None, ge=0, lt=1, description="None: mean of 1/len(options)")
     files: tuple[str, ...] = Field(min_length=1, description="Row files, relative to the suite dir")
     exclusions: tuple[str, ...] = Field((), description="run_ids dropped at scoring time")
+    fewshot_files: tuple[str, ...] = Field((), description="Solved example rows for few-shot prompts (not scored)")
+    scoring: Literal["accuracy", "brier", "log_loss", "calibrated_accuracy"] = Field(
+        "accuracy", description="What the catalog's skill is computed from (docs/suite-and-scoring.md)")
+    secondary: tuple[Literal["abstain"], ...] = Field(
+        (), description="Secondary prediction fields the scorer reads: 'abstain' (a row the predictor declined)")
 
 
 class SuiteManifest(BaseModel):
@@ -44,6 +49,8 @@ class SuiteManifest(BaseModel):
     name: str = "suite"
     legs: dict[str, float]
     catalogs: tuple[Catalog, ...] = Field(min_length=1)
+    source: dict[str, Any] = Field(default_factory=dict, description="Where the suite came from (importer, "
+                                                                      "dataset id, revision, fingerprint)")
 
     @field_validator("legs")
     @classmethod
@@ -92,25 +99,36 @@ class Row(BaseModel):
 
 def load_manifest(suite_dir: str | Path) -> SuiteManifest:
     """Parse and validate `suite.toml`; errors name the file and the offending key."""
+    manifest, problems = _manifest_and_problems(suite_dir)
+    if manifest is None:
+        raise problems[0]
+    return manifest
+
+
+def _manifest_and_problems(suite_dir: str | Path) -> tuple[SuiteManifest | None, list[InputError]]:
     path = Path(suite_dir) / MANIFEST_NAME
     try:
         raw = tomllib.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
-        raise InputError("no suite manifest here (expected suite.toml)", file=str(path)) from None
+        return None, [InputError("no suite manifest here (expected suite.toml)", file=str(path))]
     except UnicodeDecodeError as e:
-        raise InputError(f"not UTF-8 ({e.reason} at byte {e.start})", file=str(path)) from None
+        return None, [InputError(f"not UTF-8 ({e.reason} at byte {e.start})", file=str(path))]
     except tomllib.TOMLDecodeError as e:
-        raise InputError(f"invalid TOML: {e}", file=str(path)) from None
+        return None, [InputError(f"invalid TOML: {e}", file=str(path))]
     try:
-        return SuiteManifest.model_validate(raw)
+        return SuiteManifest.model_validate(raw), []
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        row = None
-        if len(err["loc"]) >= 2 and err["loc"][0] == "catalogs" and isinstance(err["loc"][1], int):
-            row = err["loc"][1]
-        raise InputError(f"{err['msg']} (in [[catalogs]] entry {row})" if row is not None else err["msg"],
-                         file=str(path), field=loc or None) from None
+        return None, [_manifest_error(err, path) for err in e.errors()]
+
+
+def _manifest_error(err: Any, path: Path) -> InputError:
+    loc = ".".join(str(p) for p in err["loc"])
+    row = None
+    if len(err["loc"]) >= 2 and err["loc"][0] == "catalogs" and isinstance(err["loc"][1], int):
+        row = err["loc"][1]
+    msg = err["msg"].removeprefix("Value error, ")
+    return InputError(f"{msg} (in [[catalogs]] entry {row})" if row is not None else msg, file=str(path),
+                      field=loc or None)
 
 
 def _check_row(row: Row, *, file: str, line: int, catalogs: set[str], expected: str | None) -> None:
@@ -147,8 +165,12 @@ def _parse(record: Any, *, file: str, line: int) -> Row:
         raise InputError(err["msg"], file=file, row=line, field=field) from None
 
 
-def read_row_file(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield (row number, raw record) from a JSONL or Parquet file, streaming."""
+def read_row_file(path: str | Path, *, problems: list[InputError] | None = None
+                  ) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (row number, raw record) from a JSONL or Parquet file, streaming.
+
+    With `problems` given, an undecodable line is recorded there and skipped instead of raised.
+    """
     path = Path(path)
     name = str(path)
     if path.suffix == ".parquet":
@@ -167,37 +189,85 @@ def read_row_file(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
         for line_no, raw in enumerate(f, start=1):
             try:
                 text = raw.decode("utf-8")
+                if not text.strip():
+                    continue
+                record = json.loads(text)
             except UnicodeDecodeError as e:
-                raise InputError(f"not UTF-8 ({e.reason} at byte {e.start})", file=name, row=line_no) from None
-            if not text.strip():
+                _report(InputError(f"not UTF-8 ({e.reason} at byte {e.start})", file=name, row=line_no), problems)
                 continue
-            try:
-                yield line_no, json.loads(text)
             except json.JSONDecodeError as e:
-                raise InputError(f"invalid JSON: {e.msg} at column {e.colno}", file=name, row=line_no) from None
+                _report(InputError(f"invalid JSON: {e.msg} at column {e.colno}", file=name, row=line_no), problems)
+                continue
+            yield line_no, record
 
 
-def iter_rows(suite_dir: str | Path, manifest: SuiteManifest | None = None) -> Iterator[Row]:
-    """Stream every row of the suite in manifest order, validated; run_ids must be unique."""
+def iter_rows(suite_dir: str | Path, manifest: SuiteManifest | None = None, *,
+              problems: list[InputError] | None = None) -> Iterator[Row]:
+    """Stream every row of the suite in manifest order, validated; run_ids must be unique.
+
+    With `problems` given, a bad row is recorded there and skipped instead of raised (`validate`).
+    """
     suite_dir = Path(suite_dir)
     manifest = manifest or load_manifest(suite_dir)
-    catalogs = {c.id for c in manifest.catalogs}
     seen: dict[str, str] = {}
-    for cat in manifest.catalogs:
-        for rel in cat.files:
-            path = suite_dir / rel
-            if not path.is_file():
-                raise InputError(f"row file listed for catalog '{cat.id}' does not exist", file=str(path))
-            for line, record in read_row_file(path):
-                row = _parse(record, file=str(path), line=line)
-                _check_row(row, file=str(path), line=line, catalogs=catalogs, expected=cat.id)
-                if row.run_id in seen:
-                    raise InputError(f"duplicate run_id '{row.run_id}' (first seen at {seen[row.run_id]})",
-                                     file=str(path), row=line, field="run_id")
-                seen[row.run_id] = f"{path.name}:{line}"
-                yield row
+    yield from _rows_of(suite_dir, manifest, {c.id: c.files for c in manifest.catalogs}, seen, problems)
     for cat in manifest.catalogs:
         missing = [r for r in cat.exclusions if r not in seen]
         if missing:
-            raise InputError(f"catalog '{cat.id}' excludes unknown run_id(s) {missing[:5]}",
-                             file=str(suite_dir / MANIFEST_NAME), field="exclusions")
+            _report(InputError(f"catalog '{cat.id}' excludes unknown run_id(s) {missing[:5]}",
+                               file=str(suite_dir / MANIFEST_NAME), field="exclusions"), problems)
+
+
+def iter_fewshot_rows(suite_dir: str | Path, manifest: SuiteManifest | None = None, *,
+                      problems: list[InputError] | None = None) -> Iterator[Row]:
+    """The catalogs' few-shot example rows (same format as rows; never scored), validated."""
+    suite_dir = Path(suite_dir)
+    manifest = manifest or load_manifest(suite_dir)
+    yield from _rows_of(suite_dir, manifest, {c.id: c.fewshot_files for c in manifest.catalogs}, {}, problems)
+
+
+def _report(problem: InputError, problems: list[InputError] | None) -> None:
+    if problems is None:
+        raise problem
+    problems.append(problem)
+
+
+def _rows_of(suite_dir: Path, manifest: SuiteManifest, files: dict[str, tuple[str, ...]], seen: dict[str, str],
+             problems: list[InputError] | None) -> Iterator[Row]:
+    catalogs = {c.id for c in manifest.catalogs}
+    for cat_id, rels in files.items():
+        for rel in rels:
+            path = suite_dir / rel
+            if not path.is_file():
+                _report(InputError(f"row file listed for catalog '{cat_id}' does not exist", file=str(path)),
+                        problems)
+                continue
+            try:
+                for line, record in read_row_file(path, problems=problems):
+                    try:
+                        row = _parse(record, file=str(path), line=line)
+                        _check_row(row, file=str(path), line=line, catalogs=catalogs, expected=cat_id)
+                        if row.run_id in seen:
+                            raise InputError(f"duplicate run_id '{row.run_id}' (first seen at {seen[row.run_id]})",
+                                             file=str(path), row=line, field="run_id")
+                    except InputError as e:
+                        _report(e, problems)
+                        continue
+                    seen[row.run_id] = f"{path.name}:{line}"
+                    yield row
+            except InputError as e:  # the file itself cannot be read on (encoding, JSON)
+                _report(e, problems)
+
+
+def validate_suite(suite_dir: str | Path, *, limit: int = 1000) -> list[InputError]:
+    """Every problem of a suite (manifest, rows, few-shot rows), each with file, row and field."""
+    manifest, problems = _manifest_and_problems(suite_dir)
+    if manifest is None:
+        return problems
+    for _ in iter_rows(suite_dir, manifest, problems=problems):
+        if len(problems) >= limit:
+            return problems
+    for _ in iter_fewshot_rows(suite_dir, manifest, problems=problems):
+        if len(problems) >= limit:
+            break
+    return problems

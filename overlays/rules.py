@@ -10,7 +10,7 @@ kinds also read `gold`, and only out-of-fold.
 from __future__ import annotations
 
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -45,6 +45,14 @@ class OverlayRuleBase:
         """New choices for `frame`, which holds only this rule's target catalog."""
         raise NotImplementedError
 
+    fits_out_of_fold: ClassVar[bool] = False
+    """True when `decide` already fits out-of-fold on the frame it is given (no refit needed)."""
+
+    def fit(self, frame: pl.DataFrame) -> OverlayRuleBase:
+        """This rule with its threshold refitted on `frame` (target rows with `gold`); kinds with no
+        fitted parameter return themselves. The gate refits per fold and scores the held-out fold."""
+        return self
+
     def apply(self, frame: pl.DataFrame) -> pl.Series:
         """Choices for every row of `frame`: the target catalog's decided anew, all others as they were."""
         target = (frame["catalog"] == self.target).to_numpy()
@@ -75,6 +83,9 @@ class PositionalThreshold(OverlayRuleBase):
     def describe(self) -> str:
         return f"emit option {self.label_index} if logit(p[{self.label_index}]) >= {self.tau:g}"
 
+    def fit(self, frame: pl.DataFrame) -> PositionalThreshold:
+        return best_tau(self, frame, _probs(frame, self.label_index))
+
 
 @dataclass(frozen=True)
 class SignedLogitThreshold(OverlayRuleBase):
@@ -103,16 +114,41 @@ class SignedLogitThreshold(OverlayRuleBase):
         cmp = ">=" if self.direction == "above" else "<"
         return f"option {self.option_index}: {verb} if logit(p) {cmp} {self.tau:g}"
 
+    def fit(self, frame: pl.DataFrame) -> SignedLogitThreshold:
+        return best_tau(self, frame, _probs(frame, self.option_index))
+
+
+TAU_GRID = 41
+
+
+def best_tau(rule: Any, frame: pl.DataFrame, p: np.ndarray) -> Any:
+    """`rule` with the tau that maximises accuracy on `frame`: the declared tau first, then the
+    logits of p at 41 quantiles; the first best wins (so a tie keeps the declared tau)."""
+    z = logit(p[~np.isnan(p)])
+    grid = [rule.tau] + (np.unique(np.quantile(z, np.linspace(0, 1, TAU_GRID))).tolist() if z.size else [])
+    gold = frame["gold"].to_numpy()
+    accs = [float((replace(rule, tau=float(t)).decide(frame).to_numpy() == gold).mean()) for t in grid]
+    return replace(rule, tau=float(grid[int(np.argmax(accs))]))
+
 
 def isotonic_fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Pool-adjacent-violators: a non-decreasing step function of x fitted to y (least squares)."""
-    order = np.argsort(x, kind="stable")
-    xs, ys = x[order], y[order].astype(float)
-    values, weights, right = [], [], []
-    for xi, yi in zip(xs, ys, strict=True):
-        values.append(yi)
-        weights.append(1.0)
-        right.append(xi)
+    """Pool-adjacent-violators: a non-decreasing step function of x fitted to y (least squares).
+
+    Rows with the same x are pooled first into one block (their mean y, weighted by their count), so
+    the fit depends only on the data, never on the order of tied rows (Barlow et al., 1972, the
+    "primary approach" to ties). Returns each block's right end and value.
+    """
+    x, y = np.asarray(x, dtype=float).ravel(), np.asarray(y, dtype=float).ravel()
+    order = np.lexsort((y, x))  # sums over a block in a fixed order: bit-identical whatever the row order
+    xs, inverse, counts = np.unique(x[order], return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse.ravel(), weights=y[order], minlength=len(xs))
+    values: list[float] = []
+    weights: list[float] = []
+    right: list[float] = []
+    for xi, total, count in zip(xs, sums, counts, strict=True):
+        values.append(float(total / count))
+        weights.append(float(count))
+        right.append(float(xi))
         while len(values) > 1 and values[-2] > values[-1]:
             w = weights[-2] + weights[-1]
             v = (values[-2] * weights[-2] + values[-1] * weights[-1]) / w
@@ -135,6 +171,7 @@ class IsotonicShrink(OverlayRuleBase):
     shrink: float = 0.75
     folds: int = 10
     kind: ClassVar[str] = "isotonic-shrink"
+    fits_out_of_fold: ClassVar[bool] = True
 
     def calibrated(self, frame: pl.DataFrame) -> np.ndarray:
         p = _probs(frame, self.positive_index)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.types import GenerateRequest
+from engine.vllm_engine import NGRAM
 
 TOPICS = ["a lighthouse keeper", "a failed rocket launch", "the history of a small bakery", "a chess endgame",
           "a river delta in flood", "a bug in a compiler", "a winter expedition", "the economics of a ferry"]
@@ -76,7 +77,8 @@ def compare(rungs: dict[str, Any]) -> dict[str, Any]:
                     first = {"prompt": p, "step": diff[0]}
         out[batch] = {"mismatches": mismatches, "divergent_prompts": divergent, "first_divergence": first,
                       "run_to_run_identical": all(r == rung["runs"][0] for r in rung["runs"]),
-                      "tok_s": rung["tok_s"], "tokens": rung["tokens"], "seconds": rung["seconds"]}
+                      "tok_s": rung["tok_s"], "tokens": rung["tokens"], "seconds": rung["seconds"],
+                      "token_ids": rung["runs"][0]}
     return out
 
 
@@ -109,6 +111,13 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("tax"):
         lines += ["", "| batch | BI tax (control tok/s / invariant tok/s) |", "|---:|---:|"]
         lines += [f"| {b} | {t:.2f}x |" for b, t in result["tax"].items()]
+    for arm, sp in (result.get("speculation") or {}).items():
+        lines += ["", f"**{arm}** against {sp['base']}: {'token-exact at every rung' if sp['exact'] else 'NOT EXACT'}",
+                  "", "| batch | tokens identical | prompts identical | tok/s | base tok/s | speed-up |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {b} | {r['tokens_identical']}/{r['tokens']} | {r['prompts_identical']}/{r['prompts']} | "
+                  f"{r['tok_s']:.1f} | {r['base_tok_s']:.1f} | {r['speedup']:.2f}x"
+                  f"{' (slower)' if r['speedup'] < 1 else ''} |" for b, r in sp["rungs"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -137,12 +146,38 @@ def plot(result: dict[str, Any], path: Path) -> None:
 ARMS = {
     # name: (engine kind, settings)
     "hf-bi": ("hf", {"batch_invariant": True}),
+    "hf-bi-ngram": ("hf", {"batch_invariant": True, "speculative": NGRAM}),
     "hf-control": ("hf", {"batch_invariant": False}),
     "vllm-bi": ("vllm", {"name": "audit"}),
+    "vllm-bi-ngram": ("vllm", {"name": "audit-ngram", "speculative_config": NGRAM}),
     "vllm-bi-fdo": ("vllm", {"name": "audit", "cudagraph_mode": "FULL_DECODE_ONLY"}),
     "vllm-control": ("vllm", {"name": "control", "batch_invariant": False}),
 }
-INVARIANT_ARMS = {"hf-bi", "vllm-bi", "vllm-bi-fdo"}
+INVARIANT_ARMS = {"hf-bi", "hf-bi-ngram", "vllm-bi", "vllm-bi-ngram", "vllm-bi-fdo"}
+SPECULATIVE_BASE = {"hf-bi-ngram": "hf-bi", "vllm-bi-ngram": "vllm-bi"}
+"""Each speculative arm and the audited arm its tokens must equal, rung by rung."""
+
+
+def speculation(arms: dict[str, Any]) -> dict[str, Any]:
+    """Per speculative arm and rung: tokens identical to its audited base arm (count), speed-up."""
+    out: dict[str, Any] = {}
+    for arm, base in SPECULATIVE_BASE.items():
+        if arm not in arms or base not in arms:
+            continue
+        rungs = {}
+        for batch, r in arms[arm]["rungs"].items():
+            b = arms[base]["rungs"].get(batch)
+            if b is None:
+                continue
+            pairs = list(zip(r["token_ids"], b["token_ids"], strict=True))
+            same = sum(x == y for a, c in pairs for x, y in zip(a, c, strict=False))
+            total = sum(max(len(a), len(c)) for a, c in pairs)
+            rungs[batch] = {"tokens_identical": same, "tokens": total,
+                            "prompts_identical": sum(a == c for a, c in pairs), "prompts": len(pairs),
+                            "tok_s": r["tok_s"], "base_tok_s": b["tok_s"], "speedup": r["tok_s"] / b["tok_s"]}
+        out[arm] = {"base": base, "rungs": rungs,
+                    "exact": all(v["tokens_identical"] == v["tokens"] for v in rungs.values())}
+    return out
 
 
 def make_engine(arm: str, model: str | None, max_num_seqs: int, device: str) -> Any:
@@ -191,13 +226,17 @@ def run_bakeoff(arms: list[str], *, model: str | None, prompts: int = 32, tokens
     ok = {a: r for a, r in results.items() if "error" not in r}
     inv = [a for a in arms if a in INVARIANT_ARMS]
     ctl = [a for a in arms if a not in INVARIANT_ARMS]
-    tax = {}
+    tax: dict[str, float] = {}
     if inv and ctl and inv[0] in ok and ctl[0] in ok:
         tax = {b: ok[ctl[0]]["rungs"][b]["tok_s"] / ok[inv[0]]["rungs"][b]["tok_s"] for b in ok[inv[0]]["rungs"]}
     result = {"engine": ARMS[arms[0]][0], "prompts": prompts, "tokens": tokens, "ladder": ladder, "repeats": repeats,
-              "arms": results, "tax": tax, "errors": {a: r["error"] for a, r in results.items() if "error" in r},
+              "arms": results, "tax": tax, "speculation": speculation(ok),
+              "errors": {a: r["error"] for a, r in results.items() if "error" in r},
               "verdict": verdict(ok, inv, ctl) if ok else "NO RESULT: every arm failed"}
-    (out_dir / "bakeoff.json").write_text(json.dumps(result, indent=1, default=str))
+    slim = {**result, "arms": {a: {**r, "rungs": {b: {k: v for k, v in x.items() if k != "token_ids"}
+                                                  for b, x in r.get("rungs", {}).items()}}
+                               for a, r in results.items()}}  # the token ids stay in arm-*.json
+    (out_dir / "bakeoff.json").write_text(json.dumps(slim, indent=1, default=str))
     (out_dir / "bakeoff.md").write_text(markdown({**result, "arms": ok}))
     if ok:
         plot({**result, "arms": ok}, out_dir / "bakeoff.png")

@@ -2,10 +2,11 @@
 
 Layout of a bundle:
 
-    manifest.json              format, suite summary, per-catalog counts, sha256 of every member,
+    manifest.json              (first member) format, suite summary, per-catalog counts, sha256 of every member,
                                provenance
     suite.toml                 the suite manifest, verbatim
     rows/shard-00000.parquet   rows in suite order, `shard_rows` per shard
+    fewshot/shard-00000.parquet   optional solved examples for few-shot prompts (never scored)
     reference/shard-00000.parquet   optional banked capture (run_id, choice, probs), 1:1 with rows
 
 The archive is byte-identical across runs: members sorted, mtime/uid/gid fixed, mode 0644,
@@ -30,7 +31,7 @@ import polars as pl
 from jex.errors import InputError, JexError
 from jex.fileio import atomic_path, canonical_json, sha256_file
 from jex.provenance import provenance
-from jex.suite import MANIFEST_NAME, SuiteManifest, iter_rows, load_manifest, read_row_file
+from jex.suite import MANIFEST_NAME, SuiteManifest, iter_fewshot_rows, iter_rows, load_manifest, read_row_file
 from tasks.store import write_parquet
 
 BUNDLE_FORMAT = "jex-bundle/1"
@@ -112,7 +113,8 @@ def _check_reference(path: Path, suite_ids: dict[str, int], stage: Path, shard_r
 
 def _pack(stage: Path, out: Path) -> None:
     """Tar+gzip `stage` deterministically into `out`."""
-    members = sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file())
+    members = sorted((p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()),
+                     key=lambda name: (name != MANIFEST_MEMBER, name))  # the manifest first: readers check it first
     with atomic_path(out) as tmp, open(tmp, "wb") as raw:
         with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz:
             with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -129,6 +131,11 @@ def catalog_chance(catalog_counts: dict[int, int]) -> float:
     """Chance level of a catalog: the mean of 1/len(options) over its scored rows, exactly rounded."""
     n = sum(catalog_counts.values())
     return float(sum((Fraction(c, k) for k, c in catalog_counts.items()), Fraction(0)) / n)
+
+
+def suite_files(suite_dir: Path, manifest: SuiteManifest) -> list[Path]:
+    """The row and few-shot files a suite's manifest lists (what a bundle's identity covers)."""
+    return [suite_dir / f for c in manifest.catalogs for f in (*c.files, *c.fewshot_files)]
 
 
 def build_bundle(suite_dir: str | Path, out: str | Path, *, reference: str | Path | None = None,
@@ -162,9 +169,15 @@ def build_bundle(suite_dir: str | Path, out: str | Path, *, reference: str | Pat
             shards += 1
         if not suite_ids:
             raise InputError("the suite has no rows", file=str(suite_dir / MANIFEST_NAME))
+        fewshot = [{**r.model_dump(), "metadata": None if r.metadata is None else
+                    json.dumps(r.metadata, sort_keys=True, ensure_ascii=False)}
+                   for r in iter_fewshot_rows(suite_dir, manifest)]
+        if fewshot:
+            (stage / "fewshot").mkdir()
+            _flush(fewshot, ROW_SCHEMA, stage / "fewshot", 0)
         ref_info = _check_reference(Path(reference), suite_ids, stage, shard_rows) if reference else None
         inputs = {f"suite/{p.relative_to(suite_dir).as_posix()}": sha256_file(p)
-                  for p in [suite_dir / MANIFEST_NAME, *(suite_dir / f for c in manifest.catalogs for f in c.files)]}
+                  for p in [suite_dir / MANIFEST_NAME, *suite_files(suite_dir, manifest)]}
         if reference:
             inputs["reference"] = ref_info["source_sha256"]  # type: ignore[index]
         catalogs = []
@@ -227,6 +240,11 @@ class Bundle:
         """All rows in suite order (scan of the shards, so `columns` limits what is read)."""
         return pl.scan_parquet(self.row_shards()).select(columns or pl.all()).collect()
 
+    def fewshot(self) -> pl.DataFrame | None:
+        """The catalogs' few-shot example rows (ROW_SCHEMA), or None when the suite has none."""
+        shards = sorted((self.root / "fewshot").glob("shard-*.parquet"))
+        return pl.read_parquet(shards) if shards else None
+
     def reference(self) -> pl.DataFrame | None:
         shards = sorted((self.root / "reference").glob("shard-*.parquet"))
         return pl.read_parquet(shards) if shards else None
@@ -235,29 +253,64 @@ class Bundle:
         return self.manifest["suite"]["catalogs"]
 
 
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+
+
+def _read_manifest(tar: tarfile.TarFile, path: Path) -> tuple[tarfile.TarInfo, dict[str, Any]]:
+    """The first member, which must be `manifest.json` (packed first), read in memory."""
+    first = tar.next()
+    if first is None:
+        raise BundleError(f"{path}: empty bundle")
+    _safe_member(first, path)
+    if first.name != MANIFEST_MEMBER:
+        raise BundleError(f"{path}: the first member is '{first.name}', not {MANIFEST_MEMBER}")
+    if first.size > MAX_MANIFEST_BYTES:
+        raise BundleError(f"{path}: {MANIFEST_MEMBER} is {first.size} bytes (limit {MAX_MANIFEST_BYTES})")
+    try:
+        manifest = json.loads(tar.extractfile(first).read().decode("utf-8"))  # type: ignore[union-attr]
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BundleError(f"{path}: manifest.json unreadable ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
+        raise BundleError(f"{path}: unknown bundle format "
+                          f"{manifest.get('format') if isinstance(manifest, dict) else None!r}")
+    if not isinstance(manifest.get("members"), dict):
+        raise BundleError(f"{path}: manifest.json lists no members")
+    return first, manifest
+
+
+def _check_members(tar: tarfile.TarFile, path: Path, listed: dict[str, Any]) -> list[tarfile.TarInfo]:
+    """Every member's header against the manifest, one header at a time: an unlisted, oversized or
+    duplicated member is refused before its data is read, and before anything is written."""
+    members, seen = [], set()
+    while (m := tar.next()) is not None:  # lazy: the next header skips only data already vouched for
+        _safe_member(m, path)
+        meta = listed.get(m.name)
+        if meta is None:
+            raise BundleError(f"{path}: members differ from the manifest: unlisted ['{m.name}'] ({m.size} bytes)")
+        if m.name in seen:
+            raise BundleError(f"{path}: member '{m.name}' appears twice")
+        if m.size != meta["bytes"]:
+            raise BundleError(f"{path}: member '{m.name}' is {m.size} bytes, the manifest says {meta['bytes']}")
+        seen.add(m.name)
+        members.append(m)
+    if seen != set(listed):
+        raise BundleError(f"{path}: members differ from the manifest: unlisted [], absent {sorted(set(listed) - seen)}")
+    return members
+
+
 def open_bundle(path: str | Path, dest: str | Path) -> Bundle:
-    """Extract `path` into `dest` after refusing unsafe members; verify every member's sha256."""
+    """Extract `path` into `dest` after checking every member's name, type and size against the
+    manifest (nothing is written before all passed); then verify every member's sha256."""
     path, dest = Path(path), Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
     try:
         with tarfile.open(path, mode="r:gz") as tar:
-            members = tar.getmembers()
-            for m in members:
-                _safe_member(m, path)
-            tar.extractall(dest, members=members, filter="data")
+            first, manifest = _read_manifest(tar, path)
+            listed = manifest["members"]
+            members = _check_members(tar, path, listed)
+            dest.mkdir(parents=True, exist_ok=True)
+            tar.extractall(dest, members=[first, *members], filter="data")
     except (tarfile.TarError, OSError, EOFError) as e:
         raise BundleError(f"{path}: not a readable bundle ({e})") from None
-    try:
-        manifest = json.loads((dest / MANIFEST_MEMBER).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise BundleError(f"{path}: manifest.json missing or unreadable ({e})") from None
-    if manifest.get("format") != BUNDLE_FORMAT:
-        raise BundleError(f"{path}: unknown bundle format {manifest.get('format')!r}")
-    listed = manifest["members"]
-    present = {m.name for m in members if m.name != MANIFEST_MEMBER}
-    if present != set(listed):
-        raise BundleError(f"{path}: members differ from the manifest: unlisted {sorted(present - set(listed))}, "
-                          f"absent {sorted(set(listed) - present)}")
     for name, meta in listed.items():
         actual = sha256_file(dest / name)
         if actual != meta["sha256"]:

@@ -13,10 +13,11 @@ import polars as pl
 from jex.fileio import sha256_file, write_json
 from overlays.rules import OverlayRuleBase
 from tasks.calibrate import calibrate
-from tasks.fold import FoldRule, error_counters, fold_counters, fold_predictions
-from tasks.gate import coverage_gate
+from tasks.fold import FoldRule, error_counters, error_rows, fold_counters, fold_predictions
+from tasks.gate import coverage_gate, margins
 from tasks.keys import stage_key
 from tasks.overlay import apply_overlays, reversibility_check
+from tasks.reference_audit import bundle_reference, reference_audit
 from tasks.score import score_with_ci
 from tasks.scoring_inputs import load_suite_table
 from tasks.store import LocalStore, write_parquet
@@ -73,6 +74,7 @@ def fold_stage(bundle: dict[str, Any], fast: dict[str, Any], gate: dict[str, Any
     folded = fold_predictions(panel, reasoned, gated, rule=rule, weight=weight)
     counters = fold_counters(table.rows, folded, reasoned, table.spec, draws=draws, seed=seed)
     counters["errors"] = error_counters(fast, reason, unmatched=0)
+    counters["error_rows"] = error_rows(panel, reasoned)
     counters["rule"] = {"rule": rule, "weight": weight}
     counters["rationale_tokens"] = reason["rationale_tokens"]
     write_parquet(folded, sd.path / "folded.parquet")
@@ -128,16 +130,27 @@ def score_stage(bundle: dict[str, Any], overlay: dict[str, Any], fold: dict[str,
     if sd.complete:
         return sd.summary()
     table = _suite(bundle)
-    preds = pl.read_parquet(overlay["predictions"]).select("run_id", "choice")
+    preds = pl.read_parquet(overlay["predictions"]).select("run_id", "choice", "probs")
     folded = pl.read_parquet(fold["folded"])
     policy = score_with_ci(table.rows, preds, table.spec, draws=draws, seed=seed)
-    baseline = score_with_ci(table.rows, folded.select("run_id", choice="fast_choice"), table.spec, draws=draws,
-                             seed=seed)
+    baseline = score_with_ci(table.rows, folded.select("run_id", choice="fast_choice",
+                                                       probs=pl.col("logprobs").list.eval(pl.element().exp())),
+                             table.spec, draws=draws, seed=seed)
+    reference = bundle_reference(bundle["bundle"], bundle["sha256"])
+    agreement = None
+    if reference is not None:
+        pre = folded.select("run_id", pre_margin=margins(folded["logprobs"]))
+        fast = folded.select("run_id", choice="fast_choice", probs=pl.col("logprobs").list.eval(pl.element().exp()))
+        final = pl.read_parquet(overlay["predictions"]).select("run_id", "choice", "probs")
+        policy["reference_audit"] = reference_audit(reference, table.rows, fast=fast.join(pre, on="run_id"),
+                                                    final=final.join(pre, on="run_id", how="left"))
+        agreement = policy["reference_audit"]["final"]["argmax_agreement"]
     write_json(sd.path / "score.json", policy)
     write_json(sd.path / "baseline_score.json", baseline)
     return sd.finish({"stage": "score", "key": key, "score_json": str(sd.path / "score.json"),
                       "baseline_json": str(sd.path / "baseline_score.json"), "full": policy["full"],
-                      "baseline_full": baseline["full"], "sha256": sha256_file(sd.path / "score.json")})
+                      "baseline_full": baseline["full"], "sha256": sha256_file(sd.path / "score.json"),
+                      "reference_agreement": agreement, "reference": reference is not None})
 
 
 def read_json(path: str | Path) -> Any:

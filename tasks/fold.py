@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import polars as pl
 
+from jex.errors import JexError
 from tasks.bootstrap import paired_bootstrap_ci
 from tasks.scoring import catalog_chances, scored_frame, skill_of
 from tasks.scoring_inputs import ScoreSpec
@@ -70,7 +71,11 @@ def fold_predictions(panel: pl.DataFrame, reasoned: pl.DataFrame, gated: pl.Data
 
 def fold_counters(rows: pl.DataFrame, folded: pl.DataFrame, reasoned: pl.DataFrame, spec: ScoreSpec, *,
                   draws: int, seed: int) -> dict[str, Any]:
-    """The dry-run counters: overall and per catalog, with the paired bootstrap of the index delta."""
+    """The dry-run counters: overall and per catalog, with the paired bootstrap of the index delta.
+
+    The fold changes choices, so its counters and delta are measured by accuracy whatever each
+    catalog's scoring kind (the score stage applies the kinds)."""
+    spec = spec.as_accuracy()
     df = rows.join(folded, on="run_id", how="left", maintain_order="left").with_columns(
         fast_ok=(pl.col("fast_choice") == pl.col("gold")).fill_null(False),
         ok=(pl.col("choice") == pl.col("gold")).fill_null(False))
@@ -103,7 +108,52 @@ def fold_counters(rows: pl.DataFrame, folded: pl.DataFrame, reasoned: pl.DataFra
             "delta_legs_ci": ci["legs"]}
 
 
+ERROR_COUNTERS = ("context_refusals", "readout_errors", "unmatched_rows", "key_fallbacks", "batch_errors",
+                  "mechanism_failures")
+
+
 def error_counters(fast: dict[str, Any], reason: dict[str, Any], unmatched: int) -> dict[str, int]:
+    """Every error of the capture, disjoint per stage (see `docs/stages.md`); all zero on a clean run.
+
+    context_refusals: prompts that do not fit (fast pass, rationale prompts); readout_errors: fast-pass
+    rows not read for another reason; key_fallbacks: fast-pass rows whose labels were read through
+    the continuation fallback; batch_errors: rows whose engine batch still failed after retry and
+    split (both stages); mechanism_failures: rationales that could not be re-read; unmatched_rows.
+    """
     return {"context_refusals": fast["context_refusals"] + reason["context_refusals"],
-            "readout_errors": fast["readout_errors"] + reason["readout_errors"], "unmatched_rows": unmatched}
+            "readout_errors": fast["readout_errors"], "unmatched_rows": unmatched,
+            "key_fallbacks": fast["key_fallbacks"], "batch_errors": fast["batch_errors"] + reason["batch_errors"],
+            "mechanism_failures": reason["mechanism_failures"]}
+
+
+def error_rows(panel: pl.DataFrame, reasoned: pl.DataFrame, limit: int = 50) -> dict[str, list[dict[str, Any]]]:
+    """The rows behind the non-zero counters (first `limit` of each): run_id and why."""
+    refusal = pl.col("refusal")
+    fast_batch = refusal.str.starts_with("batch error").fill_null(False)
+    picks = {
+        "key_fallbacks": panel.filter(pl.col("logprobs").is_not_null() & pl.col("label_mass").is_null())
+        .select("run_id", why=pl.lit("labels read through the continuation fallback")),
+        "readout_errors": panel.filter(refusal.is_not_null() & ~refusal.str.starts_with("context") & ~fast_batch)
+        .select("run_id", why=refusal),
+        "batch_errors": pl.concat([panel.filter(fast_batch).select("run_id", why=pl.format("fast pass: {}", refusal)),
+                                   reasoned.filter(refusal.str.starts_with("batch error").fill_null(False))
+                                   .select("run_id", why=pl.format("reason: {}", refusal))]),
+        "mechanism_failures": reasoned.filter(pl.col("finish_reason").is_in(["stop", "length"])
+                                              & pl.col("post_logprobs").is_null()
+                                              & ~refusal.str.starts_with("batch error").fill_null(False))
+        .select("run_id", why=refusal.fill_null("no re-read")),
+    }
+    return {k: v.head(limit).to_dicts() for k, v in picks.items() if v.height}
+
+
+class ErrorCountersNotZero(JexError):
+    """The campaign asked for every error counter to be zero (`require_zero_errors`) and one is not."""
+
+
+def require_zero(errors: dict[str, int]) -> None:
+    """Raise `ErrorCountersNotZero` naming every non-zero counter."""
+    bad = {k: v for k, v in errors.items() if v}
+    if bad:
+        raise ErrorCountersNotZero(f"error counters must all be zero (require_zero_errors): {bad}; "
+                                   "see fold.json and report.md for the rows")
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import polars as pl
 
-from tasks.engine_pool import EngineSpec, fingerprint, get_engine
+from tasks.engine_pool import EngineSpec, audited_fingerprint, fingerprint, get_engine
 from tasks.keys import stage_key
-from tasks.stages import _as_rows, _bundle_rows, readouts_frame
+from tasks.stages import _as_rows, _bundle_rows, fewshot_pool, readouts_frame
 from tasks.store import LocalStore, write_parquet
 
 
@@ -25,12 +25,13 @@ def golden_readout(bundle: dict[str, Any], engine: EngineSpec, store: LocalStore
     from tasks.capture import fast_pass
 
     chunk = _as_rows(_bundle_rows(bundle, store).head(rows))
-    return readouts_frame(fast_pass(get_engine(engine), chunk))
+    return readouts_frame(fast_pass(get_engine(engine), chunk, render=engine.render,
+                                   fewshot=fewshot_pool(bundle, store, engine)))
 
 
 def golden_key(bundle: dict[str, Any], engine_fp: dict[str, Any], rows: int) -> str:
     return stage_key("fast_pass", params={"mode": "label_slot", "golden_rows": rows},
-                     inputs={"bundle": bundle["sha256"]}, engine=engine_fp)
+                     inputs={"bundle": bundle["sha256"]}, engine=audited_fingerprint(engine_fp))
 
 
 def reference_path(store: LocalStore, bundle: dict[str, Any], engine_fp: dict[str, Any], rows: int) -> Path:

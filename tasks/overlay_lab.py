@@ -6,10 +6,12 @@ Everything here reads a finished run folder (predictions + the bundle's rows) an
   distributions, and per-option threshold sweeps whose gain is measured out-of-fold (thresholds
   chosen on the other folds, by question).
 - `gate`: settings are written and hashed before any candidate is scored. A candidate passes only if
-  (1) the paired clustered bootstrap interval of the full-index delta lies above zero, (2) a
-  permutation test gives p < alpha, and (3) no catalog but its target moves. The permutation null is
-  that option position carries no information: each permutation shuffles the option positions of every
-  row of the target catalog (probabilities, base choice and gold together), re-applies the rule and
+  (1) the paired clustered bootstrap interval of the full-index delta of its out-of-fold decisions
+  lies above zero (each fold's threshold refitted on the other folds, folds by question, as
+  calibration does; the in-sample interval is recorded beside it), (2) a permutation test gives
+  p < alpha, and (3) no catalog but its target moves. The permutation null is that option position
+  carries no information: each permutation shuffles the option positions of every row of the target
+  catalog (probabilities, base choice and gold together), re-applies the rule and
   measures its gain; p = (1 + #{gain_perm >= gain}) / (1 + permutations).
 - `ladder`: passing rules one flag at a time in declared order, every leave-one-out, and the base,
   with the reversibility and no-degrade checks asserted on every run.
@@ -52,7 +54,7 @@ def load_capture(run_dir: str | Path) -> Capture:
     table = load_suite_table(Path(prov["stages"]["bundle"]["folder"]) / "bundle.tar.gz")
     preds = pl.read_parquet(run_dir / "predictions.parquet")
     base = table.rows.join(preds, on="run_id", how="left", maintain_order="left")
-    return Capture(table.spec, table.rows, base)
+    return Capture(table.spec.as_accuracy(), table.rows, base)  # rules change choices: gated on accuracy
 
 
 def _oof_positional(frame: pl.DataFrame, index: int, folds: int = 5) -> tuple[np.ndarray, float]:
@@ -129,6 +131,8 @@ class GateSettings:
     draws: int = 2000
     seed: int = 20260929
     permutations: int = 200
+    folds: int = 5
+    """Question-grouped folds (crc32(question_id) % folds, as calibration) for the out-of-fold refit."""
 
     def register(self, path: Path) -> str:
         """Write the settings before any candidate is scored; returns their sha256."""
@@ -153,7 +157,35 @@ def _permuted(frame: pl.DataFrame, rng: np.random.Generator) -> pl.DataFrame:
                               pl.Series("gold", gold, dtype=pl.Int32), pl.Series("choice", choice, dtype=pl.Int32))
 
 
+def out_of_fold_choices(rule: OverlayRuleBase, frame: pl.DataFrame, folds: int) -> tuple[np.ndarray, list[Any]]:
+    """Choices for every row of `frame` with the rule refitted on the other folds of its target rows
+    (folds by question); rows outside the target keep their choice. Returns them and each fold's tau."""
+    choices = frame["choice"].to_numpy().copy()
+    is_target = (frame["catalog"] == rule.target).to_numpy()
+    target = frame.filter(pl.Series(is_target))
+    if not target.height:
+        return choices, []
+    if rule.fits_out_of_fold:
+        choices[is_target] = rule.decide(target).to_numpy()
+        return choices, []
+    fold = np.array([zlib.crc32(q.encode()) % folds for q in target["question_id"].to_list()])
+    decided = target["choice"].to_numpy().copy()
+    fitted = []
+    for k in range(folds):
+        test = fold == k
+        if not test.any():
+            continue
+        train = target.filter(pl.Series(~test))
+        refit = rule.fit(train) if train.height else rule
+        decided[test] = refit.decide(target.filter(pl.Series(test))).to_numpy()
+        fitted.append(getattr(refit, "tau", None))
+    choices[is_target] = decided
+    return choices, fitted
+
+
 def gate_rule(capture: Capture, rule: OverlayRuleBase, settings: GateSettings) -> dict[str, Any]:
+    """One rule through the gate. The interval is of the out-of-fold decisions (`out_of_fold_choices`),
+    so a rule cannot pass on its own fit; the in-sample numbers are recorded beside them."""
     base = capture.base
     new = rule.apply(base)
     overlaid = base.with_columns(new.alias("choice"))
@@ -162,11 +194,15 @@ def gate_rule(capture: Capture, rule: OverlayRuleBase, settings: GateSettings) -
         no_degrade_check(base, overlaid, targets={rule.target}, what=f"rule {rule.id!r}")
     except Exception as e:  # noqa: BLE001 - recorded as the failed check
         degrade = str(e)
+    oof, taus = out_of_fold_choices(rule, base, settings.folds)
+    oof_choices = pl.Series("choice", oof, dtype=pl.Int32)
     frame_a = scored_frame(capture.rows, base.select("run_id", "choice"), capture.spec)
     frame_b = scored_frame(capture.rows, overlaid.select("run_id", "choice"), capture.spec)
+    frame_oof = scored_frame(capture.rows, base.select("run_id").with_columns(oof_choices), capture.spec)
     chance = catalog_chances(frame_a, capture.spec)
-    ci = paired_bootstrap_ci(frame_a, frame_b, capture.spec, chance, draws=settings.draws, seed=settings.seed)
-    gain = capture.full(new) - capture.full(base["choice"])
+    ci_in = paired_bootstrap_ci(frame_a, frame_b, capture.spec, chance, draws=settings.draws, seed=settings.seed)
+    ci = paired_bootstrap_ci(frame_a, frame_oof, capture.spec, chance, draws=settings.draws, seed=settings.seed)
+    base_full = capture.full(base["choice"])
     target = base.filter(pl.col("catalog") == rule.target)
     obs = float((rule.decide(target) == target["gold"]).mean() - (target["choice"] == target["gold"]).mean())
     rng = np.random.default_rng([settings.seed, zlib.crc32(rule.id.encode())])
@@ -175,10 +211,15 @@ def gate_rule(capture: Capture, rule: OverlayRuleBase, settings: GateSettings) -
         t = _permuted(target, rng)
         null.append(float((rule.decide(t) == t["gold"]).mean() - (t["choice"] == t["gold"]).mean()))
     p = (1 + sum(g >= obs for g in null)) / (1 + settings.permutations)
-    checks = {"ci_above_zero": ci["full"][0] > 0, "permutation_p_below_alpha": p < settings.alpha,
-              "no_degrade": degrade is None}
-    return {"rule": rule.record(), "gain_full": gain, "ci_full": ci["full"], "target_acc_gain": obs,
-            "permutation_p": p, "no_degrade_error": degrade, "checks": checks, "passed": all(checks.values())}
+    perm_ok = p < settings.alpha
+    checks = {"ci_above_zero": ci["full"][0] > 0, "permutation_p_below_alpha": perm_ok, "no_degrade": degrade is None}
+    in_checks = {"ci_above_zero": ci_in["full"][0] > 0, "permutation_p_below_alpha": perm_ok,
+                 "no_degrade": degrade is None}
+    return {"rule": rule.record(), "gain_full": capture.full(oof_choices) - base_full, "ci_full": ci["full"],
+            "fold_taus": taus, "target_acc_gain": obs, "permutation_p": p, "no_degrade_error": degrade,
+            "checks": checks, "passed": all(checks.values()),
+            "in_sample": {"gain_full": capture.full(new) - base_full, "ci_full": ci_in["full"], "checks": in_checks,
+                          "passed": all(in_checks.values())}}
 
 
 def gate(capture: Capture, rules: list[OverlayRuleBase], settings: GateSettings, out_dir: Path) -> dict[str, Any]:

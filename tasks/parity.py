@@ -2,9 +2,10 @@
 
 Readout parity compares the fast-pass readouts: argmax agreement, flips, mean / p95 / max |Δp|,
 and the flips' pre-margins (a flip on a near-tie is expected numerics; a flip on a wide margin is
-a defect). Generation parity compares the choice after a rationale: each engine writes its own
-rationale and re-reads the options after it; every mismatch is recorded with both choices, the gold
-answer and the margins.
+a defect). `parity_with_capture` compares one live engine with a stored capture (`jex parity
+--reference CAPTURE`) with the same readout metrics. Generation parity compares the choice after a
+rationale: each engine writes its own rationale and re-reads the options after it; every mismatch
+is recorded with both choices, the gold answer and the margins.
 """
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 
-from engine.types import Generation, Readout
+from engine.types import Generation, Readout, ReadoutMode
+from jex.errors import InputError
+from jex.fileio import sha256_file
+from jex.suite import read_row_file
 from tasks.capture import RowLike, fast_pass, margin, reason, reread
 
 
@@ -90,6 +96,67 @@ def parity_of_kinds(kind_a: str, kind_b: str, rows: Sequence[RowLike], *, model:
     b = make_engine(kind_b, model=model, device=device, batch_size=batch_size)
     res = run_parity(a, b, rows, reason_rows=reason_rows, max_tokens=max_tokens)
     res["provenance"] = {"a": a.provenance(), "b": b.provenance()}
+    return res
+
+
+def capture_readouts(path: str | Path, run_ids: Sequence[str]) -> list[Readout]:
+    """The stored readouts of `run_ids` (in that order) from a capture: a fast-pass `capture.parquet`
+    (run_id, logprobs[, label_mass, refusal]) or reference rows (run_id, choice, probs; JSONL or
+    Parquet). Errors name the file and the first run_id it lacks."""
+    path = Path(path)
+    try:
+        frame = pl.read_parquet(path) if path.suffix == ".parquet" else pl.DataFrame(
+            [rec for _, rec in read_row_file(path)], infer_schema_length=None)
+    except (OSError, pl.exceptions.PolarsError) as e:
+        raise InputError(f"cannot read the capture: {e}", file=str(path)) from None
+    if "run_id" not in frame.columns or not {"logprobs", "probs"} & set(frame.columns):
+        raise InputError("a capture needs run_id and logprobs (fast-pass capture) or probs (reference rows)",
+                         file=str(path), field="run_id" if "run_id" not in frame.columns else "probs")
+    if "logprobs" not in frame.columns:
+        frame = frame.with_columns(logprobs=pl.col("probs").cast(pl.List(pl.Float64)).list.eval(
+            pl.when(pl.element() > 0).then(pl.element().log()).otherwise(float("-inf"))))
+    stored = {r["run_id"]: r for r in frame.select("run_id", "logprobs", *(
+        c for c in ("label_mass", "refusal") if c in frame.columns)).iter_rows(named=True)}
+    missing = [rid for rid in run_ids if rid not in stored]
+    if missing:
+        raise InputError(f"the capture lacks {len(missing)} of the rows (first: {missing[:3]})", file=str(path),
+                         field="run_id")
+    out = []
+    for rid in run_ids:
+        r = stored[rid]
+        lp = tuple(r["logprobs"]) if r["logprobs"] is not None else None
+        out.append(Readout(rid, lp, lp, r.get("label_mass"), ReadoutMode.LABEL_SLOT,
+                           r.get("refusal") if lp is None else None))
+    return out
+
+
+def parity_with_capture(engine: Any, capture: str | Path, rows: Sequence[RowLike]) -> dict[str, Any]:
+    """Readout parity of a live engine (A) against a stored capture (B) on `rows`: the metrics of
+    `run_parity`, with no second engine."""
+    gold = {r.run_id: r.gold for r in rows if getattr(r, "gold", None) is not None}  # type: ignore[attr-defined]
+    stored = capture_readouts(capture, [r.run_id for r in rows])
+    t0 = time.perf_counter()
+    live = fast_pass(engine, rows)
+    timings = {"readout_rows_per_s_a": len(rows) / (time.perf_counter() - t0)}
+    return {"readout": compare_readouts(live, stored, gold), "timings": timings,
+            "accuracy_a": _acc(live, gold), "accuracy_b": _acc(stored, gold),
+            "provenance": {"a": engine.provenance(), "b": {"capture": str(capture),
+                                                           "sha256": sha256_file(capture)}}}
+
+
+def capture_parity_files(suite: str | Path, capture: str | Path, out: str | Path, *, kind: str, model: str | None,
+                         device: str, batch_size: int, rows: int = 0) -> dict[str, Any]:
+    """`jex parity --reference CAPTURE`: engine `kind` live against the capture; parity.json + parity.md."""
+    from engine.factory import make_engine
+    from jex.fileio import write_json, write_text
+    from jex.suite import iter_rows
+
+    picked = list(iter_rows(suite))
+    picked = picked[:rows] if rows else picked
+    capture_readouts(capture, [r.run_id for r in picked])  # a bad capture fails before the engine loads
+    res = parity_with_capture(make_engine(kind, model=model, device=device, batch_size=batch_size), capture, picked)
+    write_json(Path(out) / "parity.json", res)
+    write_text(Path(out) / "parity.md", markdown(res, (kind, f"capture {Path(capture).name}")))
     return res
 
 

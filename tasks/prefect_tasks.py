@@ -54,8 +54,8 @@ def _progress(stage: str):
 
 
 @task(name="bundle", **CACHED)
-def bundle_task(suite: str, store: str) -> dict[str, Any]:
-    return stages.bundle_stage(suite, LocalStore(store))
+def bundle_task(suite: str, store: str, reference: str | None = None) -> dict[str, Any]:
+    return stages.bundle_stage(suite, LocalStore(store), reference=reference)
 
 
 @task(name="fast_pass", retries=1, **CACHED)
@@ -76,6 +76,13 @@ def reason_task(bundle: dict[str, Any], gate: dict[str, Any], engine: EngineSpec
                 shard_rows: int, engine_fp: dict[str, Any] | None = None) -> dict[str, Any]:
     return stages.reason_stage(bundle, gate, engine, LocalStore(store), max_tokens=max_tokens, shard_rows=shard_rows,
                                progress=_progress("reason"), engine_fp=engine_fp)
+
+
+@task(name="spec_proof_gate", **CACHED)
+def proof_gate_task(bundle: dict[str, Any], gate: dict[str, Any], store: str, rows: int) -> dict[str, Any]:
+    from tasks.spec_proof import proof_gate_stage
+
+    return proof_gate_stage(bundle, gate, LocalStore(store), rows=rows)
 
 
 @task(name="fold", **CACHED)
@@ -123,8 +130,17 @@ def publish_report(report: str, run_dir: Path) -> None:
     create_markdown_artifact(markdown=report, key="campaign-report", description=f"report of {run_dir.name}")
     fold = read_json(run_dir / "fold.json")
     score = read_json(run_dir / "score.json")
-    table = [{"catalog": c, "n": v["n"], "acc": round(v["acc"], 4), "skill": round(v["skill"], 4),
+    table = [{"catalog": c, "scoring": v["kind"], "n": v["n"], "acc": round(v["acc"], 4),
+              "value": round(v["value"], 4), "skill": round(v["skill"], 4),
               "ci_low": round(v["ci"][0], 4), "ci_high": round(v["ci"][1], 4),
               "gated": fold["catalogs"][c]["gated"], "fixed": fold["catalogs"][c]["fixed"],
               "flipped": fold["catalogs"][c]["flipped"]} for c, v in score["catalogs"].items()]
     create_table_artifact(table=table, key="campaign-catalogs", description=f"per-catalog results of {run_dir.name}")
+    audit = score.get("reference_audit")
+    if audit:
+        rows = [{"predictions": name, **{k: a[k] for k in ("compared", "agree", "flips", "argmax_agreement",
+                                                          "mean_abs_dp", "p95_abs_dp", "max_abs_dp")}}
+                for name, a in audit.items()]
+        rows += [{"predictions": f"final: {c}", **v} for c, v in audit["final"]["catalogs"].items()]
+        create_table_artifact(table=rows, key="campaign-reference-audit",
+                              description=f"agreement of {run_dir.name} with the bundle's reference rows")

@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tasks.reference_audit import audit_markdown
+from tasks.score import catalog_table
+
 
 def skill_plot(baseline: dict[str, Any], policy: dict[str, Any], path: Path) -> None:
     import matplotlib
@@ -84,9 +87,13 @@ def render_report(*, name: str, policy: dict[str, Any], baseline: dict[str, Any]
                      f"{_f(v['fix_rate'], 3)} "
                      f"| {_f(v['baseline_acc'], 3)} | {_f(v['policy_acc'], 3)} | {v['delta_skill']:+.4f} | "
                      f"{ci[0]:+.3f} to {ci[1]:+.3f} |")
+    lines += error_rows_section(fold)
     lines += ["", "## Score", "", "| leg | index | 95% CI | raw |", "|---|---:|---|---:|"]
     for leg, v in policy["legs"].items():
         lines.append(f"| {leg} | {v['index']:.2f} | {v['ci'][0]:.2f} to {v['ci'][1]:.2f} | {v['raw']:.2f} |")
+    lines += catalog_table(policy)
+    if policy.get("reference_audit"):
+        lines += audit_markdown(policy["reference_audit"])
     lines += ["", "![per-catalog skill](skill.png)", "", "## Calibration", "",
               f"Temperature scaling out-of-fold by question ({len(calibration['folds'])} folds; T = "
               + ", ".join(f"{t['temperature']:.3f}" for t in calibration["folds"])
@@ -111,6 +118,17 @@ def render_report(*, name: str, policy: dict[str, Any], baseline: dict[str, Any]
                      f"{'-' if remote is None else remote} | {'-' if reused is None else reused} |")
     lines += machines_section(machines)
     return "\n".join(lines) + "\n"
+
+
+def error_rows_section(fold: dict[str, Any]) -> list[str]:
+    """The rows behind each non-zero error counter (the first 50 of each, from fold.json)."""
+    rows = fold.get("error_rows") or {}
+    if not rows:
+        return []
+    lines = ["", "Rows behind the error counters:", "", "| counter | run_id | why |", "|---|---|---|"]
+    for counter, items in rows.items():
+        lines += [f"| {counter} | {r['run_id']} | {str(r['why']).replace('|', '/')} |" for r in items]
+    return lines
 
 
 def machines_section(machines: dict[str, Any] | None) -> list[str]:

@@ -34,10 +34,17 @@ def _differences(a: Any, b: Any, path: str = "") -> list[str]:
 def score_twice(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec) -> Score:
     """Score with both implementations; raise `ScorerDisagreement` unless they agree bit for bit."""
     fast = score_predictions(rows, predictions, spec)
-    choices = dict(zip(predictions["run_id"].to_list(), predictions["choice"].to_list(), strict=True))
-    plain = plain_score(rows.to_dicts(), choices, spec.legs,
+    ids = predictions["run_id"].to_list()
+
+    def by_run(column: str) -> dict[str, Any] | None:
+        if column not in predictions.columns or (column == "probs" and not spec.needs_probs):
+            return None
+        return dict(zip(ids, predictions[column].to_list(), strict=True))
+
+    plain = plain_score(rows.to_dicts(), by_run("choice") or {}, spec.legs,
                         [{"id": c.id, "leg": c.leg, "weight": c.weight, "chance": c.chance,
-                          "exclusions": c.exclusions} for c in spec.catalogs])
+                          "exclusions": c.exclusions, "scoring": c.scoring, "secondary": c.secondary}
+                         for c in spec.catalogs], probs=by_run("probs"), abstain=by_run("abstain"))
     diffs = _differences(fast.to_json(), plain)
     if diffs:
         raise ScorerDisagreement("the two scorers disagree: " + "; ".join(diffs[:5]))
@@ -68,13 +75,18 @@ def render_markdown(doc: dict[str, Any], title: str = "Score") -> str:
              f"seed {doc['bootstrap']['seed']}.", "", "| leg | index | 95% CI | raw |", "|---|---:|---|---:|"]
     for leg, v in doc["legs"].items():
         lines.append(f"| {leg} | {v['index']:.2f} | {v['ci'][0]:.2f} to {v['ci'][1]:.2f} | {v['raw']:.2f} |")
-    lines += ["", "| catalog | leg | n | correct | unsupported | acc | chance | skill | 95% CI | weight |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    return "\n".join(lines + catalog_table(doc)) + "\n"
+
+
+def catalog_table(doc: dict[str, Any]) -> list[str]:
+    """Per catalog: its scoring kind, the kind's value and chance level, skill and its interval."""
+    lines = ["", "| catalog | leg | scoring | n | correct | unsupported | abstained | acc | value | chance | skill | "
+             "95% CI | weight |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for cid, v in doc["catalogs"].items():
-        lines.append(f"| {cid} | {v['leg']} | {v['n']} | {v['correct']} | {v['unsupported']} | {v['acc']:.4f} | "
-                     f"{v['chance']:.4f} | {v['skill']:.4f} | {v['ci'][0]:.4f} to {v['ci'][1]:.4f} | "
-                     f"{v['weight']:g} |")
-    return "\n".join(lines) + "\n"
+        lines.append(f"| {cid} | {v['leg']} | {v['kind']} | {v['n']} | {v['correct']} | {v['unsupported']} | "
+                     f"{v['abstained']} | {v['acc']:.4f} | {v['value']:.4f} | {v['chance']:.4f} | {v['skill']:.4f} | "
+                     f"{v['ci'][0]:.4f} to {v['ci'][1]:.4f} | {v['weight']:g} |")
+    return lines
 
 
 def score_files(suite: str | Path, predictions: str | Path, out_dir: str | Path, *, draws: int = DEFAULT_DRAWS,

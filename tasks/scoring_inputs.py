@@ -5,10 +5,11 @@ Both scorers start from these frames; nothing else is shared between them.
 
 from __future__ import annotations
 
+import math
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import polars as pl
 
@@ -20,6 +21,11 @@ from tasks.bundle import open_bundle
 SCORING_COLUMNS = ["run_id", "catalog", "question_id", "gold", "n_options"]
 
 
+ScoringKind = Literal["accuracy", "brier", "log_loss", "calibrated_accuracy"]
+PROBABILITY_KINDS = ("brier", "log_loss", "calibrated_accuracy")
+PROB_SUM_TOLERANCE = 1e-6
+
+
 @dataclass(frozen=True)
 class CatalogSpec:
     id: str
@@ -27,6 +33,8 @@ class CatalogSpec:
     weight: float
     chance: float | None
     exclusions: frozenset[str] = field(default_factory=frozenset)
+    scoring: ScoringKind = "accuracy"
+    secondary: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,7 +47,16 @@ class ScoreSpec:
     @classmethod
     def from_manifest(cls, manifest: Any) -> ScoreSpec:
         return cls(legs=dict(manifest.legs), catalogs=tuple(
-            CatalogSpec(c.id, c.leg, c.weight, c.chance, frozenset(c.exclusions)) for c in manifest.catalogs))
+            CatalogSpec(c.id, c.leg, c.weight, c.chance, frozenset(c.exclusions), c.scoring, tuple(c.secondary))
+            for c in manifest.catalogs))
+
+    def as_accuracy(self) -> ScoreSpec:
+        """The same suite with every catalog scored by accuracy (what decision-only counters use)."""
+        return replace(self, catalogs=tuple(replace(c, scoring="accuracy", secondary=()) for c in self.catalogs))
+
+    @property
+    def needs_probs(self) -> bool:
+        return any(c.scoring in PROBABILITY_KINDS for c in self.catalogs)
 
 
 @dataclass(frozen=True)
@@ -73,17 +90,37 @@ def load_suite_table(source: str | Path) -> SuiteTable:
                       {f"suite/{p.relative_to(source).as_posix()}": sha256_file(p) for p in files})
 
 
+PREDICTION_SCHEMA = {"run_id": pl.String, "choice": pl.Int32, "probs": pl.List(pl.Float64), "abstain": pl.Boolean}
+
+
+def _check_probs(probs: Any, k: int, where: dict[str, Any]) -> list[float] | None:
+    """`probs`: null or one probability per option, each in [0, 1], summing to 1 within 1e-6."""
+    if probs is None:
+        return None
+    if not isinstance(probs, list) or len(probs) != k or any(
+            isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p <= 1 for p in probs):
+        raise InputError(f"probs must be null or {k} numbers in [0, 1], one per option, got {probs!r}",
+                         field="probs", **where)
+    if abs(math.fsum(probs) - 1) > PROB_SUM_TOLERANCE:
+        raise InputError(f"probs must sum to 1 (within {PROB_SUM_TOLERANCE:g}), got {math.fsum(probs)!r}",
+                         field="probs", **where)
+    return [float(p) for p in probs]
+
+
 def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
-    """Read `run_id, choice[, probs]` and check them against the suite rows.
+    """Read `run_id, choice[, probs][, abstain]` and check them against the suite rows.
 
     Errors name the file, row and field: a duplicate or unknown run_id, a choice that is not an
-    integer or lies outside the row's options. A missing prediction is not an error: scoring counts
-    it as unsupported.
+    integer or lies outside the row's options, probs that are not a distribution over the row's
+    options, an abstain flag that is not a boolean. A missing prediction is not an error: scoring
+    counts it as unsupported.
     """
     path = Path(path)
     n_options = dict(zip(suite["run_id"].to_list(), suite["n_options"].to_list(), strict=True))
     run_ids: list[str] = []
     choices: list[int | None] = []
+    probs: list[list[float] | None] = []
+    abstain: list[bool | None] = []
     seen: set[str] = set()
     for line, rec in read_row_file(path):
         where = {"file": str(path), "row": line}
@@ -105,8 +142,14 @@ def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
             if not 0 <= choice < n_options[rid]:
                 raise InputError(f"choice {choice} out of range for {n_options[rid]} options", field="choice",
                                  **where)
+        flag = rec.get("abstain")
+        if flag is not None and not isinstance(flag, bool):
+            raise InputError(f"abstain must be true, false or null, got {flag!r}", field="abstain", **where)
+        probs.append(_check_probs(rec.get("probs"), n_options[rid], where))
+        abstain.append(flag)
         seen.add(rid)
         run_ids.append(rid)
         choices.append(choice)
-    return pl.DataFrame({"run_id": run_ids, "choice": choices}, schema={"run_id": pl.String, "choice": pl.Int32})
+    return pl.DataFrame({"run_id": run_ids, "choice": choices, "probs": probs, "abstain": abstain},
+                        schema=PREDICTION_SCHEMA)
 

@@ -10,31 +10,70 @@ import math
 from fractions import Fraction
 from typing import Any
 
+FLOOR = 1e-15
+
+
+def _chance(kind: str, given: float | None, options: dict[int, int], n: int) -> float:
+    inv = sum((Fraction(m, k) for k, m in options.items()), Fraction(0))
+    logk = sum((m * Fraction(math.log(k)) for k, m in options.items()), Fraction(0))
+    if kind == "log_loss":
+        return -math.log(given) if given is not None else float(logk / n)
+    if kind == "brier":
+        return 1.0 - given if given is not None else float(1 - inv / n)
+    return given if given is not None else float(inv / n)
+
 
 def plain_score(rows: list[dict[str, Any]], choices: dict[str, int | None], legs: dict[str, float],
-                catalogs: list[dict[str, Any]]) -> dict[str, Any]:
-    """rows: dicts with run_id, catalog, gold, n_options; catalogs: id, leg, weight, chance, exclusions."""
-    tally = {c["id"]: {"n": 0, "correct": 0, "unsupported": 0, "inv": Fraction(0)} for c in catalogs}
+                catalogs: list[dict[str, Any]], probs: dict[str, list[float] | None] | None = None,
+                abstain: dict[str, bool | None] | None = None) -> dict[str, Any]:
+    """rows: dicts with run_id, catalog, gold, n_options; choices, probs, abstain: by run_id (a run_id
+    absent is no prediction); catalogs: id, leg, weight, chance, exclusions, scoring, secondary."""
+    probs, abstain = probs or {}, abstain or {}
+    tally = {c["id"]: {"n": 0, "correct": 0, "unsupported": 0, "abstained": 0, "options": {},
+                       "terms": []} for c in catalogs}
+    kinds = {c["id"]: c["scoring"] for c in catalogs}
+    may_abstain = {c["id"] for c in catalogs if "abstain" in c["secondary"]}
     excluded = {rid for c in catalogs for rid in c["exclusions"]}
     for row in rows:
         if row["run_id"] in excluded:
             continue
-        t = tally[row["catalog"]]
+        cat, k, gold = row["catalog"], row["n_options"], row["gold"]
+        t = tally[cat]
         t["n"] += 1
-        t["inv"] += Fraction(1, row["n_options"])
-        choice = choices.get(row["run_id"])
-        if choice is None:
-            t["unsupported"] += 1
-        elif choice == row["gold"]:
+        t["options"][k] = t["options"].get(k, 0) + 1  # rows per number of options, for chance
+        rid = row["run_id"]
+        choice, p = choices.get(rid), probs.get(rid)
+        if abstain.get(rid) and cat in may_abstain:
+            t["abstained"] += 1
+            choice = p = None
+        if choice is not None and choice == gold:
             t["correct"] += 1
+        kind = kinds[cat]
+        if (choice if kind == "accuracy" else p) is None:
+            t["unsupported"] += 1
+        if kind == "accuracy":
+            continue
+        if p is None:
+            p = [1.0 / k] * k
+        if kind == "calibrated_accuracy":
+            t["terms"].append(p[gold])
+        elif kind == "log_loss":
+            t["terms"].append(-math.log(max(p[gold], FLOOR)))
+        else:  # brier
+            for i, q in enumerate(p):
+                d = q - (1.0 if i == gold else 0.0)
+                t["terms"].append(d * d)
     out_cats: dict[str, dict[str, Any]] = {}
     for c in catalogs:
-        t = tally[c["id"]]
+        t, kind = tally[c["id"]], c["scoring"]
         acc = t["correct"] / t["n"]
-        chance = c["chance"] if c["chance"] is not None else float(t["inv"] / t["n"])
+        value = acc if kind == "accuracy" else math.fsum(t["terms"]) / t["n"]
+        chance = _chance(kind, c["chance"], t["options"], t["n"])
+        best = 0.0 if kind in ("brier", "log_loss") else 1.0
         out_cats[c["id"]] = {"n": t["n"], "correct": t["correct"], "unsupported": t["unsupported"], "acc": acc,
-                             "chance": chance, "skill": (acc - chance) / (1.0 - chance),
-                             "weight": c["weight"], "leg": c["leg"]}
+                             "chance": chance, "skill": (value - chance) / (best - chance),
+                             "weight": c["weight"], "leg": c["leg"], "kind": kind, "value": value,
+                             "abstained": t["abstained"]}
     out_legs: dict[str, dict[str, float]] = {}
     for leg in legs:
         members = [c for c in catalogs if c["leg"] == leg]

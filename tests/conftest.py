@@ -115,3 +115,76 @@ def s3_bucket(s3_server):
     name = f"jex-{uuid.uuid4().hex[:8]}"
     client.create_bucket(Bucket=name)
     return S3Store(name, "jex", client)
+
+
+@pytest.fixture(scope="session")
+def main_job_run(tmp_path_factory) -> Path:
+    """The main job (default campaign spec; rationales cut to 16 tokens) on a 36-row sample suite,
+    in-process, run once per session: the run folder the samples, show, export and import tests read."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.campaign import CampaignSpec, campaign
+    from flows.remote import MachinesSpec
+
+    root = tmp_path_factory.mktemp("main-job")
+    spec = CampaignSpec(sample_rows=36, reason_max_tokens=16, store=str(root / "store"), out=str(root / "runs"),
+                        machines=MachinesSpec(provider="inprocess"))
+    with prefect_test_harness(server_startup_timeout=120):
+        return Path(campaign(spec))
+
+
+def write_hub_cache(cache: Path, repo_id: str, source: Path, *, drop_chat_template: bool = False) -> str:
+    """A local Hugging Face Hub cache holding `source` (a model folder) as `repo_id` at one commit.
+
+    The layout is the Hub client's own: `models--org--name/{blobs,refs/main,snapshots/<commit>/}`,
+    weight files as blobs named by their sha256 (as the Hub names LFS files), the rest by git's
+    blob sha1, and snapshot entries as relative symlinks. Returns the commit sha.
+    """
+    import hashlib
+    import os
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    files = {}
+    for p in sorted(source.iterdir()):
+        if not p.is_file() or p.name.startswith(".jex"):
+            continue
+        data = p.read_bytes()
+        if drop_chat_template and p.name == "tokenizer_config.json":
+            cfg = json.loads(data)
+            cfg.pop("chat_template", None)
+            data = json.dumps(cfg).encode()
+        if drop_chat_template and p.name == "chat_template.jinja":
+            continue
+        lfs = p.suffix in (".safetensors", ".bin")
+        blob = hashlib.sha256(data).hexdigest() if lfs else \
+            hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        files[p.name] = (blob, data)
+    commit = hashlib.sha1("".join(sorted(b for b, _ in files.values())).encode()).hexdigest()
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+    for name, (blob, data) in files.items():
+        (repo / "blobs" / blob).write_bytes(data)
+        link = repo / "snapshots" / commit / name
+        if not link.exists():
+            os.symlink(os.path.join("..", "..", "blobs", blob), link)
+    (repo / "refs" / "main").write_text(commit)
+    return commit
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> Path:
+    """The embedded SmolLM2 converted to a safetensors folder (converted once per machine)."""
+    from engine.hf import DEFAULT_CACHE
+    from engine.models import resolve_model
+
+    return resolve_model(None, DEFAULT_CACHE).path
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One Prefect test API for every test module that runs flows in-process."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -149,3 +149,36 @@ def test_metadata_survives_as_json_text(tmp_path):
     rows = open_bundle(tmp_path / "b.tar.gz", tmp_path / "x").rows()
     assert json.loads(rows["metadata"][0]) == {"n": 2, "source": "x"}
     assert rows.schema["options"] == pl.List(pl.String)
+
+
+def _with_huge_member_after_manifest(src, dst, name, size):
+    """The bundle with a member of `size` bytes right after manifest.json; its data is never written
+    (the archive ends there), so an extractor that reads it fails differently from one that refuses it."""
+    with tarfile.open(src) as tin, open(dst, "wb") as raw:
+        import gzip
+
+        with gzip.GzipFile(fileobj=raw, mode="wb") as gz:
+            manifest = tin.getmember("manifest.json")
+            gz.write(manifest.tobuf(format=tarfile.PAX_FORMAT))
+            data = tin.extractfile(manifest).read()
+            gz.write(data + bytes(-len(data) % 512))
+            huge = tarfile.TarInfo(name)
+            huge.size = size
+            gz.write(huge.tobuf(format=tarfile.PAX_FORMAT))
+            gz.write(bytes(1 << 20))  # 1 MiB of the 1 GiB: enough for any reader to start writing
+
+
+def test_unlisted_1gib_member_is_refused_before_anything_is_written(small, tmp_path):
+    build_bundle(small, tmp_path / "a.tar.gz")
+    _with_huge_member_after_manifest(tmp_path / "a.tar.gz", tmp_path / "bad.tar.gz", "rows/huge.bin", 1 << 30)
+    with pytest.raises(BundleError, match=r"unlisted \['rows/huge.bin'\] \(1073741824 bytes\)"):
+        open_bundle(tmp_path / "bad.tar.gz", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_listed_member_larger_than_the_manifest_says_is_refused_before_extraction(small, tmp_path):
+    build_bundle(small, tmp_path / "a.tar.gz")
+    _with_huge_member_after_manifest(tmp_path / "a.tar.gz", tmp_path / "bad.tar.gz", "suite.toml", 1 << 30)
+    with pytest.raises(BundleError, match="'suite.toml' is 1073741824 bytes, the manifest says"):
+        open_bundle(tmp_path / "bad.tar.gz", tmp_path / "x")
+    assert not (tmp_path / "x").exists()

@@ -102,7 +102,8 @@ def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, 
     assert any(k.startswith("jex/store/fast_pass/") and k.endswith("capture.parquet") for k in uploaded)
     fold = json.loads((run_dir / "fold.json").read_text())
     assert fold["overall"]["panel_rows"] == 27 and fold["overall"]["gated"] == 5
-    assert fold["errors"] == {"context_refusals": 0, "readout_errors": 0, "unmatched_rows": 0}
+    assert fold["errors"] == {"context_refusals": 0, "readout_errors": 0, "unmatched_rows": 0, "key_fallbacks": 0,
+                              "batch_errors": 0, "mechanism_failures": 0}
     assert "Fold (dry-run counters)" in (run_dir / "report.md").read_text()
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey

@@ -91,6 +91,19 @@ def test_ec2_provider_runs_tags_describes_and_terminates_through_boto3(s3_server
     _exercise(EC2Provider(ec2, image_id="ami-12c6146b", instance_type="p5.48xlarge"))
 
 
+def test_an_ec2_machine_that_powers_itself_off_is_terminated(s3_server):
+    import boto3
+
+    ec2 = boto3.client("ec2", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="test",
+                       aws_secret_access_key="test")
+    provider = EC2Provider(ec2, image_id="ami-12c6146b", instance_type="p5.48xlarge")
+    m = provider.create("camp-ttl")
+    attr = ec2.describe_instance_attribute(InstanceId=m.id, Attribute="instanceInitiatedShutdownBehavior")
+    assert attr["InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"  # the watchdog's poweroff ends it
+    assert provider.self_shutdown == "poweroff"
+    provider.delete(m.id)
+
+
 def test_ssh_refuses_a_host_whose_key_is_not_pinned(sshd, tmp_path):
     (tmp_path / "empty").write_text("")
     shell = SSHShell("127.0.0.1", sshd["port"], "root", key_path=sshd["key_path"], known_hosts=tmp_path / "empty",
@@ -103,6 +116,26 @@ def test_ssh_refuses_a_host_whose_key_is_not_pinned(sshd, tmp_path):
     wrong.write_text(f"[127.0.0.1]:{sshd['port']} {kind} {b64}\n")
     with pytest.raises(ShellError, match="does not match"):
         SSHShell("127.0.0.1", sshd["port"], "root", key_path=sshd["key_path"], known_hosts=wrong).run("true")
+
+
+@pytest.mark.parametrize("kind", ["rsa", "ecdsa", "ed25519"])
+def test_ssh_key_text_in_openssh_format_is_loaded_by_its_actual_type(sshd, tmp_path, kind):
+    key = tmp_path / f"id_{kind}"
+    subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(key)], check=True)  # OpenSSH format
+    assert key.read_text().startswith("-----BEGIN OPENSSH PRIVATE KEY-----")
+    with open(sshd["dir"] / "authorized_keys", "a") as f:
+        f.write((tmp_path / f"id_{kind}.pub").read_text())
+    shell = SSHShell("127.0.0.1", sshd["port"], "root", key_text=key.read_text(), known_hosts=sshd["known_hosts"])
+    assert shell.run("echo ok").stdout == "ok\n"
+    shell.close()
+
+
+def test_unreadable_ssh_key_text_is_a_clear_error_not_a_guess():
+    from infra.shell import load_private_key
+    from jex.errors import JexError
+
+    with pytest.raises(JexError, match="neither OpenSSH nor PEM"):
+        load_private_key("ssh-ed25519 AAAA... (a public key pasted by mistake)")
 
 
 # -- the lifecycle and its faults ----------------------------------------------------------------------

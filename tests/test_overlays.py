@@ -12,7 +12,7 @@ from jex.errors import InputError
 from overlays import IsotonicShrink, PositionalThreshold, SignedLogitThreshold, load_rule_file
 from overlays.rules import isotonic_apply, isotonic_fit
 from tasks.overlay import NoDegradeViolation, apply_overlays, no_degrade_check
-from tasks.overlay_lab import Capture, GateSettings, disclosure, gate, ladder, mine
+from tasks.overlay_lab import Capture, GateSettings, disclosure, gate, gate_rule, ladder, mine
 from tasks.scoring_inputs import CatalogSpec, ScoreSpec
 
 
@@ -51,6 +51,19 @@ def test_isotonic_fit_pools_violators():
     right, values = isotonic_fit(np.array([0.1, 0.2, 0.3, 0.4]), np.array([0.0, 1.0, 0.0, 1.0]))
     assert values.tolist() == [0.0, 0.5, 1.0] and right.tolist() == [0.1, 0.3, 0.4]
     assert isotonic_apply((right, values), np.array([0.05, 0.25, 0.9])).tolist() == [0.0, 0.5, 1.0]
+
+
+def test_isotonic_fit_pools_ties_first_so_row_order_does_not_matter():
+    x = np.array([0.2, 0.5, 0.5, 0.8])
+    a = isotonic_fit(x, np.array([0.0, 0.0, 1.0, 1.0]))
+    b = isotonic_fit(x, np.array([0.0, 1.0, 0.0, 1.0]))  # the same points, the tied rows swapped
+    assert a[0].tolist() == b[0].tolist() == [0.2, 0.5, 0.8] and a[1].tolist() == b[1].tolist() == [0.0, 0.5, 1.0]
+    rng = np.random.default_rng(3)
+    x, y = rng.integers(0, 5, 60) / 4, rng.integers(0, 2, 60).astype(float)
+    order = rng.permutation(60)
+    shuffled = isotonic_fit(x[order], y[order])
+    direct = isotonic_fit(x, y)
+    assert shuffled[0].tolist() == direct[0].tolist() and shuffled[1].tolist() == direct[1].tolist()
 
 
 def test_isotonic_shrink_is_out_of_fold_and_thresholds_at_half():
@@ -129,7 +142,7 @@ def test_gate_passes_the_positional_rule_and_registers_settings_first(capture, t
 def test_planted_harmful_rule_fails_the_gate(capture, tmp_path):
     harmful = _rule(id="H", label_index=0, tau=-6.0)  # emit option 0 nearly always: gold is at 3
     r = gate(capture, [harmful], GateSettings(draws=300, permutations=99), tmp_path)["results"][0]
-    assert not r["passed"] and not r["checks"]["ci_above_zero"] and r["gain_full"] < 0
+    assert not r["passed"] and not r["in_sample"]["checks"]["ci_above_zero"] and r["in_sample"]["gain_full"] < 0
 
 
 class LeakyPositional(PositionalThreshold):
@@ -169,3 +182,44 @@ def test_rule_file_errors_are_located(tmp_path):
     f.write_text('[[rules]]\nid = "x"\nkind = "positional-threshold"\ntarget = "c"\nprojection_class = "guess"\n')
     with pytest.raises(InputError, match="projection_class"):
         load_rule_file(f)
+
+
+def noise_capture(seed: int, n: int = 200) -> Capture:
+    """Gold drawn independently of the probabilities: no rule can have a real gain here."""
+    rng = np.random.default_rng(seed)
+    rows, probs, choice = [], [], []
+    for cat in ("noise", "other"):
+        for i in range(n):
+            p = rng.dirichlet([1, 1])
+            rows.append({"run_id": f"{cat}{i}", "catalog": cat, "question_id": f"{cat}q{i}",
+                         "gold": int(rng.integers(0, 2)), "n_options": 2})
+            probs.append(p.tolist())
+            choice.append(int(np.argmax(p)))
+    rows_df = pl.DataFrame(rows, schema={"run_id": pl.String, "catalog": pl.String, "question_id": pl.String,
+                                         "gold": pl.Int32, "n_options": pl.Int32})
+    base = rows_df.with_columns(pl.Series("choice", choice, dtype=pl.Int32),
+                                pl.Series("probs", probs, dtype=pl.List(pl.Float64)), stage=pl.lit("base"))
+    spec = ScoreSpec(legs={"L": 1.0}, catalogs=(CatalogSpec("noise", "L", 1.0, None),
+                                                CatalogSpec("other", "L", 1.0, None)))
+    return Capture(spec, rows_df, base)
+
+
+def test_a_rule_fitted_to_in_sample_noise_fails_the_out_of_fold_gate():
+    # seed 6: the in-sample best threshold on option 1 happens to pass the in-sample interval and the
+    # permutation test (found by scanning seeds 0-39; 3 of 80 noise fits passed in-sample)
+    capture = noise_capture(6)
+    target = capture.base.filter(pl.col("catalog") == "noise")
+    rule = PositionalThreshold(id="N", target="noise", projection_class="positional-construction-reuse",
+                               label_index=1, tau=0.0).fit(target)  # the threshold fitted on all rows
+    r = gate_rule(capture, rule, GateSettings(draws=300, permutations=99))
+    assert r["in_sample"]["passed"] and r["in_sample"]["ci_full"][0] > 0  # today's gate would pass it
+    assert not r["passed"] and r["ci_full"][0] < 0 < r["ci_full"][1]  # its out-of-fold decisions do not
+    assert len(r["fold_taus"]) == 5 and len(set(r["fold_taus"])) > 1  # one threshold refitted per fold
+
+
+def test_refit_keeps_the_declared_threshold_on_a_tie():
+    frame = pl.DataFrame({"choice": [0, 0], "gold": [0, 0], "probs": [[0.9, 0.1], [0.8, 0.2]]},
+                         schema={"choice": pl.Int32, "gold": pl.Int32, "probs": pl.List(pl.Float64)})
+    rule = PositionalThreshold(id="T", target="t", projection_class="positional-construction-reuse",
+                               label_index=1, tau=5.0)
+    assert rule.fit(frame).tau == 5.0  # never firing is already best: the declared tau stays

@@ -52,3 +52,12 @@ def test_sync_campaign_uploads_stage_folders_and_run_folder(store, tmp_path):
     keys = sorted(o["key"] for o in manifest["objects"])
     assert keys == ["jex/runs/run/score.json", "jex/store/fast_pass/k1/capture.parquet"]
     assert (run / "s3.json").exists()
+
+
+def test_clients_built_from_settings_use_botocores_standard_retry_mode():
+    from infra.aws import aws_client
+    from jex.settings import load_settings
+
+    client = aws_client("s3", region="us-east-1", endpoint_url="http://127.0.0.1:9", infra=load_settings().infra)
+    assert client.meta.config.retries["mode"] == "standard"
+    assert client.meta.config.retries["total_max_attempts"] == 5

@@ -24,6 +24,7 @@ from deployments.server import _alive
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 DOCS_IMG = ROOT / "docs" / "img"
+NOTIFY_BLOCK = "custom-webhook/jex-alerts"
 
 
 def _port() -> int:
@@ -67,7 +68,7 @@ def server(tmp_path_factory):
     defaults = {"name": "ui", "suite": str(suite), "reason_max_tokens": 6, "bootstrap_draws": 100,
                 "fast_shard_rows": 9, "store": str(tmp / "store"), "out": str(tmp / "runs"),
                 "machines": {"provider": "local", "golden_rows": 8}}
-    srv = _start(tmp, defaults)
+    srv = _start(tmp, defaults, {"JEX_PREFECT__NOTIFY_BLOCK": NOTIFY_BLOCK})
     srv["defaults"] = defaults
     old = os.environ.get("PREFECT_API_URL")
     os.environ["PREFECT_API_URL"] = srv["state"]["api_url"]
@@ -117,6 +118,22 @@ def test_campaign_deployment_runs_from_the_api_and_publishes_its_report(server):
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     mine = next(r for r in rows if r["id"] == str(run.id))
     assert mine["state"] == "Completed" and mine["index"] is not None and mine["cost_usd"] > 0
+
+
+def test_experiment_deployment_runs_from_the_api_and_publishes_its_report(server):
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    out = server["tmp"] / "experiment"
+    arms = '[gate]\ndraws = 100\npermutations = 100\n\n[[arms]]\nname = "fw"\nfold_weight = 1.0\n'
+    run = _run("experiment/experiment", {"spec": {"campaign": {**server["defaults"], "name": "base"},
+                                                  "arms_toml": arms, "out": str(out)}})
+    assert run.state_name == "Completed", run.state.message
+    with _client() as c:
+        arts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+    report = next(a for a in arts if a.key == "experiment-report")
+    doc = json.loads((out / "experiment.json").read_text())
+    assert doc["gate"]["settings_sha256"] in report.data and "| fw | arm |" in report.data
+    assert doc["arms"]["fw"]["engine_calls"] == {"fast_pass": 0, "reason": 0}  # a fold arm reuses the capture
 
 
 def test_a_browser_starts_a_campaign_from_the_run_form(server):
@@ -190,8 +207,17 @@ def test_the_calibration_schedule_creates_runs(server):
 
 
 def test_a_failed_campaign_triggers_reconcile_through_the_automation(server):
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from tests.test_notifications import Hook
+
+    hook = Hook()  # the team's webhook, configured as a Prefect notification block
+    with temporary_settings({PREFECT_API_URL: os.environ["PREFECT_API_URL"]}):
+        CustomWebhookNotificationBlock(name="jex", url=hook.url, allow_private_urls=True,
+                                       json_data={"subject": "{{subject}}", "text": "{{body}}"}
+                                       ).save(NOTIFY_BLOCK.split("/")[1], overwrite=True)
     failed = _run("campaign/campaign", {"spec": {**server["defaults"], "name": "bad", "suite": "/nonexistent"}})
     assert failed.state_name == "Failed"
     deadline, triggered = time.time() + 180, None
@@ -204,6 +230,10 @@ def test_a_failed_campaign_triggers_reconcile_through_the_automation(server):
         time.sleep(2)
     assert triggered is not None, "the automation did not run reconcile"
     assert triggered.state_name == "Completed"
+    hook.close()
+    (note,) = hook.received  # the failure was announced: campaign, stage, run folder
+    assert note["subject"] == "jex: campaign bad failed at stage bundle"
+    assert f"run folder: {Path(server['defaults']['out']).resolve()}/bad-" in note["text"]
 
 
 def test_retry_stage_reruns_only_the_named_stage_and_after(server):

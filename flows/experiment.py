@@ -1,0 +1,261 @@
+"""The experiment flow: the base and each arm as a cached campaign sub-run, judged by a pre-registered gate.
+
+1. The arms file is parsed and every arm's campaign is derived and validated: a bad file fails here,
+   before any engine starts (an `InputError` naming the arm and the field).
+2. The gate settings (and every arm as declared) are written and hashed before any arm result exists.
+3. The base, then each arm (a sweep: each grid point) runs as a `campaign` sub-flow on the same store:
+   an arm recomputes exactly the stages whose keys it changes (a fold arm: no engine call at all).
+   A twin re-runs the base's engine stages in a fresh process on its own store, so nothing is reused.
+4. Paired statistics, verdicts, sweeps, the panel projection and the twin audit go to `OUT/`
+   (`experiment.json`, `report.md`, `forest.png`, `sweep-*.png`), the ledger is appended, and the report
+   becomes a Prefect artifact. A twin that is not byte-identical fails the run (after the report).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flows.campaign import CampaignSpec, campaign, sample_suite_dir
+from jex.errors import FlowError, InputError
+from tasks.experiment_arms import ArmDecl, ArmsFile, parse_arms
+from tasks.experiment_report import ArmRun, analyse, append_ledger, register_gate, twin_audit
+
+EXAMPLE_ARMS = '''name = "sample"
+
+[gate]
+metric = "full"
+placebo = "reworded"
+
+[[arms]]
+name = "system"
+hypothesis = "a system prompt helps the small model"
+reopen_when = "a model of 1B parameters or more"
+[arms.render]
+system_prompt = "You are a careful expert. Answer with the letter of the correct option."
+
+[[arms]]
+name = "reworded"
+kind = "placebo"
+[arms.render]
+question_template = "{prompt}\\n\\n{options}\\n\\nReply with the letter of the right option."
+
+[[arms]]
+name = "twin"
+kind = "twin"
+
+[[arms]]
+name = "fold-weight"
+kind = "sweep"
+parameter = "fold_weight"
+grid = [0.25, 0.5, 0.75, 1.0]
+reopen_when = "coverage above 0.3"
+'''
+
+
+class ExperimentSpec(BaseModel):
+    """An experiment: the base campaign, the arms file's text and where the results go (the UI form)."""
+
+    model_config = ConfigDict(extra="forbid")
+    campaign: CampaignSpec = Field(CampaignSpec(), description="The base campaign (suite, engine, store, ...)")
+    arms_toml: str = Field(EXAMPLE_ARMS, description="The arms file (TOML text): base changes, gate, arms")
+    arms_path: str = Field("arms.toml", description="Where the arms file came from (named in errors)")
+    out: str = Field("runs/experiment", description="Experiment folder: experiment.json, report.md, ledger.toml")
+    panel_catalogs: list[str] | None = Field(None, description="Run on these catalogs of the suite; project onto "
+                                                               "the full index")
+    panel_share: float | None = Field(None, gt=0, le=1, description="Declared share of the full weight of the "
+                                                                     "panel, asserted (+-0.0005) before any arm runs")
+
+
+class Point(BaseModel):
+    """One sub-run to make: an arm, or a sweep's grid point."""
+
+    model_config = ConfigDict(frozen=True)
+    name: str
+    kind: str
+    spec: CampaignSpec
+    sweep: str | None = None
+    value: Any = None
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    arms: ArmsFile
+    base: CampaignSpec
+    points: tuple[Point, ...]
+    shares: dict[str, float] | None = None
+
+
+def derive(base: CampaignSpec, decl: ArmDecl, *, name: str, path: str) -> CampaignSpec:
+    """The campaign of one arm: the base with the arm's differences (validated as a whole)."""
+    doc = base.model_dump(mode="json")
+    doc.update(decl.campaign)
+    engine = {**doc["engine"], **decl.engine}
+    if decl.model is not None:
+        engine["model"] = decl.model
+    engine["render"] = {**engine["render"], **decl.render}
+    doc["engine"], doc["name"] = engine, name
+    try:
+        return CampaignSpec.model_validate(doc)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise InputError(f"arm '{decl.name}': {first['msg']}", file=path, field=loc.removeprefix("engine.")) from None
+
+
+def plan_experiment(spec: ExperimentSpec) -> Plan:
+    """Parse the arms and derive every sub-run's campaign; all errors come before any engine starts."""
+    arms = parse_arms(spec.arms_toml, path=spec.arms_path)
+    out = Path(spec.out)
+    base = spec.campaign.model_copy(update={"out": str(out / "runs")})
+    suite = base.suite or sample_suite_dir(base)
+    if Path(suite).is_file():  # a bundle: the campaign reads a suite folder, so write one from it
+        from tasks.experiment_panel import panel_suite
+        from tasks.scoring_inputs import load_suite_table
+
+        ids = [c.id for c in load_suite_table(suite).spec.catalogs]
+        suite = str(panel_suite(suite, out / "suite-of-bundle", ids))
+    shares = None
+    if spec.panel_catalogs:
+        from tasks.experiment_panel import panel_suite
+        from tasks.experiment_stats import panel_share
+        from tasks.scoring_inputs import load_suite_table
+
+        shares = panel_share(load_suite_table(suite).spec, spec.panel_catalogs)
+        total = sum(shares.values())
+        if spec.panel_share is not None and abs(total - spec.panel_share) > 5e-4:
+            raise InputError(f"the panel's share of the full weight is {total:.5f}, not the declared "
+                             f"{spec.panel_share}", field="panel_share")
+        print(f"panel {spec.panel_catalogs}: share of the full weight {total:.5f}")
+        suite = str(panel_suite(suite, out / "panel-suite", spec.panel_catalogs))
+    base = derive(base.model_copy(update={"suite": suite}), arms.base, name="base", path=spec.arms_path)
+    try:
+        from tasks.experiment_stats import metric_weights
+        from tasks.scoring_inputs import load_suite_table
+
+        table = load_suite_table(suite)
+        metric_weights(table.spec, dict.fromkeys((c.id for c in table.spec.catalogs), 0.0), arms.gate.metric)
+    except ValueError as e:
+        raise InputError(str(e), file=spec.arms_path, field="gate.metric") from None
+    points = []
+    for decl in arms.arms:
+        for name, point in decl.points():
+            s = derive(base, point, name=name, path=spec.arms_path)
+            points.append(Point(name=name, kind=decl.kind, spec=s, sweep=decl.name if decl.kind == "sweep" else None,
+                                value=_value(point, decl.parameter) if decl.kind == "sweep" else None))
+    return Plan(arms=arms, base=base, points=tuple(points), shares=shares)
+
+
+def _value(decl: ArmDecl, parameter: str | None) -> Any:
+    group, _, key = (parameter or "").partition(".")
+    if group in ("render", "engine"):
+        return getattr(decl, group)[key]
+    return decl.model if parameter == "model" else decl.campaign[parameter or ""]
+
+
+def _sub_run(spec: CampaignSpec) -> tuple[Path, dict[str, int], float]:
+    t0 = time.perf_counter()
+    run_dir = Path(campaign(spec))
+    calls = json.loads((run_dir / "engine_calls.json").read_text())["calls"]
+    return run_dir, calls, time.perf_counter() - t0
+
+
+def run_twin(base: CampaignSpec, name: str, out: Path) -> tuple[Path, dict[str, int], float, str]:
+    """The base again on a store of its own, its engine stages computed by a fresh process, then the
+    campaign flow over that store. In-process campaigns: one `tasks.workers` process per stage; with
+    machines (local, ssh, ec2, command): the campaign's own fleet, whose machines are fresh processes."""
+    from tasks.cpu_stages import gate_stage
+    from tasks.stages import bundle_stage
+    from tasks.store import LocalStore
+    from tasks.workers import run_workers
+
+    t0 = time.perf_counter()
+    store = out / f"twin-{name}" / "store"
+    spec = base.model_copy(update={"store": str(store), "name": name})
+    if spec.machines.provider != "inprocess":
+        run_dir, calls, wall = _sub_run(spec)
+        return run_dir, calls, wall, str(store)
+    local = LocalStore(str(store))
+    bundle = bundle_stage(spec.suite or sample_suite_dir(spec), local)
+    engine = spec.engine.model_dump(mode="json")
+    fast = run_workers("fast_pass", {"bundle": bundle, "engine": engine, "store": str(store),
+                                     "shard_rows": spec.fast_shard_rows}, workers=1)
+    gate = gate_stage(bundle, fast, local, coverage=spec.coverage, per_catalog_cap=spec.per_catalog_cap)
+    reason = run_workers("reason", {"bundle": bundle, "gate": gate, "engine": engine, "store": str(store),
+                                    "shard_rows": spec.reason_shard_rows, "max_tokens": spec.reason_max_tokens},
+                         workers=1)
+    run_dir, calls, _ = _sub_run(spec)
+    subprocess_calls = {"fast_pass": sum(len(w.get("computed_shards") or []) for w in fast["workers"]),
+                        "reason": sum(len(w.get("computed_shards") or []) for w in reason["workers"])}
+    if any(calls.values()):
+        raise FlowError(f"twin {name}: the flow recomputed engine stages in-process ({calls})")
+    return run_dir, subprocess_calls, time.perf_counter() - t0, str(store)
+
+
+@flow(name="experiment", log_prints=True)
+def experiment(spec: ExperimentSpec = ExperimentSpec()) -> str:  # noqa: B008 - UI form default
+    """Run an experiment (see the module docstring); returns the experiment folder."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    plan = plan_experiment(spec)
+    out = Path(spec.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gate_sha = register_gate(plan.arms, out)
+    print(f"gate registered: sha256 {gate_sha}")
+    base_dir, base_calls, base_wall = _sub_run(plan.base)
+    base = ArmRun("base", "base", base_dir, base_calls, base_wall)
+    runs, twins = [], {}
+    for p in plan.points:
+        if p.kind == "twin":
+            run_dir, calls, wall, store = run_twin(plan.base, p.name, out)
+            twins[p.name] = {**twin_audit(base_dir, run_dir), "store": store}
+        else:
+            run_dir, calls, wall = _sub_run(p.spec)
+        runs.append(ArmRun(p.name, p.kind, run_dir, calls, wall, p.sweep, p.value))
+        print(f"arm {p.name}: {run_dir} engine calls {calls} ({wall:.1f} s)")
+    doc = analyse(plan.arms, base=base, runs=runs, gate_sha256=gate_sha, out=out, twins=twins,
+                  panel={"shares": plan.shares, "asserted_share": spec.panel_share} if plan.shares else None,
+                  settings=spec.model_dump(mode="json"))
+    added = append_ledger(out / "ledger.toml", doc, {a.name: a.reopen_when for a in plan.arms.arms})
+    report = _inline_images((out / "report.md").read_text(), out)
+    try:
+        create_markdown_artifact(markdown=report, key="experiment-report", description=f"experiment {doc['name']}")
+        create_table_artifact(table=[{"arm": n, "kind": a["kind"], "delta": round(a["delta"], 4),
+                                      "ci_low": round(a["ci"][0], 4), "ci_high": round(a["ci"][1], 4),
+                                      "p": round(a["p"], 4), "verdict": a["verdict"]} for n, a in doc["arms"].items()],
+                              key="experiment-arms", description=f"arms of {doc['name']}")
+    except Exception as e:  # noqa: BLE001 - the files are written; a display failure must not hide the result
+        print(f"could not publish the experiment artifacts: {e}")
+    print(f"ledger: {added} decision(s) appended to {out / 'ledger.toml'}")
+    different = [n for n, t in twins.items() if not t["identical"]]
+    if different:
+        first = twins[different[0]]["first_difference"]
+        raise FlowError(f"twin audit: {different[0]} is not byte-identical to the base: first difference in "
+                        f"{first['artifact']} at row {first['row']} (run_id {first['run_id']}, column "
+                        f"{first['column']}); see {out / 'report.md'}")
+    print(f"experiment folder: {out.resolve()}")
+    return str(out)
+
+
+def _inline_images(markdown: str, folder: Path) -> str:
+    """The report with its plots as data URIs, so the Prefect UI shows them without the files."""
+    import base64
+    import re
+
+    def inline(m: re.Match[str]) -> str:
+        png = folder / m[2]
+        if not png.is_file():
+            return m[0]
+        return f"![{m[1]}](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})"
+
+    return re.sub(r"!\[([^\]]*)\]\(([\w@.-]+\.png)\)", inline, markdown)
+
+
+def run_experiment(spec: ExperimentSpec) -> Path:
+    """Run the flow in this process (Prefect's local API unless PREFECT_API_URL is set)."""
+    return Path(experiment(spec))

@@ -1,0 +1,385 @@
+"""Suites from data a user already has: a Hugging Face dataset, or an lm-evaluation-harness task.
+
+Both importers write a normal jex suite (`suite.toml` + JSONL rows, and few-shot rows where the
+source has them) into a temporary folder next to the output and rename it into place only when
+every row passed, so a failed import leaves nothing behind. The source (dataset id, revision,
+fingerprint, file sha256s; or the task's name, YAML sha256 and version) goes into the manifest's
+`[source]` table and from there into every bundle's provenance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import string
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jex.errors import InputError
+from jex.fileio import sha256_file
+from jex.suite import MANIFEST_NAME, load_manifest
+
+LETTERS = string.ascii_uppercase
+LOCAL_FORMATS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+
+
+@dataclass(frozen=True)
+class McRow:
+    """One imported multiple-choice row, before it is written."""
+
+    run_id: str
+    question_id: str
+    prompt: str
+    options: tuple[str, ...]
+    labels: tuple[str, ...]
+    gold: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def record(self, catalog: str) -> dict[str, Any]:
+        return {"run_id": self.run_id, "catalog": catalog, "question_id": self.question_id, "prompt": self.prompt,
+                "options": list(self.options), "labels": list(self.labels), "gold": self.gold,
+                "metadata": self.metadata}
+
+
+@dataclass(frozen=True)
+class ImportedCatalog:
+    id: str
+    rows: list[McRow]
+    fewshot: list[McRow] = field(default_factory=list)
+    weight: float = 1.0
+    leg: str = "public"
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    suite_dir: Path
+    rows: dict[str, int]
+    fewshot_rows: dict[str, int]
+
+
+# --- answers ---------------------------------------------------------------------------------------
+
+def answer_index(answer: Any, options: Sequence[str], labels: Sequence[str], *, where: dict[str, Any]) -> int:
+    """The gold index from an answer given as an index, a label/letter, or the option text."""
+    if isinstance(answer, bool) or answer is None:
+        raise InputError(f"answer {answer!r} is neither an index, a letter nor an option's text", **where)
+    if isinstance(answer, int | float) and float(answer).is_integer():
+        i = int(answer)
+        if not 0 <= i < len(options):
+            raise InputError(f"answer index {i} out of range for {len(options)} options", **where)
+        return i
+    if isinstance(answer, str):
+        text = answer.strip()
+        if text in labels:
+            return list(labels).index(text)
+        if len(text) == 1 and text.upper() in LETTERS[:len(options)]:
+            return LETTERS.index(text.upper())
+        matches = [i for i, o in enumerate(options) if o.strip() == text]
+        if len(matches) == 1:
+            return matches[0]
+        if re.fullmatch(r"\d+", text) and int(text) < len(options):
+            return int(text)
+        raise InputError(f"answer {answer!r} is not an index, a label of {list(labels)} or one option's text",
+                         **where)
+    raise InputError(f"answer {answer!r} of type {type(answer).__name__} is not understood", **where)
+
+
+def choices_of(value: Any, *, where: dict[str, Any]) -> tuple[list[str], list[str] | None]:
+    """Options (and their own labels, when the column carries them as {"text": [...], "label": [...]})."""
+    labels = None
+    if isinstance(value, dict) and "text" in value:
+        labels = [str(x) for x in value.get("label") or []] or None
+        value = value["text"]
+    if not isinstance(value, list | tuple) or not all(isinstance(x, str | int | float) for x in value):
+        raise InputError(f"choices must be a list of strings, got {type(value).__name__}", **where)
+    options = [str(x) for x in value]
+    if len(options) < 2:
+        raise InputError(f"{len(options)} option(s): a multiple-choice row needs at least 2", **where)
+    if len(options) > len(LETTERS) and labels is None:
+        raise InputError(f"{len(options)} options: more than {len(LETTERS)} need their own labels", **where)
+    if labels is not None and len(labels) != len(options):
+        raise InputError(f"{len(labels)} labels for {len(options)} options", **where)
+    return options, labels
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+def _toml_str(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)  # a JSON string is a valid TOML basic string
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return _toml_str(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{_toml_str(str(k))} = {_toml_value(x)}" for k, x in v.items() if x is not None) + " }"
+    return _toml_str(str(v))
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "catalog"
+
+
+def write_suite(out: str | Path, catalogs: Sequence[ImportedCatalog], *, name: str, source: dict[str, Any],
+                force: bool = False) -> ImportResult:
+    """Write a suite atomically: into `<out>.tmp-<pid>`, validated by `load_manifest`, then renamed."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise InputError("output folder exists and is not empty (pass --force to replace it)", file=str(out))
+    ids = [c.id for c in catalogs]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise InputError(f"two catalogs would share the id(s) {dup}", file=str(out))
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "rows").mkdir(parents=True)
+    legs = sorted({c.leg for c in catalogs})
+    lines = [f"name = {_toml_str(name)}", "", "[legs]", *(f"{_toml_str(leg)} = 1.0" for leg in legs)]
+    try:
+        for cat in catalogs:
+            slug = _slug(cat.id)
+            _write_jsonl(tmp / "rows" / f"{slug}.jsonl", (r.record(cat.id) for r in cat.rows))
+            lines += ["", "[[catalogs]]", f"id = {_toml_str(cat.id)}", f"name = {_toml_str(cat.name or cat.id)}",
+                      f"leg = {_toml_str(cat.leg)}", f"weight = {cat.weight!r}", f'files = ["rows/{slug}.jsonl"]']
+            if cat.fewshot:
+                _write_jsonl(tmp / "rows" / f"{slug}.fewshot.jsonl", (r.record(cat.id) for r in cat.fewshot))
+                lines.append(f'fewshot_files = ["rows/{slug}.fewshot.jsonl"]')
+        lines += ["", "[source]", *(f"{_toml_str(k)} = {_toml_value(v)}" for k, v in source.items() if v is not None)]
+        (tmp / MANIFEST_NAME).write_text("\n".join(lines) + "\n", encoding="utf-8")
+        load_manifest(tmp)  # what we wrote must read back
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ImportResult(out, {c.id: len(c.rows) for c in catalogs}, {c.id: len(c.fewshot) for c in catalogs})
+
+
+def _write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False, sort_keys=True) + "\n")
+
+
+# --- Hugging Face datasets ---------------------------------------------------------------------------
+
+def _load_dataset(dataset: str, *, config: str | None, split: str, revision: str | None) -> tuple[Any, dict]:
+    """A `datasets.Dataset` and where it came from (local files with their sha256, or the Hub id)."""
+    import datasets
+
+    local = Path(dataset)
+    datasets.disable_progress_bars()
+    if local.exists():
+        files = sorted(p for p in local.rglob("*") if p.suffix in LOCAL_FORMATS) if local.is_dir() else [local]
+        kinds = {LOCAL_FORMATS.get(p.suffix) for p in files}
+        if not files or None in kinds or len(kinds) != 1:
+            raise InputError("expected Parquet, JSON/JSONL or CSV file(s) of one kind", file=dataset)
+        try:
+            ds = datasets.load_dataset(kinds.pop(), data_files={split: [str(p) for p in files]}, split=split)
+        except Exception as e:  # noqa: BLE001 - any reader failure is a bad input file
+            raise InputError(f"cannot read the dataset: {type(e).__name__}: {e}", file=dataset) from None
+        return ds, {"kind": "local files", "files": {p.name: sha256_file(p) for p in files},
+                    "fingerprint": ds._fingerprint}
+    try:
+        ds = datasets.load_dataset(dataset, config, split=split, revision=revision)
+    except Exception as e:  # noqa: BLE001 - not cached, not reachable, no such split or config
+        raise InputError(f"dataset {dataset!r} (config {config!r}, split {split!r}) cannot be loaded from the "
+                         f"local cache or the Hub: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                         file=dataset) from None
+    return ds, {"kind": "hub", "dataset": dataset, "config": config, "revision": revision,
+                "fingerprint": ds._fingerprint, "version": str(ds.info.version) if ds.info.version else None}
+
+
+def _column(ds: Any, col: str | None, flag: str, dataset: str) -> None:
+    if col is not None and col not in ds.column_names:
+        raise InputError(f"no column {col!r} (columns: {ds.column_names})", file=dataset, field=f"{flag} {col}")
+
+
+def mc_rows_from_records(records: Iterable[dict[str, Any]], *, catalog: str, question: str, choices: str,
+                         answer: str, id_col: str | None, file: str,
+                         prompt_of: Callable[[dict[str, Any]], str] | None = None) -> list[McRow]:
+    """Records with a question, a choices list and an answer into validated rows (unique ids)."""
+    rows, seen = [], {}
+    for i, rec in enumerate(records):
+        where = {"file": file, "row": i}
+        options, own_labels = choices_of(rec[choices], where={**where, "field": choices})
+        labels = own_labels or list(LETTERS[:len(options)])
+        if len(set(labels)) != len(labels):
+            raise InputError(f"labels must be distinct, got {labels}", **where, field=choices)
+        gold = answer_index(rec[answer], options, labels, where={**where, "field": answer})
+        ident = str(rec[id_col]) if id_col else str(i)
+        if ident in seen:
+            raise InputError(f"duplicate id {ident!r} (first at row {seen[ident]})", **where, field=id_col or "index")
+        seen[ident] = i
+        prompt = prompt_of(rec) if prompt_of else rec[question]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InputError("empty or non-text question", **where, field=question)
+        rows.append(McRow(f"{catalog}-{ident}", f"{catalog}-{ident}", prompt, tuple(options), tuple(labels), gold,
+                          {"source_row": i, **({"id": rec[id_col]} if id_col else {})}))
+    if not rows:
+        raise InputError("the split has no rows", file=file)
+    return rows
+
+
+def import_hf(dataset: str, out: str | Path, *, split: str, question: str, choices: str, answer: str,
+              config: str | None = None, id_col: str | None = None, catalog: str | None = None,
+              revision: str | None = None, fewshot_split: str | None = None, force: bool = False) -> ImportResult:
+    """A Hugging Face dataset (Hub id through the local cache, or local files) as a one-catalog suite."""
+    ds, source = _load_dataset(dataset, config=config, split=split, revision=revision)
+    for col, flag in ((question, "--question"), (choices, "--choices"), (answer, "--answer"), (id_col, "--id")):
+        _column(ds, col, flag, dataset)
+    cat = _slug(catalog or (Path(dataset).stem if Path(dataset).exists() else dataset.split("/")[-1]))
+    kw = {"catalog": cat, "question": question, "choices": choices, "answer": answer, "id_col": id_col}
+    rows = mc_rows_from_records(ds, file=f"{dataset} [{split}]", **kw)
+    fewshot: list[McRow] = []
+    if fewshot_split:
+        shots, _ = _load_dataset(dataset, config=config, split=fewshot_split, revision=revision)
+        fewshot = [McRow(f"{r.run_id}-shot", r.question_id + "-shot", r.prompt, r.options, r.labels, r.gold,
+                         r.metadata) for r in mc_rows_from_records(shots, file=f"{dataset} [{fewshot_split}]", **kw)]
+    src = {"importer": "hf", "split": split, **source, "columns": {"question": question, "choices": choices,
+                                                                    "answer": answer, "id": id_col}}
+    return write_suite(out, [ImportedCatalog(cat, rows, fewshot)], name=cat, source=src, force=force)
+
+
+# --- lm-evaluation-harness tasks ---------------------------------------------------------------------
+
+MAX_FEWSHOT_ROWS = 100
+"""Few-shot rows kept per catalog: enough for any sensible `num_fewshot`, small in the bundle."""
+
+
+def _lm_eval_spec(task: str, data_files: dict[str, str] | None, *, defaults: bool) -> tuple[Any, Any, str]:
+    """The TaskManager, what to load (a name, a YAML path, or a full config with local data files), and
+    the name to report errors under."""
+    from lm_eval.tasks import TaskManager
+
+    path = Path(task)
+    is_yaml = path.suffix in (".yaml", ".yml")
+    if is_yaml and not path.is_file():
+        raise InputError("no such task YAML", file=task)
+    from lm_eval.tasks._index import TaskIndex
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    manager = TaskManager(include_path=str(path.resolve().parent) if is_yaml else None,
+                          include_defaults=defaults or not is_yaml)
+    if not data_files:
+        if not is_yaml:
+            return manager, task, task
+        try:  # by its registered name: a group file loaded by path is read as a task
+            head = load_yaml(path.resolve(), resolve_func=False, recursive=False)
+        except Exception as e:  # noqa: BLE001 - any YAML failure is a bad input file
+            raise InputError(f"cannot read the task YAML: {e}", file=task) from None
+        name = head.get("group") if isinstance(head.get("group"), str) and "task" in head else head.get("task")
+        return manager, name if isinstance(name, str) else str(path.resolve()), task
+
+    entry = TaskIndex.entry_from_path(path.resolve()) if is_yaml else manager._entry(task)
+    if entry is None or entry.yaml_path is None:
+        raise InputError(f"no lm-eval task named {task!r} (and it is not a YAML file)", file=task)
+    cfg = load_yaml(entry.yaml_path, resolve_func=True)
+    if "task" not in cfg or not isinstance(cfg["task"], str):
+        raise InputError("--data-files applies to one task, not a group", file=task)
+    kinds = {LOCAL_FORMATS.get(Path(f).suffix) for f in data_files.values()}
+    if None in kinds or len(kinds) != 1:
+        raise InputError(f"--data-files must be Parquet, JSON/JSONL or CSV of one kind, got {data_files}", file=task)
+    for f in data_files.values():
+        if not Path(f).is_file():
+            raise InputError("data file does not exist", file=f)
+    cfg.pop("dataset_name", None)
+    cfg.update(dataset_path=kinds.pop(), dataset_kwargs={"data_files": {k: str(Path(v).resolve())
+                                                                         for k, v in data_files.items()}})
+    return manager, cfg, task
+
+
+def _leaf_tasks(loaded: dict[str, Any]) -> list[tuple[str, Any, bool]]:
+    """(name, task, weight_by_size) for every leaf task of `TaskManager.load`'s result; a task is
+    weighted by size when a group that holds it aggregates with `weight_by_size`."""
+    by_size: set[str] = set()
+    for name, group in loaded.get("groups", {}).items():
+        metrics = getattr(group, "aggregate_metric_list", None) or []
+        if any(getattr(m, "weight_by_size", False) for m in metrics):
+            by_size |= set(loaded.get("group_map", {}).get(name, []))
+    return [(name, task, name in by_size) for name, task in loaded["tasks"].items()]
+
+
+def _task_rows(name: str, task: Any, docs: Iterable[Any], *, file: str, run_suffix: str = "",
+               description: str = "") -> list[McRow]:
+    rows = []
+    for doc_id, doc in enumerate(docs):
+        where = {"file": file, "row": doc_id}
+        options, _ = choices_of(task.doc_to_choice(doc), where={**where, "field": "doc_to_choice"})
+        labels = list(LETTERS[:len(options)])
+        target = task.doc_to_target(doc)
+        if isinstance(target, list):
+            raise InputError("multiple targets per document are not supported", **where, field="doc_to_target")
+        gold = answer_index(target, options, labels, where={**where, "field": "doc_to_target"})
+        text = task.doc_to_text(doc)
+        if not isinstance(text, str) or not text.strip():
+            raise InputError(f"doc_to_text gave {text!r}", **where, field="doc_to_text")
+        run_id = f"{name}-{doc_id}{run_suffix}"
+        rows.append(McRow(run_id, run_id, description + text, tuple(options), tuple(labels), gold,
+                          {"task": name, "doc_id": doc_id}))
+    return rows
+
+
+def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | None = None, leg: str = "public",
+                   force: bool = False) -> ImportResult:
+    """An lm-evaluation-harness `multiple_choice` task (or a group of them) as a jex suite.
+
+    Documents are read through the harness's own machinery (`doc_to_text`, `doc_to_choice`,
+    `doc_to_target`, Jinja or `!function`); each row keeps the task's document id (its index in the
+    task's evaluation docs) as `metadata.doc_id` and `run_id = f"{task}-{doc_id}"`. A group's tasks
+    become catalogs, weighted by size when the group aggregates with `weight_by_size`. The task's
+    few-shot split becomes the catalog's few-shot rows; its `num_fewshot` is recorded in `[source]`.
+    """
+    import logging
+
+    import datasets
+
+    datasets.disable_progress_bars()
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notes about default metric settings
+    for defaults in (False, True):  # a task YAML rarely needs the ~10,000 built-in tasks indexed (slow)
+        manager, spec, shown = _lm_eval_spec(task, data_files, defaults=defaults)
+        try:
+            loaded = manager.load([spec])
+            break
+        except KeyError as e:  # a name only the built-in index knows (a group of built-in tasks)
+            error: Exception = e
+        except (ValueError, FileNotFoundError, OSError) as e:
+            error = e
+            break
+    else:
+        loaded = None
+    if loaded is None:
+        raise InputError(f"lm-eval cannot load task {shown!r}: {type(error).__name__}: {error}", file=shown) from None
+    catalogs, settings = [], {}
+    for name, t, by_size in _leaf_tasks(loaded):
+        if t.OUTPUT_TYPE != "multiple_choice":
+            raise InputError(f"task '{name}' is {t.OUTPUT_TYPE!r}, not multiple_choice", file=shown,
+                             field="output_type")
+        description = t.config.description or ""
+        rows = _task_rows(name, t, t.eval_docs, file=f"{shown} [{name}]", description=description)
+        shots_docs = t.fewshot_docs() if t.config.fewshot_split else None
+        shots = _task_rows(name, t, list(shots_docs)[:MAX_FEWSHOT_ROWS], file=f"{shown} [{name} few-shot]",
+                           run_suffix="-shot") if shots_docs is not None else []
+        catalogs.append(ImportedCatalog(_slug(name), rows, shots, float(len(rows)) if by_size else 1.0, leg, name))
+        settings[name] = {"num_fewshot": t.config.num_fewshot, "fewshot_split": t.config.fewshot_split,
+                          "target_delimiter": t.config.target_delimiter, "description": description or None,
+                          "version": (t.config.metadata or {}).get("version")}
+    from importlib import metadata
+
+    source = {"importer": "lm-eval", "task": shown, "lm_eval": metadata.version("lm_eval"),
+              "yaml_sha256": sha256_file(Path(task)) if Path(task).is_file() else None,
+              "data_files": {k: sha256_file(Path(v)) for k, v in (data_files or {}).items()} or None,
+              "tasks": settings}
+    name = catalogs[0].name if len(catalogs) == 1 else Path(shown).stem
+    return write_suite(out, catalogs, name=name or "suite", source=source, force=force)

@@ -1,0 +1,52 @@
+"""User errors print one line and no traceback, in every command; every deliberate error is a JexError."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jex.errors import FlowError, InfraError, JexError, ServerError
+
+ROOT = Path(__file__).resolve().parent.parent
+JEX = str(Path(sys.executable).with_name("jex"))
+
+
+def test_infra_flow_and_server_errors_share_the_one_root():
+    from deployments.server import ServerError as StartError
+    from flows.remote import GoldenMismatch
+    from infra.ledger import BudgetExceeded
+    from infra.providers import ProviderError
+    from infra.remote import JobFailed
+    from infra.s3 import UploadError
+    from infra.shell import ShellError, Unreachable
+    from tasks.bundle import BundleError
+
+    for cls in (ShellError, Unreachable, ProviderError, UploadError, BudgetExceeded, JobFailed):
+        assert issubclass(cls, InfraError) and issubclass(cls, JexError), cls
+    assert issubclass(GoldenMismatch, FlowError) and issubclass(StartError, ServerError)
+    assert issubclass(BundleError, JexError)
+
+
+@pytest.mark.parametrize("argv", [
+    ["stage", "run", "fast_pass", "--args", "/nonexistent/args.json"],
+    ["overlays", "mine", "/nonexistent/run", "-o", "{tmp}/out"],
+    ["calibrate", "--coverage", "5"],
+    ["bundle", "build", "/nonexistent/suite", "-o", "{tmp}/b.tar.gz"],
+], ids=["stage-run", "overlays-mine", "calibrate", "bundle-build"])
+def test_a_user_error_prints_one_line_and_no_traceback(argv, tmp_path):
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # never reached: the input is refused first
+    p = subprocess.run([JEX, *[a.format(tmp=tmp_path) for a in argv]], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr and p.stderr.startswith("error: "), p.stderr
+
+
+def test_jex_traceback_shows_the_traceback_when_asked(tmp_path):
+    env = {**os.environ, "JEX_TRACEBACK": "1"}
+    p = subprocess.run([JEX, "stage", "run", "fast_pass", "--args", "/nonexistent/args.json"], capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=120)
+    assert p.returncode == 1 and "Traceback" in p.stderr

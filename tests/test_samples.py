@@ -1,0 +1,140 @@
+"""The per-sample record of a run (samples.parquet) and `jex show`, checked against the stages' own artifacts.
+
+One main-job run (36 sample rows, in-process) is shared by the session (`main_job_run` in conftest).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from jex.cli import app
+from tasks.samples import SAMPLES_SCHEMA, read_samples, resolve_prompt_ref, sha256_text, write_samples
+
+pytestmark = pytest.mark.slow
+
+
+def summaries(run_dir: Path) -> dict:
+    """The stage summaries the flow handed the report step, read back from the store."""
+    stages = json.loads((run_dir / "stages.json").read_text())
+    return {k: json.loads((Path(v["folder"]) / "_SUCCESS.json").read_text()) for k, v in stages.items()}
+
+
+def spec_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "campaign.json").read_text())
+
+
+def by_id(frame: pl.DataFrame) -> dict[str, dict]:
+    return {r["run_id"]: r for r in frame.iter_rows(named=True)}
+
+
+def test_samples_record_equals_the_stage_artifacts_row_by_row(main_job_run):
+    from tasks.capture import SimpleRow, question_prompts, reason_prompts
+    from tasks.engine_pool import EngineSpec, get_engine
+    from tasks.stages import _bundle_rows, fewshot_pool
+    from tasks.store import LocalStore
+
+    s, spec = summaries(main_job_run), spec_of(main_job_run)
+    samples = read_samples(main_job_run)
+    assert dict(samples.schema) == SAMPLES_SCHEMA
+    store = LocalStore(spec["store"])
+    bundle = _bundle_rows(s["bundle"], store)
+    assert samples["run_id"].to_list() == bundle["run_id"].to_list()  # every suite row, in suite order
+    capture = by_id(pl.read_parquet(s["fast_pass"]["capture"]))
+    gated = by_id(pl.read_parquet(s["gate"]["gated"]))
+    reasoned = by_id(pl.read_parquet(s["reason"]["reasoned"]))
+    folded = by_id(pl.read_parquet(s["fold"]["folded"]))
+    preds = by_id(pl.read_parquet(s["overlay"]["predictions"]))
+    assert 0 < len(gated) < len(capture)
+    engine_spec = EngineSpec.model_validate(spec["engine"])
+    engine = get_engine(engine_spec)  # the real engine the stages used: its renderer, its readout
+    rows = [SimpleRow(r["run_id"], r["prompt"], tuple(r["labels"]), tuple(r["options"]), r["gold"], r["catalog"],
+                      r["question_id"]) for r in bundle.iter_rows(named=True)]
+    question = {q.run_id: q.prompt for q in question_prompts(engine, rows, engine_spec.render,
+                                                             fewshot_pool(s["bundle"], store, engine_spec))}
+    thinking = [r for r in rows if r.run_id in gated]
+    reason = dict(zip([r.run_id for r in thinking], reason_prompts(engine, thinking, engine_spec.render), strict=True))
+    metadata = dict(pl.read_parquet(sorted((store.root / "bundle" / s["bundle"]["key"] / "extracted" / "rows")
+                                           .glob("*.parquet"))).select("run_id", "metadata").iter_rows())
+    for b, r in zip(bundle.iter_rows(named=True), samples.iter_rows(named=True), strict=True):
+        rid = r["run_id"]
+        assert r["metadata"] == metadata[rid]
+        assert (r["catalog"], r["question_id"], r["options"], r["labels"], r["gold"]) == \
+            (b["catalog"], b["question_id"], b["options"], b["labels"], b["gold"])
+        assert r["prompt"] == question[rid] and r["prompt_sha256"] == sha256_text(question[rid])
+        assert r["prompt_missing"] is None and r["prompt_ref"] is None
+        assert r["label_logprobs"] == capture[rid]["logprobs"] and r["label_mass"] == capture[rid]["label_mass"]
+        assert r["fast_refusal"] == capture[rid]["refusal"] and r["fast_choice"] == folded[rid]["fast_choice"]
+        assert r["gated"] == (rid in gated) == folded[rid]["gated"]
+        if rid in gated:
+            assert r["gate_margin"] == gated[rid]["margin"] and r["reason_prompt"] == reason[rid]
+            got = (r["rationale"], r["rationale_token_ids"], r["finish_reason"], r["post_logprobs"])
+            assert got == (reasoned[rid]["rationale"], reasoned[rid]["token_ids"], reasoned[rid]["finish_reason"],
+                           reasoned[rid]["post_logprobs"])
+            assert r["rationale_tokens"] == len(reasoned[rid]["token_ids"]) > 0
+        else:
+            assert r["rationale"] is None and r["post_logprobs"] is None and r["reason_prompt"] is None
+        assert (r["folded"], r["folded_logprobs"]) == (folded[rid]["folded"], folded[rid]["folded_logprobs"])
+        assert (r["choice"], r["final_probs"], r["decided_by"]) == \
+            (preds[rid]["choice"], preds[rid]["probs"], preds[rid]["stage"])
+        assert r["correct"] == (preds[rid]["choice"] == b["gold"]) and r["scored"]
+    # the recorded prompt is what the model read: reading it again gives the capture's log-probs
+    from engine.types import ReadoutMode, ReadoutRequest
+
+    picked = samples.head(2).to_dicts()
+    again = engine.readout([ReadoutRequest(r["run_id"], r["prompt"], tuple(r["labels"]), tuple(r["options"]))
+                            for r in picked], ReadoutMode.LABEL_SLOT)
+    assert [list(a.logprobs) for a in again] == [r["label_logprobs"] for r in picked]
+    score = json.loads((main_job_run / "score.json").read_text())
+    assert int(samples["correct"].sum()) == sum(c["correct"] for c in score["catalogs"].values())
+
+
+def test_compact_samples_keep_the_hash_and_point_at_the_text(main_job_run, tmp_path):
+    full = read_samples(main_job_run)
+    write_samples(tmp_path, summaries(main_job_run), spec_of(main_job_run), prompts="sha256")
+    compact = read_samples(tmp_path)
+    assert compact["prompt"].null_count() == compact.height
+    assert compact["prompt_sha256"].to_list() == full["prompt_sha256"].to_list()
+    row = compact.filter(pl.col("gated")).row(0, named=True)
+    text, reason = resolve_prompt_ref(row["prompt_ref"])
+    original = full.filter(pl.col("run_id") == row["run_id"]).row(0, named=True)
+    assert (text, reason) == (original["prompt"], original["reason_prompt"])
+    assert compact.drop("prompt", "reason_prompt", "prompt_ref").equals(full.drop("prompt", "reason_prompt",
+                                                                                  "prompt_ref"))
+
+
+def test_prompt_is_null_with_a_reason_when_the_tokenizer_is_not_here(main_job_run, tmp_path):
+    spec = spec_of(main_job_run)
+    spec["engine"]["model"] = str(tmp_path / "no-such-model")
+    write_samples(tmp_path, summaries(main_job_run), spec)
+    samples = read_samples(tmp_path)
+    assert samples["prompt"].null_count() == samples.height and samples["prompt_sha256"].null_count() == samples.height
+    assert samples["prompt_missing"].unique().to_list() == [samples["prompt_missing"][0]]
+    assert "no-such-model" in samples["prompt_missing"][0] and "not available here" in samples["prompt_missing"][0]
+    assert samples["label_logprobs"].to_list() == read_samples(main_job_run)["label_logprobs"].to_list()
+
+
+def test_show_prints_only_the_wrong_rows_of_a_catalog(main_job_run):
+    samples = read_samples(main_job_run)
+    wrong = samples.filter(~pl.col("correct"))
+    catalog = wrong["catalog"][0]
+    expected = wrong.filter(pl.col("catalog") == catalog)["run_id"].to_list()
+    result = CliRunner().invoke(app, ["show", str(main_job_run), "--catalog", catalog, "--wrong", "--prompt"])
+    assert result.exit_code == 0, result.output
+    shown = [line.split()[0] for line in result.output.splitlines() if line and not line.startswith(" ")][:-1]
+    assert shown == expected
+    assert "WRONG" in result.output and "prompt (what the engine read):" in result.output
+    assert f"{len(expected)} of {samples.height} rows shown" in result.output
+
+
+def test_show_limits_and_names_an_unknown_catalog(main_job_run):
+    result = CliRunner().invoke(app, ["show", str(main_job_run), "--limit", "3"])
+    assert result.exit_code == 0 and "3 of 36 rows shown" in result.output
+    bad = CliRunner().invoke(app, ["show", str(main_job_run), "--catalog", "nope"])
+    assert bad.exit_code == 2 and "no catalog 'nope' in this run" in bad.output
+    missing = CliRunner().invoke(app, ["show", str(main_job_run.parent)])
+    assert missing.exit_code == 2 and "no samples.parquet in this run folder" in missing.output

@@ -1,0 +1,166 @@
+"""Speculative decoding only with a per-run exactness proof; the early-exit checkpoint probe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from engine.types import EngineDeadError
+from engine.vllm_engine import NGRAM, VLLMProfile
+from tasks.spec_proof import proof_sample, prove
+
+
+def test_speculation_is_refused_under_the_audit_name_and_allowed_only_under_its_own(tmp_path):
+    with pytest.raises(EngineDeadError, match="speculative decoding is not part of the audited path"):
+        VLLMProfile(speculative_config=NGRAM).check(tmp_path)
+    VLLMProfile(name="audit-ngram", speculative_config=NGRAM).check(tmp_path)  # allowed
+    with pytest.raises(EngineDeadError, match="keeps every other audit setting.*enforce_eager"):
+        VLLMProfile(name="audit-ngram", speculative_config=NGRAM, enforce_eager=True).check(tmp_path)
+    with pytest.raises(EngineDeadError, match="speculates by 'ngram'"):
+        VLLMProfile(name="audit-ngram", speculative_config={"method": "eagle"}).check(tmp_path)
+
+
+def test_proof_sample_takes_the_gated_golden_rows_then_each_catalog_in_turn():
+    gated = pl.DataFrame({"run_id": ["a1", "a2", "a3", "b1", "b2", "g1"],
+                          "catalog": ["a", "a", "a", "b", "b", "a"]})
+    assert proof_sample(gated, golden_ids=["g1", "zz"], rows=4) == ["a1", "a2", "b1", "g1"]  # in gate order
+    assert proof_sample(gated, golden_ids=["g1"], rows=0) == ["g1"]  # the golden rows, whatever `rows` says
+
+
+def _reasoned(path: Path, tokens: dict[str, list[int]]) -> dict:
+    pl.DataFrame({"run_id": list(tokens), "token_ids": list(tokens.values())},
+                 schema={"run_id": pl.String, "token_ids": pl.List(pl.Int64)}).write_parquet(path)
+    return {"reasoned": str(path), "compute_seconds": 2.0}
+
+
+def test_the_proof_names_the_first_differing_row_and_token(tmp_path):
+    spec = _reasoned(tmp_path / "s.parquet", {"r1": [5, 6, 7], "r2": [1, 2, 3, 4], "r3": [9]})
+    same = _reasoned(tmp_path / "b1.parquet", {"r1": [5, 6, 7], "r2": [1, 2, 3, 4]})
+    proof = prove(spec, same, profile="audit-ngram")
+    assert (proof.exact, proof.rows_checked, proof.tokens_compared, proof.first_difference) == (True, 2, 7, None)
+    off = _reasoned(tmp_path / "b2.parquet", {"r1": [5, 6, 7], "r2": [1, 2, 8, 4]})
+    proof = prove(spec, off, profile="audit-ngram")
+    assert not proof.exact and proof.rows_differing == 1
+    assert proof.first_difference.model_dump() == {"run_id": "r2", "token_index": 2, "speculative_token": 3,
+                                                    "base_token": 8}
+    shorter = _reasoned(tmp_path / "b3.parquet", {"r1": [5, 6]})
+    assert prove(spec, shorter, profile="audit-ngram").first_difference.speculative_token == 7
+
+
+def test_bakeoff_counts_speculative_tokens_identical_to_the_audited_arm_and_the_speed_up():
+    from tasks.bakeoff import speculation
+
+    def arm(tokens, tok_s):
+        return {"rungs": {"1": {"token_ids": tokens, "tok_s": tok_s}}}
+
+    out = speculation({"vllm-bi": arm([[1, 2, 3], [4, 5]], 100.0), "vllm-bi-ngram": arm([[1, 2, 3], [4, 6]], 50.0)})
+    r = out["vllm-bi-ngram"]["rungs"]["1"]
+    assert (r["tokens_identical"], r["tokens"], r["prompts_identical"], r["speedup"]) == (4, 5, 1, 0.5)
+    assert out["vllm-bi-ngram"]["exact"] is False
+
+
+def test_hf_next_token_rank_and_logprob_match_a_plain_forward(embedded_model_dir):
+    import torch
+
+    from engine.hf import HFEngine
+    from engine.types import NextTokenRequest
+
+    engine = HFEngine(embedded_model_dir)
+    prompt = engine.chat_prompt("Name a colour.")
+    cont = tuple(engine.encode("Blue"))
+    eos = engine.tokenizer.eos_token_id
+    stats = engine.next_token([NextTokenRequest("x", prompt, cont, (eos,))])[0]
+    with torch.inference_mode():
+        logits = engine.model(torch.tensor([engine.encode(prompt) + list(cont)])).logits[0, -1].double()
+    lp = torch.log_softmax(logits, -1)
+    assert stats.logprobs[0] == pytest.approx(float(lp[eos]), abs=1e-5)  # masked vs plain forward (FACTS.md)
+    assert stats.ranks[0] == int((lp > lp[eos]).sum()) + 1
+
+
+# --- campaigns (slow) ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_suite(tmp_path_factory):
+    from jex.sample_suite import write_sample_suite
+
+    return write_sample_suite(tmp_path_factory.mktemp("spec") / "suite", rows=18, seed=3)
+
+
+def _campaign(suite, out: Path, **engine):
+    from flows.campaign import CampaignSpec, run_campaign
+    from flows.remote import MachinesSpec
+    from tasks.engine_pool import EngineSpec
+
+    spec = CampaignSpec(name="spec", suite=str(suite), coverage=0.34, reason_max_tokens=8, bootstrap_draws=50,
+                        engine=EngineSpec(**engine), spec_proof_rows=4, store=str(out / "store"), out=str(out),
+                        machines=MachinesSpec(provider="inprocess"))
+    return run_campaign(spec)
+
+
+@pytest.mark.slow
+def test_an_exact_speculative_profile_is_kept_with_its_proof_in_the_report(tiny_suite, tmp_path, prefect_harness):
+    run = _campaign(tiny_suite, tmp_path, profile="audit-ngram")
+    proof = json.loads((run / "spec_proof.json").read_text())
+    # every gated row of an 18-row suite is a golden row (the first 64), so all of them are proven
+    assert (proof["exact"], proof["fell_back"], proof["rows_differing"]) == (True, False, 0)
+    assert proof["rows_checked"] >= 4
+    assert proof["tokens_compared"] > 0
+    assert "**Exact**: the speculative rationales are kept." in (run / "report.md").read_text()
+    stages = json.loads((run / "stages.json").read_text())
+    reason = json.loads((Path(stages["reason"]["folder"]) / "_SUCCESS.json").read_text())
+    assert reason["engine"]["profile"] == "audit-ngram"
+
+
+@pytest.mark.slow
+def test_a_perturbed_speculative_engine_fails_the_proof_and_the_campaign_falls_back(tiny_suite, tmp_path,
+                                                                                   prefect_harness, monkeypatch):
+    import dataclasses
+
+    import tasks.stages
+    from tasks.engine_pool import get_engine
+
+    class PerturbOneToken:
+        """A test double: the speculative engine, except that one generated token is changed."""
+
+        def __init__(self, engine):
+            self.engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def generate(self, requests):
+            gens = self.engine.generate(requests)
+            g = gens[0]
+            return [dataclasses.replace(g, token_ids=(g.token_ids[0] + 1, *g.token_ids[1:])), *gens[1:]]
+
+    monkeypatch.setattr(tasks.stages, "get_engine",
+                        lambda spec: PerturbOneToken(get_engine(spec)) if spec.profile != "audit" else get_engine(spec))
+    run = _campaign(tiny_suite, tmp_path, profile="audit-ngram")
+    proof = json.loads((run / "spec_proof.json").read_text())
+    assert (proof["exact"], proof["fell_back"]) == (False, True)
+    assert proof["first_difference"]["token_index"] == 0
+    assert "Not exact: the reason stage was recomputed with the audited base profile" in (run / "report.md").read_text()
+    stages = json.loads((run / "stages.json").read_text())
+    reason = json.loads((Path(stages["reason"]["folder"]) / "_SUCCESS.json").read_text())
+    assert "profile" not in reason["engine"]  # the rationales the campaign used are the audited base's
+
+
+@pytest.mark.slow
+def test_early_exit_probe_reports_the_gate_and_every_checkpoint(tiny_suite, tmp_path, prefect_harness):
+    from typer.testing import CliRunner
+
+    from jex.cli import app
+
+    result = CliRunner().invoke(app, ["probe", "early-exit", "--suite", str(tiny_suite), "--rows", "3", "--every",
+                                      "4", "--max-tokens", "12", "-o", str(tmp_path / "probe")])
+    assert result.exit_code == 0, result.output
+    probe = json.loads((tmp_path / "probe" / "probe.json").read_text())
+    assert [c["tokens"] for c in probe["checkpoints"]] == [4, 8, 12]
+    last = probe["checkpoints"][-1]  # no rationale is longer than 12 tokens: cutting there changes nothing
+    assert (last["agreement_with_full"], last["flips"], last["accuracy"]) == (1.0, 0, probe["full_accuracy"])
+    assert probe["gate_checkpoints"] == sum(c["still_thinking"] for c in probe["checkpoints"])
+    assert 0 <= probe["gate_fire_rate"] <= 1
+    assert (tmp_path / "probe" / "probe.png").stat().st_size > 1000
