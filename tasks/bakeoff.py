@@ -93,6 +93,9 @@ def verdict(arms: dict[str, dict[str, Any]], invariant_arms: list[str], control_
         r["run_to_run_identical"] for r in arms[a]["rungs"].values()))]
     if broken:
         return f"NOT INVARIANT: {', '.join(broken)} differ from batch 1 or run to run"
+    if not any(a in arms for a in control_arms):
+        return ("INVARIANT at every rung and run to run (no control arm ran, so this run does not show the test "
+                "could detect divergence)")
     return "INVARIANT: 0 mismatches at every rung and run to run, while the control arm diverged"
 
 
