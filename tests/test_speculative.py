@@ -76,7 +76,7 @@ def test_hf_next_token_rank_and_logprob_match_a_plain_forward(embedded_model_dir
     with torch.inference_mode():
         logits = engine.model(torch.tensor([engine.encode(prompt) + list(cont)])).logits[0, -1].double()
     lp = torch.log_softmax(logits, -1)
-    assert stats.logprobs[0] == pytest.approx(float(lp[eos]), abs=1e-5)  # masked vs plain forward (FACTS.md)
+    assert stats.logprobs[0] == pytest.approx(float(lp[eos]), abs=1e-4)  # masked vs plain forward (FACTS.md)
     assert stats.ranks[0] == int((lp > lp[eos]).sum()) + 1
 
 
