@@ -45,4 +45,5 @@ lock:
 	$(PYTHON) -m pip install -q --target /tmp/jex-uv uv
 	printf 'torch==2.13.0\n-e .[dev]\n' > /tmp/jex-lock.in
 	/tmp/jex-uv/bin/uv pip compile /tmp/jex-lock.in --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
-		--no-annotate --no-header --no-emit-package jex -q -o - | grep -v '^nvidia-\|^triton' > constraints.txt
+		--no-annotate --no-header --no-emit-package jex -q -o /tmp/jex-lock.txt
+	grep -v '^nvidia-\|^triton' /tmp/jex-lock.txt > constraints.txt.tmp && mv constraints.txt.tmp constraints.txt
