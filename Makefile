@@ -26,7 +26,7 @@ run: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	bash .ci/services.sh $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	bash .ci/services.sh $(VENV)/bin/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -1,11 +1,24 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from jex.sample_suite import write_sample_suite
+
+# Test processes (pytest-xdist runs two) each get their own Prefect home and orchestrator state, set
+# before Prefect is first imported (it reads its settings once): nothing is shared but the model cache.
+# One compute thread per process: two test processes (and the engine processes their machines start)
+# share the 2 cores; with torch's default of a thread per core they oversubscribe them, and a readout
+# measured 5x slower than alone (1 thread each: 1.6x). The HF engine's readouts are bit-identical
+# with 1 or 2 threads (checked on the sample rows).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+_WORKER_TMP = Path(tempfile.mkdtemp(prefix=f"jex-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-"))
+os.environ["PREFECT_HOME"] = str(_WORKER_TMP / "prefect")
+os.environ.setdefault("JEX_INFRA__STATE_DIR", str(_WORKER_TMP / "infra"))
 
 
 def write_suite(root: Path, rows_by_catalog: dict[str, list[dict]], *, legs: dict[str, float] | None = None,
@@ -118,19 +131,16 @@ def s3_bucket(s3_server):
 
 
 @pytest.fixture(scope="session")
-def main_job_run(tmp_path_factory) -> Path:
+def main_job_run(tmp_path_factory, prefect_harness) -> Path:
     """The main job (default campaign spec; rationales cut to 16 tokens) on a 36-row sample suite,
     in-process, run once per session: the run folder the samples, show, export and import tests read."""
-    from prefect.testing.utilities import prefect_test_harness
-
     from flows.campaign import CampaignSpec, campaign
     from flows.remote import MachinesSpec
 
     root = tmp_path_factory.mktemp("main-job")
     spec = CampaignSpec(sample_rows=36, reason_max_tokens=16, store=str(root / "store"), out=str(root / "runs"),
                         machines=MachinesSpec(provider="inprocess"))
-    with prefect_test_harness(server_startup_timeout=120):
-        return Path(campaign(spec))
+    return Path(campaign(spec))
 
 
 def write_hub_cache(cache: Path, repo_id: str, source: Path, *, drop_chat_template: bool = False) -> str:

@@ -37,11 +37,8 @@ class PoisonedEngine:
 
 
 @pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+def harness(prefect_harness):
+    """The session's Prefect test API."""
 
 
 def test_campaign_counts_a_failing_batch_audits_the_reference_and_enforces_both(harness, tmp_path, monkeypatch):

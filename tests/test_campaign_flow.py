@@ -43,11 +43,8 @@ def test_capture_bytes_do_not_depend_on_shard_size_or_workers(tiny_suite, tmp_pa
 
 
 @pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+def harness(prefect_harness):
+    """The session's Prefect test API."""
 
 
 def _spec(suite, tmp_path):

@@ -418,9 +418,7 @@ reopen_when = "coverage above 0.3"
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    from prefect.testing.utilities import prefect_test_harness
-
+def finished(tmp_path_factory, prefect_harness):
     from flows.campaign import CampaignSpec
     from flows.experiment import ExperimentSpec, experiment
     from flows.remote import MachinesSpec
@@ -429,8 +427,7 @@ def finished(tmp_path_factory):
     base = CampaignSpec(sample_rows=36, coverage=0.2, reason_max_tokens=8, bootstrap_draws=50,
                         store=str(tmp / "store"), machines=MachinesSpec(provider="inprocess"))
     spec = ExperimentSpec(campaign=base, arms_toml=ARMS_E2E, arms_path="e2e.toml", out=str(tmp / "out"))
-    with prefect_test_harness(server_startup_timeout=120):
-        out = Path(experiment(spec))
+    out = Path(experiment(spec))
     return out, json.loads((out / "experiment.json").read_text())
 
 

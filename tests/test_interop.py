@@ -88,10 +88,8 @@ def imported_suite(lm_task, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def imported_run(imported_suite, tmp_path_factory) -> Path:
+def imported_run(imported_suite, tmp_path_factory, prefect_harness) -> Path:
     """That suite run through a jex campaign (in-process)."""
-    from prefect.testing.utilities import prefect_test_harness
-
     from flows.campaign import CampaignSpec, campaign
     from flows.remote import MachinesSpec
 
@@ -99,8 +97,7 @@ def imported_run(imported_suite, tmp_path_factory) -> Path:
     spec = CampaignSpec(name="lmeval", suite=str(imported_suite), coverage=0.34, reason_max_tokens=8,
                         bootstrap_draws=200, store=str(root / "store"), out=str(root / "runs"),
                         machines=MachinesSpec(provider="inprocess"))
-    with prefect_test_harness(server_startup_timeout=120):
-        return Path(campaign(spec))
+    return Path(campaign(spec))
 
 
 def bundle_of(run_dir: Path) -> str:
