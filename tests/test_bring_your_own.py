@@ -224,7 +224,7 @@ def test_imported_suites_run_with_a_hub_base_model_and_few_shot_prompts(parquet_
     common = ["--provider", "inprocess", "--coverage", "0.34", "--reason-max-tokens", "4", "--out", tmp_path / "runs"]
     runs = {}
     for name, suite, extra in (
-            ("hub", tmp_path / "hf-suite", ["--model", "jex-test/smol-base"]),  # no chat template: plain text
+            ("hub", tmp_path / "hf-suite", ["--model", "jex-test/smol-base", "--chat-template", "none"]),
             ("fewshot", lm_eval_suite, ["--chat-template", "none", "--num-fewshot", "1"])):
         result = run_cli("run", "--name", name, "--suite", suite, *extra, *common)
         assert result.exit_code == 0, result.output
@@ -235,8 +235,14 @@ def test_imported_suites_run_with_a_hub_base_model_and_few_shot_prompts(parquet_
         assert predictions["run_id"].to_list() == [r.run_id for r in inputs]  # every row, in suite order
         for r, probs in zip(inputs, predictions["probs"].to_list(), strict=True):
             assert len(probs) == len(r.options) and abs(sum(probs) - 1) < 1e-9
+        samples = pl.read_parquet(runs[name] / "samples.parquet")
+        assert samples["gold"].to_list() == [r.gold for r in inputs]  # row by row against the inputs
+        assert samples["options"].to_list() == [list(r.options) for r in inputs]
+        assert samples["correct"].to_list() == [c == r.gold for c, r in zip(samples["choice"], inputs, strict=True)]
+        assert not any("<|im_start|>" in p for p in samples["prompt"].to_list())  # plain text: no chat template
         score = json.loads((runs[name] / "score.json").read_text())
         assert score["catalogs"]["trivia"]["n"] == len(inputs)
+        assert score["catalogs"]["trivia"]["correct"] == sum(samples["correct"].to_list())
     stages = json.loads((runs["hub"] / "stages.json").read_text())
     fast = json.loads((Path(stages["fast_pass"]["folder"]) / "_SUCCESS.json").read_text())
     assert fast["engine"]["hub"] == {"repo": "jex-test/smol-base", "commit": offline_hub}

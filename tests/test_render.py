@@ -74,7 +74,8 @@ def test_every_render_setting_changes_the_fingerprint_and_equal_settings_do_not(
     assert RenderSpec().fingerprint() == DEFAULT_RENDER.fingerprint()
     changed = [RenderSpec(system_prompt="x"), RenderSpec(chat_template="none"), RenderSpec(num_fewshot=2),
                RenderSpec(answer_slot="Answer: "), RenderSpec(option_format="{label}) {option}"),
-               RenderSpec(reason_template="{prompt}{options}"), RenderSpec(after_thought="\nSo:")]
+               RenderSpec(reason_template="{prompt}{options}"), RenderSpec(after_thought="\nSo:"),
+               RenderSpec(question_template="Q: {prompt}\n{options}")]
     prints = {s.fingerprint()["sha256"] for s in changed} | {DEFAULT_RENDER.fingerprint()["sha256"]}
     assert len(prints) == len(changed) + 1
 
