@@ -105,18 +105,48 @@ def reconcile(provider: Provider, ledger: Ledger, *, policy: Policy | None = Non
                                           "artifacts": len(outcome.artifacts), "lost": outcome.lost})
         except (ShellError, OSError, ValueError) as e:
             report["errors"].append(f"{machine.id}: {e}")
+            if isinstance(e, ShellError | OSError):  # unreachable: what it held is lost unless S3 has it
+                entry["action"], entry["jobs"] = "unreachable", _recorded_jobs(ledger, machine.id)
         finally:
             entry["teardown"] = session.teardown(f"reconcile: {entry.get('action', 'error')}")
         report["machines"].append(entry)
         echo(f"reconcile: {machine.id} ({machine.campaign or 'no campaign'}): {entry.get('action')}, deleted")
     if s3 is not None:
-        listed = {m["machine"] for m in report["machines"]}
+        listed = {m["machine"] for m in report["machines"] if m.get("action") != "unreachable"}
         try:
             report["machines"] += adopt_self_terminated(s3, ledger, campaign=campaign, skip=listed,
                                                         provider=provider.name, policy=policy or Policy(), echo=echo)
         except Exception as e:  # noqa: BLE001 - S3 down: report it; the next reconcile adopts them
             report["errors"].append(f"adopting self-terminated machines from S3: {type(e).__name__}: {e}")
+    report["machines"] += report_lost(ledger, provider.name, campaign=campaign,
+                                      seen={m["machine"] for m in report["machines"]}, echo=echo)
     return report
+
+
+def _recorded_jobs(ledger: Ledger, machine_id: str) -> list[dict[str, Any]]:
+    """The jobs the orchestrator launched on a machine (its records in the state folder), each marked
+    lost with the artifact patterns that never came back."""
+    records = sorted((Path(ledger.path).parent / "jobs").glob(f"{machine_id}-*.json"))
+    return [{"job": rec["name"], "status": "lost", "artifacts": 0, "lost": rec["artifacts"],
+             "collect_to": rec["collect_to"]} for rec in (json.loads(p.read_text()) for p in records)]
+
+
+def report_lost(ledger: Ledger, provider: str, *, campaign: str | None, seen: set[str],
+                echo: Any) -> list[dict[str, Any]]:
+    """Machines the ledger holds open that the provider no longer lists and S3 did not account for:
+    gone with whatever they had not uploaded. Each is closed in the ledger as lost and reported with
+    the jobs it ran, so a loss is named, never silent."""
+    entries = []
+    for e in ledger.entries(campaign):
+        if e.deleted_at is not None or e.provider != provider or e.machine_id in seen:
+            continue
+        jobs = _recorded_jobs(ledger, e.machine_id)
+        ledger.close(e.machine_id, "lost: gone without its results reaching the orchestrator or S3")
+        entries.append({"machine": e.machine_id, "campaign": e.campaign, "action": "lost", "jobs": jobs,
+                        "teardown": None})
+        echo(f"reconcile: {e.machine_id} ({e.campaign or 'no campaign'}) is gone and nothing of it reached S3: "
+             f"lost job(s) {', '.join(j['job'] for j in jobs) or 'none recorded'}")
+    return entries
 
 
 def adopt_self_terminated(s3: Any, ledger: Ledger, *, campaign: str | None, skip: set[str], provider: str,
