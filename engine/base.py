@@ -52,18 +52,28 @@ class TokenizedEngine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text: one batch call of the fast tokenizer (which encodes in parallel
+        outside the GIL), the same ids as `encode` text by text (no padding, no special tokens)."""
+        if not texts:
+            return []
+        return [list(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
     def label_token(self, label: str) -> int | None:
-        """The id of ' LABEL' if it is a single token, else None (a label slot cannot read it)."""
-        ids = self.encode(" " + label)
-        return ids[0] if len(ids) == 1 else None
+        """The id of ' LABEL' if it is a single token, else None (a label slot cannot read it).
+        Computed once per label per engine: a suite has a handful of label sets, read on every row."""
+        cache: dict[str, int | None] = self.__dict__.setdefault("_label_ids", {})
+        if label not in cache:
+            ids = self.encode(" " + label)
+            cache[label] = ids[0] if len(ids) == 1 else None
+        return cache[label]
 
     def plan_label_slot(self, requests: Sequence[ReadoutRequest]
                         ) -> tuple[dict[int, Readout], list[tuple[int, list[int], list[int]]]]:
         """Counted refusals by request index, and (index, prompt ids, label ids) for the rest."""
         refused: dict[int, Readout] = {}
         todo = []
-        for i, r in enumerate(requests):
-            ids = self.encode(r.prompt)
+        for i, (r, ids) in enumerate(zip(requests, self.encode_many([r.prompt for r in requests]), strict=True)):
             labels = [self.label_token(lab) for lab in r.labels]
             reason = None
             if any(t is None for t in labels):
@@ -82,9 +92,10 @@ class TokenizedEngine:
         """Counted refusals, and (index, context ids, ids of each ' option') for the rest."""
         refused: dict[int, Readout] = {}
         todo = []
-        for i, r in enumerate(requests):
-            ctx = self.encode(r.prompt)
-            opts = [self.encode(" " + o) for o in r.options]
+        contexts = self.encode_many([r.prompt for r in requests])
+        options = iter(self.encode_many([" " + o for r in requests for o in r.options]))
+        for i, (r, ctx) in enumerate(zip(requests, contexts, strict=True)):
+            opts = [next(options) for _ in r.options]
             if len(ctx) + max(map(len, opts)) + self.continuation_reserve > self.max_context:
                 refused[i] = Readout(r.run_id, None, None, None, ReadoutMode.OPTION_CONTINUATION,
                                      f"context: {len(ctx)} prompt tokens + option > {self.max_context}")

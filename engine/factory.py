@@ -11,7 +11,7 @@ ENGINE_SPECS = ("hf", "hf-batched", "vllm", "vllm-control")
 def make_engine(spec: str, *, model: str | Path | None = None, device: str = "cpu", batch_size: int = 8,
                 cache_dir: Path | None = None, max_num_seqs: int = 32, dtype: str | None = None,
                 gpu_memory_utilization: float = 0.30, max_model_len: int | None = None, profile: str = "audit",
-                **kw: Any) -> Any:
+                max_num_batched_tokens: int | None = None, **kw: Any) -> Any:
     """An engine by name; `dtype`, `gpu_memory_utilization` and `max_model_len` reach vLLM's profile
     (which refuses what the audit does not allow), `dtype` also the HF engine. `profile` names an audit
     profile; a speculative one (`audit-ngram`) must be proven exact on each run (tasks/spec_proof.py)."""
@@ -35,6 +35,7 @@ def make_engine(spec: str, *, model: str | Path | None = None, device: str = "cp
         if not Path(model).exists() and HUB_ID.match(str(model)):
             model = resolve_hub(str(model)).path
         settings = VLLMProfile(max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
+                               max_num_batched_tokens=max_num_batched_tokens,
                                max_model_len=max_model_len, **({"dtype": dtype} if dtype else {}),
                                **({"name": profile, "speculative_config": speculative} if speculative else {}),
                                **({"name": "control", "batch_invariant": False} if spec == "vllm-control" else {}))

@@ -58,6 +58,7 @@ class VLLMProfile:
     enforce_eager: bool = False
     cudagraph_mode: str | None = None  # None: vLLM's default; "FULL_DECODE_ONLY" also measured invariant
     max_num_seqs: int = 32
+    max_num_batched_tokens: int | None = None  # None: vLLM's default
     gpu_memory_utilization: float = 0.30
     max_model_len: int | None = None
     seed: int = 0
@@ -119,7 +120,7 @@ class VLLMEngine(TokenizedEngine):
     name = "vllm"
     continuation_reserve = 1  # vLLM must sample one token after the scored prompt
 
-    def __init__(self, model: str | Path, profile: VLLMProfile | None = None, *, batch_size: int = 32):
+    def __init__(self, model: str | Path, profile: VLLMProfile | None = None, *, batch_size: int = 0):
         self.profile = profile or VLLMProfile()
         self.path = Path(model)
         self.profile.check(self.path)
@@ -142,6 +143,8 @@ class VLLMEngine(TokenizedEngine):
             **self.profile.extra)
         if self.profile.max_model_len:
             kwargs["max_model_len"] = self.profile.max_model_len
+        if self.profile.max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = self.profile.max_num_batched_tokens
         if self.profile.cudagraph_mode:
             kwargs["compilation_config"] = {"cudagraph_mode": self.profile.cudagraph_mode}
         if self.profile.speculative_config:
@@ -161,10 +164,13 @@ class VLLMEngine(TokenizedEngine):
         self.calls = {"readout": 0, "generate": 0}
 
     def _run(self, prompts: list[list[int]], params: Any) -> list[Any]:
-        """Submit in chunks of `batch_size`: the batch shape the caller asked for."""
+        """Submit in chunks of `batch_size` (the batch shape the caller asked for), or all in one
+        `generate` when it is 0: vLLM then batches under max_num_seqs / max_num_batched_tokens, and
+        the audit profile makes every result independent of that batching."""
         out: list[Any] = []
-        for start in range(0, len(prompts), self.batch_size):
-            chunk = [{"prompt_token_ids": ids} for ids in prompts[start:start + self.batch_size]]
+        step = self.batch_size or max(1, len(prompts))
+        for start in range(0, len(prompts), step):
+            chunk = [{"prompt_token_ids": ids} for ids in prompts[start:start + step]]
             out += self.llm.generate(chunk, params, use_tqdm=False)
         return out
 
@@ -215,8 +221,7 @@ class VLLMEngine(TokenizedEngine):
         self.calls["generate"] += 1
         out: dict[int, Generation] = {}
         by_params: dict[tuple, list[tuple[int, list[int]]]] = {}
-        for i, r in enumerate(requests):
-            ids = self.encode(r.prompt)
+        for i, (r, ids) in enumerate(zip(requests, self.encode_many([r.prompt for r in requests]), strict=True)):
             if len(ids) + r.max_tokens > self.max_context:
                 out[i] = Generation(r.run_id, "", (), FinishReason.REFUSED, len(ids))
             else:

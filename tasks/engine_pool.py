@@ -30,8 +30,11 @@ class EngineSpec(BaseModel):
                                                                           "kept only if proven exact on this run")
     model: str | None = Field(None, description="Model folder or GGUF; empty = the embedded SmolLM2")
     device: str = "cpu"
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(8, ge=0, description="Requests per engine call; 0 (vLLM only): all the stage hands "
+                                                 "over (a shard) in one call, scheduled by vLLM")
     max_num_seqs: int = Field(32, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=16, description="vLLM: tokens per scheduler step; "
+                                                                        "empty = vLLM's default")
     dtype: str | None = Field(None, description="Weights dtype; empty = the engine's (hf float32, vllm bfloat16 "
                                                 "under the audit profile)")
     gpu_memory_utilization: float = Field(0.30, gt=0, le=0.95, description="vLLM: share of GPU memory")
@@ -41,6 +44,8 @@ class EngineSpec(BaseModel):
 
     @model_validator(mode="after")
     def _profile_fits_kind(self) -> EngineSpec:
+        if self.batch_size == 0 and not self.kind.startswith("vllm"):
+            raise ValueError(f"batch_size 0 (one call per shard) is for vLLM engines; {self.kind!r} needs >= 1")
         if self.profile != "audit" and self.kind not in ("hf", "vllm"):
             raise ValueError(f"profile {self.profile!r} needs an audited engine kind (hf or vllm), not {self.kind!r}")
         return self
@@ -93,5 +98,6 @@ def get_engine(spec: EngineSpec) -> Any:
         _ENGINES[key] = make_engine(spec.kind, model=spec.model, device=spec.device, batch_size=spec.batch_size,
                                     cache_dir=Path(spec.cache_dir), max_num_seqs=spec.max_num_seqs,
                                     dtype=spec.dtype, gpu_memory_utilization=spec.gpu_memory_utilization,
-                                    max_model_len=spec.max_model_len, profile=spec.profile)
+                                    max_model_len=spec.max_model_len, profile=spec.profile,
+                                    max_num_batched_tokens=spec.max_num_batched_tokens)
     return _ENGINES[key]

@@ -131,3 +131,17 @@ def test_fast_pass_on_suite_rows(engine):
 
     out = fast_pass(engine, [as_row(r) for r in rows])
     assert [len(o.logprobs) for o in out] == [4, 2] and all(0.3 < o.label_mass <= 1 for o in out)
+
+
+def test_batch_tokenisation_gives_the_ids_of_one_text_at_a_time(engine, requests):
+    texts = [r.prompt for r in requests] + ["", " A", "Ünïcode — «quotes» 漢字", "trailing space "]
+    assert engine.encode_many(texts) == [engine.encode(t) for t in texts]
+    assert engine.encode_many([]) == []
+
+
+def test_label_ids_are_computed_once_per_label(engine, requests, monkeypatch):
+    engine.readout(requests[:2])  # the labels of these rows are known now
+    calls = []
+    monkeypatch.setattr(engine, "encode", lambda text: calls.append(text) or [])
+    engine.readout(requests[:2])
+    assert calls == []  # prompts go through encode_many; no label is encoded again
