@@ -4,7 +4,7 @@ A rule file is TOML with one `[[rules]]` table per rule, applied in declared ord
 
     [[rules]]
     id = "R-sorted"
-    kind = "positional-threshold"        # or signed-logit-threshold, isotonic-shrink
+    kind = "positional-threshold"        # or signed-logit-threshold, isotonic-shrink, abstain-below
     target = "sorted_max"
     projection_class = "positional-construction-reuse"   # or fitted-on-public-oof
     enabled = true
@@ -20,6 +20,7 @@ from pathlib import Path
 from jex.errors import InputError
 from overlays.rules import (
     RULE_KINDS,
+    AbstainBelow,
     IsotonicShrink,
     OverlayRuleBase,
     PositionalThreshold,
@@ -27,8 +28,8 @@ from overlays.rules import (
     rule_from_dict,
 )
 
-__all__ = ["RULE_KINDS", "IsotonicShrink", "OverlayRuleBase", "PositionalThreshold", "SignedLogitThreshold",
-           "load_rule_file", "rule_from_dict"]
+__all__ = ["RULE_KINDS", "AbstainBelow", "IsotonicShrink", "OverlayRuleBase", "PositionalThreshold",
+           "SignedLogitThreshold", "load_rule_file", "rule_from_dict"]
 
 
 def load_rule_file(path: str | Path) -> list[OverlayRuleBase]:

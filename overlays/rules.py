@@ -1,6 +1,7 @@
 """Overlay rule kinds: decision corrections on a frozen capture.
 
-A rule changes emitted choices of its target catalog only; probabilities are read, never written.
+A rule changes emitted choices of its target catalog only (or, for `abstain-below`, the secondary
+`abstain` flag a catalog may declare); probabilities are read, never written.
 Each kind is registered by name, and its parameters serialise into `record()` so a report says
 exactly what was applied. Frames given to `decide` hold one catalog's rows with `run_id`,
 `question_id`, `choice` and `probs` (per-option probabilities, renormalised over the options); fitted
@@ -36,6 +37,8 @@ class OverlayRuleBase:
     projection_class: ProjectionClass
     enabled: bool = True
     kind: ClassVar[str] = ""
+    sets: ClassVar[Literal["choice", "abstain"]] = "choice"
+    """The prediction column the rule writes: the choice, or the secondary `abstain` flag."""
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -194,6 +197,33 @@ class IsotonicShrink(OverlayRuleBase):
     def describe(self) -> str:
         return (f"isotonic-shrink on option {self.positive_index} (lambda = {self.shrink:g}, {self.folds} folds, "
                 "out-of-fold), threshold 0.5")
+
+
+@dataclass(frozen=True)
+class AbstainBelow(OverlayRuleBase):
+    """Set the secondary `abstain` flag (the row declines to answer) where the chosen option's
+    probability is below `p_min`; the choice is kept. Only a catalog that declares
+    `secondary = ["abstain"]` in suite.toml has its abstentions scored (as rows with no prediction)."""
+
+    p_min: float = 0.5
+    kind: ClassVar[str] = "abstain-below"
+    sets: ClassVar[Literal["choice", "abstain"]] = "abstain"
+
+    def decide(self, frame: pl.DataFrame) -> pl.Series:
+        chosen = [ps[c] if ps is not None and c is not None and c < len(ps) else None
+                  for ps, c in zip(frame["probs"].to_list(), frame["choice"].to_list(), strict=True)]
+        return pl.Series("abstain", [p is not None and p < self.p_min for p in chosen], dtype=pl.Boolean)
+
+    def apply(self, frame: pl.DataFrame) -> pl.Series:
+        """Flags for every row of `frame`: the target catalog's decided anew, all others as they were."""
+        target = (frame["catalog"] == self.target).to_numpy()
+        flags = frame["abstain"].to_numpy().copy() if "abstain" in frame.columns else np.zeros(frame.height, bool)
+        if target.any():
+            flags[target] = self.decide(frame.filter(pl.Series(target))).to_numpy()
+        return pl.Series("abstain", flags, dtype=pl.Boolean)
+
+    def describe(self) -> str:
+        return f"abstain where the chosen option's probability < {self.p_min:g} (the choice is kept)"
 
 
 def rule_from_dict(d: dict[str, Any]) -> OverlayRuleBase:

@@ -117,6 +117,8 @@ def overlay_stage(calibrated: dict[str, Any], store: LocalStore, *, rules: list[
     frame, applied = apply_overlays(base, rules)
     predictions = frame.select("run_id", "choice", probs=pl.col("calibrated_logprobs").list.eval(pl.element().exp()),
                                stage="stage")
+    if "abstain" in frame.columns:  # only when a rule set it: runs without one keep their bytes
+        predictions = predictions.with_columns(frame["abstain"])
     write_parquet(predictions, sd.path / "predictions.parquet")
     return sd.finish({"stage": "overlay", "key": key, "predictions": str(sd.path / "predictions.parquet"),
                       "sha256": sha256_file(sd.path / "predictions.parquet"), "applied": applied})
@@ -130,7 +132,7 @@ def score_stage(bundle: dict[str, Any], overlay: dict[str, Any], fold: dict[str,
     if sd.complete:
         return sd.summary()
     table = _suite(bundle)
-    preds = pl.read_parquet(overlay["predictions"]).select("run_id", "choice", "probs")
+    preds = pl.read_parquet(overlay["predictions"]).select(pl.exclude("stage"))  # run_id, choice, probs[, abstain]
     folded = pl.read_parquet(fold["folded"])
     policy = score_with_ci(table.rows, preds, table.spec, draws=draws, seed=seed)
     baseline = score_with_ci(table.rows, folded.select("run_id", choice="fast_choice",

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from jex.errors import InputError
 from jex.fileio import canonical_json, write_json
 from overlays.rules import IsotonicShrink, OverlayRuleBase, logit
 from tasks.bootstrap import paired_bootstrap_ci
@@ -186,6 +187,10 @@ def out_of_fold_choices(rule: OverlayRuleBase, frame: pl.DataFrame, folds: int) 
 def gate_rule(capture: Capture, rule: OverlayRuleBase, settings: GateSettings) -> dict[str, Any]:
     """One rule through the gate. The interval is of the out-of-fold decisions (`out_of_fold_choices`),
     so a rule cannot pass on its own fit; the in-sample numbers are recorded beside them."""
+    if rule.sets != "choice":
+        raise InputError(f"rule {rule.id!r} ({rule.kind}) sets the '{rule.sets}' flag; the gate tests rules that "
+                         "change choices (an abstention's effect is read in the campaign's score, per catalog)",
+                         field="kind")
     base = capture.base
     new = rule.apply(base)
     overlaid = base.with_columns(new.alias("choice"))

@@ -170,3 +170,43 @@ def test_unknown_scoring_kind_is_refused(tmp_path):
                                                                                   'id = "a"\nscoring = "f1"\n'))
     with pytest.raises(InputError, match="scoring"):
         load_suite_table(suite)
+
+
+def test_an_overlay_sets_abstain_and_the_campaigns_score_reads_it(tmp_path):
+    """overlay stage -> score stage: an `abstain-below` rule flags the target's unsure rows, keeps their
+    choices, and the score counts them as the scorer of a predictions file with those flags does."""
+    import polars as pl
+
+    from overlays import AbstainBelow
+    from tasks.cpu_stages import overlay_stage, read_json, score_stage
+    from tasks.stages import bundle_stage
+    from tasks.store import LocalStore, write_parquet
+
+    suite, rows = mixed_suite(tmp_path / "s", secondary={"acc": ["abstain"]})
+    preds_path = random_predictions(tmp_path / "p.jsonl", rows, missing=())
+    preds = [json.loads(x) for x in open(preds_path)]
+    by_id = {r["run_id"]: r for cid in rows for r in rows[cid]}
+    calibrated = pl.DataFrame(
+        {"run_id": [p["run_id"] for p in preds], "catalog": [by_id[p["run_id"]]["catalog"] for p in preds],
+         "question_id": [by_id[p["run_id"]]["question_id"] for p in preds],
+         "choice": [p["choice"] for p in preds], "folded": [False] * len(preds),
+         "calibrated_logprobs": [[math.log(q) for q in p["probs"]] for p in preds]},
+        schema_overrides={"choice": pl.Int32})
+    write_parquet(calibrated, tmp_path / "calibrated.parquet")
+    write_parquet(calibrated.select("run_id", logprobs="calibrated_logprobs", fast_choice="choice"),
+                  tmp_path / "folded.parquet")
+    store = LocalStore(tmp_path / "store")
+    bundle = bundle_stage(suite, store)
+    rule = AbstainBelow(id="unsure", target="acc", projection_class="fitted-on-public-oof", p_min=0.45)
+    overlay = overlay_stage({"calibrated": str(tmp_path / "calibrated.parquet"), "sha256": "c"}, store,
+                            rules=[rule], rules_sha256="r")
+    out = pl.read_parquet(overlay["predictions"])
+    unsure = {p["run_id"] for p in preds if p["run_id"].startswith("acc") and p["probs"][p["choice"]] < 0.45}
+    assert unsure and set(out.filter("abstain")["run_id"]) == unsure
+    assert out["choice"].to_list() == [p["choice"] for p in preds]  # choices kept
+    assert overlay["applied"][0]["changed"] == len(unsure)
+    score = read_json(score_stage(bundle, overlay, {"folded": str(tmp_path / "folded.parquet"), "sha256": "f"},
+                                  store, draws=20, seed=1)["score_json"])
+    assert score["catalogs"]["acc"]["abstained"] == len(unsure)
+    flagged = random_predictions(tmp_path / "flagged.jsonl", rows, missing=(), abstain=tuple(unsure))
+    assert score["full"] == score_files(suite, flagged, tmp_path / "out", draws=20)["full"]

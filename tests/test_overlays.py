@@ -223,3 +223,25 @@ def test_refit_keeps_the_declared_threshold_on_a_tie():
     rule = PositionalThreshold(id="T", target="t", projection_class="positional-construction-reuse",
                                label_index=1, tau=5.0)
     assert rule.fit(frame).tau == 5.0  # never firing is already best: the declared tau stays
+
+
+def test_abstain_below_flags_only_the_targets_unsure_rows_and_keeps_every_choice():
+    from overlays import AbstainBelow
+
+    f = pl.concat([frame([[0.4, 0.35, 0.25], [0.9, 0.1, 0.0]], [0, 0]),
+                   frame([[0.3, 0.3, 0.4]], [2], catalog="other").with_columns(run_id=pl.lit("o0"))])
+    rule = AbstainBelow(id="u", target="c", projection_class="fitted-on-public-oof", p_min=0.5)
+    out, applied = apply_overlays(f, [rule])
+    assert out["abstain"].to_list() == [True, False, False]  # 'other' is below 0.5 too, but not the target
+    assert out["choice"].to_list() == f["choice"].to_list() and out["stage"].to_list() == ["base"] * 3
+    assert applied[0]["changed"] == 1
+    with pytest.raises(NoDegradeViolation, match="catalog 'other'"):
+        no_degrade_check(f, out.with_columns(abstain=pl.Series([True, False, True])), targets={"c"})
+
+
+def test_the_gate_refuses_a_rule_that_sets_abstain(capture):
+    from overlays import AbstainBelow
+
+    rule = AbstainBelow(id="u", target="pos", projection_class="fitted-on-public-oof")
+    with pytest.raises(InputError, match="sets the 'abstain' flag"):
+        gate_rule(capture, rule, GateSettings(draws=10, permutations=10))
