@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.jex-setup
 
-.PHONY: setup run test lint bench clean-venv lock
+.PHONY: setup run test lint bench clean-venv lock screenshots
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ run: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	bash .ci/services.sh $(VENV)/bin/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+
+# The UI screenshots in docs/img, taken by the browser test against a real server (never by `make test`)
+screenshots: setup
+	JEX_DOCS_SCREENSHOTS=1 bash .ci/services.sh $(VENV)/bin/python -m pytest -q tests/test_server.py -k browser
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -24,6 +24,8 @@ from deployments.server import _alive
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 DOCS_IMG = ROOT / "docs" / "img"
+"""Where the browser test's screenshots go: docs/img only with `make screenshots` (JEX_DOCS_SCREENSHOTS=1),
+else a temporary folder, so running the tests leaves the work tree as it was."""
 NOTIFY_BLOCK = "custom-webhook/jex-alerts"
 
 
@@ -136,20 +138,21 @@ def test_experiment_deployment_runs_from_the_api_and_publishes_its_report(server
     assert doc["arms"]["fw"]["engine_calls"] == {"fast_pass": 0, "reason": 0}  # a fold arm reuses the capture
 
 
-def test_a_browser_starts_a_campaign_from_the_run_form(server):
+def test_a_browser_starts_a_campaign_from_the_run_form(server, tmp_path):
     if not shutil.which("chromium"):
         pytest.skip("Debian's chromium is not installed (`.ci/services.sh` installs it as root)")
     from playwright.sync_api import sync_playwright
 
     ui = server["state"]["ui_url"]
-    DOCS_IMG.mkdir(parents=True, exist_ok=True)
+    shots = DOCS_IMG if os.environ.get("JEX_DOCS_SCREENSHOTS") == "1" else tmp_path
+    shots.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=shutil.which("chromium"),
                                     args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(f"{ui}/deployments", wait_until="networkidle")
         page.get_by_text("retry-stage").first.wait_for()
-        page.screenshot(path=str(DOCS_IMG / "ui-deployments.png"))
+        page.screenshot(path=str(shots / "ui-deployments.png"))
         page.locator('a[href^="/deployments/deployment/"]', has_text="campaign").first.click()
         run = page.get_by_role("button", name="Run", exact=True)
         run.wait_for(timeout=30_000)
@@ -160,7 +163,7 @@ def test_a_browser_starts_a_campaign_from_the_run_form(server):
         boxes = page.locator("textarea")
         name = next(boxes.nth(i) for i in range(boxes.count()) if boxes.nth(i).input_value() == "ui")
         name.fill("browser")  # the form is pre-filled with the deployment's defaults
-        page.screenshot(path=str(DOCS_IMG / "ui-run-form.png"))
+        page.screenshot(path=str(shots / "ui-run-form.png"))
         page.get_by_role("button", name="Submit").click()
         run_id = _wait_for_run_named("browser")  # the run the form created, with the name typed into it
         page.goto(f"{ui}/runs/flow-run/{run_id}", wait_until="networkidle")
@@ -174,7 +177,7 @@ def test_a_browser_starts_a_campaign_from_the_run_form(server):
         assert state == "Completed"
         page.reload(wait_until="networkidle")
         page.get_by_text("Completed", exact=True).first.wait_for(timeout=30_000)  # and the UI shows it
-        page.screenshot(path=str(DOCS_IMG / "ui-run-completed.png"))
+        page.screenshot(path=str(shots / "ui-run-completed.png"))
         browser.close()
     assert next((server["tmp"] / "runs").glob("browser-*/report.md")).exists()
 
