@@ -144,7 +144,8 @@ def proof_section(proof: ExactnessProof, *, fell_back: bool) -> list[str]:
     if proof.speedup is not None:
         verdict = "faster" if proof.speedup > 1 else "**slower** than the base: speculation does not pay here"
         lines.append(f"Speed: {proof.speculative_tokens_per_s:,.1f} tok/s speculative vs "
-                     f"{proof.base_tokens_per_s:,.1f} tok/s base ({proof.speedup:.2f}x, {verdict}).")
+                     f"{proof.base_tokens_per_s:,.1f} tok/s base ({proof.speedup:.2f}x, {verdict}); each is its "
+                     "reason stage's generated tokens over its compute time, engine start excluded.")
     else:
         lines.append("Speed: not measured here (the shards were computed on machines; see `jex bakeoff`).")
     return lines + [""]

@@ -144,7 +144,8 @@ def fast_pass_stage(bundle: dict[str, Any], engine: EngineSpec, store: LocalStor
 
     shards = sd.path / f"shards-{shard_rows}"
     stats = run_sharded(rows, shard_rows=shard_rows, folder=shards, compute=compute, worker=worker, workers=workers,
-                        on_shard=(lambda d, t: progress("fast_pass", d, t)) if progress else None)
+                        on_shard=(lambda d, t: progress("fast_pass", d, t)) if progress else None,
+                        prepare=lambda: get_engine(engine))
     if workers > 1 and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
         return {"stage": "fast_pass", "key": key, "partial": True, "computed_shards": stats.computed}
     frame = merge_shards(shards, stats.shards, sd.path / "capture.parquet")
@@ -233,7 +234,8 @@ def reason_stage(bundle: dict[str, Any], gate: dict[str, Any], engine: EngineSpe
 
     shards = sd.path / f"shards-{shard_rows}"
     stats = run_sharded(rows, shard_rows=shard_rows, folder=shards, compute=compute, worker=worker, workers=workers,
-                        on_shard=(lambda d, t: progress("reason", d, t)) if progress else None)
+                        on_shard=(lambda d, t: progress("reason", d, t)) if progress else None,
+                        prepare=lambda: get_engine(engine))
     if workers > 1 and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
         return {"stage": "reason", "key": key, "partial": True, "computed_shards": stats.computed}
     out = sd.path / "reasoned.parquet"
