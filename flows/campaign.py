@@ -75,8 +75,9 @@ class CampaignSpec(BaseModel):
 
     def identity(self) -> str:
         """Hash of what defines the results (not where they are written, nor on which machines)."""
-        doc = self.model_dump(exclude={"store", "out", "fast_shard_rows", "reason_shard_rows", "machines",
-                                       "samples_prompts", *AUDIT_SETTINGS})
+        where = ("store", "out", "fast_shard_rows", "reason_shard_rows", "machines", "samples_prompts", *AUDIT_SETTINGS)
+        # a scheduler limit: under the audit profile the results do not depend on it
+        doc = self.model_dump(exclude={**dict.fromkeys(where, True), "engine": {"max_num_batched_tokens": True}})
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:10]
 
     def run_dir(self) -> Path:

@@ -33,6 +33,7 @@ class LedgerEntry:
     created_at: float
     deleted_at: float | None = None
     end_reason: str | None = None
+    host: str | None = None  # where a host provider (local, ssh) leased it
 
     def seconds(self, now: float | None = None) -> float:
         return max(0.0, (self.deleted_at or now or time.time()) - self.created_at)
@@ -62,10 +63,10 @@ class Ledger:
         return next((e for e in self.entries() if e.machine_id == machine_id), None)
 
     def open(self, machine_id: str, campaign: str | None, provider: str, price_per_hour: float,
-             created_at: float | None = None) -> None:
+             created_at: float | None = None, host: str | None = None) -> None:
         with self._locked() as doc:
             doc["machines"].setdefault(machine_id, asdict(LedgerEntry(
-                machine_id, campaign, provider, price_per_hour, created_at or time.time())))
+                machine_id, campaign, provider, price_per_hour, created_at or time.time(), host=host)))
 
     def close(self, machine_id: str, reason: str, at: float | None = None) -> None:
         with self._locked() as doc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import shlex
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +79,14 @@ def _jobs_on(session: MachineSession) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
+LOST_AFTER_S = 900.0
+"""A machine younger than this is never called lost: a cloud's listing can lag its creation."""
+
+
 def reconcile(provider: Provider, ledger: Ledger, *, policy: Policy | None = None, s3: Any = None,
-              campaign: str | None = None, echo: Any = None) -> dict[str, Any]:
-    """Supervise, collect and delete every jex machine the provider lists (of one campaign, or all)."""
+              campaign: str | None = None, echo: Any = None, lost_after_s: float = LOST_AFTER_S) -> dict[str, Any]:
+    """Supervise, collect and delete every jex machine the provider lists (of one campaign, or all);
+    adopt what machines that stopped themselves left in S3; name the machines that are gone (`report_lost`)."""
     echo = echo or (lambda s: log.info("%s", s))
     report: dict[str, Any] = {"machines": [], "errors": []}
     for machine in provider.list(campaign):
@@ -105,47 +111,53 @@ def reconcile(provider: Provider, ledger: Ledger, *, policy: Policy | None = Non
                                           "artifacts": len(outcome.artifacts), "lost": outcome.lost})
         except (ShellError, OSError, ValueError) as e:
             report["errors"].append(f"{machine.id}: {e}")
-            if isinstance(e, ShellError | OSError):  # unreachable: what it held is lost unless S3 has it
-                entry["action"], entry["jobs"] = "unreachable", _recorded_jobs(ledger, machine.id)
         finally:
             entry["teardown"] = session.teardown(f"reconcile: {entry.get('action', 'error')}")
         report["machines"].append(entry)
         echo(f"reconcile: {machine.id} ({machine.campaign or 'no campaign'}): {entry.get('action')}, deleted")
     if s3 is not None:
-        listed = {m["machine"] for m in report["machines"] if m.get("action") != "unreachable"}
+        listed = {m["machine"] for m in report["machines"]}
         try:
             report["machines"] += adopt_self_terminated(s3, ledger, campaign=campaign, skip=listed,
                                                         provider=provider.name, policy=policy or Policy(), echo=echo)
         except Exception as e:  # noqa: BLE001 - S3 down: report it; the next reconcile adopts them
             report["errors"].append(f"adopting self-terminated machines from S3: {type(e).__name__}: {e}")
-    report["machines"] += report_lost(ledger, provider.name, campaign=campaign,
-                                      seen={m["machine"] for m in report["machines"]}, echo=echo)
+            return report  # S3 could not be read: what looks lost may be there; decide at the next reconcile
+    report["machines"] += report_lost(ledger, provider, campaign=campaign,
+                                      seen={m["machine"] for m in report["machines"]}, echo=echo,
+                                      after_s=lost_after_s)
     return report
 
 
 def _recorded_jobs(ledger: Ledger, machine_id: str) -> list[dict[str, Any]]:
-    """The jobs the orchestrator launched on a machine (its records in the state folder), each marked
-    lost with the artifact patterns that never came back."""
+    """The jobs the orchestrator launched on a machine (its records in the state folder), with the
+    artifact patterns whatever it had not handed over would have matched."""
     records = sorted((Path(ledger.path).parent / "jobs").glob(f"{machine_id}-*.json"))
     return [{"job": rec["name"], "status": "lost", "artifacts": 0, "lost": rec["artifacts"],
              "collect_to": rec["collect_to"]} for rec in (json.loads(p.read_text()) for p in records)]
 
 
-def report_lost(ledger: Ledger, provider: str, *, campaign: str | None, seen: set[str],
-                echo: Any) -> list[dict[str, Any]]:
-    """Machines the ledger holds open that the provider no longer lists and S3 did not account for:
-    gone with whatever they had not uploaded. Each is closed in the ledger as lost and reported with
-    the jobs it ran, so a loss is named, never silent."""
+def report_lost(ledger: Ledger, provider: Provider, *, campaign: str | None, seen: set[str], echo: Any,
+                after_s: float = LOST_AFTER_S) -> list[dict[str, Any]]:
+    """Machines the ledger holds open that this provider leased (same provider, and for host providers
+    one of its hosts), that it no longer knows (`describe` is None), that S3 did not account for, and
+    that are older than `after_s`: gone with whatever they had not handed over. Each is reported with
+    the jobs it ran and closed in the ledger as lost (so it is named once, and its cost stops)."""
+    hosts = set(getattr(provider, "hosts", []) or [])
     entries = []
     for e in ledger.entries(campaign):
-        if e.deleted_at is not None or e.provider != provider or e.machine_id in seen:
+        if e.deleted_at is not None or e.provider != provider.name or e.machine_id in seen:
+            continue
+        if hosts and e.host not in hosts:
+            continue  # leased on a host this provider was not told about (`--host`): not ours to judge
+        if time.time() - e.created_at < after_s or provider.describe(e.machine_id) is not None:
             continue
         jobs = _recorded_jobs(ledger, e.machine_id)
         ledger.close(e.machine_id, "lost: gone without its results reaching the orchestrator or S3")
         entries.append({"machine": e.machine_id, "campaign": e.campaign, "action": "lost", "jobs": jobs,
                         "teardown": None})
         echo(f"reconcile: {e.machine_id} ({e.campaign or 'no campaign'}) is gone and nothing of it reached S3: "
-             f"lost job(s) {', '.join(j['job'] for j in jobs) or 'none recorded'}")
+             f"whatever job(s) {', '.join(j['job'] for j in jobs) or 'none recorded'} had not handed over is lost")
     return entries
 
 

@@ -198,7 +198,7 @@ class MachineSession:
         self.ledger.guard(self.campaign, self.policy.budget_usd)
         self.machine = self.provider.create(self.campaign, self.label)
         self.ledger.open(self.machine.id, self.campaign, self.provider.name, self.policy.price_per_hour,
-                         self.machine.created_at)
+                         self.machine.created_at, host=self.machine.host)
         try:
             self.shell = self._wait_reachable()
             self.bootstrap()

@@ -44,8 +44,9 @@ class EngineSpec(BaseModel):
 
     @model_validator(mode="after")
     def _profile_fits_kind(self) -> EngineSpec:
-        if self.batch_size == 0 and not self.kind.startswith("vllm"):
-            raise ValueError(f"batch_size 0 (one call per shard) is for vLLM engines; {self.kind!r} needs >= 1")
+        if self.batch_size == 0 and self.kind != "vllm":
+            raise ValueError(f"batch_size 0 (one call per shard) is for the audited vLLM engine, whose results do "
+                             f"not depend on the batch; {self.kind!r} needs >= 1")
         if self.profile != "audit" and self.kind not in ("hf", "vllm"):
             raise ValueError(f"profile {self.profile!r} needs an audited engine kind (hf or vllm), not {self.kind!r}")
         return self

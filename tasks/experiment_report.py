@@ -55,7 +55,8 @@ class ArmRun:
 
 
 def predictions(run_dir: Path) -> pl.DataFrame:
-    return pl.read_parquet(run_dir / "predictions.parquet").select("run_id", "choice", "probs")
+    """run_id, choice, probs, and `abstain` when an overlay set it (the scorer reads it per catalog)."""
+    return pl.read_parquet(run_dir / "predictions.parquet").select(pl.exclude("stage"))
 
 
 def stage_summaries(run_dir: Path) -> dict[str, Any]:

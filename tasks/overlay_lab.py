@@ -184,13 +184,18 @@ def out_of_fold_choices(rule: OverlayRuleBase, frame: pl.DataFrame, folds: int) 
     return choices, fitted
 
 
+def _choice_rules_only(rules: list[OverlayRuleBase], what: str) -> None:
+    for rule in rules:
+        if rule.sets != "choice":
+            raise InputError(f"rule {rule.id!r} ({rule.kind}) sets the '{rule.sets}' flag; {what} measures rules "
+                             "that change choices (an abstention's effect is read in the campaign's score, per "
+                             "catalog)", field="kind")
+
+
 def gate_rule(capture: Capture, rule: OverlayRuleBase, settings: GateSettings) -> dict[str, Any]:
     """One rule through the gate. The interval is of the out-of-fold decisions (`out_of_fold_choices`),
     so a rule cannot pass on its own fit; the in-sample numbers are recorded beside them."""
-    if rule.sets != "choice":
-        raise InputError(f"rule {rule.id!r} ({rule.kind}) sets the '{rule.sets}' flag; the gate tests rules that "
-                         "change choices (an abstention's effect is read in the campaign's score, per catalog)",
-                         field="kind")
+    _choice_rules_only([rule], "the gate")
     base = capture.base
     new = rule.apply(base)
     overlaid = base.with_columns(new.alias("choice"))
@@ -239,6 +244,7 @@ def gate(capture: Capture, rules: list[OverlayRuleBase], settings: GateSettings,
 
 def ladder(capture: Capture, rules: list[OverlayRuleBase]) -> dict[str, Any]:
     """Base, each step in declared order, every leave-one-out; reversibility and no-degrade asserted."""
+    _choice_rules_only(rules, "the ladder")
     base = capture.base.with_columns(stage=pl.lit("base"))
     off, _ = apply_overlays(base, [])
     reversibility_check(base, off)

@@ -91,13 +91,16 @@ def sha256_text(text: str | None) -> str | None:
 
 def build_samples(rows: pl.DataFrame, *, capture: pl.DataFrame, gated: pl.DataFrame, reasoned: pl.DataFrame,
                   folded: pl.DataFrame, predictions: pl.DataFrame, prompts: RenderedPrompts,
-                  excluded: set[str], prompt_ref: str | None = None) -> pl.DataFrame:
+                  excluded: set[str], prompt_ref: str | None = None,
+                  abstaining: frozenset[str] = frozenset()) -> pl.DataFrame:
     """Join the stage frames on run_id, in the order of `rows` (the suite's).
 
     `rows`: run_id, catalog, question_id, options, labels, gold[, metadata]. `capture`: run_id, logprobs, label_mass,
     refusal. `gated`: run_id, margin. `reasoned`: run_id, rationale, token_ids, finish_reason,
     post_logprobs, refusal. `folded`: run_id, folded_logprobs, gated, folded, fast_choice.
-    `predictions`: run_id, choice, probs, stage. With `prompt_ref` (compact output) the prompt texts
+    `predictions`: run_id, choice, probs, stage[, abstain]; a row flagged `abstain` in a catalog of
+    `abstaining` (those that declare the flag) is not `correct`, as the scorer counts it. With
+    `prompt_ref` (compact output) the prompt texts
     are left out and each row points at `prompt_ref#run_id=...`.
     """
     ids = rows["run_id"].to_list()
@@ -112,8 +115,10 @@ def build_samples(rows: pl.DataFrame, *, capture: pl.DataFrame, gated: pl.DataFr
                    on="run_id", how="left", maintain_order="left")
              .join(folded.select("run_id", "gated", "folded", "folded_logprobs", "fast_choice"), on="run_id",
                    how="left", maintain_order="left")
-             .join(predictions.select("run_id", "choice", final_probs="probs", decided_by="stage"), on="run_id",
-                   how="left", maintain_order="left"))
+             .join(predictions.select("run_id", "choice", final_probs="probs", decided_by="stage",
+                                      abstained=(pl.col("abstain").fill_null(False) if "abstain" in predictions.columns
+                                                 else pl.lit(False))),
+                   on="run_id", how="left", maintain_order="left"))
     question = [prompts.question.get(r) for r in ids]
     reason = [prompts.reason.get(r) for r in ids]
     frame = frame.with_columns(
@@ -125,7 +130,8 @@ def build_samples(rows: pl.DataFrame, *, capture: pl.DataFrame, gated: pl.DataFr
         pl.Series("reason_prompt_sha256", [sha256_text(t) for t in reason], dtype=pl.String),
         pl.lit(prompts.missing, dtype=pl.String).alias("prompt_missing"),
         pl.col("rationale_token_ids").list.len().cast(pl.Int32).alias("rationale_tokens"),
-        (pl.col("choice") == pl.col("gold")).fill_null(False).alias("correct"),
+        ((pl.col("choice") == pl.col("gold")).fill_null(False)
+         & ~(pl.col("abstained").fill_null(False) & pl.col("catalog").is_in(list(abstaining)))).alias("correct"),
         (~pl.col("run_id").is_in(list(excluded))).alias("scored"),
         pl.col("gated").fill_null(False), pl.col("folded").fill_null(False))
     return frame.select([pl.col(c).cast(t) for c, t in SAMPLES_SCHEMA.items()])
@@ -189,11 +195,12 @@ def write_samples(run_dir: Path, summaries: dict[str, Any], spec: dict[str, Any]
     ref = None
     if prompts == "sha256" and rendered.missing is None:
         ref = str(store_prompts(store.root, art.bundle["sha256"], engine_spec, rendered))
-    excluded = {rid for c in _suite(art.bundle).spec.catalogs for rid in c.exclusions}
+    catalogs = _suite(art.bundle).spec.catalogs
+    excluded = {rid for c in catalogs for rid in c.exclusions}
     frame = build_samples(bundle_rows, capture=pl.read_parquet(art.capture), gated=gated,
                           reasoned=pl.read_parquet(art.reasoned), folded=pl.read_parquet(art.folded),
                           predictions=pl.read_parquet(art.predictions), prompts=rendered, excluded=excluded,
-                          prompt_ref=ref)
+                          prompt_ref=ref, abstaining=frozenset(c.id for c in catalogs if "abstain" in c.secondary))
     out = Path(run_dir) / SAMPLES_FILE
     write_parquet(frame, out)
     return out

@@ -239,9 +239,11 @@ def test_abstain_below_flags_only_the_targets_unsure_rows_and_keeps_every_choice
         no_degrade_check(f, out.with_columns(abstain=pl.Series([True, False, True])), targets={"c"})
 
 
-def test_the_gate_refuses_a_rule_that_sets_abstain(capture):
+def test_the_gate_and_the_ladder_refuse_a_rule_that_sets_abstain(capture):
     from overlays import AbstainBelow
 
     rule = AbstainBelow(id="u", target="pos", projection_class="fitted-on-public-oof")
-    with pytest.raises(InputError, match="sets the 'abstain' flag"):
+    with pytest.raises(InputError, match="sets the 'abstain' flag; the gate"):
         gate_rule(capture, rule, GateSettings(draws=10, permutations=10))
+    with pytest.raises(InputError, match="sets the 'abstain' flag; the ladder"):
+        ladder(capture, [rule])
