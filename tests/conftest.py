@@ -97,7 +97,9 @@ def sshd(tmp_path_factory):
         f"Port {port}", "ListenAddress 127.0.0.1", f"HostKey {d / 'host_key'}",
         f"AuthorizedKeysFile {d}/authorized_keys", "Subsystem sftp internal-sftp",
         "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no",
-        "PermitRootLogin prohibit-password", f"PidFile {d / 'sshd.pid'}", "MaxStartups 50", "MaxSessions 50", ""]))
+        "PermitRootLogin prohibit-password", f"PidFile {d / 'sshd.pid'}", "MaxStartups 50", "MaxSessions 50",
+        # an SSH session starts from a fresh environment: the engines it starts get the tests' thread count here
+        f"SetEnv OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}", ""]))
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)
     subprocess.run([exe, "-f", str(d / "sshd_config"), "-E", str(d / "sshd.log")], check=True)
     deadline = time.time() + 10
