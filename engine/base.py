@@ -11,7 +11,7 @@ from importlib import metadata
 from typing import Any
 
 from engine.render import ChatFn, Message, Renderer, RenderSpec
-from engine.types import Readout, ReadoutMode, ReadoutRequest
+from engine.types import GenerateRequest, Readout, ReadoutMode, ReadoutRequest
 
 
 def package_version(name: str) -> str | None:
@@ -59,6 +59,9 @@ class TokenizedEngine:
             return []
         return [list(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
+    def encode_prompts(self, requests: Sequence[ReadoutRequest] | Sequence[GenerateRequest]) -> list[list[int]]:
+        return self.encode_many([r.prompt for r in requests])
+
     def label_token(self, label: str) -> int | None:
         """The id of ' LABEL' if it is a single token, else None (a label slot cannot read it).
         Computed once per label per engine: a suite has a handful of label sets, read on every row."""
@@ -73,7 +76,7 @@ class TokenizedEngine:
         """Counted refusals by request index, and (index, prompt ids, label ids) for the rest."""
         refused: dict[int, Readout] = {}
         todo = []
-        for i, (r, ids) in enumerate(zip(requests, self.encode_many([r.prompt for r in requests]), strict=True)):
+        for i, (r, ids) in enumerate(zip(requests, self.encode_prompts(requests), strict=True)):
             labels = [self.label_token(lab) for lab in r.labels]
             reason = None
             if any(t is None for t in labels):
@@ -92,7 +95,7 @@ class TokenizedEngine:
         """Counted refusals, and (index, context ids, ids of each ' option') for the rest."""
         refused: dict[int, Readout] = {}
         todo = []
-        contexts = self.encode_many([r.prompt for r in requests])
+        contexts = self.encode_prompts(requests)
         options = iter(self.encode_many([" " + o for r in requests for o in r.options]))
         for i, (r, ctx) in enumerate(zip(requests, contexts, strict=True)):
             opts = [next(options) for _ in r.options]

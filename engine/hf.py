@@ -134,7 +134,7 @@ class HFEngine(TokenizedEngine):
         self.calls["generate"] += 1
         out: dict[int, Generation] = {}
         todo = []
-        for i, (r, ids) in enumerate(zip(requests, self.encode_many([r.prompt for r in requests]), strict=True)):
+        for i, (r, ids) in enumerate(zip(requests, self.encode_prompts(requests), strict=True)):
             if len(ids) + r.max_tokens > self.max_context:
                 out[i] = Generation(r.run_id, "", (), FinishReason.REFUSED, len(ids))
             else:

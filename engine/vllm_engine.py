@@ -120,7 +120,7 @@ class VLLMEngine(TokenizedEngine):
     name = "vllm"
     continuation_reserve = 1  # vLLM must sample one token after the scored prompt
 
-    def __init__(self, model: str | Path, profile: VLLMProfile | None = None, *, batch_size: int = 0):
+    def __init__(self, model: str | Path, profile: VLLMProfile | None = None, *, batch_size: int = 32):
         self.profile = profile or VLLMProfile()
         self.path = Path(model)
         self.profile.check(self.path)
@@ -221,7 +221,7 @@ class VLLMEngine(TokenizedEngine):
         self.calls["generate"] += 1
         out: dict[int, Generation] = {}
         by_params: dict[tuple, list[tuple[int, list[int]]]] = {}
-        for i, (r, ids) in enumerate(zip(requests, self.encode_many([r.prompt for r in requests]), strict=True)):
+        for i, (r, ids) in enumerate(zip(requests, self.encode_prompts(requests), strict=True)):
             if len(ids) + r.max_tokens > self.max_context:
                 out[i] = Generation(r.run_id, "", (), FinishReason.REFUSED, len(ids))
             else:

@@ -57,12 +57,13 @@ class OverlayRuleBase:
         return self
 
     def apply(self, frame: pl.DataFrame) -> pl.Series:
-        """Choices for every row of `frame`: the target catalog's decided anew, all others as they were."""
+        """The column this rule sets (`sets`: choices, or abstain flags) for every row of `frame`: the
+        target catalog's decided anew, all others as they were (`frame` holds the column)."""
         target = (frame["catalog"] == self.target).to_numpy()
-        choices = frame["choice"].to_numpy().copy()
+        values = frame[self.sets].to_numpy().copy()
         if target.any():
-            choices[target] = self.decide(frame.filter(pl.Series(target))).to_numpy()
-        return pl.Series("choice", choices, dtype=pl.Int32)
+            values[target] = self.decide(frame.filter(pl.Series(target))).to_numpy()
+        return pl.Series(self.sets, values, dtype=pl.Int32 if self.sets == "choice" else pl.Boolean)
 
     def record(self) -> dict[str, Any]:
         return {"kind": self.kind, **asdict(self)}
@@ -213,14 +214,6 @@ class AbstainBelow(OverlayRuleBase):
         chosen = [ps[c] if ps is not None and c is not None and c < len(ps) else None
                   for ps, c in zip(frame["probs"].to_list(), frame["choice"].to_list(), strict=True)]
         return pl.Series("abstain", [p is not None and p < self.p_min for p in chosen], dtype=pl.Boolean)
-
-    def apply(self, frame: pl.DataFrame) -> pl.Series:
-        """Flags for every row of `frame`: the target catalog's decided anew, all others as they were."""
-        target = (frame["catalog"] == self.target).to_numpy()
-        flags = frame["abstain"].to_numpy().copy() if "abstain" in frame.columns else np.zeros(frame.height, bool)
-        if target.any():
-            flags[target] = self.decide(frame.filter(pl.Series(target))).to_numpy()
-        return pl.Series("abstain", flags, dtype=pl.Boolean)
 
     def describe(self) -> str:
         return f"abstain where the chosen option's probability < {self.p_min:g} (the choice is kept)"

@@ -28,30 +28,30 @@ def test_merged_capture_of_two_workers_is_byte_identical_to_one_process(tmp_path
     monkeypatch.setenv("JEX_INFRA__WORKER_PYTHON", sys.executable)
     suite = write_sample_suite(tmp_path / "suite", rows=18, seed=4)
     engine = EngineSpec()
-    digests = {}
-    for n in (0, 2):  # 0: every stage in this process, no machine
-        store = LocalStore(tmp_path / f"store-{n}")
+
+    def in_one_process(store: LocalStore) -> tuple:
         bundle = bundle_stage(suite, store)
-        if n == 0:
-            fast = fast_pass_stage(bundle, engine, store, shard_rows=4)
-            gate = gate_stage(bundle, fast, store, coverage=0.5)
-            reasoned = reason_stage(bundle, gate, engine, store, max_tokens=4, shard_rows=3)
-            digests[n] = (fast["sha256"], sha256_file(fast["capture"]), reasoned["sha256"])
-            continue
-        args = {"bundle": bundle, "engine": engine.model_dump(mode="json"), "store": str(store.root), "shard_rows": 4}
-        spec = MachinesSpec(provider="local", workers=n, golden_rows=4)
-        with GpuFleet(spec, campaign=f"scale-{n}", store=str(store.root), settings=load_settings(),
-                      echo=lambda s: None) as fleet:
-            fleet.run_stage("fast_pass", args)
-            fast = fast_pass_stage(bundle, engine, store, shard_rows=4, engine_fp=fleet.engine_fp)
-            gate = gate_stage(bundle, fast, store, coverage=0.5)
-            fleet.run_stage("reason", {**args, "gate": gate, "max_tokens": 4, "shard_rows": 3})
-            reasoned = reason_stage(bundle, gate, engine, store, max_tokens=4, shard_rows=3, engine_fp=fleet.engine_fp)
-        report = fleet.report()
-        assert len(report["machines"]) == n and fleet.provider.list() == []
-        computed = sorted(a["path"] for m in report["machines"] for j in m["jobs"] if j["job"] == "fast_pass"
-                          for a in j["artifacts"])
-        assert len(computed) == 5, "every shard computed exactly once, split 3 + 2 over the workers"
-        assert fast["computed_shards"] == [] and reasoned["computed_shards"] == []  # merged here, computed there
-        digests[n] = (fast["sha256"], sha256_file(fast["capture"]), reasoned["sha256"])
-    assert digests[0] == digests[2]
+        fast = fast_pass_stage(bundle, engine, store, shard_rows=4)
+        gate = gate_stage(bundle, fast, store, coverage=0.5)
+        reasoned = reason_stage(bundle, gate, engine, store, max_tokens=4, shard_rows=3)
+        return fast["sha256"], sha256_file(fast["capture"]), reasoned["sha256"]
+
+    store = LocalStore(tmp_path / "store-fleet")
+    bundle = bundle_stage(suite, store)
+    args = {"bundle": bundle, "engine": engine.model_dump(mode="json"), "store": str(store.root), "shard_rows": 4}
+    spec = MachinesSpec(provider="local", workers=2, golden_rows=4)
+    with GpuFleet(spec, campaign="scale-2", store=str(store.root), settings=load_settings(),
+                  echo=lambda s: None) as fleet:
+        fleet.run_stage("fast_pass", args)
+        fast = fast_pass_stage(bundle, engine, store, shard_rows=4, engine_fp=fleet.engine_fp)
+        gate = gate_stage(bundle, fast, store, coverage=0.5)
+        fleet.run_stage("reason", {**args, "gate": gate, "max_tokens": 4, "shard_rows": 3})
+        reasoned = reason_stage(bundle, gate, engine, store, max_tokens=4, shard_rows=3, engine_fp=fleet.engine_fp)
+    report = fleet.report()
+    assert len(report["machines"]) == 2 and fleet.provider.list() == []
+    computed = sorted(a["path"] for m in report["machines"] for j in m["jobs"] if j["job"] == "fast_pass"
+                      for a in j["artifacts"])
+    assert len(computed) == 5, "every shard computed exactly once, split 3 + 2 over the workers"
+    assert fast["computed_shards"] == [] and reasoned["computed_shards"] == []  # merged here, computed there
+    fleet_digests = (fast["sha256"], sha256_file(fast["capture"]), reasoned["sha256"])
+    assert fleet_digests == in_one_process(LocalStore(tmp_path / "store-one"))
