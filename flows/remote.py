@@ -23,6 +23,7 @@ from infra.reconcile import make_provider, policy_from_settings
 from infra.remote import JobFailed, MachineSession, RemoteJob, stack_lock
 from jex.errors import FlowError, InfraError, JexError
 from jex.fileio import write_json
+from tasks.engine_host import STARTS, EngineStart
 from tasks.golden import compare_golden, find_reference, store_reference
 from tasks.stages import stage_plan
 from tasks.store import LocalStore
@@ -45,6 +46,26 @@ class MachinesSpec(BaseModel):
     golden_tolerance: float = Field(1e-4, ge=0, description="Max |dp| of the golden replay")
     concurrent: bool = Field(True, description="Machines compute at the same time (off: one after another, e.g. "
                                                "workers emulated on one shared GPU)")
+    engine_hosts: bool = Field(True, description="One long-lived engine process per slot serves all of a machine's "
+                                                 "jobs (golden, fast pass, reason); off: every job loads its own")
+    gpus_per_machine: int = Field(1, ge=1, description="GPUs of each machine (one set of engine slots per GPU)")
+    engines_per_gpu: int = Field(1, ge=1, description="Engine processes per GPU, each a data-parallel worker; more "
+                                                      "than 1 pays off when one engine leaves the GPU idle (small "
+                                                      "models); their engine starts are serialised")
+
+    @property
+    def slots(self) -> int:
+        """Engine processes per machine."""
+        return self.gpus_per_machine * self.engines_per_gpu
+
+    def host_argv(self, workdir: str, engine: dict[str, Any], *, all_slots: bool) -> list[str]:
+        """The `jex stage` options that hand a job's engine work to the machine's engine hosts."""
+        argv = ["--engine-host", f"{workdir}/engines", "--host-requests", "0" if self.engine_hosts else "1"]
+        if all_slots and self.slots > 1:
+            argv += ["--slots", str(self.slots)]
+            if str(engine.get("device", "cpu")).startswith("cuda"):
+                argv += ["--devices", ",".join(str(s // self.engines_per_gpu) for s in range(self.slots))]
+        return argv
 
 
 class GoldenMismatch(FlowError):
@@ -78,6 +99,7 @@ class GpuFleet:
         self.sessions: list[MachineSession] = []
         self.golden: list[dict[str, Any]] = []
         self.engine_fp: dict[str, Any] | None = None
+        self.engine_starts: dict[str, list[dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
     def __enter__(self) -> GpuFleet:
@@ -133,10 +155,11 @@ class GpuFleet:
         rows = min(self.spec.golden_rows, args["bundle"]["rows"])
         inbox = self.store.root / ".machines" / session.machine.id / "golden"
         job = RemoteJob("golden", ["-m", "jex", "stage", "golden", "--args", "args.json", "--rows", str(rows),
-                                   "--out", "golden.parquet", "--fingerprint", "fingerprint.json"],
+                                   "--out", "golden.parquet", "--fingerprint", "fingerprint.json",
+                                   *self.spec.host_argv(session.machine.workdir, args["engine"], all_slots=False)],
                         ["golden.parquet", "fingerprint.json"], inbox,
                         files=_job_files(args, inbox))
-        session.run(job)
+        self._run(session, job)
         fp = json.loads((inbox / "fingerprint.json").read_text())
         replay = pl.read_parquet(inbox / "golden.parquet")
         with self._lock:
@@ -178,10 +201,11 @@ class GpuFleet:
             session = self.sessions[i]
             inbox = self.store.root / ".machines" / session.machine.id / stage
             job = RemoteJob(stage, ["-m", "jex", "stage", "run", stage, "--args", "args.json", "--worker", str(i),
-                                    "--workers", str(n)],
+                                    "--workers", str(n),
+                                    *self.spec.host_argv(session.machine.workdir, args["engine"], all_slots=True)],
                             [f"store/{stage}/{plan['key']}/shards-{args['shard_rows']}/shard-*.parquet"],
                             self.store.root, files=_job_files(args, inbox), strip_prefix="store/")
-            session.run(job)  # the verified shards land in this store's stage folder
+            self._run(session, job)  # the verified shards land in this store's stage folder
 
         with ThreadPoolExecutor(n if self.spec.concurrent else 1) as pool:
             list(pool.map(one, range(n)))
@@ -191,9 +215,22 @@ class GpuFleet:
                                "machines computed a different key (engine or code differs)")
         return plan
 
+    def _run(self, session: MachineSession, job: RemoteJob) -> None:
+        """Run one job; then read the machine's engine starts (its engine hosts append one line per start)."""
+        try:
+            session.run(job)
+        finally:
+            text = session.read_text(f"engines/{STARTS}")
+            if text is not None:
+                self.engine_starts[session.machine.id] = [EngineStart.model_validate_json(line).model_dump()
+                                                          for line in text.splitlines() if line.strip()]
+
     def report(self) -> dict[str, Any]:
-        return {"provider": self.provider.name, "workers": self.spec.workers, "golden": self.golden,
-                "machines": [s.report() for s in self.sessions],
+        machines = [{**s.report(), "engine_starts": len(self.engine_starts.get(s.machine.id, [])),
+                     "engine_start_records": self.engine_starts.get(s.machine.id, [])} for s in self.sessions]
+        return {"provider": self.provider.name, "workers": self.spec.workers, "slots": self.spec.slots,
+                "engine_hosts": self.spec.engine_hosts, "golden": self.golden, "machines": machines,
+                "engine_starts": sum(m["engine_starts"] for m in machines),
                 "ledger": self.ledger.report(self.campaign)}
 
 

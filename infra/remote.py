@@ -325,6 +325,15 @@ class MachineSession:
                f"setsid nohup {wrapper} >/dev/null 2>&1 </dev/null & echo $! > {shlex.quote(rd)}/worker.pgid")
         self.echo(f"machine {self.machine.id}: job {job.name} started")
 
+    def read_text(self, rel: str) -> str | None:
+        """A small text file under the machine's workdir, or None when it is absent or unreachable."""
+        try:
+            out = self.shell.run(f"cat {shlex.quote(self.machine.workdir)}/{shlex.quote(_safe_rel(rel))} 2>/dev/null "
+                                 "|| true", timeout=60)
+        except ShellError:
+            return None
+        return out.stdout or None
+
     def status(self, job: RemoteJob) -> dict[str, Any]:
         """One poll; it also renews the machine's lease (the watchdog's dead-man's switch)."""
         guard = f" --workdir {shlex.quote(self.machine.workdir)}" if self.policy.watchdog else ""

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.retry import Backoff, retry
-from infra.worker_protocol import PGID, artifact_manifest, read_marker
+from infra.worker_protocol import DETACHED_PGIDS, PGID, artifact_manifest, read_marker
 
 log = logging.getLogger("jex.infra.watchdog")
 CONFIG, LEASE, PIDFILE, MARKER = "watchdog.json", "lease", "watchdog.pid", "SELF_TERMINATED.json"
@@ -135,6 +135,12 @@ class Watchdog:
     def jobs(self) -> list[Path]:
         return sorted(p.parent for p in (self.workdir / "jobs").glob("*/job.json"))
 
+    def stop_detached(self) -> None:
+        """Stop the process groups that outlive single jobs (`DETACHED_PGIDS`: engine hosts)."""
+        for pid_file in sorted(self.workdir.glob(DETACHED_PGIDS)):
+            if (pgid := _alive_group(pid_file)) is not None:
+                _stop_group(pgid, grace=1.0)
+
     def expire(self, reason: str) -> Outcome:
         log.warning("watchdog %s: %s", self.cfg.machine, reason)
         hard = time.time() >= self.cfg.deadline
@@ -145,6 +151,7 @@ class Watchdog:
                 time.sleep(0.2)
             if (pgid := _alive_group(rd / PGID)) is not None:
                 _stop_group(pgid)
+        self.stop_detached()  # engine hosts: no shard may land while the manifests are read
         manifests = {rd: self._manifest(rd) for rd in self.jobs()}
         out.uploaded = self._upload_all(manifests, out)
         self._write_local(out)
@@ -228,6 +235,7 @@ class Watchdog:
         for rd in self.jobs():
             if (pgid := _alive_group(rd / PGID)) is not None:
                 _stop_group(pgid, grace=1.0)
+        self.stop_detached()
         if out.uploaded and self.cfg.remove_dir:
             shutil.rmtree(self.cfg.remove_dir, ignore_errors=True)
 

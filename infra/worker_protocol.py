@@ -33,6 +33,9 @@ from jex.fileio import sha256_file
 HEARTBEAT, SUCCESS, FAILED, LOG = "heartbeat.json", "SUCCESS.json", "FAILED.json", "run.log"
 PGID = "worker.pgid"
 """Written by whoever starts the wrapper detached: its process group, which teardown kills."""
+DETACHED_PGIDS = "engines/*/host.pgid"
+"""Under a machine's workdir: process groups that outlive single jobs (the engine hosts of
+`tasks.engine_host`); a machine's teardown and its watchdog stop them with the jobs."""
 
 
 def _atomic_json(path: Path, doc: dict[str, Any]) -> None:

@@ -194,6 +194,15 @@ def run(suite: Annotated[Path | None, typer.Option(help="Suite folder (default: 
         reference_min_agreement: Annotated[float | None, typer.Option(help="Fail below this final agreement "
                                                                           "with the reference")] = None,
         require_zero_errors: Annotated[bool, typer.Option(help="Fail unless every error counter is zero")] = False,
+        reason_shard_rows: Annotated[int, typer.Option(help="Rows per reason shard")] = 8,
+        max_num_seqs: Annotated[int, typer.Option(help="vLLM: sequences per scheduler step")] = 32,
+        max_num_batched_tokens: Annotated[int | None, typer.Option(help="vLLM: tokens per scheduler step "
+                                                                        "(default: vLLM's)")] = None,
+        engine_hosts: Annotated[bool, typer.Option(help="One engine process per machine slot serves every job "
+                                                        "of the machine (off: each job loads its own)")] = True,
+        gpus_per_machine: Annotated[int, typer.Option(help="GPUs of each machine")] = 1,
+        engines_per_gpu: Annotated[int, typer.Option(help="Engine processes per GPU, each a data-parallel "
+                                                          "worker (small models)")] = 1,
         ) -> None:
     """Run a whole campaign (embedded defaults: sample suite, SmolLM2, local Prefect, local store).
 
@@ -209,7 +218,8 @@ def run(suite: Annotated[Path | None, typer.Option(help="Suite folder (default: 
 
     settings = load_settings()
     machines = MachinesSpec(provider=provider or settings.infra.provider, hosts=host or [], workers=workers,
-                            budget_usd=budget_usd)
+                            budget_usd=budget_usd, engine_hosts=engine_hosts, gpus_per_machine=gpus_per_machine,
+                            engines_per_gpu=engines_per_gpu)
     if resume is not None:
         resume_from_s3(resume)
         spec = load_spec(resume).model_copy(update={"machines": machines} if provider else {})
@@ -222,13 +232,15 @@ def run(suite: Annotated[Path | None, typer.Option(help="Suite folder (default: 
             engine_spec = EngineSpec(kind=engine, model=model or es.model, device=device, batch_size=batch_size,
                                      dtype=dtype or es.dtype, render=render_spec,
                                      gpu_memory_utilization=gpu_memory_utilization or es.gpu_memory_utilization,
-                                     max_model_len=max_model_len or es.max_model_len, profile=engine_profile)
+                                     max_model_len=max_model_len or es.max_model_len, profile=engine_profile,
+                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         except (JexError, ValueError) as e:
             _fail(e)
         spec = CampaignSpec(name=name, suite=str(suite) if suite else None, coverage=coverage,
                             engine=engine_spec,
                             overlays=str(overlays) if overlays else None, out=str(out),
-                            fast_shard_rows=shard_rows, reason_max_tokens=reason_max_tokens,
+                            fast_shard_rows=shard_rows, reason_shard_rows=reason_shard_rows,
+                            reason_max_tokens=reason_max_tokens,
                             spec_proof_rows=spec_proof_rows, store=str(store or out / "store"), machines=machines,
                             reference=str(reference) if reference else None,
                             reference_min_agreement=reference_min_agreement, require_zero_errors=require_zero_errors)
@@ -419,15 +431,27 @@ def infra_ledger(campaign: Annotated[str | None, typer.Option(help="Only this ca
     typer.echo(f"total ${report['total_usd']:.4f} over {report['machine_seconds']:.0f} machine-seconds")
 
 
+EngineHostOption = Annotated[Path | None, typer.Option(
+    "--engine-host", help="Serve the engine work from this machine's long-lived engine hosts (one per slot) "
+                          "instead of loading an engine in this process")]
+HostRequestsOption = Annotated[int, typer.Option(
+    "--host-requests", help="With --engine-host: requests a host it starts serves before it exits (0 = any; "
+                            "1 = each job loads its own engine)")]
+
+
 @stage_app.command("golden")
 def stage_golden(args_file: Annotated[Path, typer.Option("--args", help="JSON: bundle, engine, store")],
                  rows: Annotated[int, typer.Option(help="Rows from the head of the bundle")] = 64,
                  out: Annotated[Path, typer.Option(help="Readout Parquet")] = Path("golden.parquet"),
-                 fingerprint_out: Annotated[Path, typer.Option("--fingerprint")] = Path("fingerprint.json")) -> None:
+                 fingerprint_out: Annotated[Path, typer.Option("--fingerprint")] = Path("fingerprint.json"),
+                 engine_host: EngineHostOption = None, host_requests: HostRequestsOption = 0) -> None:
     """Pre-flight golden replay on a machine: read out the bundle's first rows; record the engine fingerprint."""
-    from tasks.golden import golden_job
+    from tasks.engine_host import HostRequest, absolute_args, run_request
 
-    golden_job(json.loads(args_file.read_text()), rows, out, fingerprint_out)
+    request = HostRequest(job="golden", args=absolute_args(json.loads(args_file.read_text()), Path.cwd()),
+                          golden_rows=rows, golden_out=str(out.resolve()),
+                          fingerprint_out=str(fingerprint_out.resolve()))
+    run_request(request, engine_host, max_requests=host_requests)
     typer.echo(f"golden replay: {rows} rows -> {out}")
 
 
@@ -436,12 +460,22 @@ def stage_run(stage: Annotated[str, typer.Argument(help="fast_pass | reason")],
               args_file: Annotated[Path, typer.Option("--args", help="JSON: bundle, engine, store, shard_rows[, gate, "
                                                                       "max_tokens]")],
               worker: Annotated[int, typer.Option(help="This worker's index")] = 0,
-              workers: Annotated[int, typer.Option(help="Number of workers sharing the stage")] = 1) -> None:
+              workers: Annotated[int, typer.Option(help="Number of workers sharing the stage")] = 1,
+              engine_host: EngineHostOption = None, host_requests: HostRequestsOption = 0,
+              slots: Annotated[int, typer.Option(help="With --engine-host: engine hosts sharing this worker's "
+                                                      "shards (sub-workers worker*slots+s of workers*slots)")] = 1,
+              devices: Annotated[str | None, typer.Option(help="With --engine-host: CUDA_VISIBLE_DEVICES of each "
+                                                              "slot, comma-separated")] = None) -> None:
     """Compute this worker's shards of an engine stage into the store (shards w, w+N, ...)."""
-    from tasks.workers import stage_call
+    from tasks.engine_host import HostRequest, absolute_args, run_request
 
-    summary = stage_call(stage, json.loads(args_file.read_text()), worker=worker, workers=workers)
-    typer.echo(json.dumps({k: summary.get(k) for k in ("stage", "key", "rows", "computed_shards", "partial")}))
+    if stage not in ("fast_pass", "reason"):
+        raise typer.BadParameter(f"unknown engine stage {stage!r}; expected fast_pass or reason")
+    request = HostRequest(job=stage, args=absolute_args(json.loads(args_file.read_text()), Path.cwd()),
+                          worker=worker, workers=workers)
+    for summary in run_request(request, engine_host, slots=slots, devices=devices.split(",") if devices else None,
+                               max_requests=host_requests):
+        typer.echo(json.dumps({k: summary.get(k) for k in ("stage", "key", "rows", "computed_shards", "partial")}))
 
 
 @overlays_app.command("mine")

@@ -91,6 +91,11 @@ def audited_fingerprint(fp: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in fp.items() if k != "profile"}
 
 
+def is_loaded(spec: EngineSpec) -> bool:
+    """Whether this process already holds the engine `spec` names."""
+    return spec.loaded_key() in _ENGINES
+
+
 def get_engine(spec: EngineSpec) -> Any:
     from engine.factory import make_engine
 

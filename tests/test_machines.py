@@ -340,6 +340,10 @@ def test_jex_run_over_ssh_runs_the_gpu_stages_through_the_full_lifecycle(sshd, t
     assert m["machine"]["provider"] == "ssh" and m["teardown"]["reason"] == "campaign stages done"
     assert [j["status"] for j in m["jobs"]] == ["success"] * 3 and m["life_s"] > 0 and m["cost_usd"] > 0
     assert machines["golden"][0]["rows"] == 36 and machines["golden"][0]["ok"]
+    assert m["engine_starts"] == 1, "one engine process served the golden replay, fast pass and reason jobs"
+    (host_pid,) = [r["pid"] for r in m["engine_start_records"]]
+    with pytest.raises(ProcessLookupError):  # the machine's teardown stopped its engine host
+        os.kill(host_pid, 0)
     report = (run_dir / "report.md").read_text()
     assert "## Machines" in report and m["machine"]["id"] in report
     assert SSHProvider(str(tmp_path / "remote"), ["127.0.0.1"], port=sshd["port"], key_path=sshd["key_path"],

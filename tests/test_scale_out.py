@@ -1,7 +1,9 @@
-"""Scale-out: engine stages spread over two workers (one engine each) give the bytes one process gives.
+"""Scale-out: engine stages spread over two engines give the bytes one process gives.
 
-Each worker is a machine of the local provider running the HF engine in batch-invariant mode, with
-the full lifecycle (bootstrap, golden replay, detached shards, verified collection, teardown).
+The engines are two machines of the local provider, or two engine processes on one machine
+(`engines_per_gpu=2`), running the HF engine in batch-invariant mode, with the full lifecycle
+(bootstrap, golden replay, detached shards, verified collection, teardown). Each engine process
+serves every job of its machine: two engines, two engine starts, whatever the number of jobs.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from jex.fileio import sha256_file
 
 
 @pytest.mark.slow
-def test_merged_capture_of_two_workers_is_byte_identical_to_one_process(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", [{"workers": 2}, {"workers": 1, "engines_per_gpu": 2}],
+                         ids=["two-machines", "two-engines-on-one-machine"])
+def test_merged_capture_of_two_engines_is_byte_identical_to_one_process(tmp_path, monkeypatch, layout):
     import sys
 
     from flows.remote import GpuFleet, MachinesSpec
@@ -39,7 +43,7 @@ def test_merged_capture_of_two_workers_is_byte_identical_to_one_process(tmp_path
     store = LocalStore(tmp_path / "store-fleet")
     bundle = bundle_stage(suite, store)
     args = {"bundle": bundle, "engine": engine.model_dump(mode="json"), "store": str(store.root), "shard_rows": 4}
-    spec = MachinesSpec(provider="local", workers=2, golden_rows=4)
+    spec = MachinesSpec(provider="local", golden_rows=4, **layout)
     with GpuFleet(spec, campaign="scale-2", store=str(store.root), settings=load_settings(),
                   echo=lambda s: None) as fleet:
         fleet.run_stage("fast_pass", args)
@@ -48,10 +52,11 @@ def test_merged_capture_of_two_workers_is_byte_identical_to_one_process(tmp_path
         fleet.run_stage("reason", {**args, "gate": gate, "max_tokens": 4, "shard_rows": 3})
         reasoned = reason_stage(bundle, gate, engine, store, max_tokens=4, shard_rows=3, engine_fp=fleet.engine_fp)
     report = fleet.report()
-    assert len(report["machines"]) == 2 and fleet.provider.list() == []
+    assert len(report["machines"]) == layout["workers"] and fleet.provider.list() == []
+    assert report["engine_starts"] == 2, "one start per engine process, not per job (golden, fast pass, reason)"
     computed = sorted(a["path"] for m in report["machines"] for j in m["jobs"] if j["job"] == "fast_pass"
                       for a in j["artifacts"])
-    assert len(computed) == 5, "every shard computed exactly once, split 3 + 2 over the workers"
+    assert len(computed) == 5 and len(set(computed)) == 5, "every shard computed exactly once, split 3 + 2"
     assert fast["computed_shards"] == [] and reasoned["computed_shards"] == []  # merged here, computed there
     fleet_digests = (fast["sha256"], sha256_file(fast["capture"]), reasoned["sha256"])
     assert fleet_digests == in_one_process(LocalStore(tmp_path / "store-one"))

@@ -1,0 +1,332 @@
+"""One engine process per engine slot of a machine, serving every engine job the machine runs.
+
+A machine's jobs (golden replay, fast-pass shards, reason shards) are short client processes, each
+under the worker protocol (heartbeat, marker, salvage) as before. Instead of loading an engine
+themselves they hand their work to the slot's engine host, which loads each engine once and stays
+up between jobs, so a machine pays one engine start per slot instead of one per job:
+
+    python -m tasks.engine_host serve HOME SLOT      (started by the first client that finds none)
+
+`HOME/slot-S/` holds the host's log and pid file (`host.pgid`: the machine's teardown and its
+watchdog stop it with the jobs); `HOME/authkey` authenticates clients on the host's socket. Every
+engine start is appended to `HOME/starts.jsonl`, which the orchestrator reads into `machines.json`.
+Engine loads on one machine are serialised by a lock, because vLLM engines that start together on
+one GPU each count the other's memory as their own.
+A host that dies during a request fails that request; the client starts a new host and retries
+it once (shards already written are reused), then gives up: the job fails under its marker.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+STARTS = "starts.jsonl"
+PGID = "host.pgid"
+"""Matches `infra.worker_protocol.DETACHED_PGIDS`, through which a machine's teardown finds the hosts."""
+IDLE_EXIT_S = 1800.0
+"""A host with no request for this long exits (its machine is normally torn down long before)."""
+START_TIMEOUT_S = 120.0
+MAX_REQUESTS_ENV = "JEX_ENGINE_HOST_MAX_REQUESTS"
+"""Set to 1 by a client: its host serves one request and exits (each job loads its own engine, the
+behaviour before engine hosts, kept for comparison and for engines that must not outlive a job)."""
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class HostRequest(BaseModel):
+    """One piece of engine work for a host. Paths in `args` are absolute."""
+
+    model_config = ConfigDict(frozen=True)
+    job: Literal["golden", "fast_pass", "reason"]
+    args: dict[str, Any]
+    worker: int = 0
+    workers: int = 1
+    golden_rows: int = 0
+    golden_out: str = ""
+    fingerprint_out: str = ""
+
+
+class HostReply(BaseModel):
+    ok: bool
+    summary: dict[str, Any] = Field(default_factory=dict)
+    error: str = ""
+    host_pid: int
+    engine_starts: int = Field(description="Engines this host has loaded so far")
+    seconds: float
+
+
+class EngineStart(BaseModel):
+    """One line of `starts.jsonl`."""
+
+    slot: int
+    pid: int
+    kind: str
+    seconds: float
+    time: float
+
+
+class EngineHostDied(RuntimeError):
+    pass
+
+
+def slot_dir(home: Path, slot: int) -> Path:
+    return home / f"slot-{slot}"
+
+
+def read_starts(home: Path) -> list[EngineStart]:
+    path = home / STARTS
+    if not path.exists():
+        return []
+    return [EngineStart.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@contextmanager
+def _flock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _authkey(home: Path) -> bytes:
+    path = home / "authkey"
+    with _flock(home / "authkey.lock"):
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+    return path.read_text().encode()
+
+
+# -- the host ----------------------------------------------------------------------------------------
+class EngineHost:
+    """Serves requests one at a time (an engine is not shared between threads)."""
+
+    def __init__(self, home: Path, slot: int, idle_exit_s: float = IDLE_EXIT_S, max_requests: int = 0):
+        self.home, self.slot, self.idle_exit_s, self.max_requests = home, slot, idle_exit_s, max_requests
+        self.starts = 0
+        self.last_request = time.monotonic()
+        self.busy = False
+
+    def warm(self, request: HostRequest) -> None:
+        """Load the request's engine if this host has not yet, one load at a time on this machine."""
+        from tasks.engine_pool import EngineSpec, get_engine, is_loaded
+
+        spec = EngineSpec.model_validate(request.args["engine"])
+        if is_loaded(spec):
+            return
+        with _flock(self.home / "engine-start.lock"):
+            t0 = time.perf_counter()
+            get_engine(spec)
+            rec = EngineStart(slot=self.slot, pid=os.getpid(), kind=spec.kind, seconds=time.perf_counter() - t0,
+                              time=time.time())
+        self.starts += 1
+        with _flock(self.home / f"{STARTS}.lock"), open(self.home / STARTS, "a") as f:
+            f.write(rec.model_dump_json() + "\n")
+        print(f"engine host slot {self.slot}: {spec.kind} engine started in {rec.seconds:.1f} s", flush=True)
+
+    def handle(self, request: HostRequest) -> HostReply:
+        t0 = time.perf_counter()
+        try:
+            self.warm(request)
+            summary = execute(request)
+            return HostReply(ok=True, summary=summary, host_pid=os.getpid(), engine_starts=self.starts,
+                             seconds=time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - the client reports it; the host stays up for the next job
+            import traceback
+
+            traceback.print_exc()
+            return HostReply(ok=False, error=f"{type(e).__name__}: {e}", host_pid=os.getpid(),
+                             engine_starts=self.starts, seconds=time.perf_counter() - t0)
+
+    def _idle_watch(self) -> None:
+        while True:
+            time.sleep(min(5.0, self.idle_exit_s / 4))
+            idle = time.monotonic() - self.last_request
+            if not self.home.exists() or (not self.busy and idle > self.idle_exit_s):
+                os._exit(0)
+
+    def serve(self) -> None:
+        listener = Listener(_address(self.home, self.slot), family="AF_UNIX", authkey=_authkey(self.home))
+        threading.Thread(target=self._idle_watch, daemon=True).start()
+        print(f"engine host slot {self.slot}: serving (pid {os.getpid()})", flush=True)
+        served = 0
+        while not self.max_requests or served < self.max_requests:
+            try:
+                conn = listener.accept()
+            except (OSError, EOFError):  # a client that failed authentication or went away
+                continue
+            with conn:
+                self.busy = True
+                try:
+                    reply = self.handle(HostRequest.model_validate_json(conn.recv_bytes()))
+                    served += 1
+                    if served == self.max_requests:
+                        listener.close()  # the next client starts a new host instead of finding this one
+                    conn.send_bytes(reply.model_dump_json().encode())
+                except (OSError, EOFError):
+                    pass  # the client died; the work it asked for is in the store or will be asked again
+                finally:
+                    self.busy, self.last_request = False, time.monotonic()
+
+
+def execute(request: HostRequest) -> dict[str, Any]:
+    """The engine work of one request, in this process (the host's, or a client's with no host)."""
+    from tasks.workers import stage_call
+
+    if request.job == "golden":
+        from tasks.golden import golden_job
+
+        golden_job(request.args, request.golden_rows, Path(request.golden_out), Path(request.fingerprint_out))
+        return {"stage": "golden", "rows": request.golden_rows}
+    return stage_call(request.job, request.args, worker=request.worker, workers=request.workers)
+
+
+# -- the client --------------------------------------------------------------------------------------
+def _address(home: Path, slot: int) -> str:
+    """An abstract socket name (Linux): no file to go stale and no 108-byte path limit."""
+    return f"\0jex-engine-{hashlib.sha256(str(home).encode()).hexdigest()[:16]}-{slot}"
+
+
+def _connect(home: Path, slot: int) -> Connection | None:
+    """A connection to the slot's host, or None when no live host listens (never started, or died)."""
+    try:
+        return Client(_address(home, slot), family="AF_UNIX", authkey=_authkey(home))
+    except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError, EOFError):
+        return None
+
+
+def _start_host(home: Path, slot: int, device: str | None, max_requests: int) -> Connection:
+    sd = slot_dir(home, slot)
+    sd.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
+    env[MAX_REQUESTS_ENV] = str(max_requests)
+    with open(sd / "host.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tasks.engine_host", "serve", str(home), str(slot)],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                cwd=home, start_new_session=True)
+    (sd / PGID).write_text(str(proc.pid))  # its own session: it outlives the job that started it
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if (conn := _connect(home, slot)) is not None:
+            return conn
+        if proc.poll() is not None:
+            raise EngineHostDied(f"engine host slot {slot} exited {proc.returncode} at start; see {sd / 'host.log'}")
+        time.sleep(0.1)
+    raise EngineHostDied(f"engine host slot {slot} did not listen within {START_TIMEOUT_S:.0f} s")
+
+
+def _ask(home: Path, slot: int, request: HostRequest, device: str | None, max_requests: int) -> HostReply:
+    with _flock(slot_dir(home, slot) / "start.lock"):  # one host per slot, however many clients arrive
+        conn = _connect(home, slot) or _start_host(home, slot, device, max_requests)
+    with conn:
+        try:
+            conn.send_bytes(request.model_dump_json().encode())
+            return HostReply.model_validate_json(conn.recv_bytes())
+        except (EOFError, OSError) as e:
+            raise EngineHostDied(f"engine host slot {slot} died during {request.job}: {e}") from e
+
+
+def submit(home: Path, slot: int, request: HostRequest, *, device: str | None = None, restarts: int = 1,
+           max_requests: int = 0) -> HostReply:
+    """Run `request` on the slot's host, starting one if none listens (serving `max_requests`
+    requests, 0 = any number); a host that dies is replaced `restarts` times before the error
+    propagates. The host's log lines for the request are echoed."""
+    log = slot_dir(home, slot) / "host.log"
+    for attempt in range(restarts + 1):
+        offset = log.stat().st_size if log.exists() else 0
+        try:
+            reply = _ask(home, slot, request, device, max_requests)
+        except EngineHostDied as e:
+            _echo_log(log, offset)
+            if attempt == restarts:
+                raise
+            print(f"{e}; starting a new engine host", flush=True)
+            continue
+        _echo_log(log, offset)
+        return reply
+    raise AssertionError("unreachable")
+
+
+def _echo_log(log: Path, offset: int) -> None:
+    if log.exists():
+        with open(log, "rb") as f:
+            f.seek(offset)
+            sys.stdout.write(f.read().decode(errors="replace"))
+            sys.stdout.flush()
+
+
+def submit_slots(home: Path, request: HostRequest, *, slots: int, devices: list[str] | None = None,
+                 max_requests: int = 0) -> list[HostReply]:
+    """Split a stage job (worker w of W) over `slots` hosts: sub-workers w*slots + s of W*slots."""
+    subs = [request.model_copy(update={"worker": request.worker * slots + s, "workers": request.workers * slots})
+            for s in range(slots)] if slots > 1 else [request]
+
+    def one(s: int) -> HostReply:
+        return submit(home, s, subs[s], device=devices[s] if devices else None, max_requests=max_requests)
+
+    with ThreadPoolExecutor(len(subs)) as pool:
+        return list(pool.map(one, range(len(subs))))
+
+
+def run_request(request: HostRequest, engine_host: Path | None, *, slots: int = 1,
+                devices: list[str] | None = None, max_requests: int = 0) -> list[dict[str, Any]]:
+    """A job's engine work: in this process (`engine_host` None), else on the machine's hosts.
+    Returns each slot's summary; raises when a host reports a failure."""
+    if engine_host is None:
+        return [execute(request)]
+    replies = submit_slots(engine_host.resolve(), request, slots=slots, devices=devices, max_requests=max_requests)
+    failed = [f"slot {s}: {r.error}" for s, r in enumerate(replies) if not r.ok]
+    if failed:
+        raise RuntimeError(f"{request.job} failed on the engine host: " + "; ".join(failed))
+    return [r.summary for r in replies]
+
+
+def absolute_args(args: dict[str, Any], base: Path) -> dict[str, Any]:
+    """A job's args with its relative paths (store, bundle, gated rows) made absolute against `base`."""
+    def under(p: str) -> str:
+        return str(p if Path(p).is_absolute() else (base / p).resolve())
+
+    out = {**args, "store": under(args["store"]),
+           "bundle": {**args["bundle"], "bundle": under(args["bundle"]["bundle"])}}
+    if "gate" in args:
+        out["gate"] = {**args["gate"], "gated": under(args["gate"]["gated"])}
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] != ["serve"] or len(argv) != 3:
+        print("usage: python -m tasks.engine_host serve HOME SLOT", file=sys.stderr)
+        return 2
+    home = Path(argv[1]).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    EngineHost(home, int(argv[2]), float(os.environ.get("JEX_ENGINE_HOST_IDLE_S", IDLE_EXIT_S)),
+               int(os.environ.get(MAX_REQUESTS_ENV, "0"))).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
+
+__all__ = ["EngineHost", "EngineHostDied", "EngineStart", "HostReply", "HostRequest", "absolute_args", "read_starts",
+           "run_request", "submit", "submit_slots"]

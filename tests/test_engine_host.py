@@ -1,0 +1,107 @@
+"""Engine hosts: one engine process per machine slot serves every job; a host that dies is replaced once.
+
+Real components: the HF engine (batch-invariant mode) in a detached `tasks.engine_host` process,
+reached over its Unix socket by the same client a machine's jobs use.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jex.fileio import sha256_file
+from tasks.engine_host import EngineHostDied, HostRequest, read_starts, slot_dir, submit
+
+
+@pytest.fixture
+def engine_home(tmp_path):
+    """A machine's engine folder; every host started under it is stopped at the end."""
+    home = tmp_path / "engines"
+    yield home
+    for pid_file in home.glob("slot-*/host.pgid"):
+        try:
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def suite_dir(tmp_path_factory):
+    from jex.sample_suite import write_sample_suite
+
+    return write_sample_suite(tmp_path_factory.mktemp("host-suite") / "suite", rows=24, seed=6)
+
+
+def _fast_pass_request(suite: Path, store: Path) -> HostRequest:
+    from tasks.engine_pool import EngineSpec
+    from tasks.stages import bundle_stage
+    from tasks.store import LocalStore
+
+    bundle = bundle_stage(suite, LocalStore(store))
+    return HostRequest(job="fast_pass", args={"bundle": bundle, "engine": EngineSpec().model_dump(mode="json"),
+                                              "store": str(store), "shard_rows": 1})
+
+
+def _kill_host_after_its_first_shard(home: Path, store: Path) -> int:
+    deadline = time.monotonic() + 300
+    while not list(store.glob("fast_pass/*/shards-1/shard-*.parquet")):
+        assert time.monotonic() < deadline, "the host wrote no shard"
+        time.sleep(0.02)
+    pid = int((slot_dir(home, 0) / "host.pgid").read_text())
+    os.killpg(pid, signal.SIGKILL)
+    return pid
+
+
+@pytest.mark.slow
+def test_a_host_that_dies_mid_job_is_replaced_once_and_the_capture_is_unchanged(engine_home, suite_dir, tmp_path):
+    from tasks.engine_pool import EngineSpec
+    from tasks.stages import bundle_stage, fast_pass_stage
+    from tasks.store import LocalStore
+
+    store = tmp_path / "store"
+    request = _fast_pass_request(suite_dir, store)
+    replies = []
+    client = threading.Thread(target=lambda: replies.append(submit(engine_home, 0, request)))
+    client.start()
+    killed = _kill_host_after_its_first_shard(engine_home, store)
+    client.join(timeout=600)
+    (reply,) = replies
+    assert reply.ok and reply.host_pid != killed
+    assert [s.pid for s in read_starts(engine_home)] == [killed, reply.host_pid]
+    assert 0 < len(reply.summary["computed_shards"]) < 24, "the new host reused the shards the dead one wrote"
+    one = LocalStore(tmp_path / "one")
+    alone = fast_pass_stage(bundle_stage(suite_dir, one), EngineSpec(), one, shard_rows=1)
+    assert sha256_file(reply.summary["capture"]) == sha256_file(alone["capture"])
+
+
+@pytest.mark.slow
+def test_a_host_that_dies_again_fails_the_job_with_its_slot_named(engine_home, suite_dir, tmp_path):
+    store = tmp_path / "store"
+    request = _fast_pass_request(suite_dir, store)
+    errors = []
+
+    def ask() -> None:
+        try:
+            submit(engine_home, 0, request, restarts=0)
+        except EngineHostDied as e:
+            errors.append(str(e))
+
+    client = threading.Thread(target=ask)
+    client.start()
+    _kill_host_after_its_first_shard(engine_home, store)
+    client.join(timeout=600)
+    assert errors and "engine host slot 0 died during fast_pass" in errors[0]
+
+
+@pytest.mark.slow
+def test_one_host_serves_successive_jobs_with_one_engine_start(engine_home, suite_dir, tmp_path):
+    first = submit(engine_home, 0, _fast_pass_request(suite_dir, tmp_path / "a"))
+    second = submit(engine_home, 0, _fast_pass_request(suite_dir, tmp_path / "b"))
+    assert first.ok and second.ok and first.host_pid == second.host_pid
+    assert len(read_starts(engine_home)) == 1 and second.engine_starts == 1
+    assert sha256_file(first.summary["capture"]) == sha256_file(second.summary["capture"])
