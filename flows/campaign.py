@@ -135,7 +135,8 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[str] | None = None)
             out = fn.with_options(refresh_cache=True)(**kw)
         timings[name] = time.perf_counter() - t0
         s[name] = out
-        write_json(run_dir / "stages.json", {k: {"key": v.get("key"), "folder": v.get("folder")} for k, v in s.items()})
+        write_json(run_dir / "stages.json", {k: {"key": v.get("key"), "folder": v.get("folder"),
+                                                 "seconds": round(timings[k], 3)} for k, v in s.items()})
         if s3 is not None:  # a new orchestrator can resume from here (`jex store pull`, `jex run --resume`)
             checkpoint(s3, run_dir, out.get("folder"))
         return out

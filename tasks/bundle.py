@@ -278,6 +278,33 @@ def _read_manifest(tar: tarfile.TarFile, path: Path) -> tuple[tarfile.TarInfo, d
     return first, manifest
 
 
+def _intact(folder: Path, listed: dict[str, Any]) -> bool:
+    return folder.is_dir() and all((folder / name).is_file() and sha256_file(folder / name) == meta["sha256"]
+                                   for name, meta in listed.items())
+
+
+def _verify(folder: Path, listed: dict[str, Any], path: Path) -> None:
+    for name, meta in listed.items():
+        actual = sha256_file(folder / name)
+        if actual != meta["sha256"]:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise BundleError(f"{path}: checksum mismatch for '{name}': manifest {meta['sha256'][:16]}…, "
+                              f"file {actual[:16]}… (the bundle was modified or corrupted)")
+
+
+def _publish(fresh: Path, dest: Path) -> None:
+    """Rename a verified extraction into place; a stale `dest` is set aside first. When another
+    process published the same bundle in the meantime, its copy is kept and this one dropped."""
+    if dest.exists():
+        stale = Path(tempfile.mkdtemp(prefix=f".{dest.name}.stale.", dir=dest.parent))
+        dest.rename(stale / dest.name)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        fresh.rename(dest)
+    except OSError:  # published by another process: same bytes, verified there
+        shutil.rmtree(fresh, ignore_errors=True)
+
+
 def _check_members(tar: tarfile.TarFile, path: Path, listed: dict[str, Any]) -> list[tarfile.TarInfo]:
     """Every member's header against the manifest, one header at a time: an unlisted, oversized or
     duplicated member is refused before its data is read, and before anything is written."""
@@ -300,20 +327,22 @@ def _check_members(tar: tarfile.TarFile, path: Path, listed: dict[str, Any]) -> 
 
 def open_bundle(path: str | Path, dest: str | Path) -> Bundle:
     """Extract `path` into `dest` after checking every member's name, type and size against the
-    manifest (nothing is written before all passed); then verify every member's sha256."""
+    manifest (nothing is written before all passed); then verify every member's sha256.
+
+    Safe for several processes at once (the engine processes of one machine): an intact `dest` is
+    reused as is, and a new extraction is verified in a private folder, then renamed into place."""
     path, dest = Path(path), Path(dest)
     try:
         with tarfile.open(path, mode="r:gz") as tar:
             first, manifest = _read_manifest(tar, path)
             listed = manifest["members"]
-            members = _check_members(tar, path, listed)
-            dest.mkdir(parents=True, exist_ok=True)
-            tar.extractall(dest, members=[first, *members], filter="data")
+            if not _intact(dest, listed):
+                members = _check_members(tar, path, listed)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                fresh = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+                tar.extractall(fresh, members=[first, *members], filter="data")
+                _verify(fresh, listed, path)
+                _publish(fresh, dest)
     except (tarfile.TarError, OSError, EOFError) as e:
         raise BundleError(f"{path}: not a readable bundle ({e})") from None
-    for name, meta in listed.items():
-        actual = sha256_file(dest / name)
-        if actual != meta["sha256"]:
-            raise BundleError(f"{path}: checksum mismatch for '{name}': manifest {meta['sha256'][:16]}…, "
-                              f"file {actual[:16]}… (the bundle was modified or corrupted)")
     return Bundle(path=path, sha256=sha256_file(path), root=dest, manifest=manifest)

@@ -149,7 +149,9 @@ class EngineHost:
             summary = execute(request)
             return HostReply(ok=True, summary=summary, host_pid=os.getpid(), engine_starts=self.starts,
                              seconds=time.perf_counter() - t0)
-        except Exception as e:  # noqa: BLE001 - the client reports it; the host stays up for the next job
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - also a Rust panic from a library; the client reports it
             import traceback
 
             traceback.print_exc()

@@ -135,16 +135,19 @@ def machines_section(machines: dict[str, Any] | None) -> list[str]:
     """Each machine's life, cost and end, the golden replays, and the campaign's running total."""
     if machines is None:
         return ["", "## Machines", "", "Engine stages ran in the orchestrator's process (provider `inprocess`)."]
-    lines = ["", "## Machines", "", f"Provider `{machines['provider']}`, {machines['workers']} worker(s).", "",
-             "| machine | life (s) | cost ($) | ended because | teardown attempts | jobs |",
-             "|---|---:|---:|---|---:|---|"]
+    slots = machines.get("slots", 1)
+    lines = ["", "## Machines", "", f"Provider `{machines['provider']}`, {machines['workers']} worker(s), "
+             f"{slots} engine process(es) each, {machines.get('engine_starts', 0)} engine start(s) in all.", "",
+             "| machine | life (s) | cost ($) | ended because | teardown attempts | engine starts | jobs |",
+             "|---|---:|---:|---|---:|---:|---|"]
     for m in machines["machines"]:
         t = m.get("teardown") or {}
         jobs = ", ".join(f"{j['job']}: {j['status']} ({len(j['artifacts'])} artifacts)" for j in m["jobs"])
         lines.append(f"| {m['machine']['id']} | {_f(m.get('life_s'), 1)} | {_f(m.get('cost_usd'), 4)} | "
-                     f"{t.get('reason', 'running')} | {t.get('attempts', '-')} | {jobs} |")
+                     f"{t.get('reason', 'running')} | {t.get('attempts', '-')} | {m.get('engine_starts', '-')} | "
+                     f"{jobs} |")
     if not machines["machines"]:
-        lines.append("| (none: every engine stage was cached) | | | | | |")
+        lines.append("| (none: every engine stage was cached) | | | | | | |")
     for g in machines["golden"]:
         how = "reference established" if g.get("established") else f"against {g['reference']}"
         lines.append(f"\nGolden replay on {g['machine']}: {g['rows']} rows, max |dp| {g['max_abs_dp']:.3g} "

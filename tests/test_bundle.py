@@ -182,3 +182,21 @@ def test_listed_member_larger_than_the_manifest_says_is_refused_before_extractio
     with pytest.raises(BundleError, match="'suite.toml' is 1073741824 bytes, the manifest says"):
         open_bundle(tmp_path / "bad.tar.gz", tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_engine_processes_opening_one_bundle_at_once_each_read_it_whole(tmp_path):
+    """The engine processes of one machine open the same bundle into the same folder at the same time."""
+    import subprocess
+    import sys
+
+    from jex.sample_suite import write_sample_suite
+
+    built = build_bundle(write_sample_suite(tmp_path / "suite", rows=6000, seed=2), tmp_path / "b.tar.gz")
+    read = ("import sys; from tasks.bundle import open_bundle\n"
+            "for _ in range(25):\n"
+            "    print(open_bundle(sys.argv[1], sys.argv[2]).rows(['run_id', 'prompt']).height)")
+    procs = [subprocess.Popen([sys.executable, "-c", read, str(built.path), str(tmp_path / "extracted")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [err[-800:] for _, err in outs]
+    assert all(out.split() == ["6000"] * 25 for out, _ in outs)

@@ -1,0 +1,108 @@
+"""Whole campaigns through the local provider's machine, the way a user runs them (issue 13).
+
+    python bench/gpu_campaign.py --rows 150759 --coverage 0.15 --config hosts2 --out $OUT/campaign.json
+    python bench/gpu_campaign.py --rows 20000 --coverage 0.05 --config hosts1 --config no-hosts --out ...
+
+Each configuration is one `python -m jex run` in its own process, store and run folder (nothing is
+cached between them; vLLM's compile cache, which lives outside jex, is warm after the first). Per
+configuration: wall, seconds per stage (`stages.json`), engine starts and job seconds per machine
+(`machines.json`), fast-pass rows/s, reason tokens/s, machine cost, and the sha256 of the capture,
+the rationales and the predictions, so configurations can be compared byte for byte.
+
+Configurations: `hosts1` (one engine host per machine), `hosts2` (two engine processes on the GPU),
+`no-hosts` (every job loads its own engine: the behaviour before engine hosts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = {"hosts1": ["--engines-per-gpu", "1"], "hosts2": ["--engines-per-gpu", "2"],
+           "no-hosts": ["--no-engine-hosts", "--engines-per-gpu", "1"]}
+
+
+def run_config(name: str, a: argparse.Namespace, suite: Path, work: Path) -> dict:
+    from jex.fileio import sha256_file
+
+    cmd = [sys.executable, "-m", "jex", "run", "--suite", str(suite), "--provider", "local", "--name", name,
+           "--out", str(work / name / "runs"), "--store", str(work / name / "store"), "--coverage", str(a.coverage),
+           "--reason-max-tokens", str(a.max_tokens), "--shard-rows", str(a.fast_shard),
+           "--reason-shard-rows", str(a.reason_shard), *a.engine_args, *CONFIGS[name]]
+    env = {**os.environ, "JEX_INFRA__STATE_DIR": str(work / name / "infra"),
+           "JEX_INFRA__REMOTE_ROOT": str(work / name / "machines"), "PREFECT_HOME": str(work / name / "prefect")}
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    (work / f"{name}.log").write_text(out.stdout + out.stderr)
+    if out.returncode != 0:
+        return {"config": name, "command": cmd, "ok": False, "wall_s": wall, "tail": (out.stdout + out.stderr)[-4000:]}
+    run_dir = Path(out.stdout.strip().splitlines()[-1])
+    stages = json.loads((run_dir / "stages.json").read_text())
+    machines = json.loads((run_dir / "machines.json").read_text())
+
+    def summary(stage: str) -> dict:
+        return json.loads((Path(stages[stage]["folder"]) / "_SUCCESS.json").read_text())
+
+    fast, reason = summary("fast_pass"), summary("reason")
+    tokens = reason["rationale_tokens"]["mean"] * reason["rows"]
+    return {"config": name, "command": cmd, "ok": True, "wall_s": round(wall, 1),
+            "stage_s": {k: v.get("seconds") for k, v in stages.items()},
+            "fast_pass_rows": fast["rows"],
+            "fast_pass_rows_per_s": round(fast["rows"] / stages["fast_pass"]["seconds"]),
+            "reason_rows": reason["rows"], "rationale_tokens": round(tokens),
+            "reason_tokens_per_s": round(tokens / stages["reason"]["seconds"]),
+            "engine_starts": machines.get("engine_starts"),
+            "engine_start_s": [round(r["seconds"], 1) for m in machines["machines"]
+                               for r in m.get("engine_start_records", [])],
+            "jobs_s": {j["job"]: j["seconds"] for m in machines["machines"] for j in m["jobs"]},
+            "machine_life_s": [m["life_s"] for m in machines["machines"]],
+            "machine_cost_usd": machines["ledger"]["total_usd"],
+            "capture_sha256": fast["sha256"], "reasoned_sha256": reason["sha256"],
+            "predictions_sha256": sha256_file(run_dir / "predictions.parquet"),
+            "score": {k: json.loads((run_dir / "score.json").read_text())[k] for k in ("full", "ci")}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=150_759)
+    ap.add_argument("--coverage", type=float, default=0.15)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--fast-shard", type=int, default=2500)
+    ap.add_argument("--reason-shard", type=int, default=500)
+    ap.add_argument("--config", action="append", choices=sorted(CONFIGS), required=True)
+    ap.add_argument("--engine-args", default="--engine vllm --device cuda --model /tmp/smollm2 --batch-size 0 "
+                                             "--max-num-seqs 512 --max-num-batched-tokens 32768",
+                    help="jex run engine options (default: vLLM on the staged model, one generate per shard)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/jex-gpu-campaign"))
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    a.engine_args = a.engine_args.split()
+    from jex.sample_suite import write_sample_suite
+
+    a.work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    suite = write_sample_suite(a.work / f"suite-{a.rows}", rows=a.rows, seed=0)
+    result = {"rows": a.rows, "coverage": a.coverage, "max_tokens": a.max_tokens, "fast_shard_rows": a.fast_shard,
+              "reason_shard_rows": a.reason_shard, "suite_write_s": round(time.perf_counter() - t0, 1), "runs": []}
+    for name in a.config:
+        result["runs"].append(run_config(name, a, suite, a.work))
+        print(json.dumps(result["runs"][-1])[:2000], flush=True)
+    ok = [r for r in result["runs"] if r["ok"]]
+    result["identical_across_configs"] = {k: len({r[k] for r in ok}) == 1 for k in
+                                          ("capture_sha256", "reasoned_sha256", "predictions_sha256")} if ok else None
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
+
+
+if __name__ == "__main__":
+    main()
