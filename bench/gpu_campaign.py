@@ -93,14 +93,14 @@ def main() -> None:
     suite = write_sample_suite(a.work / f"suite-{a.rows}", rows=a.rows, seed=0)
     result = {"rows": a.rows, "coverage": a.coverage, "max_tokens": a.max_tokens, "fast_shard_rows": a.fast_shard,
               "reason_shard_rows": a.reason_shard, "suite_write_s": round(time.perf_counter() - t0, 1), "runs": []}
-    for name in a.config:
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    for name in a.config:  # written after each configuration: a call cut short keeps what finished
         result["runs"].append(run_config(name, a, suite, a.work))
         print(json.dumps(result["runs"][-1])[:2000], flush=True)
-    ok = [r for r in result["runs"] if r["ok"]]
-    result["identical_across_configs"] = {k: len({r[k] for r in ok}) == 1 for k in
-                                          ("capture_sha256", "reasoned_sha256", "predictions_sha256")} if ok else None
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
+        ok = [r for r in result["runs"] if r["ok"]]
+        result["identical_across_configs"] = {k: len({r[k] for r in ok}) == 1 for k in
+                                              ("capture_sha256", "reasoned_sha256", "predictions_sha256")}
+        a.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
 
 

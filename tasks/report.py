@@ -99,7 +99,9 @@ def render_report(*, name: str, policy: dict[str, Any], baseline: dict[str, Any]
               + ", ".join(f"{t['temperature']:.3f}" for t in calibration["folds"])
               + f"). NLL {calibration['nll_before']:.4f} -> {calibration['nll_after']:.4f}; ECE "
               f"{calibration['reliability_before']['ece']:.4f} -> {calibration['reliability_after']['ece']:.4f}; "
-              f"choices changed: {calibration['argmax_changed']}.", "", "![reliability](reliability.png)", "",
+              f"choices changed: {calibration['argmax_changed']} "
+              f"(ties made by rounding, choice kept: {calibration.get('rounding_ties', 0)}).", "",
+              "![reliability](reliability.png)", "",
               "## Overlays", ""]
     applied = [f"- `{a['id']}` on `{a['target']}`: {a['changed']} choices changed" for a in overlays]
     lines += applied or ["None applied."]

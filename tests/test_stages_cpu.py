@@ -97,6 +97,16 @@ def test_calibration_is_out_of_fold_and_never_changes_a_choice():
     assert report["nll_after"] < report["nll_before"]  # random labels: flattening helps
 
 
+def test_a_tie_made_by_rounding_is_counted_not_taken_for_a_changed_choice():
+    from tasks.calibrate import choice_reversals
+
+    below = -1.6
+    above = float(np.nextafter(below, 0))  # one ulp higher: option 1 is chosen
+    assert choice_reversals([[below, above]], [[-0.69, -0.69]]) == (0, 1)
+    assert choice_reversals([[below, above]], [[-0.6, -0.7]]) == (1, 0)
+    assert choice_reversals([[-0.5, -0.5]], [[-0.69, -0.69]]) == (0, 0)  # tied before: no new tie
+
+
 def test_projection_picks_the_largest_coverage_within_both_budgets():
     from flows.calibration import project
 
