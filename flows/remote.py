@@ -23,7 +23,7 @@ from infra.reconcile import make_provider, policy_from_settings
 from infra.remote import JobFailed, MachineSession, RemoteJob, stack_lock
 from jex.errors import FlowError, InfraError, JexError
 from jex.fileio import write_json
-from tasks.engine_host import STARTS, EngineStart
+from tasks.engine_host import COMPILE_CACHE, STARTS, EngineStart
 from tasks.golden import compare_golden, find_reference, store_reference
 from tasks.stages import stage_plan
 from tasks.store import LocalStore
@@ -154,12 +154,21 @@ class GpuFleet:
     def _golden(self, session: MachineSession, args: dict[str, Any]) -> None:
         rows = min(self.spec.golden_rows, args["bundle"]["rows"])
         inbox = self.store.root / ".machines" / session.machine.id / "golden"
+        files = _job_files(args, inbox)
+        cached = compile_cache_path(self.store, args["engine"])
+        brought = cached.exists()
+        cache_argv = self._compile_cache_argv(cached, files)
         job = RemoteJob("golden", ["-m", "jex", "stage", "golden", "--args", "args.json", "--rows", str(rows),
                                    "--out", "golden.parquet", "--fingerprint", "fingerprint.json",
-                                   *self.spec.host_argv(session.machine.workdir, args["engine"], all_slots=False)],
-                        ["golden.parquet", "fingerprint.json"], inbox,
-                        files=_job_files(args, inbox))
+                                   *self.spec.host_argv(session.machine.workdir, args["engine"], all_slots=False),
+                                   *cache_argv],
+                        ["golden.parquet", "fingerprint.json", COMPILE_CACHE], inbox, files=files)
         self._run(session, job)
+        if not brought and (inbox / COMPILE_CACHE).exists():  # the first machine of this engine compiled: keep it
+            with self._lock:
+                if not cached.exists():
+                    cached.parent.mkdir(parents=True, exist_ok=True)
+                    (inbox / COMPILE_CACHE).replace(cached)
         fp = json.loads((inbox / "fingerprint.json").read_text())
         replay = pl.read_parquet(inbox / "golden.parquet")
         with self._lock:
@@ -182,6 +191,16 @@ class GpuFleet:
                   f"({'reference established' if verdict['established'] else 'against ' + source})")
         if not verdict["ok"]:
             raise GoldenMismatch(session.machine.id, verdict)
+
+    def _compile_cache_argv(self, cached: Path, files: dict[str, Path]) -> list[str]:
+        """The golden job's compile-cache options: bring the store's cache for this engine when there
+        is one (adding it to `files`), else ask the machine for the one its first engine start makes."""
+        if not self.spec.engine_hosts:
+            return []
+        if cached.exists():
+            files["inputs/compile-cache.tar.gz"] = cached
+            return ["--compile-cache-in", "inputs/compile-cache.tar.gz"]
+        return ["--compile-cache-out", COMPILE_CACHE]
 
     def run_stage(self, stage: str, args: dict[str, Any], engine_fp: dict[str, Any] | None = None) -> dict[str, Any]:
         """Compute the stage's missing shards on the machines; returns the plan (the shards are then local).
@@ -232,6 +251,20 @@ class GpuFleet:
                 "engine_hosts": self.spec.engine_hosts, "golden": self.golden, "machines": machines,
                 "engine_starts": sum(m["engine_starts"] for m in machines),
                 "ledger": self.ledger.report(self.campaign)}
+
+
+def compile_cache_path(store: LocalStore, engine: dict[str, Any]) -> Path:
+    """Where the store keeps the compile cache of an engine: keyed by what compiled code depends on
+    (the engine fingerprint less its renderer, and the scheduler's token budget), so every machine
+    and every campaign of that engine starts from it. vLLM checks its own cache keys again on load."""
+    from tasks.engine_pool import EngineSpec, fingerprint
+    from tasks.keys import stage_key
+
+    spec = EngineSpec.model_validate(engine)
+    fp = {k: v for k, v in fingerprint(spec).items() if k != "renderer"}
+    key = stage_key("compile_cache", params={"max_num_batched_tokens": spec.max_num_batched_tokens}, inputs={},
+                    engine=fp)
+    return store.root / "compile_cache" / key / COMPILE_CACHE
 
 
 def _all_shards(plan: dict[str, Any]) -> bool:

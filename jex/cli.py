@@ -444,14 +444,23 @@ def stage_golden(args_file: Annotated[Path, typer.Option("--args", help="JSON: b
                  rows: Annotated[int, typer.Option(help="Rows from the head of the bundle")] = 64,
                  out: Annotated[Path, typer.Option(help="Readout Parquet")] = Path("golden.parquet"),
                  fingerprint_out: Annotated[Path, typer.Option("--fingerprint")] = Path("fingerprint.json"),
-                 engine_host: EngineHostOption = None, host_requests: HostRequestsOption = 0) -> None:
+                 engine_host: EngineHostOption = None, host_requests: HostRequestsOption = 0,
+                 compile_cache_in: Annotated[Path | None, typer.Option(
+                     help="With --engine-host: an earlier machine's compile cache, unpacked before the first "
+                          "engine start")] = None,
+                 compile_cache_out: Annotated[Path | None, typer.Option(
+                     help="With --engine-host: write this machine's packed compile cache here")] = None) -> None:
     """Pre-flight golden replay on a machine: read out the bundle's first rows; record the engine fingerprint."""
-    from tasks.engine_host import HostRequest, absolute_args, run_request
+    from tasks.engine_host import HostRequest, absolute_args, bring_compile_cache, run_request, take_compile_cache
 
     request = HostRequest(job="golden", args=absolute_args(json.loads(args_file.read_text()), Path.cwd()),
                           golden_rows=rows, golden_out=str(out.resolve()),
                           fingerprint_out=str(fingerprint_out.resolve()))
+    if engine_host and compile_cache_in:
+        bring_compile_cache(engine_host.resolve(), compile_cache_in)
     run_request(request, engine_host, max_requests=host_requests)
+    if engine_host and compile_cache_out and take_compile_cache(engine_host.resolve(), compile_cache_out):
+        typer.echo(f"compile cache -> {compile_cache_out}")
     typer.echo(f"golden replay: {rows} rows -> {out}")
 
 

@@ -22,6 +22,7 @@ import fcntl
 import hashlib
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import threading
@@ -36,6 +37,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 STARTS = "starts.jsonl"
+COMPILE_CACHE = "compile-cache.tar.gz"
+"""`HOME/compile-cache.tar.gz`: the machine's engine compile cache (vLLM's `VLLM_CACHE_ROOT`,
+`HOME/vllm-cache`), packed after the machine's first engine start; `HOME/compile-cache.in.tar.gz`:
+one brought from an earlier machine of the same engine, unpacked before the first start."""
+COMPILE_CACHE_IN = "compile-cache.in.tar.gz"
 PGID = "host.pgid"
 """Matches `infra.worker_protocol.DETACHED_PGIDS`, through which a machine's teardown finds the hosts."""
 IDLE_EXIT_S = 1800.0
@@ -77,6 +83,8 @@ class EngineStart(BaseModel):
     kind: str
     seconds: float
     time: float
+    compile_cache: str = Field("cold", description="cold | warm (this machine compiled before) | restored "
+                                                   "(from an earlier machine's compile-cache artifact)")
 
 
 class EngineHostDied(RuntimeError):
@@ -133,10 +141,12 @@ class EngineHost:
         if is_loaded(spec):
             return
         with _flock(self.home / "engine-start.lock"):
+            cache = restore_compile_cache(self.home)
             t0 = time.perf_counter()
             get_engine(spec)
             rec = EngineStart(slot=self.slot, pid=os.getpid(), kind=spec.kind, seconds=time.perf_counter() - t0,
-                              time=time.time())
+                              time=time.time(), compile_cache=cache)
+            pack_compile_cache(self.home)
         self.starts += 1
         with _flock(self.home / f"{STARTS}.lock"), open(self.home / STARTS, "a") as f:
             f.write(rec.model_dump_json() + "\n")
@@ -201,6 +211,61 @@ def execute(request: HostRequest) -> dict[str, Any]:
     return stage_call(request.job, request.args, worker=request.worker, workers=request.workers)
 
 
+# -- the compile cache ------------------------------------------------------------------------------
+def restore_compile_cache(home: Path) -> str:
+    """Before an engine start: unpack a brought compile cache into an empty cache folder. Returns
+    how the start finds its cache (`EngineStart.compile_cache`)."""
+    cache, brought = home / "vllm-cache", home / COMPILE_CACHE_IN
+    if cache.is_dir() and any(cache.iterdir()):
+        return "warm"
+    if not brought.exists():
+        return "cold"
+    import tarfile
+
+    fresh = home / ".vllm-cache.part"
+    shutil.rmtree(fresh, ignore_errors=True)
+    with tarfile.open(brought, "r:gz") as tar:
+        tar.extractall(fresh, filter="data")
+    shutil.rmtree(cache, ignore_errors=True)
+    fresh.rename(cache)
+    return "restored"
+
+
+def pack_compile_cache(home: Path) -> Path | None:
+    """After an engine start: pack the cache folder once per machine (None when there is nothing)."""
+    cache, out = home / "vllm-cache", home / COMPILE_CACHE
+    files = sorted(p for p in cache.rglob("*") if p.is_file()) if cache.is_dir() else []
+    if out.exists() or not files:
+        return out if out.exists() else None
+    import tarfile
+
+    part = out.with_name(f".{out.name}.part")
+    with tarfile.open(part, "w:gz") as tar:
+        for p in files:
+            tar.add(p, arcname=p.relative_to(cache).as_posix())
+    part.replace(out)
+    return out
+
+
+def bring_compile_cache(home: Path, path: Path) -> None:
+    """Place a compile cache from an earlier machine where this machine's first engine start finds it."""
+    target = home / COMPILE_CACHE_IN
+    if path.exists() and not target.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target.with_name(f".{target.name}.part"))
+        target.with_name(f".{target.name}.part").replace(target)
+
+
+def take_compile_cache(home: Path, dest: Path) -> bool:
+    """Copy this machine's packed compile cache to `dest` (a job artifact); False when there is none."""
+    packed = home / COMPILE_CACHE
+    if not packed.exists():
+        return False
+    shutil.copyfile(packed, dest.with_name(f".{dest.name}.part"))
+    dest.with_name(f".{dest.name}.part").replace(dest)
+    return True
+
+
 # -- the client --------------------------------------------------------------------------------------
 def _address(home: Path, slot: int) -> str:
     """An abstract socket name (Linux): no file to go stale and no 108-byte path limit."""
@@ -222,6 +287,7 @@ def _start_host(home: Path, slot: int, device: str | None, max_requests: int) ->
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = device
     env[MAX_REQUESTS_ENV] = str(max_requests)
+    env["VLLM_CACHE_ROOT"] = str(home / "vllm-cache")  # the machine's own: what a compile-cache artifact carries
     with open(sd / "host.log", "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tasks.engine_host", "serve", str(home), str(slot)],
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -330,5 +396,5 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
-__all__ = ["EngineHost", "EngineHostDied", "EngineStart", "HostReply", "HostRequest", "absolute_args", "read_starts",
-           "run_request", "submit", "submit_slots"]
+__all__ = ["EngineHost", "EngineHostDied", "EngineStart", "HostReply", "HostRequest", "absolute_args",
+           "bring_compile_cache", "read_starts", "run_request", "submit", "submit_slots", "take_compile_cache"]

@@ -13,7 +13,7 @@ from typing import Any
 
 # Bump a stage's version when its code changes what it writes.
 STAGE_VERSIONS = {"bundle": 1, "fast_pass": 2, "gate": 1, "reason": 2, "fold": 2, "calibrate": 1,
-                  "overlay": 1, "score": 2, "report": 1, "spec_proof_gate": 1}
+                  "overlay": 1, "score": 2, "report": 1, "spec_proof_gate": 1, "compile_cache": 1}
 
 
 def stage_key(stage: str, *, params: dict[str, Any], inputs: dict[str, str],

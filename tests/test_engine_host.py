@@ -105,3 +105,48 @@ def test_one_host_serves_successive_jobs_with_one_engine_start(engine_home, suit
     assert first.ok and second.ok and first.host_pid == second.host_pid
     assert len(read_starts(engine_home)) == 1 and second.engine_starts == 1
     assert sha256_file(first.summary["capture"]) == sha256_file(second.summary["capture"])
+
+
+@pytest.mark.slow
+def test_the_first_machine_s_compile_cache_is_restored_on_the_next_machine_of_the_engine(tmp_path, monkeypatch,
+                                                                                       suite_dir):
+    """The carry path of vLLM's compile cache, on CPU: the HF engine compiles nothing, so the test puts
+    a file where vLLM writes its cache (`VLLM_CACHE_ROOT`) on the first machine before its engine starts."""
+    import shutil
+    import sys
+    import tarfile
+
+    from flows.remote import GpuFleet, MachinesSpec, compile_cache_path
+    from jex.settings import load_settings
+    from tasks.engine_pool import EngineSpec
+    from tasks.stages import bundle_stage
+    from tasks.store import LocalStore
+
+    for k, v in {"JEX_INFRA__STATE_DIR": str(tmp_path / "infra"), "JEX_INFRA__POLL_S": "0.3",
+                 "JEX_INFRA__WORKER_PYTHON": sys.executable}.items():
+        monkeypatch.setenv(k, v)
+    store = LocalStore(tmp_path / "store")
+    args = {"bundle": bundle_stage(suite_dir, store), "engine": EngineSpec().model_dump(mode="json"),
+            "store": str(store.root), "shard_rows": 12}
+    spec = MachinesSpec(provider="local", golden_rows=4)
+
+    def compile_on_first_poll(session, job, polls) -> None:
+        graph = Path(session.machine.workdir) / "engines" / "vllm-cache" / "torch_compile_cache" / "g" / "graph.bin"
+        if job.name == "golden" and polls == 1:
+            graph.parent.mkdir(parents=True, exist_ok=True)
+            graph.write_bytes(b"compiled")
+
+    with GpuFleet(spec, campaign="first", store=str(store.root), settings=load_settings(), echo=lambda s: None,
+                  on_poll=compile_on_first_poll) as first:
+        first.run_stage("fast_pass", args)
+    cached = compile_cache_path(store, args["engine"])
+    with tarfile.open(cached) as tar:
+        assert tar.getnames() == ["torch_compile_cache/g/graph.bin"]
+    shutil.rmtree(store.root / "fast_pass")  # the next campaign must rent a machine again
+    with GpuFleet(spec, campaign="second", store=str(store.root), settings=load_settings(),
+                  echo=lambda s: None) as second:
+        second.run_stage("fast_pass", args)
+    (machine,) = second.report()["machines"]
+    assert [r["compile_cache"] for r in machine["engine_start_records"]] == ["restored"]
+    golden = [j for j in machine["jobs"] if j["job"] == "golden"][0]
+    assert "compile-cache.tar.gz" not in {a["path"] for a in golden["artifacts"]}, "asked only of the first machine"
