@@ -472,7 +472,7 @@ def stage_run(stage: Annotated[str, typer.Argument(help="fast_pass | reason")],
               workers: Annotated[int, typer.Option(help="Number of workers sharing the stage")] = 1,
               engine_host: EngineHostOption = None, host_requests: HostRequestsOption = 0,
               slots: Annotated[int, typer.Option(help="With --engine-host: engine hosts sharing this worker's "
-                                                      "shards (sub-workers worker*slots+s of workers*slots)")] = 1,
+                                                      "shards, each claiming the next free one")] = 1,
               devices: Annotated[str | None, typer.Option(help="With --engine-host: CUDA_VISIBLE_DEVICES of each "
                                                               "slot, comma-separated")] = None) -> None:
     """Compute this worker's shards of an engine stage into the store (shards w, w+N, ...)."""

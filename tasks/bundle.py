@@ -292,9 +292,12 @@ def _verify(folder: Path, listed: dict[str, Any], path: Path) -> None:
                               f"file {actual[:16]}… (the bundle was modified or corrupted)")
 
 
-def _publish(fresh: Path, dest: Path) -> None:
-    """Rename a verified extraction into place; a stale `dest` is set aside first. When another
-    process published the same bundle in the meantime, its copy is kept and this one dropped."""
+def _publish(fresh: Path, dest: Path, listed: dict[str, Any]) -> None:
+    """Rename a verified extraction into place. When another process published the same bundle in
+    the meantime, its copy is kept and this one dropped; a damaged `dest` is set aside first."""
+    if _intact(dest, listed):
+        shutil.rmtree(fresh, ignore_errors=True)
+        return
     if dest.exists():
         stale = Path(tempfile.mkdtemp(prefix=f".{dest.name}.stale.", dir=dest.parent))
         dest.rename(stale / dest.name)
@@ -342,7 +345,7 @@ def open_bundle(path: str | Path, dest: str | Path) -> Bundle:
                 fresh = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
                 tar.extractall(fresh, members=[first, *members], filter="data")
                 _verify(fresh, listed, path)
-                _publish(fresh, dest)
+                _publish(fresh, dest, listed)
     except (tarfile.TarError, OSError, EOFError) as e:
         raise BundleError(f"{path}: not a readable bundle ({e})") from None
     return Bundle(path=path, sha256=sha256_file(path), root=dest, manifest=manifest)

@@ -61,6 +61,8 @@ class HostRequest(BaseModel):
     args: dict[str, Any]
     worker: int = 0
     workers: int = 1
+    claim: bool = Field(False, description="Share this worker's shards with the machine's other engine hosts, "
+                                           "first come first served")
     golden_rows: int = 0
     golden_out: str = ""
     fingerprint_out: str = ""
@@ -208,7 +210,8 @@ def execute(request: HostRequest) -> dict[str, Any]:
 
         golden_job(request.args, request.golden_rows, Path(request.golden_out), Path(request.fingerprint_out))
         return {"stage": "golden", "rows": request.golden_rows}
-    return stage_call(request.job, request.args, worker=request.worker, workers=request.workers)
+    return stage_call(request.job, request.args, worker=request.worker, workers=request.workers,
+                      claim=request.claim)
 
 
 # -- the compile cache ------------------------------------------------------------------------------
@@ -345,9 +348,9 @@ def _echo_log(log: Path, offset: int) -> None:
 
 def submit_slots(home: Path, request: HostRequest, *, slots: int, devices: list[str] | None = None,
                  max_requests: int = 0) -> list[HostReply]:
-    """Split a stage job (worker w of W) over `slots` hosts: sub-workers w*slots + s of W*slots."""
-    subs = [request.model_copy(update={"worker": request.worker * slots + s, "workers": request.workers * slots})
-            for s in range(slots)] if slots > 1 else [request]
+    """Share a stage job (worker w of W) among `slots` hosts: each claims w's next shard when it is
+    free, so a host that starts late (engine starts are serialised) or runs slow takes fewer."""
+    subs = [request.model_copy(update={"claim": True})] * slots if slots > 1 else [request]
 
     def one(s: int) -> HostReply:
         return submit(home, s, subs[s], device=devices[s] if devices else None, max_requests=max_requests)

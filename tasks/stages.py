@@ -121,10 +121,11 @@ def _reason_key(bundle: dict[str, Any], gate: dict[str, Any], fp: dict[str, Any]
 
 def fast_pass_stage(bundle: dict[str, Any], engine: EngineSpec, store: LocalStore, *, shard_rows: int = 32,
                     worker: int = 0, workers: int = 1, progress: Progress | None = None,
-                    engine_fp: dict[str, Any] | None = None) -> dict[str, Any]:
+                    engine_fp: dict[str, Any] | None = None, claim: bool = False) -> dict[str, Any]:
     """Label-slot readout of every row, sharded; `capture.parquet` is the merge of the shards.
 
-    `engine_fp` overrides the local fingerprint when the shards were computed on another machine.
+    `engine_fp` overrides the local fingerprint when the shards were computed on another machine;
+    `claim`: this worker's shards are shared with other processes (`run_sharded`).
     """
     engine_fp = engine_fp or fingerprint(engine)
     key = _fast_pass_key(bundle, engine_fp)
@@ -145,8 +146,8 @@ def fast_pass_stage(bundle: dict[str, Any], engine: EngineSpec, store: LocalStor
     shards = sd.path / f"shards-{shard_rows}"
     stats = run_sharded(rows, shard_rows=shard_rows, folder=shards, compute=compute, worker=worker, workers=workers,
                         on_shard=(lambda d, t: progress("fast_pass", d, t)) if progress else None,
-                        prepare=lambda: get_engine(engine))
-    if workers > 1 and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
+                        prepare=lambda: get_engine(engine), claim=claim)
+    if (workers > 1 or claim) and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
         return {"stage": "fast_pass", "key": key, "partial": True, "computed_shards": stats.computed}
     frame = merge_shards(shards, stats.shards, sd.path / "capture.parquet")
     return sd.finish({"stage": "fast_pass", "key": key, "capture": str(sd.path / "capture.parquet"),
@@ -213,7 +214,7 @@ def reason_frame(gens: list[Generation], posts: list[Readout]) -> pl.DataFrame:
 def reason_stage(bundle: dict[str, Any], gate: dict[str, Any], engine: EngineSpec, store: LocalStore, *,
                  max_tokens: int, shard_rows: int = 8, worker: int = 0,
                  workers: int = 1, progress: Progress | None = None,
-                 engine_fp: dict[str, Any] | None = None) -> dict[str, Any]:
+                 engine_fp: dict[str, Any] | None = None, claim: bool = False) -> dict[str, Any]:
     """A greedy rationale for each gated row, then the options re-read after it (post-thought readout)."""
     engine_fp = engine_fp or fingerprint(engine)
     key = _reason_key(bundle, gate, engine_fp, max_tokens)
@@ -235,8 +236,8 @@ def reason_stage(bundle: dict[str, Any], gate: dict[str, Any], engine: EngineSpe
     shards = sd.path / f"shards-{shard_rows}"
     stats = run_sharded(rows, shard_rows=shard_rows, folder=shards, compute=compute, worker=worker, workers=workers,
                         on_shard=(lambda d, t: progress("reason", d, t)) if progress else None,
-                        prepare=lambda: get_engine(engine))
-    if workers > 1 and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
+                        prepare=lambda: get_engine(engine), claim=claim)
+    if (workers > 1 or claim) and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
         return {"stage": "reason", "key": key, "partial": True, "computed_shards": stats.computed}
     out = sd.path / "reasoned.parquet"
     frame = merge_shards(shards, stats.shards, out) if stats.shards else _empty_reason(out)

@@ -9,6 +9,7 @@ Copying a store to S3 and back is the infra room's job (`infra/`); the stages on
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ class ShardStats:
 def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
                 compute: Callable[[Sequence[Any]], pl.DataFrame], worker: int = 0, workers: int = 1,
                 on_shard: Callable[[int, int], None] | None = None,
-                prepare: Callable[[], Any] | None = None) -> ShardStats:
+                prepare: Callable[[], Any] | None = None, claim: bool = False) -> ShardStats:
     """Compute `items` in shards of `shard_rows`, each written atomically as `shard-NNNNN.parquet`.
 
     Shards that exist are reused (a crashed run resumes at the first missing shard). With several
@@ -81,6 +82,11 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
     the split, as long as each row's result does not depend on its neighbours (batch invariance).
     `prepare` (an engine start) runs once, before the first shard to compute and off the clock, so
     `compute_seconds` is the work alone; it never runs when every shard exists.
+
+    With `claim`, several processes share the same shards (the engine processes of one machine):
+    each shard goes to whoever claims it first (`.shard-NNNNN.claim`, holding the claimer's pid), so
+    an engine that starts late or runs slow takes fewer shards. A claim whose process is gone is
+    taken over; at worst a shard is computed twice, to the same bytes.
     """
     folder.mkdir(parents=True, exist_ok=True)
     n_shards = (len(items) + shard_rows - 1) // shard_rows
@@ -90,6 +96,8 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
         path = folder / f"shard-{i:05d}.parquet"
         if path.exists():
             reused.append(i)
+        elif claim and not _claim(folder / f".shard-{i:05d}.claim"):
+            continue  # another process computes it
         else:
             if prepare is not None:
                 prepare()
@@ -103,6 +111,39 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
         if on_shard:
             on_shard(len(computed) + len(reused), len(range(worker, n_shards, workers)))
     return ShardStats(n_shards, computed, reused, seconds, rows)
+
+
+def _claim(path: Path) -> bool:
+    """Create the claim file, or take it over from a process that no longer runs (or from this one:
+    a claim left by an earlier failed attempt); False when a live process holds it."""
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if _held_by_other_live_process(path):
+                return False
+            path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
+
+def _held_by_other_live_process(path: Path) -> bool:
+    try:
+        pid = int(path.read_text() or 0)
+    except (OSError, ValueError):
+        return True  # being written right now
+    if pid in (0, os.getpid()):
+        return pid == 0
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def merge_shards(folder: Path, n_shards: int, out: Path) -> pl.DataFrame:

@@ -51,17 +51,17 @@ def run_workers(stage: str, args: dict[str, Any], *, workers: int, devices: list
     return {**summary, "workers": reports}
 
 
-def stage_call(stage: str, args: dict[str, Any], *, worker: int, workers: int) -> dict[str, Any]:
+def stage_call(stage: str, args: dict[str, Any], *, worker: int, workers: int, claim: bool = False) -> dict[str, Any]:
     from tasks.stages import fast_pass_stage, reason_stage
 
     engine = EngineSpec.model_validate(args["engine"])
     store = LocalStore(args["store"])
     if stage == "fast_pass":
         return fast_pass_stage(args["bundle"], engine, store, shard_rows=args["shard_rows"], worker=worker,
-                               workers=workers)
+                               workers=workers, claim=claim)
     if stage == "reason":
         return reason_stage(args["bundle"], args["gate"], engine, store, max_tokens=args["max_tokens"],
-                            shard_rows=args["shard_rows"], worker=worker, workers=workers)
+                            shard_rows=args["shard_rows"], worker=worker, workers=workers, claim=claim)
     raise ValueError(f"unknown stage {stage!r}")
 
 

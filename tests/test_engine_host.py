@@ -150,3 +150,24 @@ def test_the_first_machine_s_compile_cache_is_restored_on_the_next_machine_of_th
     assert [r["compile_cache"] for r in machine["engine_start_records"]] == ["restored"]
     golden = [j for j in machine["jobs"] if j["job"] == "golden"][0]
     assert "compile-cache.tar.gz" not in {a["path"] for a in golden["artifacts"]}, "asked only of the first machine"
+
+
+def test_engine_hosts_share_shards_by_claims_and_take_over_the_claim_of_a_dead_process(tmp_path):
+    import subprocess
+    import sys
+
+    import polars as pl
+
+    from tasks.store import run_sharded
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    (folder / ".shard-00001.claim").write_text(str(os.getppid()))  # a live engine process computes shard 1
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (folder / ".shard-00002.claim").write_text(str(gone.pid))  # this one died while computing shard 2
+    stats = run_sharded(list(range(8)), shard_rows=2, folder=folder, claim=True,
+                        compute=lambda chunk: pl.DataFrame({"x": list(chunk)}))
+    assert stats.computed == [0, 2, 3]
+    assert sorted(p.name for p in folder.glob("shard-*.parquet")) == ["shard-00000.parquet", "shard-00002.parquet",
+                                                                        "shard-00003.parquet"]
