@@ -10,7 +10,10 @@ configuration: wall, seconds per stage (`stages.json`), engine starts and job se
 the rationales and the predictions, so configurations can be compared byte for byte.
 
 Configurations: `hosts1` (one engine host per machine), `hosts2` (two engine processes on the GPU),
-`no-hosts` (every job loads its own engine: the behaviour before engine hosts).
+`no-hosts` (every job loads its own engine: the behaviour before engine hosts). A configuration may
+be given twice. With `--shared-store` every run uses one store and its own suite (seed = its
+position), so nothing is cached between runs but the engine's compile cache: the second run's
+machine starts from the first one's (`compile_cache: restored` in its start records).
 """
 
 from __future__ import annotations
@@ -30,13 +33,13 @@ CONFIGS = {"hosts1": ["--engines-per-gpu", "1"], "hosts2": ["--engines-per-gpu",
            "no-hosts": ["--no-engine-hosts", "--engines-per-gpu", "1"]}
 
 
-def run_config(name: str, a: argparse.Namespace, suite: Path, work: Path) -> dict:
+def run_config(config: str, name: str, a: argparse.Namespace, suite: Path, work: Path, store: Path) -> dict:
     from jex.fileio import sha256_file
 
     cmd = [sys.executable, "-m", "jex", "run", "--suite", str(suite), "--provider", "local", "--name", name,
-           "--out", str(work / name / "runs"), "--store", str(work / name / "store"), "--coverage", str(a.coverage),
+           "--out", str(work / name / "runs"), "--store", str(store), "--coverage", str(a.coverage),
            "--reason-max-tokens", str(a.max_tokens), "--shard-rows", str(a.fast_shard),
-           "--reason-shard-rows", str(a.reason_shard), *a.engine_args, *CONFIGS[name]]
+           "--reason-shard-rows", str(a.reason_shard), *a.engine_args, *CONFIGS[config]]
     env = {**os.environ, "JEX_INFRA__STATE_DIR": str(work / name / "infra"),
            "JEX_INFRA__REMOTE_ROOT": str(work / name / "machines"), "PREFECT_HOME": str(work / name / "prefect")}
     t0 = time.perf_counter()
@@ -44,7 +47,8 @@ def run_config(name: str, a: argparse.Namespace, suite: Path, work: Path) -> dic
     wall = time.perf_counter() - t0
     (work / f"{name}.log").write_text(out.stdout + out.stderr)
     if out.returncode != 0:
-        return {"config": name, "command": cmd, "ok": False, "wall_s": wall, "tail": (out.stdout + out.stderr)[-4000:]}
+        return {"config": config, "run": name, "command": cmd, "ok": False, "wall_s": wall,
+                "tail": (out.stdout + out.stderr)[-4000:]}
     run_dir = Path(out.stdout.strip().splitlines()[-1])
     stages = json.loads((run_dir / "stages.json").read_text())
     machines = json.loads((run_dir / "machines.json").read_text())
@@ -54,7 +58,7 @@ def run_config(name: str, a: argparse.Namespace, suite: Path, work: Path) -> dic
 
     fast, reason = summary("fast_pass"), summary("reason")
     tokens = reason["rationale_tokens"]["mean"] * reason["rows"]
-    return {"config": name, "command": cmd, "ok": True, "wall_s": round(wall, 1),
+    return {"config": config, "run": name, "command": cmd, "ok": True, "wall_s": round(wall, 1),
             "stage_s": {k: v.get("seconds") for k, v in stages.items()},
             "fast_pass_rows": fast["rows"],
             "fast_pass_rows_per_s": round(fast["rows"] / stages["fast_pass"]["seconds"]),
@@ -63,6 +67,8 @@ def run_config(name: str, a: argparse.Namespace, suite: Path, work: Path) -> dic
             "engine_starts": machines.get("engine_starts"),
             "engine_start_s": [round(r["seconds"], 1) for m in machines["machines"]
                                for r in m.get("engine_start_records", [])],
+            "compile_cache": [r.get("compile_cache") for m in machines["machines"]
+                              for r in m.get("engine_start_records", [])],
             "jobs_s": {j["job"]: j["seconds"] for m in machines["machines"] for j in m["jobs"]},
             "machine_life_s": [m["life_s"] for m in machines["machines"]],
             "machine_cost_usd": machines["ledger"]["total_usd"],
@@ -79,6 +85,7 @@ def main() -> None:
     ap.add_argument("--fast-shard", type=int, default=2500)
     ap.add_argument("--reason-shard", type=int, default=500)
     ap.add_argument("--config", action="append", choices=sorted(CONFIGS), required=True)
+    ap.add_argument("--shared-store", action="store_true", help="one store for all runs, a suite seed per run")
     ap.add_argument("--engine-args", default="--engine vllm --device cuda --model /tmp/smollm2 --batch-size 0 "
                                              "--max-num-seqs 512 --max-num-batched-tokens 32768",
                     help="jex run engine options (default: vLLM on the staged model, one generate per shard)")
@@ -90,14 +97,18 @@ def main() -> None:
 
     a.work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    suite = write_sample_suite(a.work / f"suite-{a.rows}", rows=a.rows, seed=0)
+    seeds = range(len(a.config)) if a.shared_store else [0] * len(a.config)
+    suites = {seed: write_sample_suite(a.work / f"suite-{a.rows}-{seed}", rows=a.rows, seed=seed) for seed in seeds}
     result = {"rows": a.rows, "coverage": a.coverage, "max_tokens": a.max_tokens, "fast_shard_rows": a.fast_shard,
-              "reason_shard_rows": a.reason_shard, "suite_write_s": round(time.perf_counter() - t0, 1), "runs": []}
+              "reason_shard_rows": a.reason_shard, "shared_store": a.shared_store,
+              "suite_write_s": round(time.perf_counter() - t0, 1), "runs": []}
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    for name in a.config:  # written after each configuration: a call cut short keeps what finished
-        result["runs"].append(run_config(name, a, suite, a.work))
+    for i, (config, seed) in enumerate(zip(a.config, seeds, strict=True)):  # JSON after each: a cut call keeps it
+        name = f"{config}-{i}"
+        store = a.work / "store" if a.shared_store else a.work / name / "store"
+        result["runs"].append(run_config(config, name, a, suites[seed], a.work, store))
         print(json.dumps(result["runs"][-1])[:2000], flush=True)
-        ok = [r for r in result["runs"] if r["ok"]]
+        ok = [r for r in result["runs"] if r["ok"] and not a.shared_store]  # shared store: different suites
         result["identical_across_configs"] = {k: len({r[k] for r in ok}) == 1 for k in
                                               ("capture_sha256", "reasoned_sha256", "predictions_sha256")}
         a.out.write_text(json.dumps(result, indent=1))
