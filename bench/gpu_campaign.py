@@ -4,7 +4,7 @@
     python bench/gpu_campaign.py --rows 20000 --coverage 0.05 --config hosts1 --config no-hosts --out ...
 
 Each configuration is one `python -m jex run` in its own process, store and run folder (nothing is
-cached between them; vLLM's compile cache, which lives outside jex, is warm after the first). Per
+cached between them: each machine has its own vLLM compile cache, and a store its own copy). Per
 configuration: wall, seconds per stage (`stages.json`), engine starts and job seconds per machine
 (`machines.json`), fast-pass rows/s, reason tokens/s, machine cost, and the sha256 of the capture,
 the rationales and the predictions, so configurations can be compared byte for byte.

@@ -23,7 +23,7 @@ from infra.reconcile import make_provider, policy_from_settings
 from infra.remote import JobFailed, MachineSession, RemoteJob, stack_lock
 from jex.errors import FlowError, InfraError, JexError
 from jex.fileio import write_json
-from tasks.engine_host import COMPILE_CACHE, STARTS, EngineStart
+from tasks.engine_host import COMPILE_CACHE, STARTS, parse_starts
 from tasks.golden import compare_golden, find_reference, store_reference
 from tasks.stages import stage_plan
 from tasks.store import LocalStore
@@ -61,10 +61,11 @@ class MachinesSpec(BaseModel):
     def host_argv(self, workdir: str, engine: dict[str, Any], *, all_slots: bool) -> list[str]:
         """The `jex stage` options that hand a job's engine work to the machine's engine hosts."""
         argv = ["--engine-host", f"{workdir}/engines", "--host-requests", "0" if self.engine_hosts else "1"]
-        if all_slots and self.slots > 1:
-            argv += ["--slots", str(self.slots)]
-            if str(engine.get("device", "cpu")).startswith("cuda"):
-                argv += ["--devices", ",".join(str(s // self.engines_per_gpu) for s in range(self.slots))]
+        slots = self.slots if all_slots else 1
+        if slots > 1:
+            argv += ["--slots", str(slots)]
+        if str(engine.get("device", "cpu")).startswith("cuda"):  # slot s sees one GPU: s // engines_per_gpu
+            argv += ["--devices", ",".join(str(s // self.engines_per_gpu) for s in range(slots))]
         return argv
 
 
@@ -238,11 +239,10 @@ class GpuFleet:
         """Run one job; then read the machine's engine starts (its engine hosts append one line per start)."""
         try:
             session.run(job)
-        finally:
+        finally:  # never in the way of the job's own outcome: an unreadable record counts no start
             text = session.read_text(f"engines/{STARTS}")
             if text is not None:
-                self.engine_starts[session.machine.id] = [EngineStart.model_validate_json(line).model_dump()
-                                                          for line in text.splitlines() if line.strip()]
+                self.engine_starts[session.machine.id] = [s.model_dump() for s in parse_starts(text)]
 
     def report(self) -> dict[str, Any]:
         machines = [{**s.report(), "engine_starts": len(self.engine_starts.get(s.machine.id, [])),

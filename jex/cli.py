@@ -449,7 +449,9 @@ def stage_golden(args_file: Annotated[Path, typer.Option("--args", help="JSON: b
                      help="With --engine-host: an earlier machine's compile cache, unpacked before the first "
                           "engine start")] = None,
                  compile_cache_out: Annotated[Path | None, typer.Option(
-                     help="With --engine-host: write this machine's packed compile cache here")] = None) -> None:
+                     help="With --engine-host: write this machine's packed compile cache here")] = None,
+                 devices: Annotated[str | None, typer.Option(help="With --engine-host: CUDA_VISIBLE_DEVICES of "
+                                                                 "the engine host")] = None) -> None:
     """Pre-flight golden replay on a machine: read out the bundle's first rows; record the engine fingerprint."""
     from tasks.engine_host import HostRequest, absolute_args, bring_compile_cache, run_request, take_compile_cache
 
@@ -458,7 +460,7 @@ def stage_golden(args_file: Annotated[Path, typer.Option("--args", help="JSON: b
                           fingerprint_out=str(fingerprint_out.resolve()))
     if engine_host and compile_cache_in:
         bring_compile_cache(engine_host.resolve(), compile_cache_in)
-    run_request(request, engine_host, max_requests=host_requests)
+    run_request(request, engine_host, max_requests=host_requests, devices=devices.split(",") if devices else None)
     if engine_host and compile_cache_out and take_compile_cache(engine_host.resolve(), compile_cache_out):
         typer.echo(f"compile cache -> {compile_cache_out}")
     typer.echo(f"golden replay: {rows} rows -> {out}")

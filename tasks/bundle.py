@@ -15,6 +15,7 @@ gzip header mtime 0. Rows stream through a bounded buffer: memory does not grow 
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import shutil
@@ -293,19 +294,24 @@ def _verify(folder: Path, listed: dict[str, Any], path: Path) -> None:
 
 
 def _publish(fresh: Path, dest: Path, listed: dict[str, Any]) -> None:
-    """Rename a verified extraction into place. When another process published the same bundle in
-    the meantime, its copy is kept and this one dropped; a damaged `dest` is set aside first."""
-    if _intact(dest, listed):
-        shutil.rmtree(fresh, ignore_errors=True)
-        return
-    if dest.exists():
+    """Rename a verified extraction into place. When another process published the same bundle
+    first, its copy is kept and this one dropped; a damaged `dest` (an interrupted older
+    extraction) is set aside and replaced."""
+    for _ in range(3):
+        try:
+            fresh.rename(dest)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                shutil.rmtree(fresh, ignore_errors=True)
+                raise
+        if _intact(dest, listed):  # published by another process: same bytes, verified there
+            shutil.rmtree(fresh, ignore_errors=True)
+            return
         stale = Path(tempfile.mkdtemp(prefix=f".{dest.name}.stale.", dir=dest.parent))
         dest.rename(stale / dest.name)
         shutil.rmtree(stale, ignore_errors=True)
-    try:
-        fresh.rename(dest)
-    except OSError:  # published by another process: same bytes, verified there
-        shutil.rmtree(fresh, ignore_errors=True)
+    raise BundleError(f"{dest}: could not publish the extracted bundle")
 
 
 def _check_members(tar: tarfile.TarFile, path: Path, listed: dict[str, Any]) -> list[tarfile.TarInfo]:
@@ -343,8 +349,12 @@ def open_bundle(path: str | Path, dest: str | Path) -> Bundle:
                 members = _check_members(tar, path, listed)
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 fresh = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-                tar.extractall(fresh, members=[first, *members], filter="data")
-                _verify(fresh, listed, path)
+                try:
+                    tar.extractall(fresh, members=[first, *members], filter="data")
+                    _verify(fresh, listed, path)
+                except BaseException:
+                    shutil.rmtree(fresh, ignore_errors=True)
+                    raise
                 _publish(fresh, dest, listed)
     except (tarfile.TarError, OSError, EOFError) as e:
         raise BundleError(f"{path}: not a readable bundle ({e})") from None

@@ -23,18 +23,24 @@ import hashlib
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jex.fileio import atomic_path
 
 STARTS = "starts.jsonl"
 COMPILE_CACHE = "compile-cache.tar.gz"
@@ -50,7 +56,6 @@ START_TIMEOUT_S = 120.0
 MAX_REQUESTS_ENV = "JEX_ENGINE_HOST_MAX_REQUESTS"
 """Set to 1 by a client: its host serves one request and exits (each job loads its own engine, the
 behaviour before engine hosts, kept for comparison and for engines that must not outlive a job)."""
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class HostRequest(BaseModel):
@@ -97,11 +102,20 @@ def slot_dir(home: Path, slot: int) -> Path:
     return home / f"slot-{slot}"
 
 
+def parse_starts(text: str) -> list[EngineStart]:
+    """The records of a `starts.jsonl`; a line that does not parse (torn by a crash) is skipped."""
+    starts = []
+    for line in text.splitlines():
+        try:
+            starts.append(EngineStart.model_validate_json(line))
+        except ValidationError:
+            continue
+    return starts
+
+
 def read_starts(home: Path) -> list[EngineStart]:
     path = home / STARTS
-    if not path.exists():
-        return []
-    return [EngineStart.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
+    return parse_starts(path.read_text()) if path.exists() else []
 
 
 @contextmanager
@@ -116,13 +130,24 @@ def _flock(path: Path) -> Iterator[None]:
 
 
 def _authkey(home: Path) -> bytes:
+    """The machine's key for the hosts' sockets (mode 0600). Never empty: with an empty key
+    `multiprocessing` would skip authentication altogether."""
     path = home / "authkey"
     with _flock(home / "authkey.lock"):
-        if not path.exists():
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32))
-    return path.read_text().encode()
+        key = path.read_text().strip() if path.exists() else ""
+        if len(key) != 64:
+            with atomic_path(path) as tmp:  # mkstemp: created 0600
+                tmp.write_text(secrets.token_hex(32))
+            key = path.read_text().strip()
+    return key.encode()
+
+
+def _stop_group(pid_file: Path) -> None:
+    """Kill the process group a pid file names (a previous host of the slot, and any children)."""
+    try:
+        os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
 
 
 # -- the host ----------------------------------------------------------------------------------------
@@ -131,23 +156,26 @@ class EngineHost:
 
     def __init__(self, home: Path, slot: int, idle_exit_s: float = IDLE_EXIT_S, max_requests: int = 0):
         self.home, self.slot, self.idle_exit_s, self.max_requests = home, slot, idle_exit_s, max_requests
+        self.pid_file = slot_dir(home, slot) / PGID
         self.starts = 0
         self.last_request = time.monotonic()
         self.busy = False
 
     def warm(self, request: HostRequest) -> None:
         """Load the request's engine if this host has not yet, one load at a time on this machine."""
-        from tasks.engine_pool import EngineSpec, get_engine, is_loaded
+        from tasks.engine_pool import EngineSpec, get_engine, is_loaded, release_engines
 
         spec = EngineSpec.model_validate(request.args["engine"])
         if is_loaded(spec):
             return
+        release_engines()  # one engine per host (e.g. a speculative profile, then its audited base): one GPU share
         with _flock(self.home / "engine-start.lock"):
             cache = restore_compile_cache(self.home)
             t0 = time.perf_counter()
             get_engine(spec)
             rec = EngineStart(slot=self.slot, pid=os.getpid(), kind=spec.kind, seconds=time.perf_counter() - t0,
                               time=time.time(), compile_cache=cache)
+        if cache != "restored":  # this machine compiled (or found its own cache): offer it to the next ones
             pack_compile_cache(self.home)
         self.starts += 1
         with _flock(self.home / f"{STARTS}.lock"), open(self.home / STARTS, "a") as f:
@@ -170,35 +198,52 @@ class EngineHost:
             return HostReply(ok=False, error=f"{type(e).__name__}: {e}", host_pid=os.getpid(),
                              engine_starts=self.starts, seconds=time.perf_counter() - t0)
 
+    def _forget_pid_file(self) -> None:
+        """On exit: no pid file may name this (soon reusable) pid for teardown to kill later."""
+        if self.pid_file.exists() and self.pid_file.read_text().strip() == str(os.getpid()):
+            self.pid_file.unlink(missing_ok=True)
+
     def _idle_watch(self) -> None:
         while True:
             time.sleep(min(5.0, self.idle_exit_s / 4))
             idle = time.monotonic() - self.last_request
             if not self.home.exists() or (not self.busy and idle > self.idle_exit_s):
+                self._forget_pid_file()
                 os._exit(0)
 
+    def _reply(self, conn: Connection) -> HostReply:
+        try:
+            request = HostRequest.model_validate_json(conn.recv_bytes())
+        except ValidationError as e:
+            return HostReply(ok=False, error=f"not a HostRequest: {e}", host_pid=os.getpid(),
+                             engine_starts=self.starts, seconds=0.0)
+        return self.handle(request)
+
     def serve(self) -> None:
+        """Answer requests until `max_requests` (0: no limit) or a failed one: a request that failed
+        may have left the engine unusable (a CUDA error, a panic), so the next job gets a new host."""
         listener = Listener(_address(self.home, self.slot), family="AF_UNIX", authkey=_authkey(self.home))
         threading.Thread(target=self._idle_watch, daemon=True).start()
         print(f"engine host slot {self.slot}: serving (pid {os.getpid()})", flush=True)
-        served = 0
-        while not self.max_requests or served < self.max_requests:
+        served, ok = 0, True
+        while ok and (not self.max_requests or served < self.max_requests):
             try:
                 conn = listener.accept()
-            except (OSError, EOFError):  # a client that failed authentication or went away
+            except (OSError, EOFError, AuthenticationError):  # a client that failed authentication or went away
                 continue
             with conn:
                 self.busy = True
                 try:
-                    reply = self.handle(HostRequest.model_validate_json(conn.recv_bytes()))
-                    served += 1
-                    if served == self.max_requests:
+                    reply = self._reply(conn)
+                    served, ok = served + 1, reply.ok
+                    if not ok or served == self.max_requests:
                         listener.close()  # the next client starts a new host instead of finding this one
                     conn.send_bytes(reply.model_dump_json().encode())
                 except (OSError, EOFError):
                     pass  # the client died; the work it asked for is in the store or will be asked again
                 finally:
                     self.busy, self.last_request = False, time.monotonic()
+        self._forget_pid_file()
 
 
 def execute(request: HostRequest) -> dict[str, Any]:
@@ -217,36 +262,41 @@ def execute(request: HostRequest) -> dict[str, Any]:
 # -- the compile cache ------------------------------------------------------------------------------
 def restore_compile_cache(home: Path) -> str:
     """Before an engine start: unpack a brought compile cache into an empty cache folder. Returns
-    how the start finds its cache (`EngineStart.compile_cache`)."""
+    how the start finds its cache (`EngineStart.compile_cache`). The cache only saves time: a
+    brought archive that does not unpack is dropped and the start is cold."""
     cache, brought = home / "vllm-cache", home / COMPILE_CACHE_IN
     if cache.is_dir() and any(cache.iterdir()):
         return "warm"
     if not brought.exists():
         return "cold"
-    import tarfile
-
-    fresh = home / ".vllm-cache.part"
-    shutil.rmtree(fresh, ignore_errors=True)
-    with tarfile.open(brought, "r:gz") as tar:
-        tar.extractall(fresh, filter="data")
-    shutil.rmtree(cache, ignore_errors=True)
-    fresh.rename(cache)
+    fresh = Path(tempfile.mkdtemp(prefix=".vllm-cache.", dir=home))
+    try:
+        with tarfile.open(brought, "r:gz") as tar:
+            tar.extractall(fresh, filter="data")
+        shutil.rmtree(cache, ignore_errors=True)
+        fresh.rename(cache)
+    except (tarfile.TarError, OSError, EOFError) as e:
+        print(f"compile cache {brought} not used: {e}", flush=True)
+        shutil.rmtree(fresh, ignore_errors=True)
+        brought.unlink(missing_ok=True)
+        return "cold"
     return "restored"
 
 
 def pack_compile_cache(home: Path) -> Path | None:
-    """After an engine start: pack the cache folder once per machine (None when there is nothing)."""
+    """After a machine's own engine start: pack its cache folder once (None when there is nothing,
+    or when packing failed: the cache only saves time, so a failure is printed, never raised)."""
     cache, out = home / "vllm-cache", home / COMPILE_CACHE
     files = sorted(p for p in cache.rglob("*") if p.is_file()) if cache.is_dir() else []
     if out.exists() or not files:
         return out if out.exists() else None
-    import tarfile
-
-    part = out.with_name(f".{out.name}.part")
-    with tarfile.open(part, "w:gz") as tar:
-        for p in files:
-            tar.add(p, arcname=p.relative_to(cache).as_posix())
-    part.replace(out)
+    try:
+        with atomic_path(out) as tmp, tarfile.open(tmp, "w:gz") as tar:
+            for p in files:
+                tar.add(p, arcname=p.relative_to(cache).as_posix())
+    except (tarfile.TarError, OSError) as e:
+        print(f"compile cache not packed: {e}", flush=True)
+        return None
     return out
 
 
@@ -254,9 +304,8 @@ def bring_compile_cache(home: Path, path: Path) -> None:
     """Place a compile cache from an earlier machine where this machine's first engine start finds it."""
     target = home / COMPILE_CACHE_IN
     if path.exists() and not target.exists():
-        home.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, target.with_name(f".{target.name}.part"))
-        target.with_name(f".{target.name}.part").replace(target)
+        with atomic_path(target) as tmp:
+            shutil.copyfile(path, tmp)
 
 
 def take_compile_cache(home: Path, dest: Path) -> bool:
@@ -264,8 +313,8 @@ def take_compile_cache(home: Path, dest: Path) -> bool:
     packed = home / COMPILE_CACHE
     if not packed.exists():
         return False
-    shutil.copyfile(packed, dest.with_name(f".{dest.name}.part"))
-    dest.with_name(f".{dest.name}.part").replace(dest)
+    with atomic_path(dest) as tmp:
+        shutil.copyfile(packed, tmp)
     return True
 
 
@@ -286,6 +335,7 @@ def _connect(home: Path, slot: int) -> Connection | None:
 def _start_host(home: Path, slot: int, device: str | None, max_requests: int) -> Connection:
     sd = slot_dir(home, slot)
     sd.mkdir(parents=True, exist_ok=True)
+    _stop_group(sd / PGID)  # a previous host of this slot that no longer listens, and its children
     env = dict(os.environ)
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = device
@@ -303,6 +353,7 @@ def _start_host(home: Path, slot: int, device: str | None, max_requests: int) ->
         if proc.poll() is not None:
             raise EngineHostDied(f"engine host slot {slot} exited {proc.returncode} at start; see {sd / 'host.log'}")
         time.sleep(0.1)
+    _stop_group(sd / PGID)
     raise EngineHostDied(f"engine host slot {slot} did not listen within {START_TIMEOUT_S:.0f} s")
 
 
@@ -363,7 +414,11 @@ def run_request(request: HostRequest, engine_host: Path | None, *, slots: int = 
                 devices: list[str] | None = None, max_requests: int = 0) -> list[dict[str, Any]]:
     """A job's engine work: in this process (`engine_host` None), else on the machine's hosts.
     Returns each slot's summary; raises when a host reports a failure."""
+    if devices is not None and len(devices) != slots:
+        raise ValueError(f"{len(devices)} devices for {slots} engine slot(s): give one per slot")
     if engine_host is None:
+        if slots > 1:
+            raise ValueError("several engine slots need engine hosts (--engine-host)")
         return [execute(request)]
     replies = submit_slots(engine_host.resolve(), request, slots=slots, devices=devices, max_requests=max_requests)
     failed = [f"slot {s}: {r.error}" for s, r in enumerate(replies) if not r.ok]
@@ -400,4 +455,5 @@ if __name__ == "__main__":
 
 
 __all__ = ["EngineHost", "EngineHostDied", "EngineStart", "HostReply", "HostRequest", "absolute_args",
-           "bring_compile_cache", "read_starts", "run_request", "submit", "submit_slots", "take_compile_cache"]
+           "bring_compile_cache", "parse_starts", "read_starts", "run_request", "submit", "submit_slots",
+           "take_compile_cache"]

@@ -6,6 +6,7 @@ files without loading the model, so a fully cached campaign never loads one.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
@@ -94,6 +95,19 @@ def audited_fingerprint(fp: dict[str, Any]) -> dict[str, Any]:
 def is_loaded(spec: EngineSpec) -> bool:
     """Whether this process already holds the engine `spec` names."""
     return spec.loaded_key() in _ENGINES
+
+
+def release_engines() -> None:
+    """Let go of every engine this process holds (a host that switches engines frees its GPU share)."""
+    if not _ENGINES:
+        return
+    import gc
+
+    _ENGINES.clear()
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def get_engine(spec: EngineSpec) -> Any:

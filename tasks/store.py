@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -114,29 +115,35 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
 
 
 def _claim(path: Path) -> bool:
-    """Create the claim file, or take it over from a process that no longer runs (or from this one:
-    a claim left by an earlier failed attempt); False when a live process holds it."""
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            if _held_by_other_live_process(path):
-                return False
-            path.unlink(missing_ok=True)
-            continue
+    """Create the claim file holding this pid (in one step: a link, so no claim is ever empty), or
+    take it over from a process that no longer runs, or from this one (a claim left by an earlier
+    failed attempt); False when another live process holds it."""
+    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.", dir=path.parent)
+    try:
         with os.fdopen(fd, "w") as f:
             f.write(str(os.getpid()))
-        return True
-    return False
+        for _ in range(3):
+            try:
+                os.link(tmp, path)
+                return True
+            except FileExistsError:
+                if _held_by_other_live_process(path):
+                    return False
+                path.unlink(missing_ok=True)
+        return False
+    finally:
+        os.unlink(tmp)
 
 
 def _held_by_other_live_process(path: Path) -> bool:
     try:
-        pid = int(path.read_text() or 0)
-    except (OSError, ValueError):
-        return True  # being written right now
-    if pid in (0, os.getpid()):
-        return pid == 0
+        pid = int(path.read_text())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):  # not a claim this code wrote: treat as stale
+        return False
+    if pid == os.getpid():
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

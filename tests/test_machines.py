@@ -342,8 +342,8 @@ def test_jex_run_over_ssh_runs_the_gpu_stages_through_the_full_lifecycle(sshd, t
     assert machines["golden"][0]["rows"] == 36 and machines["golden"][0]["ok"]
     assert m["engine_starts"] == 1, "one engine process served the golden replay, fast pass and reason jobs"
     (host_pid,) = [r["pid"] for r in m["engine_start_records"]]
-    with pytest.raises(ProcessLookupError):  # the machine's teardown stopped its engine host
-        os.kill(host_pid, 0)
+    stat = Path(f"/proc/{host_pid}/stat")  # the machine's teardown stopped its engine host (a zombie counts)
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
     report = (run_dir / "report.md").read_text()
     assert "## Machines" in report and m["machine"]["id"] in report
     assert SSHProvider(str(tmp_path / "remote"), ["127.0.0.1"], port=sshd["port"], key_path=sshd["key_path"],
