@@ -70,11 +70,30 @@ def run_config(config: str, name: str, a: argparse.Namespace, suite: Path, work:
             "compile_cache": [r.get("compile_cache") for m in machines["machines"]
                               for r in m.get("engine_start_records", [])],
             "jobs_s": {j["job"]: j["seconds"] for m in machines["machines"] for j in m["jobs"]},
+            "engine_compute": engine_compute(machines),
             "machine_life_s": [m["life_s"] for m in machines["machines"]],
             "machine_cost_usd": machines["ledger"]["total_usd"],
             "capture_sha256": fast["sha256"], "reasoned_sha256": reason["sha256"],
             "predictions_sha256": sha256_file(run_dir / "predictions.parquet"),
             "score": {k: json.loads((run_dir / "score.json").read_text())[k] for k in ("full", "ci")}}
+
+
+def engine_compute(machines: dict) -> list[dict]:
+    """Per engine process and stage job: rows it computed and its compute seconds (engine start
+    excluded), from the summary line each slot prints into its job's log. A slot that found the
+    stage already merged prints the merging slot's summary: such repeats are dropped."""
+    out, seen = [], set()
+    for m in machines["machines"]:
+        for j in m["jobs"]:
+            for line in j.get("log_tail", "").splitlines():
+                if not line.startswith('{"stage"') or not (doc := json.loads(line)).get("compute_seconds"):
+                    continue
+                if (j["job"], tuple(doc["computed_shards"])) in seen:
+                    continue
+                seen.add((j["job"], tuple(doc["computed_shards"])))
+                out.append({"job": j["job"], "rows": doc["computed_rows"], "seconds": round(doc["compute_seconds"], 2),
+                            "rows_per_s": round(doc["computed_rows"] / doc["compute_seconds"])})
+    return out
 
 
 def main() -> None:

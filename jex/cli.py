@@ -486,7 +486,8 @@ def stage_run(stage: Annotated[str, typer.Argument(help="fast_pass | reason")],
                           worker=worker, workers=workers)
     for summary in run_request(request, engine_host, slots=slots, devices=devices.split(",") if devices else None,
                                max_requests=host_requests):
-        typer.echo(json.dumps({k: summary.get(k) for k in ("stage", "key", "rows", "computed_shards", "partial")}))
+        typer.echo(json.dumps({k: summary.get(k) for k in ("stage", "key", "rows", "computed_shards", "partial",
+                                                           "compute_seconds", "computed_rows")}))
 
 
 @overlays_app.command("mine")

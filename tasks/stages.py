@@ -148,7 +148,8 @@ def fast_pass_stage(bundle: dict[str, Any], engine: EngineSpec, store: LocalStor
                         on_shard=(lambda d, t: progress("fast_pass", d, t)) if progress else None,
                         prepare=lambda: get_engine(engine), claim=claim)
     if (workers > 1 or claim) and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
-        return {"stage": "fast_pass", "key": key, "partial": True, "computed_shards": stats.computed}
+        return {"stage": "fast_pass", "key": key, "partial": True, "computed_shards": stats.computed,
+                "compute_seconds": stats.compute_seconds, "computed_rows": stats.computed_rows}
     frame = merge_shards(shards, stats.shards, sd.path / "capture.parquet")
     return sd.finish({"stage": "fast_pass", "key": key, "capture": str(sd.path / "capture.parquet"),
                       "sha256": sha256_file(sd.path / "capture.parquet"), "rows": frame.height,
@@ -238,7 +239,8 @@ def reason_stage(bundle: dict[str, Any], gate: dict[str, Any], engine: EngineSpe
                         on_shard=(lambda d, t: progress("reason", d, t)) if progress else None,
                         prepare=lambda: get_engine(engine), claim=claim)
     if (workers > 1 or claim) and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
-        return {"stage": "reason", "key": key, "partial": True, "computed_shards": stats.computed}
+        return {"stage": "reason", "key": key, "partial": True, "computed_shards": stats.computed,
+                "compute_seconds": stats.compute_seconds, "computed_rows": stats.computed_rows}
     out = sd.path / "reasoned.parquet"
     frame = merge_shards(shards, stats.shards, out) if stats.shards else _empty_reason(out)
     lengths = [len(t) for t in frame["token_ids"].to_list()]
