@@ -11,9 +11,12 @@ up between jobs, so a machine pays one engine start per slot instead of one per 
 watchdog stop it with the jobs); `HOME/authkey` authenticates clients on the host's socket. Every
 engine start is appended to `HOME/starts.jsonl`, which the orchestrator reads into `machines.json`.
 Engine loads on one machine are serialised by a lock, because vLLM engines that start together on
-one GPU each count the other's memory as their own.
-A host that dies during a request fails that request; the client starts a new host and retries
-it once (shards already written are reused), then gives up: the job fails under its marker.
+one GPU each count the other's memory as their own; a host holds one engine at a time.
+
+A host that dies during a request: the client starts a new host and asks once more (shards
+already written are reused), then gives up and the job fails under its marker. A request that
+fails inside a live host is reported to the client, and the host exits after replying, so the next
+job starts from a fresh engine rather than one a CUDA error or a panic may have left unusable.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ class EngineStart(BaseModel):
 
 
 class EngineHostDied(RuntimeError):
-    pass
+    """The slot's host exited (or never listened) while a client needed it."""
 
 
 def slot_dir(home: Path, slot: int) -> Path:
