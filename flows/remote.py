@@ -10,6 +10,7 @@ here by the same stage function that runs in-process, so the capture is the same
 from __future__ import annotations
 
 import json
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -156,7 +157,8 @@ class GpuFleet:
         rows = min(self.spec.golden_rows, args["bundle"]["rows"])
         inbox = self.store.root / ".machines" / session.machine.id / "golden"
         files = _job_files(args, inbox)
-        cached = compile_cache_path(self.store, args["engine"])
+        machine = json.loads(session.provenance_file.read_text()) if session.provenance_file else None
+        cached = compile_cache_path(self.store, args["engine"], machine)
         brought = cached.exists()
         cache_argv = self._compile_cache_argv(cached, files)
         job = RemoteJob("golden", ["-m", "jex", "stage", "golden", "--args", "args.json", "--rows", str(rows),
@@ -253,17 +255,22 @@ class GpuFleet:
                 "ledger": self.ledger.report(self.campaign)}
 
 
-def compile_cache_path(store: LocalStore, engine: dict[str, Any]) -> Path:
-    """Where the store keeps the compile cache of an engine: keyed by what compiled code depends on
-    (the engine fingerprint less its renderer, and the scheduler's token budget), so every machine
-    and every campaign of that engine starts from it. vLLM checks its own cache keys again on load."""
+def compile_cache_path(store: LocalStore, engine: dict[str, Any], machine: dict[str, Any] | None) -> Path:
+    """Where the store keeps the compile cache of an engine on a kind of machine: keyed by what
+    compiled code depends on (the engine fingerprint less its renderer, the scheduler's token
+    budget, and from the machine's `provenance.json` its GPU models, vLLM and Python), so every
+    machine of that kind and every campaign of that engine starts from it. vLLM checks its own
+    cache keys again on load."""
     from tasks.engine_pool import EngineSpec, fingerprint
     from tasks.keys import stage_key
 
     spec = EngineSpec.model_validate(engine)
     fp = {k: v for k, v in fingerprint(spec).items() if k != "renderer"}
-    key = stage_key("compile_cache", params={"max_num_batched_tokens": spec.max_num_batched_tokens}, inputs={},
-                    engine=fp)
+    machine = machine or {}
+    kind = {"gpus": sorted(re.findall(r"GPU \d+: ([^(;]+?) \(", machine.get("gpus") or "")),
+            "vllm": (machine.get("packages") or {}).get("vllm"), "python": machine.get("python")}
+    key = stage_key("compile_cache", params={"max_num_batched_tokens": spec.max_num_batched_tokens, "machine": kind},
+                    inputs={}, engine=fp)
     return store.root / "compile_cache" / key / COMPILE_CACHE
 
 

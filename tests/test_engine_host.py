@@ -139,7 +139,7 @@ def test_the_first_machine_s_compile_cache_is_restored_on_the_next_machine_of_th
     with GpuFleet(spec, campaign="first", store=str(store.root), settings=load_settings(), echo=lambda s: None,
                   on_poll=compile_on_first_poll) as first:
         first.run_stage("fast_pass", args)
-    cached = compile_cache_path(store, args["engine"])
+    cached = compile_cache_path(store, args["engine"], first.report()["machines"][0]["provenance"])
     with tarfile.open(cached) as tar:
         assert tar.getnames() == ["torch_compile_cache/g/graph.bin"]
     shutil.rmtree(store.root / "fast_pass")  # the next campaign must rent a machine again
