@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.shell import LocalShell, Shell, ShellError, SSHShell
+from infra.worker_protocol import DETACHED_PGIDS, PGID
 from jex.errors import InfraError
 
 log = logging.getLogger("jex.infra.providers")
@@ -106,11 +107,11 @@ def new_machine_id(label: str) -> str:
 
 
 # A host lease: `ROOT/<id>/machine.json` marks the machine; its jobs live under `ROOT/<id>/work`.
-# Deleting it kills the process group of every job (`worker.pgid`) and engine host (`host.pgid`,
-# `infra.worker_protocol.DETACHED_PGIDS`) and removes the folder.
+# Deleting it kills the process group of every job (`worker.pgid`) and of every process that
+# outlives jobs (`DETACHED_PGIDS`: the engine hosts), then removes the folder.
 _LIST = 'for f in {root}/*/machine.json; do [ -f "$f" ] && cat "$f" && echo; done; true'
 _DELETE = ('d={root}/{id}; [ -d "$d" ] || exit 0; '
-           'for p in "$d"/work/watchdog.pid "$d"/work/jobs/*/worker.pgid "$d"/work/engines/*/host.pgid; do '
+           f'for p in "$d"/work/watchdog.pid "$d"/work/jobs/*/{PGID} "$d"/work/{DETACHED_PGIDS}; do '
            '[ -f "$p" ] && kill -KILL -- -"$(cat "$p")" 2>/dev/null; done; '
            'rm -rf "$d"')
 
