@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import polars as pl
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from infra.ledger import Ledger
 from infra.reconcile import make_provider, policy_from_settings
@@ -53,6 +53,13 @@ class MachinesSpec(BaseModel):
     engines_per_gpu: int = Field(1, ge=1, description="Engine processes per GPU, each a data-parallel worker; more "
                                                       "than 1 pays off when one engine leaves the GPU idle (small "
                                                       "models); their engine starts are serialised")
+
+    @model_validator(mode="after")
+    def _slots_need_machines(self) -> MachinesSpec:
+        if self.provider == "inprocess" and self.slots > 1:
+            raise ValueError(f"engines_per_gpu x gpus_per_machine = {self.slots} engine processes need machines "
+                             "(provider local, ssh, ec2 or command); inprocess runs one engine in this process")
+        return self
 
     @property
     def slots(self) -> int:

@@ -36,7 +36,8 @@ def test_infra_flow_and_server_errors_share_the_one_root():
     ["overlays", "mine", "/nonexistent/run", "-o", "{tmp}/out"],
     ["calibrate", "--coverage", "5"],
     ["bundle", "build", "/nonexistent/suite", "-o", "{tmp}/b.tar.gz"],
-], ids=["stage-run", "overlays-mine", "calibrate", "bundle-build"])
+    ["run", "--provider", "inprocess", "--engines-per-gpu", "2", "--out", "{tmp}/runs"],
+], ids=["stage-run", "overlays-mine", "calibrate", "bundle-build", "run-engine-slots-in-process"])
 def test_a_user_error_prints_one_line_and_no_traceback(argv, tmp_path):
     env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # never reached: the input is refused first
     p = subprocess.run([JEX, *[a.format(tmp=tmp_path) for a in argv]], capture_output=True, text=True, env=env,
