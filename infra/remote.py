@@ -447,9 +447,8 @@ class MachineSession:
     def _local_marker(self) -> dict[str, Any]:
         """The SELF_TERMINATED.json the watchdog left on the machine (its upload failed)."""
         try:
-            out = self.shell.run(f"cat {shlex.quote(self.machine.workdir)}/{MARKER}", timeout=60)
-            return json.loads(out.stdout)
-        except (ShellError, ValueError) as e:
+            return json.loads(self.read_text(MARKER) or "")
+        except ValueError as e:
             return {"reason": f"stopped itself (marker unreadable: {e})", "time": time.time()}
 
     def _adopt(self, job: RemoteJob, t0: float, tail: list[str]) -> JobOutcome | None:

@@ -327,15 +327,15 @@ def _address(home: Path, slot: int) -> str:
     return f"\0jex-engine-{hashlib.sha256(str(home).encode()).hexdigest()[:16]}-{slot}"
 
 
-def _connect(home: Path, slot: int) -> Connection | None:
+def _connect(home: Path, slot: int, key: bytes) -> Connection | None:
     """A connection to the slot's host, or None when no live host listens (never started, or died)."""
     try:
-        return Client(_address(home, slot), family="AF_UNIX", authkey=_authkey(home))
+        return Client(_address(home, slot), family="AF_UNIX", authkey=key)
     except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError, EOFError):
         return None
 
 
-def _start_host(home: Path, slot: int, device: str | None, max_requests: int) -> Connection:
+def _start_host(home: Path, slot: int, key: bytes, device: str | None, max_requests: int) -> Connection:
     sd = slot_dir(home, slot)
     sd.mkdir(parents=True, exist_ok=True)
     _stop_group(sd / PGID)  # a previous host of this slot that no longer listens, and its children
@@ -351,7 +351,7 @@ def _start_host(home: Path, slot: int, device: str | None, max_requests: int) ->
     (sd / PGID).write_text(str(proc.pid))  # its own session: it outlives the job that started it
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
-        if (conn := _connect(home, slot)) is not None:
+        if (conn := _connect(home, slot, key)) is not None:
             return conn
         if proc.poll() is not None:
             raise EngineHostDied(f"engine host slot {slot} exited {proc.returncode} at start; see {sd / 'host.log'}")
@@ -361,8 +361,9 @@ def _start_host(home: Path, slot: int, device: str | None, max_requests: int) ->
 
 
 def _ask(home: Path, slot: int, request: HostRequest, device: str | None, max_requests: int) -> HostReply:
+    key = _authkey(home)
     with _flock(slot_dir(home, slot) / "start.lock"):  # one host per slot, however many clients arrive
-        conn = _connect(home, slot) or _start_host(home, slot, device, max_requests)
+        conn = _connect(home, slot, key) or _start_host(home, slot, key, device, max_requests)
     with conn:
         try:
             conn.send_bytes(request.model_dump_json().encode())
@@ -377,19 +378,18 @@ def submit(home: Path, slot: int, request: HostRequest, *, device: str | None = 
     requests, 0 = any number); a host that dies is replaced `restarts` times before the error
     propagates. The host's log lines for the request are echoed."""
     log = slot_dir(home, slot) / "host.log"
-    for attempt in range(restarts + 1):
+    attempt = 0
+    while True:
         offset = log.stat().st_size if log.exists() else 0
         try:
-            reply = _ask(home, slot, request, device, max_requests)
+            return _ask(home, slot, request, device, max_requests)
         except EngineHostDied as e:
-            _echo_log(log, offset)
             if attempt == restarts:
                 raise
+            attempt += 1
             print(f"{e}; starting a new engine host", flush=True)
-            continue
-        _echo_log(log, offset)
-        return reply
-    raise AssertionError("unreachable")
+        finally:
+            _echo_log(log, offset)
 
 
 def _echo_log(log: Path, offset: int) -> None:

@@ -20,7 +20,7 @@ from tasks.bundle import build_bundle, open_bundle, suite_files
 from tasks.capture import FewShotPool, SimpleRow, fast_pass, reason, reread
 from tasks.engine_pool import CALLS, EngineSpec, audited_fingerprint, fingerprint, get_engine
 from tasks.keys import stage_key
-from tasks.store import LocalStore, merge_shards, run_sharded
+from tasks.store import LocalStore, merge_shards, partial_summary, run_sharded
 
 Progress = Callable[[str, int, int], None]
 
@@ -148,8 +148,7 @@ def fast_pass_stage(bundle: dict[str, Any], engine: EngineSpec, store: LocalStor
                         on_shard=(lambda d, t: progress("fast_pass", d, t)) if progress else None,
                         prepare=lambda: get_engine(engine), claim=claim)
     if (workers > 1 or claim) and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
-        return {"stage": "fast_pass", "key": key, "partial": True, "computed_shards": stats.computed,
-                "compute_seconds": stats.compute_seconds, "computed_rows": stats.computed_rows}
+        return partial_summary("fast_pass", key, stats)
     frame = merge_shards(shards, stats.shards, sd.path / "capture.parquet")
     return sd.finish({"stage": "fast_pass", "key": key, "capture": str(sd.path / "capture.parquet"),
                       "sha256": sha256_file(sd.path / "capture.parquet"), "rows": frame.height,
@@ -239,8 +238,7 @@ def reason_stage(bundle: dict[str, Any], gate: dict[str, Any], engine: EngineSpe
                         on_shard=(lambda d, t: progress("reason", d, t)) if progress else None,
                         prepare=lambda: get_engine(engine), claim=claim)
     if (workers > 1 or claim) and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
-        return {"stage": "reason", "key": key, "partial": True, "computed_shards": stats.computed,
-                "compute_seconds": stats.compute_seconds, "computed_rows": stats.computed_rows}
+        return partial_summary("reason", key, stats)
     out = sd.path / "reasoned.parquet"
     frame = merge_shards(shards, stats.shards, out) if stats.shards else _empty_reason(out)
     lengths = [len(t) for t in frame["token_ids"].to_list()]

@@ -114,6 +114,12 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
     return ShardStats(n_shards, computed, reused, seconds, rows)
 
 
+def partial_summary(stage: str, key: str, stats: ShardStats) -> dict[str, Any]:
+    """What one of several workers sharing a stage returns: its own shards and their compute time."""
+    return {"stage": stage, "key": key, "partial": True, "computed_shards": stats.computed,
+            "compute_seconds": stats.compute_seconds, "computed_rows": stats.computed_rows}
+
+
 def _claim(path: Path) -> bool:
     """Create the claim file holding this pid (in one step: a link, so no claim is ever empty), or
     take it over from a process that no longer runs, or from this one (a claim left by an earlier
@@ -138,9 +144,7 @@ def _claim(path: Path) -> bool:
 def _held_by_other_live_process(path: Path) -> bool:
     try:
         pid = int(path.read_text())
-    except FileNotFoundError:
-        return False
-    except (OSError, ValueError):  # not a claim this code wrote: treat as stale
+    except (OSError, ValueError):  # gone meanwhile, or not a claim this code wrote: stale
         return False
     if pid == os.getpid():
         return False
@@ -148,8 +152,8 @@ def _held_by_other_live_process(path: Path) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
