@@ -13,7 +13,8 @@ Configurations: `hosts1` (one engine host per machine), `hosts2` (two engine pro
 `no-hosts` (every job loads its own engine: the behaviour before engine hosts). A configuration may
 be given twice. With `--shared-store` every run uses one store and its own suite (seed = its
 position), so nothing is cached between runs but the engine's compile cache: the second run's
-machine starts from the first one's (`compile_cache: restored` in its start records).
+machine starts from the first one's (`compile_cache: restored` in its start records). `--first-seed`
+continues such a store in a later call (each whole 150k campaign needs most of a device call).
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def main() -> None:
     ap.add_argument("--reason-shard", type=int, default=500)
     ap.add_argument("--config", action="append", choices=sorted(CONFIGS), required=True)
     ap.add_argument("--shared-store", action="store_true", help="one store for all runs, a suite seed per run")
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="with --shared-store: the first run's suite seed (a later call continues a store)")
     ap.add_argument("--engine-args", default="--engine vllm --device cuda --model /tmp/smollm2 --batch-size 0 "
                                              "--max-num-seqs 512 --max-num-batched-tokens 32768",
                     help="jex run engine options (default: vLLM on the staged model, one generate per shard)")
@@ -116,14 +119,14 @@ def main() -> None:
 
     a.work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    seeds = range(len(a.config)) if a.shared_store else [0] * len(a.config)
+    seeds = range(a.first_seed, a.first_seed + len(a.config)) if a.shared_store else [0] * len(a.config)
     suites = {seed: write_sample_suite(a.work / f"suite-{a.rows}-{seed}", rows=a.rows, seed=seed) for seed in seeds}
     result = {"rows": a.rows, "coverage": a.coverage, "max_tokens": a.max_tokens, "fast_shard_rows": a.fast_shard,
               "reason_shard_rows": a.reason_shard, "shared_store": a.shared_store,
               "suite_write_s": round(time.perf_counter() - t0, 1), "runs": []}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     for i, (config, seed) in enumerate(zip(a.config, seeds, strict=True)):  # JSON after each: a cut call keeps it
-        name = f"{config}-{i}"
+        name = f"{config}-{seed}" if a.shared_store else f"{config}-{i}"
         store = a.work / "store" if a.shared_store else a.work / name / "store"
         result["runs"].append(run_config(config, name, a, suites[seed], a.work, store))
         print(json.dumps(result["runs"][-1])[:2000], flush=True)
