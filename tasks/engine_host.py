@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import os
 import secrets
 import shutil
@@ -276,14 +277,36 @@ def restore_compile_cache(home: Path) -> str:
     try:
         with tarfile.open(brought, "r:gz") as tar:
             tar.extractall(fresh, filter="data")
+        _relocate_cache_index(fresh, cache)
         shutil.rmtree(cache, ignore_errors=True)
         fresh.rename(cache)
-    except (tarfile.TarError, OSError, EOFError) as e:
+    except (tarfile.TarError, OSError, EOFError, UnicodeDecodeError) as e:
         print(f"compile cache {brought} not used: {e}", flush=True)
         shutil.rmtree(fresh, ignore_errors=True)
         brought.unlink(missing_ok=True)
         return "cold"
     return "restored"
+
+
+CACHE_ROOT_FILE = ".jex-cache-root"
+"""Inside a packed compile cache: the absolute folder it was packed from. vLLM's index of compiled
+artifacts (`vllm_compile_cache.py`) names each artifact by absolute path, so a cache restored under
+another folder has those paths rewritten to its new folder (without that, the start fails with
+FileNotFoundError on the first machine's path, as found on the H200)."""
+_CACHE_INDEX = "vllm_compile_cache.py"
+
+
+def _relocate_cache_index(unpacked: Path, cache: Path) -> None:
+    """Point the absolute paths in an unpacked cache's artifact indexes at `cache`, its final folder."""
+    marker = unpacked / CACHE_ROOT_FILE
+    if not marker.exists():
+        return
+    old, new = marker.read_text().strip().rstrip("/") + "/", str(cache.resolve()) + "/"
+    marker.unlink()
+    for index in unpacked.rglob(_CACHE_INDEX):
+        text = index.read_text()
+        if old in text:
+            index.write_text(text.replace(old, new))
 
 
 def pack_compile_cache(home: Path) -> Path | None:
@@ -297,6 +320,10 @@ def pack_compile_cache(home: Path) -> Path | None:
         with atomic_path(out) as tmp, tarfile.open(tmp, "w:gz") as tar:
             for p in files:
                 tar.add(p, arcname=p.relative_to(cache).as_posix())
+            root = str(cache.resolve()).encode()
+            info = tarfile.TarInfo(CACHE_ROOT_FILE)
+            info.size = len(root)
+            tar.addfile(info, io.BytesIO(root))
     except (tarfile.TarError, OSError) as e:
         print(f"compile cache not packed: {e}", flush=True)
         return None

@@ -141,7 +141,7 @@ def test_the_first_machine_s_compile_cache_is_restored_on_the_next_machine_of_th
         first.run_stage("fast_pass", args)
     cached = compile_cache_path(store, args["engine"], first.report()["machines"][0]["provenance"])
     with tarfile.open(cached) as tar:
-        assert tar.getnames() == ["torch_compile_cache/g/graph.bin"]
+        assert tar.getnames() == ["torch_compile_cache/g/graph.bin", ".jex-cache-root"]
     shutil.rmtree(store.root / "fast_pass")  # the next campaign must rent a machine again
     with GpuFleet(spec, campaign="second", store=str(store.root), settings=load_settings(),
                   echo=lambda s: None) as second:
@@ -150,6 +150,27 @@ def test_the_first_machine_s_compile_cache_is_restored_on_the_next_machine_of_th
     assert [r["compile_cache"] for r in machine["engine_start_records"]] == ["restored"]
     golden = [j for j in machine["jobs"] if j["job"] == "golden"][0]
     assert "compile-cache.tar.gz" not in {a["path"] for a in golden["artifacts"]}, "asked only of the first machine"
+
+
+def test_a_restored_compile_cache_names_its_artifacts_under_its_new_folder(tmp_path):
+    """vLLM's artifact index holds absolute paths; on another machine (another folder) they must be
+    that machine's, or the engine start fails looking for the first machine's files."""
+    import ast
+
+    from tasks.engine_host import COMPILE_CACHE, bring_compile_cache, pack_compile_cache, restore_compile_cache
+
+    first, second = tmp_path / "m1" / "engines", tmp_path / "m2" / "engines"
+    backbone = first / "vllm-cache" / "torch_compile_cache" / "h" / "rank_0_0" / "backbone"
+    backbone.mkdir(parents=True)
+    (backbone / "artifact_0").write_bytes(b"compiled")
+    (backbone / "vllm_compile_cache.py").write_text(repr({(1, 0): str(backbone.resolve() / "artifact_0")}))
+    second.mkdir(parents=True)
+    bring_compile_cache(second, pack_compile_cache(first) or first / COMPILE_CACHE)
+
+    assert restore_compile_cache(second) == "restored"
+    moved = second / "vllm-cache" / "torch_compile_cache" / "h" / "rank_0_0" / "backbone"
+    assert ast.literal_eval((moved / "vllm_compile_cache.py").read_text()) == {(1, 0): str(moved.resolve() / "artifact_0")}
+    assert not (second / "vllm-cache" / ".jex-cache-root").exists()
 
 
 def test_engine_hosts_share_shards_by_claims_and_take_over_the_claim_of_a_dead_process(tmp_path):
