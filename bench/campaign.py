@@ -30,12 +30,12 @@ def stage_seconds(report: str) -> dict[str, float]:
 
 def direct(spec) -> float:
     """The stage functions in order, no Prefect (all stored already)."""
-    from flows.campaign import sample_suite_dir
-    from tasks import cpu_stages as c
-    from tasks import stages as s
-    from tasks.campaign_outputs import write_run_folder
-    from tasks.overlay_rules import load_rules
-    from tasks.store import LocalStore
+    from jex.flows.campaign import sample_suite_dir
+    from jex.overlays.loading import load_rules
+    from jex.tasks import cpu_stages as c
+    from jex.tasks.capture import stages as s
+    from jex.tasks.outputs.run_folder import write_run_folder
+    from jex.tasks.store import LocalStore
 
     t0 = time.perf_counter()
     store = LocalStore(spec.store)
@@ -73,8 +73,8 @@ def main() -> None:
     res["rerun_fraction"] = res["cached_rerun"]["wall_seconds"] / res["first_run"]["wall_seconds"]
     # in-process overhead, everything cached
     os.environ["PREFECT_HOME"] = str(work / "prefect")
-    from flows.campaign import campaign, load_spec
-    from flows.local_api import ensure_local_api
+    from jex.flows.campaign import campaign, load_spec
+    from jex.flows.local_api import ensure_local_api
 
     ensure_local_api()
     spec = load_spec(run_dir)

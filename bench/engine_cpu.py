@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.hf import HFEngine  # noqa: E402
+from jex.engine.hf import HFEngine  # noqa: E402
 from jex.sample_suite import write_sample_suite  # noqa: E402
 from jex.suite import iter_rows  # noqa: E402
-from tasks.capture import fast_pass  # noqa: E402
+from jex.tasks.capture.engine_calls import fast_pass  # noqa: E402
 
 
 def main() -> None:

@@ -45,9 +45,9 @@ grid = [0.25, 0.75, 1.0]
 
 SEPARATE = """
 import sys
-from flows.local_api import ensure_local_api
+from jex.flows.local_api import ensure_local_api
 ensure_local_api()
-from flows.campaign import CampaignSpec, run_campaign
+from jex.flows.campaign import CampaignSpec, run_campaign
 print(run_campaign(CampaignSpec.model_validate_json(sys.argv[1])))
 """
 
@@ -65,9 +65,9 @@ def main() -> None:
     p.add_argument("--reason-max-tokens", type=int, default=48, help="Rationale length limit")
     p.add_argument("--out", default="bench/results/cpu-experiments.json")
     args = p.parse_args()
-    from flows.campaign import CampaignSpec
-    from flows.experiment import ExperimentSpec, plan_experiment
-    from flows.remote import MachinesSpec
+    from jex.flows.campaign import CampaignSpec
+    from jex.flows.experiment import ExperimentSpec, plan_experiment
+    from jex.flows.fleet import MachinesSpec
 
     tmp = Path(tempfile.mkdtemp(prefix="jex-bench-exp-"))
     arms_file = tmp / "arms.toml"

@@ -20,11 +20,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jex.sample_suite import write_sample_suite  # noqa: E402
-from tasks.cpu_stages import gate_stage  # noqa: E402
-from tasks.engine_pool import EngineSpec  # noqa: E402
-from tasks.stages import bundle_stage  # noqa: E402
-from tasks.store import LocalStore  # noqa: E402
-from tasks.workers import run_workers  # noqa: E402
+from jex.tasks.capture.engine_pool import EngineSpec  # noqa: E402
+from jex.tasks.capture.stages import bundle_stage  # noqa: E402
+from jex.tasks.capture.workers import run_workers  # noqa: E402
+from jex.tasks.cpu_stages import gate_stage  # noqa: E402
+from jex.tasks.store import LocalStore  # noqa: E402
 
 
 def sha(path: str) -> str:

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def bakeoff(args: argparse.Namespace) -> None:
-    from tasks.bakeoff import run_bakeoff
+    from jex.tasks.lab.bakeoff import run_bakeoff
 
     res = run_bakeoff(args.arms.split(","), model=args.model, prompts=args.prompts, tokens=args.tokens,
                       ladder=[int(x) for x in args.ladder.split(",")], repeats=args.repeats,
@@ -30,11 +30,11 @@ def bakeoff(args: argparse.Namespace) -> None:
 
 
 def parity(args: argparse.Namespace) -> None:
-    from engine.hf import HFEngine
-    from engine.vllm_engine import VLLMEngine, VLLMProfile
+    from jex.engine.hf import HFEngine
+    from jex.engine.vllm_engine import VLLMEngine, VLLMProfile
     from jex.sample_suite import write_sample_suite
     from jex.suite import iter_rows
-    from tasks.parity import markdown, run_parity
+    from jex.tasks.lab.parity import markdown, run_parity
 
     with tempfile.TemporaryDirectory() as tmp:
         suite = write_sample_suite(Path(tmp) / "suite", rows=args.rows, seed=0)

@@ -38,7 +38,7 @@ CONFIGS = {
 
 def per_prompt_tokenising() -> None:
     """The tokenisation of the path before this change: one tokenizer call per prompt and per label."""
-    from engine.base import TokenizedEngine
+    from jex.engine.base import TokenizedEngine
 
     TokenizedEngine.encode_many = lambda self, texts: [self.encode(t) for t in texts]  # type: ignore[method-assign]
 
@@ -67,11 +67,11 @@ def child(args: argparse.Namespace) -> None:
     import polars as pl
 
     from jex.fileio import sha256_file
-    from tasks.capture import question_prompts
-    from tasks.cpu_stages import gate_stage
-    from tasks.engine_pool import EngineSpec, get_engine
-    from tasks.stages import bundle_stage, fast_pass_stage, reason_stage
-    from tasks.store import LocalStore
+    from jex.tasks.capture.engine_calls import question_prompts
+    from jex.tasks.capture.engine_pool import EngineSpec, get_engine
+    from jex.tasks.capture.stages import bundle_stage, fast_pass_stage, reason_stage
+    from jex.tasks.cpu_stages import gate_stage
+    from jex.tasks.store import LocalStore
 
     cfg = CONFIGS[args.config]
     if cfg["per_prompt_tokens"]:
@@ -102,7 +102,7 @@ def child(args: argparse.Namespace) -> None:
                       "rows_per_s": reasoned["rows"] / reason_s, "reasoned_sha256": sha256_file(reasoned["reasoned"])},
            "provenance": engine.provenance()}
     if args.config == "new" and args.kind == "vllm":
-        from tasks.stages import _as_rows, _bundle_rows
+        from jex.tasks.capture.stages import _as_rows, _bundle_rows
 
         rows = _as_rows(_bundle_rows(bundle, store))
         out["ceiling"] = ceiling(engine, question_prompts(engine, rows, spec.render))

@@ -40,13 +40,13 @@ def main() -> None:
     os.environ.update({"JEX_INFRA__STATE_DIR": str(work / "infra"), "JEX_INFRA__POLL_S": "1",
                        "JEX_INFRA__HEARTBEAT_S": "2", "JEX_INFRA__HEARTBEAT_TIMEOUT_S": "300",
                        "JEX_INFRA__WORKER_PYTHON": sys.executable})
-    from flows.remote import GpuFleet, JobFailed, MachinesSpec
     from jex.fileio import sha256_file
+    from jex.flows.fleet import GpuFleet, JobFailed, MachinesSpec
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
-    from tasks.engine_pool import EngineSpec
-    from tasks.stages import bundle_stage, fast_pass_stage
-    from tasks.store import LocalStore
+    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.tasks.capture.stages import bundle_stage, fast_pass_stage
+    from jex.tasks.store import LocalStore
 
     suite = write_sample_suite(work / "suite", rows=a.rows, seed=0)
     engine = EngineSpec(kind=a.kind, model=a.model, device=a.device, max_num_seqs=64, batch_size=64)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tasks.engine_pool import EngineSpec  # noqa: E402
+from jex.tasks.capture.engine_pool import EngineSpec  # noqa: E402
 
 
 def engine(args: argparse.Namespace, profile: str) -> EngineSpec:
@@ -34,10 +34,10 @@ def engine(args: argparse.Namespace, profile: str) -> EngineSpec:
 def stage_process(args: argparse.Namespace) -> None:
     """One engine's share of the workload, in this process (vLLM's settings are process-wide)."""
     from jex.sample_suite import write_sample_suite
-    from tasks.cpu_stages import gate_stage
-    from tasks.spec_proof import proof_gate_stage
-    from tasks.stages import bundle_stage, fast_pass_stage, reason_stage
-    from tasks.store import LocalStore
+    from jex.tasks.capture.spec_proof import proof_gate_stage
+    from jex.tasks.capture.stages import bundle_stage, fast_pass_stage, reason_stage
+    from jex.tasks.cpu_stages import gate_stage
+    from jex.tasks.store import LocalStore
 
     work = Path(args.work)
     suite = work / "suite"
@@ -66,7 +66,7 @@ def stage_process(args: argparse.Namespace) -> None:
 def workload(args: argparse.Namespace) -> dict:
     import polars as pl
 
-    from tasks.spec_proof import prove
+    from jex.tasks.capture.spec_proof import prove
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -105,8 +105,8 @@ def workload(args: argparse.Namespace) -> dict:
 
 def probe(args: argparse.Namespace) -> dict:
     from jex.sample_suite import write_sample_suite
-    from tasks.early_exit import markdown, pick_gated, plot, probe_rows, suite_rows
-    from tasks.engine_pool import get_engine
+    from jex.tasks.capture.engine_pool import get_engine
+    from jex.tasks.lab.early_exit import markdown, pick_gated, plot, probe_rows, suite_rows
 
     work = Path(args.work)
     suite = work / "probe-suite"

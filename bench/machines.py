@@ -30,9 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from infra.ledger import Ledger  # noqa: E402
-from infra.providers import LocalProvider, SSHProvider  # noqa: E402
-from infra.remote import JobFailed, MachineSession, Policy, RemoteJob  # noqa: E402
+from jex.infra.ledger import Ledger  # noqa: E402
+from jex.infra.machine import JobFailed, MachineSession, Policy, RemoteJob  # noqa: E402
+from jex.infra.providers import LocalProvider, SSHProvider  # noqa: E402
 
 
 def free_port() -> int:
@@ -125,7 +125,7 @@ def moto_s3():
 def lease_expiry(provider, work: Path, policy: Policy, client) -> dict:
     """The orchestrator launches a job, then never polls again: time from the last lease renewal to
     the artifacts (and SELF_TERMINATED.json) in S3, and to the machine gone."""
-    from infra.s3 import S3Store
+    from jex.infra.s3 import S3Store
 
     s3 = S3Store("bench", f"lease-{work.name}", client)
     s = MachineSession(provider, campaign="bench", ledger=Ledger(work / "state" / "ledger.json"), policy=policy,
@@ -151,7 +151,7 @@ def lease_expiry(provider, work: Path, policy: Policy, client) -> dict:
 
 
 def upload_throughput(mib: int, work: Path) -> dict:
-    from infra.s3 import S3Store
+    from jex.infra.s3 import S3Store
 
     with moto_s3() as client:
         f = work / "artifact.bin"

@@ -59,7 +59,7 @@ def predictions(rows, seed: int = 0):
 
 def timed_score(rows, preds, spec, draws: int) -> tuple[float, float, dict]:
     """Wall and CPU seconds of one `score_with_ci` (CPU time is what a busy shared machine cannot inflate)."""
-    from tasks.score import score_with_ci
+    from jex.tasks.scoring.score import score_with_ci
 
     t0, c0 = time.perf_counter(), time.process_time()
     doc = score_with_ci(rows, preds, spec, draws=draws)
@@ -73,8 +73,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="bench/out/scoring-kinds.json")
     args = p.parse_args()
-    from tasks.bundle import build_bundle
-    from tasks.scoring_inputs import load_suite_table
+    from jex.tasks.capture.bundle import build_bundle
+    from jex.tasks.scoring.inputs import load_suite_table
 
     res: dict = {"rows": args.rows, "draws": args.draws, "repeats": args.repeats}
     with tempfile.TemporaryDirectory() as tmp:

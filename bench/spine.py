@@ -31,7 +31,7 @@ def naive_bootstrap(frame, spec, chance, draws: int, seed: int) -> list[float]:
     """The per-draw loop people write first: resample each catalog's clusters, one draw at a time."""
     import polars as pl
 
-    from tasks.scoring import aggregate
+    from jex.tasks.scoring.index import aggregate
 
     per_cat = {}
     for c in spec.catalogs:
@@ -73,10 +73,10 @@ def main() -> None:
         # predictions: a fixed-seed mix of right and wrong answers
         import polars as pl
 
-        from tasks.bootstrap import bootstrap_ci
-        from tasks.score import score_twice
-        from tasks.scoring import catalog_chances, scored_frame
-        from tasks.scoring_inputs import load_suite_table
+        from jex.tasks.scoring.bootstrap_ci import bootstrap_ci
+        from jex.tasks.scoring.index import catalog_chances, scored_frame
+        from jex.tasks.scoring.inputs import load_suite_table
+        from jex.tasks.scoring.score import score_twice
 
         t0 = time.perf_counter()
         table = load_suite_table(tmp / "b.tar.gz")

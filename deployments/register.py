@@ -25,8 +25,8 @@ FAILURE_AUTOMATION = "jex: reconcile after a failed campaign"
 
 def deployment_specs(settings: Any, campaign_defaults: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Name, entrypoint, default parameters and schedule of every deployment."""
-    from flows.calibration import CalibrationSpec
-    from flows.campaign import CampaignSpec
+    from jex.flows.calibration import CalibrationSpec
+    from jex.flows.campaign import CampaignSpec
 
     spec = CampaignSpec(**(campaign_defaults or {}))
     return [
@@ -53,7 +53,7 @@ def deployment_specs(settings: Any, campaign_defaults: dict[str, Any] | None = N
 
 
 def _experiment_defaults(spec: Any) -> dict[str, Any]:
-    from flows.experiment import ExperimentSpec
+    from jex.flows.experiment import ExperimentSpec
 
     return ExperimentSpec(campaign=spec, out=str(Path(spec.out) / "experiment")).model_dump(mode="json")
 

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from deployments.register import POOL, ROOT, register
+from jex.deployments.register import POOL, ROOT, register
 from jex.errors import ServerError
 from jex.fileio import write_json
 

@@ -5,7 +5,7 @@ No Prefect, SSH or S3 in here. `hf.HFEngine` is the reference (CPU or GPU, trans
 libraries lazily, so `engine.types` and `engine.render` load anywhere.
 """
 
-from engine.types import (
+from jex.engine.types import (
     ContextRefusal,
     Engine,
     EngineDeadError,

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
-from engine.render import ChatFn, Message, Renderer, RenderSpec
-from engine.types import GenerateRequest, Readout, ReadoutMode, ReadoutRequest
+from jex.engine.render import ChatFn, Message, Renderer, RenderSpec
+from jex.engine.types import GenerateRequest, Readout, ReadoutMode, ReadoutRequest
 
 
 def package_version(name: str) -> str | None:

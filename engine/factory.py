@@ -14,21 +14,21 @@ def make_engine(spec: str, *, model: str | Path | None = None, device: str = "cp
                 max_num_batched_tokens: int | None = None, **kw: Any) -> Any:
     """An engine by name; `dtype`, `gpu_memory_utilization` and `max_model_len` reach vLLM's profile
     (which refuses what the audit does not allow), `dtype` also the HF engine. `profile` names an audit
-    profile; a speculative one (`audit-ngram`) must be proven exact on each run (tasks/spec_proof.py)."""
-    from engine.vllm_engine import AUDIT, SPECULATIVE_PROFILES
+    profile; a speculative one (`audit-ngram`) must be proven exact on each run (tasks/capture/spec_proof.py)."""
+    from jex.engine.vllm_engine import AUDIT, SPECULATIVE_PROFILES
 
     if profile != AUDIT and profile not in SPECULATIVE_PROFILES:
         raise ValueError(f"unknown profile {profile!r}; use {AUDIT!r} or one of {tuple(SPECULATIVE_PROFILES)}")
     speculative = SPECULATIVE_PROFILES.get(profile)
     if spec in ("hf", "hf-batched"):
-        from engine.hf import DEFAULT_CACHE, HFEngine
+        from jex.engine.hf import DEFAULT_CACHE, HFEngine
 
         return HFEngine(model, device=device, batch_size=batch_size, batch_invariant=spec == "hf",
                         cache_dir=cache_dir or DEFAULT_CACHE, dtype=dtype or "float32", speculative=speculative,
                         **kw)
     if spec in ("vllm", "vllm-control"):
-        from engine.models import HUB_ID, resolve_hub
-        from engine.vllm_engine import VLLMEngine, VLLMProfile
+        from jex.engine.models import HUB_ID, resolve_hub
+        from jex.engine.vllm_engine import VLLMEngine, VLLMProfile
 
         if model is None:
             raise ValueError("the vLLM engine needs --model: a dequantised bf16 model folder or a Hub id")

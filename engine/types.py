@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from engine.render import Renderer, RenderSpec
+    from jex.engine.render import Renderer, RenderSpec
 
 
 class ReadoutMode(str, enum.Enum):

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.base import TokenizedEngine, package_version
-from engine.models import weights_sha256
-from engine.types import (
+from jex.engine.base import TokenizedEngine, package_version
+from jex.engine.models import weights_sha256
+from jex.engine.types import (
     EngineDeadError,
     FinishReason,
     GenerateRequest,
@@ -40,7 +40,7 @@ NON_AUDITED_NAMES = ("control", "non-audited")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 SPECULATIVE_PROFILES = {"audit-ngram": NGRAM}
 """Audit profiles plus one speculative method each: allowed only with an exactness proof on the same
-run (every sampled rationale token-identical to the audited base engine's; tasks/spec_proof.py)."""
+run (every sampled rationale token-identical to the audited base engine's; tasks/capture/spec_proof.py)."""
 
 
 @dataclass(frozen=True)

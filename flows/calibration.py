@@ -15,11 +15,11 @@ from typing import Any
 from prefect import flow
 from pydantic import BaseModel, Field
 
-from flows.campaign import CampaignSpec, sample_suite_dir
 from jex.fileio import write_json, write_text
-from tasks.cpu_stages import gate_stage
-from tasks.prefect_tasks import bundle_task, fast_pass_task, fold_task, reason_task
-from tasks.store import LocalStore
+from jex.flows.campaign import CampaignSpec, sample_suite_dir
+from jex.tasks.cpu_stages import gate_stage
+from jex.tasks.prefect_tasks import bundle_task, fast_pass_task, fold_task, reason_task
+from jex.tasks.store import LocalStore
 
 
 class CalibrationSpec(BaseModel):
@@ -77,7 +77,7 @@ def calibration(spec: CalibrationSpec = CalibrationSpec()) -> dict[str, Any]:  #
     wall = time.perf_counter() - t0
     fold = fold_task(bundle=bundle, fast=fast, gate=gate, reason=reason, store=c.store, rule=c.fold_rule,
                      weight=c.fold_weight, draws=c.bootstrap_draws, seed=c.bootstrap_seed)
-    from tasks.cpu_stages import read_json
+    from jex.tasks.cpu_stages import read_json
 
     counters = read_json(fold["fold_json"])["overall"]
     fast_rate = fast["compute_seconds"] / fast["computed_rows"] if fast.get("computed_rows") else None

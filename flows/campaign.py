@@ -17,12 +17,13 @@ from typing import Any, Literal
 from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field
 
-from flows.remote import GpuFleet, MachinesSpec, s3_store
-from infra.s3 import checkpoint
 from jex.errors import FlowError
 from jex.fileio import write_json
-from tasks.engine_pool import CALLS, EngineSpec, audited_fingerprint
-from tasks.prefect_tasks import (
+from jex.flows.fleet import GpuFleet, MachinesSpec, s3_store
+from jex.infra.s3 import checkpoint
+from jex.tasks.capture.engine_pool import CALLS, EngineSpec, audited_fingerprint
+from jex.tasks.capture.spec_proof import ExactnessProof, prove, write_proof
+from jex.tasks.prefect_tasks import (
     bundle_task,
     calibrate_task,
     fast_pass_task,
@@ -34,7 +35,6 @@ from tasks.prefect_tasks import (
     report_task,
     score_task,
 )
-from tasks.spec_proof import ExactnessProof, prove, write_proof
 
 AUDIT_SETTINGS = {"require_zero_errors", "reference_min_agreement"}
 """Settings that decide whether a run passes, not what it computes (so not in the run's identity)."""
@@ -217,7 +217,7 @@ def prove_speculation(spec: CampaignSpec, s: dict[str, Any], timed: Any) -> Exac
 def enforce_audit(spec: CampaignSpec, summaries: dict[str, Any]) -> None:
     """After the report is written: fail the run if the spec requires zero errors or a reference
     agreement that this run does not have."""
-    from tasks.fold import require_zero
+    from jex.tasks.probabilities.fold import require_zero
 
     if spec.require_zero_errors:
         require_zero(summaries["fold"]["errors"])
@@ -232,7 +232,7 @@ def publish_machines(run_dir: Path, machines: dict[str, Any]) -> None:
     """`machines.json` in the run folder and the machines section as a Prefect artifact."""
     from prefect.artifacts import create_markdown_artifact
 
-    from tasks.report import machines_section
+    from jex.tasks.outputs.report import machines_section
 
     write_json(run_dir / "machines.json", machines)
     try:
@@ -266,7 +266,7 @@ def upload_to_s3(run_dir: Path, summaries: dict[str, Any], store: str) -> None:
     settings = load_settings()
     if not settings.store.s3_bucket:
         return
-    from infra.s3 import S3Store, sync_campaign
+    from jex.infra.s3 import S3Store, sync_campaign
 
     manifest = sync_campaign(S3Store.from_settings(settings.store, settings.infra), run_dir, summaries, Path(store))
     print(f"uploaded {sum(o['uploaded'] for o in manifest['objects'])} of {len(manifest['objects'])} objects to "

@@ -21,10 +21,10 @@ from typing import Any
 from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flows.campaign import CampaignSpec, campaign, sample_suite_dir
 from jex.errors import FlowError, InputError
-from tasks.experiment_arms import ArmDecl, ArmsFile, parse_arms
-from tasks.experiment_report import ArmRun, analyse, append_ledger, register_gate, twin_audit
+from jex.flows.campaign import CampaignSpec, campaign, sample_suite_dir
+from jex.tasks.lab.arms import ArmDecl, ArmsFile, parse_arms
+from jex.tasks.lab.experiment_report import ArmRun, analyse, append_ledger, register_gate, twin_audit
 
 EXAMPLE_ARMS = '''name = "sample"
 
@@ -115,16 +115,16 @@ def plan_experiment(spec: ExperimentSpec) -> Plan:
     base = spec.campaign.model_copy(update={"out": str(out / "runs")})
     suite = base.suite or sample_suite_dir(base)
     if Path(suite).is_file():  # a bundle: the campaign reads a suite folder, so write one from it
-        from tasks.experiment_panel import panel_suite
-        from tasks.scoring_inputs import load_suite_table
+        from jex.tasks.lab.panel import panel_suite
+        from jex.tasks.scoring.inputs import load_suite_table
 
         ids = [c.id for c in load_suite_table(suite).spec.catalogs]
         suite = str(panel_suite(suite, out / "suite-of-bundle", ids))
     shares = None
     if spec.panel_catalogs:
-        from tasks.experiment_panel import panel_suite
-        from tasks.experiment_stats import panel_share
-        from tasks.scoring_inputs import load_suite_table
+        from jex.tasks.lab.experiment_stats import panel_share
+        from jex.tasks.lab.panel import panel_suite
+        from jex.tasks.scoring.inputs import load_suite_table
 
         shares = panel_share(load_suite_table(suite).spec, spec.panel_catalogs)
         total = sum(shares.values())
@@ -135,8 +135,8 @@ def plan_experiment(spec: ExperimentSpec) -> Plan:
         suite = str(panel_suite(suite, out / "panel-suite", spec.panel_catalogs))
     base = derive(base.model_copy(update={"suite": suite}), arms.base, name="base", path=spec.arms_path)
     try:
-        from tasks.experiment_stats import metric_weights
-        from tasks.scoring_inputs import load_suite_table
+        from jex.tasks.lab.experiment_stats import metric_weights
+        from jex.tasks.scoring.inputs import load_suite_table
 
         table = load_suite_table(suite)
         metric_weights(table.spec, dict.fromkeys((c.id for c in table.spec.catalogs), 0.0), arms.gate.metric)
@@ -169,10 +169,10 @@ def run_twin(base: CampaignSpec, name: str, out: Path) -> tuple[Path, dict[str, 
     """The base again on a store of its own, its engine stages computed by a fresh process, then the
     campaign flow over that store. In-process campaigns: one `tasks.workers` process per stage; with
     machines (local, ssh, ec2, command): the campaign's own fleet, whose machines are fresh processes."""
-    from tasks.cpu_stages import gate_stage
-    from tasks.stages import bundle_stage
-    from tasks.store import LocalStore
-    from tasks.workers import run_workers
+    from jex.tasks.capture.stages import bundle_stage
+    from jex.tasks.capture.workers import run_workers
+    from jex.tasks.cpu_stages import gate_stage
+    from jex.tasks.store import LocalStore
 
     t0 = time.perf_counter()
     store = out / f"twin-{name}" / "store"

@@ -16,7 +16,7 @@ def bakeoff(arms: list[str] = ["hf-control", "hf-bi"], model: str | None = None,
             prompts: int = 32, tokens: int = 256, ladder: list[int] = [1, 8, 16, 32],  # noqa: B006
             repeats: int = 2, max_num_seqs: int = 32, device: str = "cpu", out: str = "runs/bakeoff") -> dict[str, Any]:
     """Each arm in its own process; the verdict and the table become a Prefect artifact."""
-    from tasks.bakeoff import run_bakeoff
+    from jex.tasks.lab.bakeoff import run_bakeoff
 
     res = run_bakeoff(arms, model=model, prompts=prompts, tokens=tokens, ladder=ladder, repeats=repeats,
                       max_num_seqs=max_num_seqs, device=device, out_dir=Path(out))
@@ -31,7 +31,7 @@ def parity(suite: str, engine_a: str = "hf", engine_b: str = "hf-batched", model
            out: str = "runs/parity") -> dict[str, Any]:
     """Readout parity (and choice parity after a rationale) of two engines on the same rows."""
     from jex.suite import iter_rows
-    from tasks.parity import markdown, parity_of_kinds
+    from jex.tasks.lab.parity import markdown, parity_of_kinds
 
     picked = list(iter_rows(suite))
     picked = picked[:rows] if rows else picked

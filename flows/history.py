@@ -12,7 +12,7 @@ def campaign_runs(limit: int = 50) -> list[dict[str, Any]]:
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.client.schemas.sorting import FlowRunSort
 
-    from flows.campaign import CampaignSpec
+    from jex.flows.campaign import CampaignSpec
 
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["campaign"])),

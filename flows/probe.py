@@ -9,15 +9,15 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from jex.fileio import write_json, write_text
-from tasks.engine_pool import EngineSpec
+from jex.tasks.capture.engine_pool import EngineSpec
 
 
 @flow(name="early-exit-probe", log_prints=True)
 def early_exit_probe(suite: str, rows: int = 200, every: int = 8, max_tokens: int = 128,
                      engine: EngineSpec = EngineSpec(), out: str = "runs/probe") -> dict[str, Any]:  # noqa: B008
     """Probe `rows` gated rows of a suite folder or bundle; writes probe.json, probe.md, probe.png."""
-    from tasks.early_exit import markdown, pick_gated, plot, probe_rows, suite_rows
-    from tasks.engine_pool import get_engine
+    from jex.tasks.capture.engine_pool import get_engine
+    from jex.tasks.lab.early_exit import markdown, pick_gated, plot, probe_rows, suite_rows
 
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,8 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from infra.ledger import Ledger
-from infra.reconcile import make_provider, policy_from_settings, reconcile
+from jex.infra.ledger import Ledger
+from jex.infra.reaper import make_provider, policy_from_settings, reconcile
 
 
 @flow(name="reconcile", log_prints=True)
@@ -24,7 +24,7 @@ def reconcile_flow(provider: str | None = None, campaign: str | None = None,
 
     `flow_run_id` is the failed campaign run that triggered it through the automation (for the log).
     """
-    from flows.remote import s3_store
+    from jex.flows.fleet import s3_store
     from jex.settings import load_settings
 
     settings = load_settings()
@@ -49,7 +49,7 @@ def failure_notice(parameters: dict[str, Any], state: str, message: str, run_nam
                    report: dict[str, Any]) -> tuple[str, str]:
     """(subject, body) naming the campaign, the stage that failed (the first one its run folder does
     not record as done) and the run folder."""
-    from flows.campaign import STAGES, CampaignSpec
+    from jex.flows.campaign import STAGES, CampaignSpec
 
     spec = CampaignSpec.model_validate(parameters.get("spec") or {})
     run_dir = spec.run_dir().resolve()

@@ -6,7 +6,7 @@ from typing import Literal
 
 from prefect import flow
 
-from flows.campaign import STAGES, campaign, load_spec
+from jex.flows.campaign import STAGES, campaign, load_spec
 
 StageName = Literal["bundle", "fast_pass", "gate", "reason", "fold", "calibrate", "overlay", "score"]
 

@@ -10,7 +10,7 @@ import json
 import logging
 from typing import Any
 
-log = logging.getLogger("jex.infra.aws")
+log = logging.getLogger(__name__)
 
 RETRIES = {"mode": "standard", "total_max_attempts": 5}
 

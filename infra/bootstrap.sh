@@ -52,7 +52,7 @@ if [ -f "$W/watchdog.json" ]; then
   IFS= read -r CREDS || CREDS=""
   touch "$W/lease"
   if ! { [ -f "$W/watchdog.pid" ] && kill -0 -- "-$(cat "$W/watchdog.pid")" 2>/dev/null; }; then
-    printf '%s\n' "$CREDS" | PYTHONPATH="$CODE${PYTHONPATH:+:$PYTHONPATH}" setsid nohup "$PY" -m infra.watchdog "$W" \
+    printf '%s\n' "$CREDS" | PYTHONPATH="$CODE${PYTHONPATH:+:$PYTHONPATH}" setsid nohup "$PY" -m jex.infra.watchdog "$W" \
       >> "$W/watchdog.log" 2>&1 &
     echo $! > "$W/watchdog.pid"
   fi

@@ -8,7 +8,7 @@ Every call is idempotent and logged (never with secrets). A machine is tagged wi
     ec2      boto3: run, tag, describe, terminate instances
     command  any cloud CLI through create/describe/list/delete command templates printing JSON
 
-`python -m infra.providers --state DIR create|describe|list|delete ...` drives the local provider
+`python -m jex.infra.providers --state DIR create|describe|list|delete ...` drives the local provider
 from a shell; the command provider's tests point their templates at it.
 """
 
@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.shell import LocalShell, Shell, ShellError, SSHShell
-from infra.worker_protocol import DETACHED_PGIDS, PGID
 from jex.errors import InfraError
+from jex.infra.shell import LocalShell, Shell, ShellError, SSHShell
+from jex.infra.worker_protocol import DETACHED_PGIDS, PGID
 
-log = logging.getLogger("jex.infra.providers")
+log = logging.getLogger(__name__)
 TAG_CAMPAIGN, TAG_MACHINE, TAG_MANAGED = "jex:campaign", "jex:machine", "jex:managed"
 
 
@@ -321,7 +321,7 @@ class CommandProvider(Provider):
 def _main(argv: list[str]) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m infra.providers", description="Drive the local provider")
+    p = argparse.ArgumentParser(prog="python -m jex.infra.providers", description="Drive the local provider")
     p.add_argument("--state", required=True, type=Path)
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("create")

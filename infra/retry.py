@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-log = logging.getLogger("jex.infra.retry")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 

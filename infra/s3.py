@@ -43,7 +43,7 @@ class S3Store:
 
     @classmethod
     def from_settings(cls, store: Any, infra: Any) -> S3Store:
-        from infra.aws import aws_client
+        from jex.infra.aws import aws_client
 
         client = aws_client("s3", region=store.s3_region, endpoint_url=store.s3_endpoint_url, infra=infra)
         return cls(store.s3_bucket, store.s3_prefix.strip("/"), client)

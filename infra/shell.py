@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from infra.retry import Backoff, retry
 from jex.errors import InfraError
+from jex.infra.retry import Backoff, retry
 
-log = logging.getLogger("jex.infra.shell")
+log = logging.getLogger(__name__)
 
 
 class ShellError(InfraError):

@@ -1,6 +1,6 @@
 """The machine-side dead-man's switch: no machine outlives its orchestrator by more than a lease.
 
-Started detached by the bootstrap (`setsid nohup python -m infra.watchdog WORKDIR`), it reads
+Started detached by the bootstrap (`setsid nohup python -m jex.infra.watchdog WORKDIR`), it reads
 `WORKDIR/watchdog.json` (lease, hard time to live, where to upload; no secret) and one line of
 credentials from stdin (kept in memory only). The orchestrator touches `WORKDIR/lease` on every
 poll. When the lease is older than `lease_s`, or the machine reached its hard time to live, the
@@ -31,10 +31,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.retry import Backoff, retry
-from infra.worker_protocol import DETACHED_PGIDS, PGID, artifact_manifest, read_marker
+from jex.infra.retry import Backoff, retry
+from jex.infra.worker_protocol import DETACHED_PGIDS, PGID, artifact_manifest, read_marker
 
-log = logging.getLogger("jex.infra.watchdog")
+log = logging.getLogger(__name__)
 CONFIG, LEASE, PIDFILE, MARKER = "watchdog.json", "lease", "watchdog.pid", "SELF_TERMINATED.json"
 
 
@@ -169,7 +169,7 @@ class Watchdog:
         import boto3
         from botocore.config import Config
 
-        from infra.s3 import S3Store
+        from jex.infra.s3 import S3Store
 
         t = self.cfg.upload_attempt_s
         kw: dict[str, Any] = {"region_name": self.cfg.region, "config": Config(

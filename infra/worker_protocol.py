@@ -1,6 +1,6 @@
 """The worker protocol on a machine: heartbeat, log, and a completion marker written last.
 
-`python -m infra.worker_protocol RUN_DIR [--heartbeat S] [--artifacts GLOB ...] -- COMMAND ...` runs
+`python -m jex.infra.worker_protocol RUN_DIR [--heartbeat S] [--artifacts GLOB ...] -- COMMAND ...` runs
 COMMAND as a child, rewrites `RUN_DIR/heartbeat.json` every S seconds while it runs, appends its
 output to `RUN_DIR/run.log`, and when it exits writes exactly one marker, atomically:
 
@@ -10,7 +10,7 @@ output to `RUN_DIR/run.log`, and when it exits writes exactly one marker, atomic
 Started detached (`setsid nohup ... &`), it outlives the SSH session that started it. A supervisor
 trusts only the marker plus checksums it verifies itself, never an SSH exit status.
 
-`python -m infra.worker_protocol status RUN_DIR` and `... manifest RUN_DIR --artifacts GLOB ...`
+`python -m jex.infra.worker_protocol status RUN_DIR` and `... manifest RUN_DIR --artifacts GLOB ...`
 print what a supervisor polls (heartbeat, marker, liveness, log size) and what it can salvage.
 """
 
@@ -111,7 +111,7 @@ def _group_alive(pid_file: Path) -> bool:
 def status(run_dir: Path, *, workdir: Path | None = None) -> dict[str, Any]:
     """What a supervisor polls: the machine's clock, heartbeat, marker, whether the worker lives, log size.
 
-    With `workdir` (a machine guarded by `infra.watchdog`) the poll also renews the machine's lease
+    With `workdir` (a machine guarded by `jex.infra.watchdog`) the poll also renews the machine's lease
     and reports whether its watchdog lives and whether it stopped the machine (`self_terminated`).
     """
     log = run_dir / LOG
@@ -131,7 +131,7 @@ def status(run_dir: Path, *, workdir: Path | None = None) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["status"], ["manifest"]):  # supervisor queries: print JSON, change nothing
-        q = argparse.ArgumentParser(prog=f"python -m infra.worker_protocol {argv[0]}")
+        q = argparse.ArgumentParser(prog=f"python -m jex.infra.worker_protocol {argv[0]}")
         q.add_argument("run_dir", type=Path)
         q.add_argument("--artifacts", nargs="+", default=["**/*.parquet"])
         q.add_argument("--workdir", type=Path, default=None, help="status: renew this machine's lease")
@@ -141,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(doc, default=str))
         return 0
     if "--" not in argv:
-        raise SystemExit("usage: python -m infra.worker_protocol RUN_DIR [--heartbeat S] [--artifacts GLOB ...] -- CMD")
+        raise SystemExit("usage: python -m jex.infra.worker_protocol RUN_DIR [--heartbeat S] [--artifacts GLOB ...] "
+                         "-- CMD")
     split = argv.index("--")
-    p = argparse.ArgumentParser(prog="python -m infra.worker_protocol")
+    p = argparse.ArgumentParser(prog="python -m jex.infra.worker_protocol")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--heartbeat", type=float, default=10.0)
     p.add_argument("--artifacts", nargs="+", default=["**/*.parquet"])

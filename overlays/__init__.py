@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 
 from jex.errors import InputError
-from overlays.rules import (
+from jex.overlays.rules import (
     RULE_KINDS,
     AbstainBelow,
     IsotonicShrink,

@@ -11,16 +11,16 @@ from typing import Any
 import polars as pl
 
 from jex.fileio import sha256_file, write_json
-from overlays.rules import OverlayRuleBase
-from tasks.calibrate import calibrate
-from tasks.fold import FoldRule, error_counters, error_rows, fold_counters, fold_predictions
-from tasks.gate import coverage_gate, margins
-from tasks.keys import stage_key
-from tasks.overlay import apply_overlays, reversibility_check
-from tasks.reference_audit import bundle_reference, reference_audit
-from tasks.score import score_with_ci
-from tasks.scoring_inputs import load_suite_table
-from tasks.store import LocalStore, write_parquet
+from jex.overlays.apply import apply_overlays, reversibility_check
+from jex.overlays.rules import OverlayRuleBase
+from jex.tasks.keys import stage_key
+from jex.tasks.probabilities.calibrate import calibrate
+from jex.tasks.probabilities.coverage_gate import coverage_gate, margins
+from jex.tasks.probabilities.fold import FoldRule, error_counters, error_rows, fold_counters, fold_predictions
+from jex.tasks.scoring.inputs import load_suite_table
+from jex.tasks.scoring.reference_audit import bundle_reference, reference_audit
+from jex.tasks.scoring.score import score_with_ci
+from jex.tasks.store import LocalStore, write_parquet
 
 
 def _suite(bundle: dict[str, Any]):

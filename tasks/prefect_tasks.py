@@ -17,10 +17,11 @@ from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from tasks import cpu_stages, stages
-from tasks.engine_pool import EngineSpec, fingerprint
-from tasks.keys import STAGE_VERSIONS
-from tasks.store import LocalStore
+from jex.tasks import cpu_stages
+from jex.tasks.capture import stages
+from jex.tasks.capture.engine_pool import EngineSpec, fingerprint
+from jex.tasks.keys import STAGE_VERSIONS
+from jex.tasks.store import LocalStore
 
 
 def _key(context: Any, params: dict[str, Any]) -> str:
@@ -80,7 +81,7 @@ def reason_task(bundle: dict[str, Any], gate: dict[str, Any], engine: EngineSpec
 
 @task(name="spec_proof_gate", **CACHED)
 def proof_gate_task(bundle: dict[str, Any], gate: dict[str, Any], store: str, rows: int) -> dict[str, Any]:
-    from tasks.spec_proof import proof_gate_stage
+    from jex.tasks.capture.spec_proof import proof_gate_stage
 
     return proof_gate_stage(bundle, gate, LocalStore(store), rows=rows)
 
@@ -99,7 +100,7 @@ def calibrate_task(bundle: dict[str, Any], fold: dict[str, Any], store: str, fol
 
 @task(name="overlay", **CACHED)
 def overlay_task(calibrated: dict[str, Any], store: str, rules_file: str | None) -> dict[str, Any]:
-    from tasks.overlay_rules import load_rules
+    from jex.overlays.loading import load_rules
 
     rules, sha = load_rules(rules_file)
     return cpu_stages.overlay_stage(calibrated, LocalStore(store), rules=rules, rules_sha256=sha)
@@ -114,7 +115,7 @@ def score_task(bundle: dict[str, Any], overlay: dict[str, Any], fold: dict[str, 
 @task(name="report", cache_policy=NO_CACHE)
 def report_task(run_dir: str, summaries: dict[str, Any], spec: dict[str, Any], timings: dict[str, float],
                 machines: dict[str, Any] | None = None) -> str:
-    from tasks.campaign_outputs import write_run_folder
+    from jex.tasks.outputs.run_folder import write_run_folder
 
     report = write_run_folder(Path(run_dir), summaries, spec, timings, machines)
     publish_report(report, Path(run_dir))
@@ -125,7 +126,7 @@ def publish_report(report: str, run_dir: Path) -> None:
     """The report and the per-catalog table as Prefect artifacts, so the UI shows them."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    from tasks.cpu_stages import read_json
+    from jex.tasks.cpu_stages import read_json
 
     create_markdown_artifact(markdown=report, key="campaign-report", description=f"report of {run_dir.name}")
     fold = read_json(run_dir / "fold.json")

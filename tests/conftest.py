@@ -123,7 +123,7 @@ def s3_bucket(s3_server):
 
     import boto3
 
-    from infra.s3 import S3Store
+    from jex.infra.s3 import S3Store
 
     client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="test",
                           aws_secret_access_key="test")
@@ -136,8 +136,8 @@ def s3_bucket(s3_server):
 def main_job_run(tmp_path_factory, prefect_harness) -> Path:
     """The main job (default campaign spec; rationales cut to 16 tokens) on a 36-row sample suite,
     in-process, run once per session: the run folder the samples, show, export and import tests read."""
-    from flows.campaign import CampaignSpec, campaign
-    from flows.remote import MachinesSpec
+    from jex.flows.campaign import CampaignSpec, campaign
+    from jex.flows.fleet import MachinesSpec
 
     root = tmp_path_factory.mktemp("main-job")
     spec = CampaignSpec(sample_rows=36, reason_max_tokens=16, store=str(root / "store"), out=str(root / "runs"),
@@ -187,8 +187,8 @@ def write_hub_cache(cache: Path, repo_id: str, source: Path, *, drop_chat_templa
 @pytest.fixture(scope="session")
 def embedded_model_dir() -> Path:
     """The embedded SmolLM2 converted to a safetensors folder (converted once per machine)."""
-    from engine.hf import DEFAULT_CACHE
-    from engine.models import resolve_model
+    from jex.engine.hf import DEFAULT_CACHE
+    from jex.engine.models import resolve_model
 
     return resolve_model(None, DEFAULT_CACHE).path
 

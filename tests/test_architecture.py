@@ -1,4 +1,5 @@
-"""Dependencies point one way: flows -> tasks -> engine/overlays; infra only from flows and the CLI."""
+"""Dependencies point one way: cli -> flows -> tasks -> engine/overlays -> core; infra only from flows
+and the CLI; every import of our own code goes through the one `jex` namespace."""
 
 from __future__ import annotations
 
@@ -8,34 +9,77 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+ROOMS = ("engine", "tasks", "flows", "infra", "overlays", "deployments")
+OURS = {"jex", *ROOMS}
+"""`jex.<room>` is the repository folder `<room>/` (pyproject.toml); the other `jex.*` modules are the
+core (errors, files, settings, suites, provenance, numerics) and the CLI (`jex/cli/`)."""
 FORBIDDEN = {
-    "engine": {"prefect", "tasks", "flows", "infra", "overlays", "deployments", "boto3", "paramiko"},
-    "tasks": {"flows", "infra", "deployments", "boto3", "paramiko"},
-    "overlays": {"engine", "infra", "flows", "deployments", "boto3", "paramiko"},
-    "infra": {"engine", "tasks", "flows", "deployments", "prefect"},
-    "deployments": {"engine", "tasks", "infra"},
-    "flows": {"engine", "deployments"},
+    "core": {"engine", "tasks", "flows", "infra", "overlays", "deployments", "cli", "prefect", "boto3", "paramiko"},
+    "engine": {"tasks", "flows", "infra", "overlays", "deployments", "cli", "prefect", "boto3", "paramiko"},
+    "overlays": {"engine", "tasks", "flows", "infra", "deployments", "cli", "prefect", "boto3", "paramiko"},
+    "tasks": {"flows", "infra", "deployments", "cli", "boto3", "paramiko"},
+    "infra": {"engine", "tasks", "flows", "overlays", "deployments", "cli", "prefect"},
+    "flows": {"engine", "deployments", "cli"},
+    "deployments": {"engine", "tasks", "infra", "overlays", "cli"},
+    "cli": set(),
 }
 
 
-def imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    out = set()
-    for node in ast.walk(tree):
+def room_of(path: Path) -> str:
+    parts = path.relative_to(ROOT).parts
+    if parts[0] == "jex":
+        return "cli" if parts[1] in ("cli", "__main__.py") else "core"
+    return parts[0]
+
+
+def sources(room: str) -> list[Path]:
+    if room in ("core", "cli"):
+        return [p for p in (ROOT / "jex").rglob("*.py") if room_of(p) == room]
+    return list((ROOT / room).rglob("*.py"))
+
+
+def imported(path: Path) -> set[str]:
+    """Absolute module names imported by a file."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            out |= {a.name.split(".")[0] for a in node.names}
+            out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module.split(".")[0])
+            out.add(node.module)
     return out
+
+
+def target(module: str) -> str:
+    """What a module name reaches: a room, `cli`, `core`, or a third-party top-level name."""
+    parts = module.split(".")
+    if parts[0] != "jex":
+        return parts[0]
+    if len(parts) == 1:
+        return "core"
+    return parts[1] if parts[1] in (*ROOMS, "cli") else "core"
 
 
 @pytest.mark.parametrize("room", sorted(FORBIDDEN))
 def test_room_imports_only_what_it_may(room):
-    bad = {str(p.relative_to(ROOT)): sorted(imports(p) & FORBIDDEN[room]) for p in (ROOT / room).rglob("*.py")}
+    bad = {str(p.relative_to(ROOT)): sorted({target(m) for m in imported(p)} & FORBIDDEN[room]) for p in sources(room)}
     bad = {k: v for k, v in bad.items() if v}
-    assert not bad, f"{room}/ reaches into rooms it must not: {bad}"
+    assert not bad, f"{room} reaches into rooms it must not: {bad}"
+
+
+def test_our_code_is_imported_only_through_the_jex_namespace():
+    """`tasks.x` would be a second copy of `jex.tasks.x` (and a name that collides in a user's site-packages)."""
+    files = [p for r in FORBIDDEN for p in sources(r)] + list((ROOT / "tests").rglob("*.py"))
+    bad = {str(p.relative_to(ROOT)): m for p in files for m in imported(p) if m.split(".")[0] in ROOMS}
+    assert not bad, f"imports outside the jex namespace: {bad}"
+
+
+def test_campaign_stages_do_not_depend_on_the_lab():
+    bad = {str(p.relative_to(ROOT)): m for p in sources("tasks") if "lab" not in p.parts
+           for m in imported(p) if m.startswith("jex.tasks.lab")}
+    assert not bad, f"campaign stages import the lab: {bad}"
 
 
 def test_prefect_appears_in_tasks_only_in_the_wrappers():
-    users = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tasks").rglob("*.py") if "prefect" in imports(p))
+    users = sorted(str(p.relative_to(ROOT)) for p in sources("tasks") if any(m.split(".")[0] == "prefect"
+                                                                             for m in imported(p)))
     assert users == ["tasks/prefect_tasks.py"]

@@ -10,11 +10,11 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from engine.types import EngineError
+from jex.engine.types import EngineError
 from jex.errors import FlowError
 from jex.sample_suite import write_sample_suite
 from jex.suite import iter_rows
-from tasks.fold import ErrorCountersNotZero
+from jex.tasks.probabilities.fold import ErrorCountersNotZero
 
 pytestmark = pytest.mark.slow
 
@@ -42,10 +42,10 @@ def harness(prefect_harness):
 
 
 def test_campaign_counts_a_failing_batch_audits_the_reference_and_enforces_both(harness, tmp_path, monkeypatch):
-    import tasks.stages as stages
-    from flows.campaign import CampaignSpec, campaign
-    from flows.remote import MachinesSpec
-    from tasks.engine_pool import get_engine
+    import jex.tasks.capture.stages as stages
+    from jex.flows.campaign import CampaignSpec, campaign
+    from jex.flows.fleet import MachinesSpec
+    from jex.tasks.capture.engine_pool import get_engine
 
     suite = write_sample_suite(tmp_path / "suite", rows=27, seed=5)
     run_ids = [r.run_id for r in iter_rows(suite)]  # suite order: shards of 9 are rows 0-8, 9-17, 18-26

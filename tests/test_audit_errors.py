@@ -5,10 +5,10 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from engine.types import EngineDeadError, EngineError
-from tasks.batch_errors import BatchLog, compute_resilient
-from tasks.fold import ErrorCountersNotZero, error_counters, error_rows, require_zero
-from tasks.stages import fast_pass_error_counters, reason_error_counters
+from jex.engine.types import EngineDeadError, EngineError
+from jex.tasks.capture.batch_errors import BatchLog, compute_resilient
+from jex.tasks.capture.stages import fast_pass_error_counters, reason_error_counters
+from jex.tasks.probabilities.fold import ErrorCountersNotZero, error_counters, error_rows, require_zero
 
 
 class Flaky:
@@ -99,9 +99,9 @@ def test_require_zero_names_every_nonzero_counter():
 
 @pytest.mark.slow
 def test_multi_token_labels_are_read_through_the_fallback_and_counted(tmp_path):
-    from tasks.engine_pool import EngineSpec
-    from tasks.stages import bundle_stage, fast_pass_stage
-    from tasks.store import LocalStore
+    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.tasks.capture.stages import bundle_stage, fast_pass_stage
+    from jex.tasks.store import LocalStore
     from tests.conftest import row, write_suite
 
     rows = [row("one", "c", k=2), row("long", "c", k=2, labels=["Alpha-one", "Bravo-two"])]

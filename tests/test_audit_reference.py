@@ -9,11 +9,11 @@ import polars as pl
 import pytest
 
 from jex.errors import InputError
-from tasks.cpu_stages import read_json, score_stage
-from tasks.parity import capture_readouts
-from tasks.reference_audit import audit_markdown
-from tasks.stages import bundle_stage
-from tasks.store import LocalStore, write_parquet
+from jex.tasks.capture.stages import bundle_stage
+from jex.tasks.cpu_stages import read_json, score_stage
+from jex.tasks.lab.parity import capture_readouts
+from jex.tasks.scoring.reference_audit import audit_markdown
+from jex.tasks.store import LocalStore, write_parquet
 from tests.conftest import row, write_suite
 
 N = 12
@@ -98,9 +98,9 @@ def test_parity_against_a_stored_capture_needs_no_second_engine(tmp_path):
 
     from jex.cli import app
     from jex.sample_suite import write_sample_suite
-    from tasks.engine_pool import EngineSpec, get_engine
-    from tasks.parity import parity_with_capture
-    from tasks.stages import _as_rows, _bundle_rows, fast_pass_stage
+    from jex.tasks.capture.engine_pool import EngineSpec, get_engine
+    from jex.tasks.capture.stages import _as_rows, _bundle_rows, fast_pass_stage
+    from jex.tasks.lab.parity import parity_with_capture
 
     suite = write_sample_suite(tmp_path / "suite", rows=18, seed=3)
     store = LocalStore(tmp_path / "store")

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from jex.errors import InputError
-from tasks.bootstrap import bootstrap_ci, bootstrap_loop
-from tasks.score import score_files, score_twice
-from tasks.scoring import catalog_chances, scored_frame
-from tasks.scoring_inputs import load_predictions, load_suite_table
+from jex.tasks.scoring.bootstrap_ci import bootstrap_ci, bootstrap_loop
+from jex.tasks.scoring.index import catalog_chances, scored_frame
+from jex.tasks.scoring.inputs import load_predictions, load_suite_table
+from jex.tasks.scoring.score import score_files, score_twice
 from tests.conftest import row, write_suite
 
 KINDS = {"acc": "accuracy", "bri": "brier", "ll": "log_loss", "cal": "calibrated_accuracy"}
@@ -111,8 +111,8 @@ def test_chance_baselines_are_the_uniform_guess():
     """Predicting the uniform distribution on every row scores skill 0 under every kind."""
     import polars as pl
 
-    from tasks.scoring import score_predictions
-    from tasks.scoring_inputs import CatalogSpec, ScoreSpec
+    from jex.tasks.scoring.index import score_predictions
+    from jex.tasks.scoring.inputs import CatalogSpec, ScoreSpec
 
     spec = ScoreSpec(legs={"L": 1.0}, catalogs=tuple(CatalogSpec(c, "L", 1.0, None, scoring=k)
                                                      for c, k in KINDS.items() if k != "accuracy"))
@@ -177,10 +177,10 @@ def test_an_overlay_sets_abstain_and_the_campaigns_score_reads_it(tmp_path):
     choices, and the score counts them as the scorer of a predictions file with those flags does."""
     import polars as pl
 
-    from overlays import AbstainBelow
-    from tasks.cpu_stages import overlay_stage, read_json, score_stage
-    from tasks.stages import bundle_stage
-    from tasks.store import LocalStore, write_parquet
+    from jex.overlays import AbstainBelow
+    from jex.tasks.capture.stages import bundle_stage
+    from jex.tasks.cpu_stages import overlay_stage, read_json, score_stage
+    from jex.tasks.store import LocalStore, write_parquet
 
     suite, rows = mixed_suite(tmp_path / "s", secondary={"acc": ["abstain"]})
     preds_path = random_predictions(tmp_path / "p.jsonl", rows, missing=())

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from engine.types import Readout, ReadoutMode
-from tasks.bakeoff import compare, divergence_prompts, run_bakeoff, verdict
-from tasks.parity import compare_readouts
+from jex.engine.types import Readout, ReadoutMode
+from jex.tasks.lab.bakeoff import compare, divergence_prompts, run_bakeoff, verdict
+from jex.tasks.lab.parity import compare_readouts
 
 
 def test_compare_counts_mismatches_and_first_divergence():

@@ -6,9 +6,15 @@ import numpy as np
 import polars as pl
 import pytest
 
-from tasks.bootstrap import ClusterLayout, bootstrap_ci, bootstrap_loop, paired_bootstrap_ci, resampled_accuracy
-from tasks.scoring import catalog_chances, scored_frame
-from tasks.scoring_inputs import load_suite_table
+from jex.tasks.scoring.bootstrap_ci import (
+    ClusterLayout,
+    bootstrap_ci,
+    bootstrap_loop,
+    paired_bootstrap_ci,
+    resampled_accuracy,
+)
+from jex.tasks.scoring.index import catalog_chances, scored_frame
+from jex.tasks.scoring.inputs import load_suite_table
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +31,7 @@ def test_vectorised_draws_equal_the_readable_loop(scored):
     spec, frame, chance = scored
     layout = ClusterLayout.from_frame(frame, spec)
     (acc,) = resampled_accuracy(layout, [layout.per_cluster(frame, "correct", spec)], draws=300, seed=7)
-    from tasks.bootstrap import statistics_per_draw
+    from jex.tasks.scoring.bootstrap_ci import statistics_per_draw
 
     fast = statistics_per_draw(spec, acc, chance)["full"]
     slow = bootstrap_loop(frame, spec, chance, draws=300, seed=7)
@@ -40,7 +46,7 @@ def test_same_seed_same_interval_other_seed_differs(scored):
 
 
 def test_interval_brackets_the_point_estimate(scored):
-    from tasks.scoring import aggregate
+    from jex.tasks.scoring.index import aggregate
 
     spec, frame, chance = scored
     acc = {c.id: frame.filter(pl.col("catalog") == c.id)["correct"].mean() for c in spec.catalogs}
@@ -68,7 +74,7 @@ def test_paired_interval_is_narrower_than_unpaired_difference(scored):
 
 def test_clusters_move_together():
     """One catalog of two questions with 10 rows each: every draw's accuracy is 0, 0.5 or 1."""
-    from tasks.scoring_inputs import CatalogSpec, ScoreSpec
+    from jex.tasks.scoring.inputs import CatalogSpec, ScoreSpec
 
     spec = ScoreSpec(legs={"L": 1.0}, catalogs=(CatalogSpec("c", "L", 1.0, 0.5),))
     frame = pl.DataFrame({"run_id": [str(i) for i in range(20)], "catalog": ["c"] * 20,

@@ -183,8 +183,8 @@ def test_lm_eval_task_that_is_not_multiple_choice_is_refused(tmp_path):
 def test_hub_id_missing_from_an_offline_cache_names_the_id(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
-    from engine.models import resolve_hub
-    from engine.types import EngineDeadError
+    from jex.engine.models import resolve_hub
+    from jex.engine.types import EngineDeadError
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(EngineDeadError, match="model 'nobody/nothing' is not in the local Hub cache"):
@@ -208,7 +208,7 @@ def offline_hub(tmp_path, monkeypatch, embedded_model_dir):
 
 
 def test_hub_model_fingerprint_records_repo_commit_and_blob_hashes(offline_hub):
-    from tasks.engine_pool import EngineSpec, fingerprint
+    from jex.tasks.capture.engine_pool import EngineSpec, fingerprint
 
     fp = fingerprint(EngineSpec(model="jex-test/smol-base"))
     assert fp["hub"] == {"repo": "jex-test/smol-base", "commit": offline_hub}

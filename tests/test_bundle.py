@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 from jex.errors import InputError
-from tasks.bundle import BundleError, build_bundle, open_bundle
+from jex.tasks.capture.bundle import BundleError, build_bundle, open_bundle
 from tests.conftest import row, write_suite
 
 
@@ -192,7 +192,7 @@ def test_engine_processes_opening_one_bundle_at_once_each_read_it_whole(tmp_path
     from jex.sample_suite import write_sample_suite
 
     built = build_bundle(write_sample_suite(tmp_path / "suite", rows=6000, seed=2), tmp_path / "b.tar.gz")
-    read = ("import sys; from tasks.bundle import open_bundle\n"
+    read = ("import sys; from jex.tasks.capture.bundle import open_bundle\n"
             "for _ in range(25):\n"
             "    print(open_bundle(sys.argv[1], sys.argv[2]).rows(['run_id', 'prompt']).height)")
     procs = [subprocess.Popen([sys.executable, "-c", read, str(built.path), str(tmp_path / "extracted")],

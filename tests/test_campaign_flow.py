@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from jex.sample_suite import write_sample_suite
-from tasks.engine_pool import CALLS, EngineSpec
-from tasks.stages import bundle_stage, fast_pass_stage
-from tasks.store import LocalStore
+from jex.tasks.capture.engine_pool import CALLS, EngineSpec
+from jex.tasks.capture.stages import bundle_stage, fast_pass_stage
+from jex.tasks.store import LocalStore
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,8 +48,8 @@ def harness(prefect_harness):
 
 
 def _spec(suite, tmp_path):
-    from flows.campaign import CampaignSpec
-    from flows.remote import MachinesSpec
+    from jex.flows.campaign import CampaignSpec
+    from jex.flows.fleet import MachinesSpec
 
     return CampaignSpec(name="t", suite=str(suite), coverage=0.2, reason_max_tokens=8, bootstrap_draws=50,
                         fast_shard_rows=9, reason_shard_rows=3, store=str(tmp_path / "store"), out=str(tmp_path),
@@ -57,8 +57,8 @@ def _spec(suite, tmp_path):
 
 
 def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, tmp_path, monkeypatch, s3_server):
-    import tasks.cpu_stages as cpu
-    from flows.campaign import campaign
+    import jex.tasks.cpu_stages as cpu
+    from jex.flows.campaign import campaign
 
     real = cpu.fold_predictions
     failures = {"left": 1}
@@ -112,7 +112,7 @@ def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, 
 
 
 def test_calibration_flow_measures_and_projects(harness, tiny_suite, tmp_path):
-    from flows.calibration import CalibrationSpec, calibration
+    from jex.flows.calibration import CalibrationSpec, calibration
 
     spec = CalibrationSpec(campaign=_spec(tiny_suite, tmp_path), coverage=0.5, sample_every=2, target_rows=150_000,
                            coverages=[0.05, 0.5], price_per_gpu_hour=2.0, budget_hours=1e6, budget_usd=1e9)
@@ -160,7 +160,7 @@ def test_bakeoff_and_parity_flows_publish_their_reports(harness, tiny_suite, tmp
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    from flows.experiments import bakeoff, parity
+    from jex.flows.experiments import bakeoff, parity
 
     b = bakeoff(arms=["hf-control", "hf-bi"], prompts=2, tokens=4, ladder=[1, 2], repeats=1,
                 out=str(tmp_path / "bk"))

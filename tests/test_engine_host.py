@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from jex.fileio import sha256_file
-from tasks.engine_host import EngineHostDied, HostRequest, read_starts, slot_dir, submit
+from jex.tasks.capture.engine_host import EngineHostDied, HostRequest, read_starts, slot_dir, submit
 
 
 @pytest.fixture
@@ -38,9 +38,9 @@ def suite_dir(tmp_path_factory):
 
 
 def _fast_pass_request(suite: Path, store: Path) -> HostRequest:
-    from tasks.engine_pool import EngineSpec
-    from tasks.stages import bundle_stage
-    from tasks.store import LocalStore
+    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.tasks.capture.stages import bundle_stage
+    from jex.tasks.store import LocalStore
 
     bundle = bundle_stage(suite, LocalStore(store))
     return HostRequest(job="fast_pass", args={"bundle": bundle, "engine": EngineSpec().model_dump(mode="json"),
@@ -59,9 +59,9 @@ def _kill_host_after_its_first_shard(home: Path, store: Path) -> int:
 
 @pytest.mark.slow
 def test_a_host_that_dies_mid_job_is_replaced_once_and_the_capture_is_unchanged(engine_home, suite_dir, tmp_path):
-    from tasks.engine_pool import EngineSpec
-    from tasks.stages import bundle_stage, fast_pass_stage
-    from tasks.store import LocalStore
+    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.tasks.capture.stages import bundle_stage, fast_pass_stage
+    from jex.tasks.store import LocalStore
 
     store = tmp_path / "store"
     request = _fast_pass_request(suite_dir, store)
@@ -116,11 +116,11 @@ def test_the_first_machine_s_compile_cache_is_restored_on_the_next_machine_of_th
     import sys
     import tarfile
 
-    from flows.remote import GpuFleet, MachinesSpec, compile_cache_path
+    from jex.flows.fleet import GpuFleet, MachinesSpec, compile_cache_path
     from jex.settings import load_settings
-    from tasks.engine_pool import EngineSpec
-    from tasks.stages import bundle_stage
-    from tasks.store import LocalStore
+    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.tasks.capture.stages import bundle_stage
+    from jex.tasks.store import LocalStore
 
     for k, v in {"JEX_INFRA__STATE_DIR": str(tmp_path / "infra"), "JEX_INFRA__POLL_S": "0.3",
                  "JEX_INFRA__WORKER_PYTHON": sys.executable}.items():
@@ -157,7 +157,12 @@ def test_a_restored_compile_cache_names_its_artifacts_under_its_new_folder(tmp_p
     that machine's, or the engine start fails looking for the first machine's files."""
     import ast
 
-    from tasks.engine_host import COMPILE_CACHE, bring_compile_cache, pack_compile_cache, restore_compile_cache
+    from jex.tasks.capture.engine_host import (
+        COMPILE_CACHE,
+        bring_compile_cache,
+        pack_compile_cache,
+        restore_compile_cache,
+    )
 
     first, second = tmp_path / "m1" / "engines", tmp_path / "m2" / "engines"
     backbone = first / "vllm-cache" / "torch_compile_cache" / "h" / "rank_0_0" / "backbone"
@@ -169,7 +174,8 @@ def test_a_restored_compile_cache_names_its_artifacts_under_its_new_folder(tmp_p
 
     assert restore_compile_cache(second) == "restored"
     moved = second / "vllm-cache" / "torch_compile_cache" / "h" / "rank_0_0" / "backbone"
-    assert ast.literal_eval((moved / "vllm_compile_cache.py").read_text()) == {(1, 0): str(moved.resolve() / "artifact_0")}
+    index = ast.literal_eval((moved / "vllm_compile_cache.py").read_text())
+    assert index == {(1, 0): str(moved.resolve() / "artifact_0")}
     assert not (second / "vllm-cache" / ".jex-cache-root").exists()
 
 
@@ -179,7 +185,7 @@ def test_engine_hosts_share_shards_by_claims_and_take_over_the_claim_of_a_dead_p
 
     import polars as pl
 
-    from tasks.store import run_sharded
+    from jex.tasks.store import run_sharded
 
     folder = tmp_path / "shards"
     folder.mkdir()

@@ -16,14 +16,14 @@ JEX = str(Path(sys.executable).with_name("jex"))
 
 
 def test_infra_flow_and_server_errors_share_the_one_root():
-    from deployments.server import ServerError as StartError
-    from flows.remote import GoldenMismatch
-    from infra.ledger import BudgetExceeded
-    from infra.providers import ProviderError
-    from infra.remote import JobFailed
-    from infra.s3 import UploadError
-    from infra.shell import ShellError, Unreachable
-    from tasks.bundle import BundleError
+    from jex.deployments.server import ServerError as StartError
+    from jex.flows.fleet import GoldenMismatch
+    from jex.infra.ledger import BudgetExceeded
+    from jex.infra.machine import JobFailed
+    from jex.infra.providers import ProviderError
+    from jex.infra.s3 import UploadError
+    from jex.infra.shell import ShellError, Unreachable
+    from jex.tasks.capture.bundle import BundleError
 
     for cls in (ShellError, Unreachable, ProviderError, UploadError, BudgetExceeded, JobFailed):
         assert issubclass(cls, InfraError) and issubclass(cls, JexError), cls

@@ -17,8 +17,8 @@ import polars as pl
 import pytest
 
 from jex.errors import InputError
-from tasks.experiment_arms import parse_arms
-from tasks.experiment_stats import (
+from jex.tasks.lab.arms import parse_arms
+from jex.tasks.lab.experiment_stats import (
     arm_rng,
     oof_choice,
     paired_arms,
@@ -26,8 +26,8 @@ from tasks.experiment_stats import (
     row_contributions,
     versus,
 )
-from tasks.scoring import aggregate, catalog_chances, score_predictions, scored_frame
-from tasks.scoring_inputs import load_suite_table
+from jex.tasks.scoring.index import aggregate, catalog_chances, score_predictions, scored_frame
+from jex.tasks.scoring.inputs import load_suite_table
 from tests.conftest import row, write_suite
 
 GOOD = '''
@@ -89,7 +89,7 @@ def test_a_bad_arms_file_fails_in_the_cli_before_any_engine_or_prefect_starts(tm
     from typer.testing import CliRunner
 
     from jex.cli import app
-    from tasks.engine_pool import CALLS
+    from jex.tasks.capture.engine_pool import CALLS
 
     bad = tmp_path / "arms.toml"
     bad.write_text('[[arms]]\nname = "p"\nkind = "placebo"\n[arms.render]\nanswer_slot = "Reply:"\n')
@@ -102,8 +102,8 @@ def test_a_bad_arms_file_fails_in_the_cli_before_any_engine_or_prefect_starts(tm
 
 
 def test_a_derived_arm_with_a_bad_campaign_value_names_the_arm(tmp_path):
-    from flows.campaign import CampaignSpec
-    from flows.experiment import ExperimentSpec, plan_experiment
+    from jex.flows.campaign import CampaignSpec
+    from jex.flows.experiment import ExperimentSpec, plan_experiment
 
     spec = ExperimentSpec(campaign=CampaignSpec(sample_rows=18, store=str(tmp_path / "s")), out=str(tmp_path),
                           arms_toml='[[arms]]\nname = "big"\nfold_weight = 1.5\n', arms_path="a.toml")
@@ -115,7 +115,7 @@ def test_a_derived_arm_with_a_bad_campaign_value_names_the_arm(tmp_path):
 def test_the_default_render_fingerprint_is_unchanged_by_the_option_order_field():
     import hashlib
 
-    from engine.render import RenderSpec
+    from jex.engine.render import RenderSpec
 
     doc = RenderSpec().model_dump(mode="json")
     del doc["option_order_seed"]
@@ -124,9 +124,9 @@ def test_the_default_render_fingerprint_is_unchanged_by_the_option_order_field()
 
 
 def test_shuffled_options_are_shown_in_a_seeded_order_and_restored():
-    from engine.render import RenderSpec, option_order
-    from engine.types import Readout, ReadoutMode
-    from tasks.capture import _restored, _shown, as_row
+    from jex.engine.render import RenderSpec, option_order
+    from jex.engine.types import Readout, ReadoutMode
+    from jex.tasks.capture.engine_calls import _restored, _shown, as_row
 
     spec = RenderSpec(option_order_seed=7)
     r = as_row({"run_id": "q1", "prompt": "?", "labels": list("ABCD"), "options": ["w", "x", "y", "z"]})
@@ -251,8 +251,8 @@ def test_the_permutation_p_agrees_with_swapping_predictions_question_by_question
 
 def test_a_planted_arm_that_hides_the_options_is_a_no_go_with_a_ci_below_zero(small_suite):
     """Hiding the options leaves a model the first label only: planted as 'always label 0'."""
-    from tasks.experiment_arms import GateSettings
-    from tasks.experiment_report import verdict
+    from jex.tasks.lab.arms import GateSettings
+    from jex.tasks.lab.experiment_report import verdict
 
     base = _preds(small_suite, p_right=0.9, seed=1)
     planted = _preds(small_suite, p_right=0.0, seed=0, first=True)
@@ -265,8 +265,8 @@ def test_a_planted_arm_that_hides_the_options_is_a_no_go_with_a_ci_below_zero(sm
 
 
 def test_the_gate_says_go_only_above_zero_and_above_the_placebo(small_suite):
-    from tasks.experiment_arms import GateSettings
-    from tasks.experiment_report import verdict
+    from jex.tasks.lab.arms import GateSettings
+    from jex.tasks.lab.experiment_report import verdict
 
     base = _preds(small_suite, p_right=0.3, seed=1)
     better, placebo_same = _preds(small_suite, p_right=0.95, seed=2), _preds(small_suite, p_right=0.3, seed=1)
@@ -298,7 +298,7 @@ def test_the_out_of_fold_choice_picks_the_value_that_wins_on_held_out_questions(
 
 def test_the_panel_share_is_the_catalogs_weight_in_the_full_index(sample_suite, tmp_path):
     from jex.suite import iter_rows, load_manifest
-    from tasks.experiment_panel import panel_suite
+    from jex.tasks.lab.panel import panel_suite
 
     spec = load_suite_table(sample_suite).spec
     shares = panel_share(spec, ["arith", "boolean"])
@@ -309,7 +309,7 @@ def test_the_panel_share_is_the_catalogs_weight_in_the_full_index(sample_suite, 
     assert [c.id for c in manifest.catalogs] == ["arith", "boolean"] and set(manifest.legs) == {"public", "eqS"}
     want = [r for r in iter_rows(sample_suite) if r.catalog in ("arith", "boolean")]
     assert list(iter_rows(panel)) == want
-    from tasks.bundle import build_bundle
+    from jex.tasks.capture.bundle import build_bundle
 
     bundle = build_bundle(sample_suite, tmp_path / "b.tar.gz").path
     of_bundle = panel_suite(bundle, tmp_path / "panel-b", ["arith", "boolean"])
@@ -321,7 +321,7 @@ def test_the_panel_share_is_the_catalogs_weight_in_the_full_index(sample_suite, 
 # ---------------------------------------------------------------- gate registration and ledger
 
 def test_the_gate_is_registered_once_and_a_changed_gate_is_refused(tmp_path):
-    from tasks.experiment_report import register_gate
+    from jex.tasks.lab.experiment_report import register_gate
 
     sha = register_gate(parse_arms(GOOD), tmp_path)
     assert sha == register_gate(parse_arms(GOOD), tmp_path) and len(sha) == 64
@@ -341,7 +341,7 @@ def test_the_ledger_is_appended_never_rewritten_and_printed_by_the_cli(tmp_path)
     from typer.testing import CliRunner
 
     from jex.cli import app
-    from tasks.experiment_report import append_ledger, read_ledger
+    from jex.tasks.lab.experiment_report import append_ledger, read_ledger
 
     path = tmp_path / "ledger.toml"
     assert append_ledger(path, _doc("a" * 64, {"x": "NO-GO", "p": "placebo"}), {"x": "a larger model"},
@@ -361,8 +361,8 @@ def test_the_ledger_is_appended_never_rewritten_and_printed_by_the_cli(tmp_path)
 
 
 def test_the_twin_audit_reports_the_first_differing_row(tmp_path):
-    from tasks.experiment_report import first_difference
-    from tasks.store import write_parquet
+    from jex.tasks.lab.experiment_report import first_difference
+    from jex.tasks.store import write_parquet
 
     a = pl.DataFrame({"run_id": ["r1", "r2", "r3"], "logprobs": [[-0.1, -2.0], [-0.5, -1.0], [-1.0, -0.4]]})
     write_parquet(a, tmp_path / "a.parquet")
@@ -419,9 +419,9 @@ reopen_when = "coverage above 0.3"
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, prefect_harness):
-    from flows.campaign import CampaignSpec
-    from flows.experiment import ExperimentSpec, experiment
-    from flows.remote import MachinesSpec
+    from jex.flows.campaign import CampaignSpec
+    from jex.flows.experiment import ExperimentSpec, experiment
+    from jex.flows.fleet import MachinesSpec
 
     tmp = tmp_path_factory.mktemp("experiment")
     base = CampaignSpec(sample_rows=36, coverage=0.2, reason_max_tokens=8, bootstrap_draws=50,
@@ -494,7 +494,7 @@ def test_arms_that_change_only_cpu_stages_make_no_engine_calls(finished):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_experiment_ledger_records_the_decided_arms(finished):
-    from tasks.experiment_report import read_ledger
+    from jex.tasks.lab.experiment_report import read_ledger
 
     out, doc = finished
     entries = read_ledger(out / "ledger.toml")

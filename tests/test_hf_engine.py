@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from engine.hf import HFEngine
-from engine.types import FinishReason, GenerateRequest, ReadoutMode, ReadoutRequest
-from tasks.capture import fast_pass
+from jex.engine.hf import HFEngine
+from jex.engine.types import FinishReason, GenerateRequest, ReadoutMode, ReadoutRequest
+from jex.tasks.capture.engine_calls import fast_pass
 from tests.conftest import row
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def requests(engine, sample_suite):
-    from engine.render import render_question
+    from jex.engine.render import render_question
     from jex.suite import iter_rows
 
     rows = list(iter_rows(sample_suite))[::24][:12]
@@ -127,7 +127,7 @@ def test_provenance_serialises_and_names_weights(engine):
 
 def test_fast_pass_on_suite_rows(engine):
     rows = [row("r1", "c", k=4, gold=1), row("r2", "c", k=2, gold=0)]
-    from tasks.capture import as_row
+    from jex.tasks.capture.engine_calls import as_row
 
     out = fast_pass(engine, [as_row(r) for r in rows])
     assert [len(o.logprobs) for o in out] == [4, 2] and all(0.3 < o.label_mass <= 1 for o in out)

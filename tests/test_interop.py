@@ -55,8 +55,8 @@ def lm_task(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def lm_run(lm_task, tmp_path_factory) -> Path:
     """`lm_eval run --log_samples` with the HF backend on the embedded model, converted to a local folder."""
-    from engine.models import resolve_model
-    from tasks.engine_pool import EngineSpec
+    from jex.engine.models import resolve_model
+    from jex.tasks.capture.engine_pool import EngineSpec
 
     model = resolve_model(None, Path(EngineSpec().cache_dir)).path
     out = tmp_path_factory.mktemp("lm-out")
@@ -90,8 +90,8 @@ def imported_suite(lm_task, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def imported_run(imported_suite, tmp_path_factory, prefect_harness) -> Path:
     """That suite run through a jex campaign (in-process)."""
-    from flows.campaign import CampaignSpec, campaign
-    from flows.remote import MachinesSpec
+    from jex.flows.campaign import CampaignSpec, campaign
+    from jex.flows.fleet import MachinesSpec
 
     root = tmp_path_factory.mktemp("imported-run")
     spec = CampaignSpec(name="lmeval", suite=str(imported_suite), coverage=0.34, reason_max_tokens=8,

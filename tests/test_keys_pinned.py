@@ -4,7 +4,7 @@ version bump) updates the pin."""
 
 from __future__ import annotations
 
-from tasks.keys import STAGE_VERSIONS, stage_key
+from jex.tasks.keys import STAGE_VERSIONS, stage_key
 
 PINNED = {
     "bundle": "68a95db65eec021e30d0c416473ba297",

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from infra.ledger import BudgetExceeded, Ledger
-from infra.providers import CommandProvider, CommandTemplates, EC2Provider, LocalProvider, SSHProvider
-from infra.reconcile import reconcile
-from infra.remote import JobFailed, MachineSession, Policy, RemoteJob
-from infra.shell import ShellError, SSHShell
+from jex.infra.ledger import BudgetExceeded, Ledger
+from jex.infra.machine import JobFailed, MachineSession, Policy, RemoteJob
+from jex.infra.providers import CommandProvider, CommandTemplates, EC2Provider, LocalProvider, SSHProvider
+from jex.infra.reaper import reconcile
+from jex.infra.shell import ShellError, SSHShell
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = {"poll_s": 0.3, "heartbeat_s": 0.5, "heartbeat_timeout_s": 10.0, "backoff_s": 0.1}  # generous: CI is loaded
@@ -77,7 +77,7 @@ def test_ssh_provider_creates_lists_by_campaign_and_deletes_idempotently(sshd, t
 
 
 def test_command_provider_drives_a_cli_through_templates(tmp_path):
-    cli = f"{sys.executable} -m infra.providers --state {tmp_path / 'machines'}"
+    cli = f"{sys.executable} -m jex.infra.providers --state {tmp_path / 'machines'}"
     _exercise(CommandProvider(CommandTemplates(create=f"{cli} create --campaign {{campaign}} --label {{label}}",
                                                describe=f"{cli} describe {{id}}", list=f"{cli} list",
                                                delete=f"{cli} delete {{id}}")))
@@ -131,8 +131,8 @@ def test_ssh_key_text_in_openssh_format_is_loaded_by_its_actual_type(sshd, tmp_p
 
 
 def test_unreadable_ssh_key_text_is_a_clear_error_not_a_guess():
-    from infra.shell import load_private_key
     from jex.errors import JexError
+    from jex.infra.shell import load_private_key
 
     with pytest.raises(JexError, match="neither OpenSSH nor PEM"):
         load_private_key("ssh-ed25519 AAAA... (a public key pasted by mistake)")
@@ -274,9 +274,9 @@ def test_budget_tears_down_running_machines_and_refuses_new_ones(tmp_path, s3_bu
 _ORCHESTRATOR = """
 import sys, time
 from pathlib import Path
-from infra.ledger import Ledger
-from infra.providers import SSHProvider
-from infra.remote import MachineSession, Policy, RemoteJob
+from jex.infra.ledger import Ledger
+from jex.infra.providers import SSHProvider
+from jex.infra.machine import MachineSession, Policy, RemoteJob
 tmp, port, key, known = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 p = SSHProvider(str(tmp / "remote"), ["127.0.0.1"], port=port, key_path=Path(key), known_hosts=Path(known))
 s = MachineSession(p, campaign="c1", ledger=Ledger(tmp / "state/ledger.json"), python=sys.executable,
@@ -360,13 +360,13 @@ def test_jex_run_over_ssh_runs_the_gpu_stages_through_the_full_lifecycle(sshd, t
 def test_golden_replay_mismatch_stops_the_machine_before_its_shards(tmp_path, monkeypatch):
     import polars as pl
 
-    from flows.remote import GoldenMismatch, GpuFleet, MachinesSpec
+    from jex.flows.fleet import GoldenMismatch, GpuFleet, MachinesSpec
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
-    from tasks.engine_pool import EngineSpec
-    from tasks.golden import reference_path
-    from tasks.stages import bundle_stage
-    from tasks.store import LocalStore, write_parquet
+    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.tasks.capture.golden import reference_path
+    from jex.tasks.capture.stages import bundle_stage
+    from jex.tasks.store import LocalStore, write_parquet
 
     for k, v in _env(tmp_path).items():
         monkeypatch.setenv(k, v)

@@ -10,7 +10,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-from flows.reconcile import failure_notice
+from jex.flows.reconcile import failure_notice
 
 
 class Hook:
@@ -37,7 +37,7 @@ class Hook:
 
 
 def test_the_notice_names_the_campaign_the_failed_stage_and_the_run_folder(tmp_path):
-    from flows.campaign import CampaignSpec
+    from jex.flows.campaign import CampaignSpec
 
     spec = CampaignSpec(name="nightly", out=str(tmp_path / "runs"), store=str(tmp_path / "store"))
     run_dir = spec.run_dir()

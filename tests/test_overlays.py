@@ -9,11 +9,11 @@ import polars as pl
 import pytest
 
 from jex.errors import InputError
-from overlays import IsotonicShrink, PositionalThreshold, SignedLogitThreshold, load_rule_file
-from overlays.rules import isotonic_apply, isotonic_fit
-from tasks.overlay import NoDegradeViolation, apply_overlays, no_degrade_check
-from tasks.overlay_lab import Capture, GateSettings, disclosure, gate, gate_rule, ladder, mine
-from tasks.scoring_inputs import CatalogSpec, ScoreSpec
+from jex.overlays import IsotonicShrink, PositionalThreshold, SignedLogitThreshold, load_rule_file
+from jex.overlays.apply import NoDegradeViolation, apply_overlays, no_degrade_check
+from jex.overlays.rules import isotonic_apply, isotonic_fit
+from jex.tasks.lab.overlay_lab import Capture, GateSettings, disclosure, gate, gate_rule, ladder, mine
+from jex.tasks.scoring.inputs import CatalogSpec, ScoreSpec
 
 
 def frame(probs, choice, gold=None, catalog="c"):
@@ -226,7 +226,7 @@ def test_refit_keeps_the_declared_threshold_on_a_tie():
 
 
 def test_abstain_below_flags_only_the_targets_unsure_rows_and_keeps_every_choice():
-    from overlays import AbstainBelow
+    from jex.overlays import AbstainBelow
 
     f = pl.concat([frame([[0.4, 0.35, 0.25], [0.9, 0.1, 0.0]], [0, 0]),
                    frame([[0.3, 0.3, 0.4]], [2], catalog="other").with_columns(run_id=pl.lit("o0"))])
@@ -240,7 +240,7 @@ def test_abstain_below_flags_only_the_targets_unsure_rows_and_keeps_every_choice
 
 
 def test_the_gate_and_the_ladder_refuse_a_rule_that_sets_abstain(capture):
-    from overlays import AbstainBelow
+    from jex.overlays import AbstainBelow
 
     rule = AbstainBelow(id="u", target="pos", projection_class="fitted-on-public-oof")
     with pytest.raises(InputError, match="sets the 'abstain' flag; the gate"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from engine.render import DEFAULT_RENDER, Example, Renderer, RenderSpec
-from tasks.capture import SimpleRow, examples_for
+from jex.engine.render import DEFAULT_RENDER, Example, Renderer, RenderSpec
+from jex.tasks.capture.engine_calls import SimpleRow, examples_for
 
 
 def tagged(messages) -> str:
@@ -20,7 +20,7 @@ ROW = {"run_id": "r1", "prompt": "Which is warm?", "labels": ("A", "B"), "option
 def test_default_render_is_the_model_chat_template_around_the_question_then_the_answer_slot(embedded_model_dir):
     from transformers import AutoTokenizer
 
-    from engine.base import TokenizedEngine
+    from jex.engine.base import TokenizedEngine
 
     engine = TokenizedEngine()
     engine.tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.s3 import UploadError, checkpoint, pull_campaign
-from tasks.store import LocalStore
+from jex.infra.s3 import UploadError, checkpoint, pull_campaign
+from jex.tasks.store import LocalStore
 
 JEX = str(Path(sys.executable).with_name("jex"))
 

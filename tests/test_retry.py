@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from infra.retry import Backoff, retry
+from jex.infra.retry import Backoff, retry
 
 
 def test_delays_are_jittered_within_the_exponential_envelope():

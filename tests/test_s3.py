@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from infra.s3 import S3Store, UploadError, sync_campaign
 from jex.fileio import sha256_file
+from jex.infra.s3 import S3Store, UploadError, sync_campaign
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_sync_campaign_uploads_stage_folders_and_run_folder(store, tmp_path):
 
 
 def test_clients_built_from_settings_use_botocores_standard_retry_mode():
-    from infra.aws import aws_client
+    from jex.infra.aws import aws_client
     from jex.settings import load_settings
 
     client = aws_client("s3", region="us-east-1", endpoint_url="http://127.0.0.1:9", infra=load_settings().infra)

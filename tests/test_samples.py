@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from jex.cli import app
-from tasks.samples import SAMPLES_SCHEMA, read_samples, resolve_prompt_ref, sha256_text, write_samples
+from jex.tasks.outputs.samples import SAMPLES_SCHEMA, read_samples, resolve_prompt_ref, sha256_text, write_samples
 
 pytestmark = pytest.mark.slow
 
@@ -33,10 +33,10 @@ def by_id(frame: pl.DataFrame) -> dict[str, dict]:
 
 
 def test_samples_record_equals_the_stage_artifacts_row_by_row(main_job_run):
-    from tasks.capture import SimpleRow, question_prompts, reason_prompts
-    from tasks.engine_pool import EngineSpec, get_engine
-    from tasks.stages import _bundle_rows, fewshot_pool
-    from tasks.store import LocalStore
+    from jex.tasks.capture.engine_calls import SimpleRow, question_prompts, reason_prompts
+    from jex.tasks.capture.engine_pool import EngineSpec, get_engine
+    from jex.tasks.capture.stages import _bundle_rows, fewshot_pool
+    from jex.tasks.store import LocalStore
 
     s, spec = summaries(main_job_run), spec_of(main_job_run)
     samples = read_samples(main_job_run)
@@ -83,7 +83,7 @@ def test_samples_record_equals_the_stage_artifacts_row_by_row(main_job_run):
             (preds[rid]["choice"], preds[rid]["probs"], preds[rid]["stage"])
         assert r["correct"] == (preds[rid]["choice"] == b["gold"]) and r["scored"]
     # the recorded prompt is what the model read: reading it again gives the capture's log-probs
-    from engine.types import ReadoutMode, ReadoutRequest
+    from jex.engine.types import ReadoutMode, ReadoutRequest
 
     picked = samples.head(2).to_dicts()
     again = engine.readout([ReadoutRequest(r["run_id"], r["prompt"], tuple(r["labels"]), tuple(r["options"]))

@@ -21,13 +21,13 @@ from jex.fileio import sha256_file
 def test_merged_capture_of_two_engines_is_byte_identical_to_one_process(tmp_path, monkeypatch, layout):
     import sys
 
-    from flows.remote import GpuFleet, MachinesSpec
+    from jex.flows.fleet import GpuFleet, MachinesSpec
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
-    from tasks.cpu_stages import gate_stage
-    from tasks.engine_pool import EngineSpec
-    from tasks.stages import bundle_stage, fast_pass_stage, reason_stage
-    from tasks.store import LocalStore
+    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.tasks.capture.stages import bundle_stage, fast_pass_stage, reason_stage
+    from jex.tasks.cpu_stages import gate_stage
+    from jex.tasks.store import LocalStore
 
     monkeypatch.setenv("JEX_INFRA__STATE_DIR", str(tmp_path / "infra"))
     monkeypatch.setenv("JEX_INFRA__POLL_S", "0.3")

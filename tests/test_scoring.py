@@ -8,8 +8,8 @@ import polars as pl
 import pytest
 
 from jex.errors import InputError
-from tasks.score import ScorerDisagreement, score_files, score_twice
-from tasks.scoring_inputs import load_predictions, load_suite_table
+from jex.tasks.scoring.inputs import load_predictions, load_suite_table
+from jex.tasks.scoring.score import ScorerDisagreement, score_files, score_twice
 from tests.conftest import row, write_suite
 
 
@@ -78,7 +78,7 @@ def test_scorers_agree_bit_for_bit_on_sample_suite(sample_suite, tmp_path):
 def test_disagreement_is_detected(two_legs, monkeypatch):
     table = load_suite_table(two_legs)
     p = pl.DataFrame({"run_id": ["a1"], "choice": [0]}, schema={"run_id": pl.String, "choice": pl.Int32})
-    import tasks.score as score_mod
+    import jex.tasks.scoring.score as score_mod
 
     real = score_mod.plain_score
 
@@ -93,7 +93,7 @@ def test_disagreement_is_detected(two_legs, monkeypatch):
 
 
 def test_scoring_a_bundle_equals_scoring_the_folder(sample_suite, tmp_path):
-    from tasks.bundle import build_bundle
+    from jex.tasks.capture.bundle import build_bundle
 
     build_bundle(sample_suite, tmp_path / "b.tar.gz")
     table = load_suite_table(sample_suite)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.server import _alive
+from jex.deployments.server import _alive
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

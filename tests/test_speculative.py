@@ -8,9 +8,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from engine.types import EngineDeadError
-from engine.vllm_engine import NGRAM, VLLMProfile
-from tasks.spec_proof import proof_sample, prove
+from jex.engine.types import EngineDeadError
+from jex.engine.vllm_engine import NGRAM, VLLMProfile
+from jex.tasks.capture.spec_proof import proof_sample, prove
 
 
 def test_speculation_is_refused_under_the_audit_name_and_allowed_only_under_its_own(tmp_path):
@@ -51,7 +51,7 @@ def test_the_proof_names_the_first_differing_row_and_token(tmp_path):
 
 
 def test_bakeoff_counts_speculative_tokens_identical_to_the_audited_arm_and_the_speed_up():
-    from tasks.bakeoff import speculation
+    from jex.tasks.lab.bakeoff import speculation
 
     def arm(tokens, tok_s):
         return {"rungs": {"1": {"token_ids": tokens, "tok_s": tok_s}}}
@@ -65,8 +65,8 @@ def test_bakeoff_counts_speculative_tokens_identical_to_the_audited_arm_and_the_
 def test_hf_next_token_rank_and_logprob_match_a_plain_forward(embedded_model_dir):
     import torch
 
-    from engine.hf import HFEngine
-    from engine.types import NextTokenRequest
+    from jex.engine.hf import HFEngine
+    from jex.engine.types import NextTokenRequest
 
     engine = HFEngine(embedded_model_dir)
     prompt = engine.chat_prompt("Name a colour.")
@@ -90,9 +90,9 @@ def tiny_suite(tmp_path_factory):
 
 
 def _campaign(suite, out: Path, **engine):
-    from flows.campaign import CampaignSpec, run_campaign
-    from flows.remote import MachinesSpec
-    from tasks.engine_pool import EngineSpec
+    from jex.flows.campaign import CampaignSpec, run_campaign
+    from jex.flows.fleet import MachinesSpec
+    from jex.tasks.capture.engine_pool import EngineSpec
 
     spec = CampaignSpec(name="spec", suite=str(suite), coverage=0.34, reason_max_tokens=8, bootstrap_draws=50,
                         engine=EngineSpec(**engine), spec_proof_rows=4, store=str(out / "store"), out=str(out),
@@ -119,8 +119,8 @@ def test_a_perturbed_speculative_engine_fails_the_proof_and_the_campaign_falls_b
                                                                                    prefect_harness, monkeypatch):
     import dataclasses
 
-    import tasks.stages
-    from tasks.engine_pool import get_engine
+    import jex.tasks.capture.stages as engine_stages
+    from jex.tasks.capture.engine_pool import get_engine
 
     class PerturbOneToken:
         """A test double: the speculative engine, except that one generated token is changed."""
@@ -136,7 +136,7 @@ def test_a_perturbed_speculative_engine_fails_the_proof_and_the_campaign_falls_b
             g = gens[0]
             return [dataclasses.replace(g, token_ids=(g.token_ids[0] + 1, *g.token_ids[1:])), *gens[1:]]
 
-    monkeypatch.setattr(tasks.stages, "get_engine",
+    monkeypatch.setattr(engine_stages, "get_engine",
                         lambda spec: PerturbOneToken(get_engine(spec)) if spec.profile != "audit" else get_engine(spec))
     run = _campaign(tiny_suite, tmp_path, profile="audit-ngram")
     proof = json.loads((run / "spec_proof.json").read_text())

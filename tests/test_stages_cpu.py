@@ -8,9 +8,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from tasks.calibrate import calibrate, fit_temperature
-from tasks.fold import fold_logprobs, fold_predictions
-from tasks.gate import coverage_gate, margins
+from jex.tasks.probabilities.calibrate import calibrate, fit_temperature
+from jex.tasks.probabilities.coverage_gate import coverage_gate, margins
+from jex.tasks.probabilities.fold import fold_logprobs, fold_predictions
 
 
 def lp(*probs):
@@ -98,7 +98,7 @@ def test_calibration_is_out_of_fold_and_never_changes_a_choice():
 
 
 def test_a_tie_made_by_rounding_is_counted_not_taken_for_a_changed_choice():
-    from tasks.calibrate import choice_reversals
+    from jex.tasks.probabilities.calibrate import choice_reversals
 
     below = -1.6
     above = float(np.nextafter(below, 0))  # one ulp higher: option 1 is chosen
@@ -108,7 +108,7 @@ def test_a_tie_made_by_rounding_is_counted_not_taken_for_a_changed_choice():
 
 
 def test_projection_picks_the_largest_coverage_within_both_budgets():
-    from flows.calibration import project
+    from jex.flows.calibration import project
 
     # 100,000 rows: fast pass 0.3 s/row = 8.33 h; reason 3 s/row
     got = project(rows=100_000, fast_s_per_row=0.3, reason_s_per_row=3.0, coverages=[0.05, 0.15, 0.30], price=2.0,

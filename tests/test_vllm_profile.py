@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.types import EngineDeadError
-from engine.vllm_engine import VLLMEngine, VLLMProfile
+from jex.engine.types import EngineDeadError
+from jex.engine.vllm_engine import VLLMEngine, VLLMProfile
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def _has_cuda_vllm() -> bool:
 def test_vllm_label_readout_is_batch_invariant(tmp_path):
     import os
 
-    from engine.types import ReadoutRequest
+    from jex.engine.types import ReadoutRequest
 
     engine = VLLMEngine(os.environ.get("JEX_TEST_VLLM_MODEL", "/tmp/smollm2"))
     reqs = [ReadoutRequest(f"r{i}", engine.chat_prompt(f"What is {i} + {i}?") + "Answer:", ("A", "B"), ("x", "y"))

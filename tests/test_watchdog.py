@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from infra.ledger import Ledger
-from infra.providers import LocalProvider
-from infra.reconcile import reconcile
-from infra.remote import JobFailed, MachineSession, Policy, RemoteJob
-from infra.s3 import S3Store
 from jex.fileio import sha256_file
+from jex.infra.ledger import Ledger
+from jex.infra.machine import JobFailed, MachineSession, Policy, RemoteJob
+from jex.infra.providers import LocalProvider
+from jex.infra.reaper import reconcile
+from jex.infra.s3 import S3Store
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = {"poll_s": 0.3, "heartbeat_s": 0.5, "heartbeat_timeout_s": 30.0, "backoff_s": 0.1, "lease_s": 2.0,
@@ -51,11 +51,11 @@ from pathlib import Path
 from types import SimpleNamespace
 import boto3
 from pydantic import SecretStr
-from infra.aws import scoped_credentials
-from infra.ledger import Ledger
-from infra.providers import LocalProvider
-from infra.remote import MachineSession, Policy, RemoteJob
-from infra.s3 import S3Store
+from jex.infra.aws import scoped_credentials
+from jex.infra.ledger import Ledger
+from jex.infra.providers import LocalProvider
+from jex.infra.machine import MachineSession, Policy, RemoteJob
+from jex.infra.s3 import S3Store
 endpoint, bucket, tmp, policy = sys.argv[1], sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
 s3 = S3Store(bucket, "jex", boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
                                          aws_access_key_id="test", aws_secret_access_key="test"))

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from infra.worker_protocol import FAILED, SUCCESS, read_heartbeat, read_marker
 from jex.fileio import sha256_file
+from jex.infra.worker_protocol import FAILED, SUCCESS, read_heartbeat, read_marker
 
-WRAP = [sys.executable, "-m", "infra.worker_protocol"]
+WRAP = [sys.executable, "-m", "jex.infra.worker_protocol"]
 
 
 def wait_for_marker(run_dir: Path, timeout: float = 300) -> dict:
@@ -30,9 +30,9 @@ def wait_for_marker(run_dir: Path, timeout: float = 300) -> dict:
 @pytest.mark.slow
 def test_detached_stage_run_writes_success_with_verified_artifacts(tmp_path):
     from jex.sample_suite import write_sample_suite
-    from tasks.engine_pool import EngineSpec
-    from tasks.stages import bundle_stage
-    from tasks.store import LocalStore
+    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.tasks.capture.stages import bundle_stage
+    from jex.tasks.store import LocalStore
 
     run_dir = tmp_path / "machine" / "run-1"
     store = run_dir / "store"

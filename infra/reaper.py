@@ -1,0 +1,196 @@
+"""Build providers from settings, and reconcile: no machine outlives the orchestrator that started it.
+
+After a restart (the laptop-sleep case) `reconcile` lists every machine the provider tags as jex's:
+those still running are supervised to the end, those that finished while nobody watched are
+collected, orphans without a campaign are torn down. Every machine it touches ends deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+from jex.errors import InputError
+from jex.infra.ledger import Ledger
+from jex.infra.machine import (
+    JobFailed,
+    JobOutcome,
+    MachineSession,
+    Policy,
+    RemoteJob,
+    adopt_artifacts,
+    self_terminated_marker,
+)
+from jex.infra.providers import CommandProvider, CommandTemplates, EC2Provider, LocalProvider, Provider, SSHProvider
+from jex.infra.shell import ShellError
+from jex.infra.watchdog import MARKER
+
+log = logging.getLogger(__name__)
+
+
+def make_provider(infra: Any, *, name: str | None = None, hosts: list[str] | None = None) -> Provider:
+    """The provider named in settings (or `name`), configured from `JEX_INFRA__*`; secrets stay in memory."""
+    name = name or infra.provider
+    ssh = {"key_path": infra.ssh_key_path, "known_hosts": infra.ssh_known_hosts,
+           "key_text": infra.ssh_private_key.get_secret_value() if infra.ssh_private_key else None,
+           "accept_new_host_keys": infra.accept_new_host_keys}
+    if name == "local":
+        return LocalProvider(Path(infra.state_dir) / "machines")
+    if name == "ssh":
+        return SSHProvider(infra.remote_root, hosts or infra.hosts, port=infra.ssh_port, user=infra.ssh_user, **ssh)
+    if name == "ec2":
+        from jex.infra.aws import aws_client
+
+        client = aws_client("ec2", region=infra.ec2_region, endpoint_url=infra.ec2_endpoint_url, infra=infra)
+        return EC2Provider(client, image_id=infra.ec2_image_id, instance_type=infra.ec2_instance_type,
+                           key_name=infra.ec2_key_name, user=infra.ssh_user, ssh=ssh)
+    if name == "command":
+        templates = CommandTemplates(infra.command_create, infra.command_describe, infra.command_list,
+                                     infra.command_delete)
+        if not all((templates.create, templates.describe, templates.list, templates.delete)):
+            raise InputError("the command provider needs JEX_INFRA__COMMAND_CREATE, _DESCRIBE, _LIST and _DELETE")
+        from jex.infra.shell import LocalShell, SSHShell
+
+        def shell_for(m: Any) -> Any:
+            if m.host in ("", "localhost"):
+                return LocalShell()
+            return SSHShell(m.host, m.port or 22, m.user or infra.ssh_user, host_key=m.host_key, **ssh)
+
+        return CommandProvider(templates, shell_for=shell_for)
+    raise InputError(f"unknown provider {name!r}; providers: local, ssh, ec2, command", field="provider")
+
+
+def policy_from_settings(infra: Any, **overrides: Any) -> Policy:
+    return Policy(**{"poll_s": infra.poll_s, "heartbeat_s": infra.heartbeat_s,
+                     "heartbeat_timeout_s": infra.heartbeat_timeout_s, "budget_usd": infra.budget_usd,
+                     "price_per_hour": infra.price_per_hour, "wall_budget_s": infra.budget_hours * 3600,
+                     "watchdog": infra.watchdog, "lease_s": infra.lease_s, "finish_grace_s": infra.finish_grace_s,
+                     "ttl_s": infra.ttl_hours * 3600 if infra.ttl_hours else None, **overrides})
+
+
+def _jobs_on(session: MachineSession) -> list[dict[str, Any]]:
+    wd = shlex.quote(session.machine.workdir)
+    out = session.shell.run(f'for f in {wd}/jobs/*/job.json; do [ -f "$f" ] && tr -d "\\n" < "$f" && echo; done; true'
+                           ).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+LOST_AFTER_S = 900.0
+"""A machine younger than this is never called lost: a cloud's listing can lag its creation."""
+
+
+def reconcile(provider: Provider, ledger: Ledger, *, policy: Policy | None = None, s3: Any = None,
+              campaign: str | None = None, echo: Any = None, lost_after_s: float = LOST_AFTER_S) -> dict[str, Any]:
+    """Supervise, collect and delete every jex machine the provider lists (of one campaign, or all);
+    adopt what machines that stopped themselves left in S3; name the machines that are gone (`report_lost`)."""
+    echo = echo or (lambda s: log.info("%s", s))
+    report: dict[str, Any] = {"machines": [], "errors": []}
+    for machine in provider.list(campaign):
+        entry: dict[str, Any] = {"machine": machine.id, "campaign": machine.campaign, "jobs": []}
+        session = MachineSession(provider, campaign=machine.campaign or "orphans", ledger=ledger, policy=policy,
+                                 s3=s3, echo=echo, machine=machine)
+        ledger.open(machine.id, machine.campaign, provider.name, session.policy.price_per_hour, machine.created_at)
+        try:
+            if not machine.campaign:
+                entry["action"] = "orphan"
+            else:
+                entry["action"] = "collected"
+                for rec in _jobs_on(session):
+                    session.python, session.code_dir = rec["python"], rec["code"]
+                    job = RemoteJob(rec["name"], [], rec["artifacts"], Path(rec["collect_to"]),
+                                    strip_prefix=rec.get("strip_prefix", ""))
+                    try:
+                        outcome = session.run(job, relaunch=False)
+                    except JobFailed as e:
+                        outcome = e.outcome
+                    entry["jobs"].append({"job": job.name, "status": outcome.status,
+                                          "artifacts": len(outcome.artifacts), "lost": outcome.lost})
+        except (ShellError, OSError, ValueError) as e:
+            report["errors"].append(f"{machine.id}: {e}")
+        finally:
+            entry["teardown"] = session.teardown(f"reconcile: {entry.get('action', 'error')}")
+        report["machines"].append(entry)
+        echo(f"reconcile: {machine.id} ({machine.campaign or 'no campaign'}): {entry.get('action')}, deleted")
+    if s3 is not None:
+        listed = {m["machine"] for m in report["machines"]}
+        try:
+            report["machines"] += adopt_self_terminated(s3, ledger, campaign=campaign, skip=listed,
+                                                        provider=provider.name, policy=policy or Policy(), echo=echo)
+        except Exception as e:  # noqa: BLE001 - S3 down: report it; the next reconcile adopts them
+            report["errors"].append(f"adopting self-terminated machines from S3: {type(e).__name__}: {e}")
+            return report  # S3 could not be read: what looks lost may be there; decide at the next reconcile
+    report["machines"] += report_lost(ledger, provider, campaign=campaign,
+                                      seen={m["machine"] for m in report["machines"]}, echo=echo,
+                                      after_s=lost_after_s)
+    return report
+
+
+def _recorded_jobs(ledger: Ledger, machine_id: str) -> list[dict[str, Any]]:
+    """The jobs the orchestrator launched on a machine (its records in the state folder), with the
+    artifact patterns whatever it had not handed over would have matched."""
+    records = sorted((Path(ledger.path).parent / "jobs").glob(f"{machine_id}-*.json"))
+    return [{"job": rec["name"], "status": "lost", "artifacts": 0, "lost": rec["artifacts"],
+             "collect_to": rec["collect_to"]} for rec in (json.loads(p.read_text()) for p in records)]
+
+
+def report_lost(ledger: Ledger, provider: Provider, *, campaign: str | None, seen: set[str], echo: Any,
+                after_s: float = LOST_AFTER_S) -> list[dict[str, Any]]:
+    """Machines the ledger holds open that this provider leased (same provider, and for host providers
+    one of its hosts), that it no longer knows (`describe` is None), that S3 did not account for, and
+    that are older than `after_s`: gone with whatever they had not handed over. Each is reported with
+    the jobs it ran and closed in the ledger as lost (so it is named once, and its cost stops)."""
+    hosts = set(getattr(provider, "hosts", []) or [])
+    entries = []
+    for e in ledger.entries(campaign):
+        if e.deleted_at is not None or e.provider != provider.name or e.machine_id in seen:
+            continue
+        if hosts and e.host not in hosts:
+            continue  # leased on a host this provider was not told about (`--host`): not ours to judge
+        if time.time() - e.created_at < after_s or provider.describe(e.machine_id) is not None:
+            continue
+        jobs = _recorded_jobs(ledger, e.machine_id)
+        ledger.close(e.machine_id, "lost: gone without its results reaching the orchestrator or S3")
+        entries.append({"machine": e.machine_id, "campaign": e.campaign, "action": "lost", "jobs": jobs,
+                        "teardown": None})
+        echo(f"reconcile: {e.machine_id} ({e.campaign or 'no campaign'}) is gone and nothing of it reached S3: "
+             f"whatever job(s) {', '.join(j['job'] for j in jobs) or 'none recorded'} had not handed over is lost")
+    return entries
+
+
+def adopt_self_terminated(s3: Any, ledger: Ledger, *, campaign: str | None, skip: set[str], provider: str,
+                          policy: Policy, echo: Any) -> list[dict[str, Any]]:
+    """Machines that stopped themselves (their SELF_TERMINATED.json in S3): fetch their artifacts where
+    their jobs said they belong (sha256-verified) and record them in the ledger as self-terminated."""
+    root = s3.key("campaigns") + "/"
+    entries = []
+    for obj in s3.list(root + (f"{campaign}/" if campaign else "")):
+        parts = obj["key"][len(root):].split("/")  # <campaign>/machines/<machine>/SELF_TERMINATED.json
+        if len(parts) != 4 or parts[1] != "machines" or parts[3] != MARKER or parts[2] in skip:
+            continue
+        camp, machine_id = parts[0], parts[2]
+        known = ledger.get(machine_id)
+        if known is not None and (known.end_reason or "").startswith("self-terminated"):
+            continue  # adopted before
+        state = Path(ledger.path).parent / "self-terminated" / f"{machine_id}.json"
+        doc = self_terminated_marker(s3, camp, machine_id, state)
+        if doc is None:
+            continue
+        jobs = []
+        for name, job in (doc.get("jobs") or {}).items():
+            rec = job["record"]
+            to, strip = Path(rec["collect_to"]), rec.get("strip_prefix", "")
+            outcome = JobOutcome(name, machine_id, "self_terminated")
+            adopt_artifacts(s3, job, lambda rel, to=to, strip=strip: to / rel.removeprefix(strip), outcome)
+            status = "adopted" if job.get("status") == "success" and not outcome.lost else "self_terminated"
+            jobs.append({"job": name, "status": status, "artifacts": len(outcome.artifacts), "lost": outcome.lost})
+        ledger.open(machine_id, camp, provider, policy.price_per_hour, doc.get("created_at") or doc["time"])
+        ledger.close(machine_id, f"self-terminated: {doc.get('reason')}", doc["time"])
+        entries.append({"machine": machine_id, "campaign": camp, "action": "adopted", "jobs": jobs, "teardown": None})
+        echo(f"reconcile: {machine_id} ({camp}) stopped itself ({doc.get('reason')}); adopted "
+             f"{sum(j['artifacts'] for j in jobs)} artifact(s) from S3")
+    return entries
+

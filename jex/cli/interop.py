@@ -1,0 +1,104 @@
+"""`jex show`, `jex export inspect|lm-eval` and `jex score --from lm-eval|inspect`: a run's samples out,
+other tools' outputs in. Thin shells over `tasks.samples` and `tasks.interop` (imported lazily)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from jex.errors import JexError
+
+export_app = typer.Typer(no_args_is_help=True, help="Export a run folder to another tool's format.")
+
+
+def _fail(err: Exception) -> None:
+    typer.echo(f"error: {err}", err=True)
+    raise typer.Exit(2)
+
+
+def show(run: Annotated[Path, typer.Argument(help="A run folder (holds samples.parquet)")],
+         catalog: Annotated[str | None, typer.Option(help="Only this catalog")] = None,
+         wrong: Annotated[bool, typer.Option("--wrong", help="Only rows whose final choice is wrong")] = False,
+         limit: Annotated[int, typer.Option(help="At most N rows (0 = all)")] = 20,
+         run_id: Annotated[list[str] | None, typer.Option("--run-id", help="Only this run_id (repeatable)")] = None,
+         prompt: Annotated[bool, typer.Option("--prompt", help="Also print the rendered prompt")] = False) -> None:
+    """Print a run's per-sample record: options, readouts, rationale, fold/overlay decision, verdict."""
+    from jex.tasks.outputs.samples import format_sample, read_samples, select_samples
+
+    try:
+        frame = read_samples(run)
+        picked = select_samples(frame, catalog=catalog, wrong=wrong, run_ids=run_id or (),
+                                limit=limit or None)
+        for r in picked.iter_rows(named=True):
+            typer.echo(format_sample(r, prompt=prompt) + "\n")
+    except JexError as e:
+        _fail(e)
+    scored = frame.filter(frame["scored"])
+    typer.echo(f"{picked.height} of {frame.height} rows shown; {int(scored['correct'].sum())}/{scored.height} "
+               f"scored rows right")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `show` and `export` to the main CLI."""
+    app.command("show")(show)
+    app.add_typer(export_app, name="export")
+
+
+FROM = ("lm-eval", "inspect")
+
+
+def score_from(tool: str, source: Path | None, *, out: Path, suite: Path | None, draws: int, seed: int,
+               map_by: str, id_field: str | None) -> None:
+    """`jex score --from lm-eval|inspect SOURCE [--suite DIR]`: another tool's documents through jex's index."""
+    from jex.errors import InputError
+
+    try:
+        if tool not in FROM:
+            raise InputError(f"--from must be one of {list(FROM)}, got {tool!r}", field="--from")
+        if source is None:
+            raise InputError(f"--from {tool} needs the file or folder to read (jex score --from {tool} SOURCE -o OUT)")
+        if map_by not in ("auto", "doc_id", "id", "content"):
+            raise InputError(f"--map-by must be auto, doc_id, id or content, got {map_by!r}", field="--map-by")
+        if tool == "lm-eval":
+            from jex.tasks.outputs.interop.lm_eval_files import score_lm_eval as score_tool
+        else:
+            from jex.tasks.outputs.interop.inspect_log import score_inspect as score_tool
+        doc = score_tool(source, out, suite=suite, draws=draws, seed=seed, mode=map_by,  # type: ignore[arg-type]
+                         id_field=id_field)
+    except JexError as e:
+        _fail(e)
+    lo, hi = doc["ci"]
+    typer.echo(f"full {doc['full']:.4f}  95% CI [{lo:.4f}, {hi:.4f}]  -> {out / 'score.json'}")
+    for cid, c in doc["catalogs"].items():
+        typer.echo(f"  {cid:<24} n {c['n']:>5}  acc {c['acc']:.4f}  skill {c['skill']:+.4f}  "
+                   f"CI [{c['ci'][0]:+.4f}, {c['ci'][1]:+.4f}]")
+
+
+@export_app.command("lm-eval")
+def export_lm_eval_cmd(run: Annotated[Path, typer.Argument(help="A run folder")],
+                       out: Annotated[Path, typer.Option("-o", "--out", help="Output folder (lm-eval --output_path)")]
+                       ) -> None:
+    """results_<date>.json and samples_<catalog>_<date>.jsonl in lm-evaluation-harness's layout."""
+    try:
+        from jex.tasks.outputs.interop.lm_eval_files import export_lm_eval
+
+        folder = export_lm_eval(run, out)
+    except JexError as e:
+        _fail(e)
+    typer.echo(folder)
+
+
+@export_app.command("inspect")
+def export_inspect_cmd(run: Annotated[Path, typer.Argument(help="A run folder")],
+                       out: Annotated[Path, typer.Option("-o", "--out", help="Log folder (inspect view --log-dir)")]
+                       ) -> None:
+    """An Inspect AI log (.eval): one sample per row, the rationale as the model's message, the score."""
+    try:
+        from jex.tasks.outputs.interop.inspect_log import export_inspect
+
+        path = export_inspect(run, out)
+    except JexError as e:
+        _fail(e)
+    typer.echo(path)

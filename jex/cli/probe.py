@@ -1,0 +1,40 @@
+"""`jex probe early-exit`: could rationales be cut short? (tasks/lab/early_exit.py)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from jex.errors import JexError
+
+probe_app = typer.Typer(no_args_is_help=True, help="Probes: measurements that decide whether a lever is worth it.")
+
+
+@probe_app.command("early-exit")
+def early_exit(suite: Annotated[Path, typer.Option(help="Suite folder or bundle file")],
+               out: Annotated[Path, typer.Option("-o", "--out", help="Folder for probe.json, probe.md, probe.png")],
+               rows: Annotated[int, typer.Option(help="Gated rows to probe")] = 200,
+               every: Annotated[int, typer.Option(help="A checkpoint every M generated tokens")] = 8,
+               max_tokens: Annotated[int, typer.Option(help="Rationale length limit")] = 128,
+               engine: Annotated[str, typer.Option(help="hf | hf-batched | vllm")] = "hf",
+               model: Annotated[str | None, typer.Option(help="Model folder, GGUF or Hub id")] = None,
+               device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
+               batch_size: Annotated[int, typer.Option(help="Requests per engine call")] = 8) -> None:
+    """For N gated rows: the free gate's fire rate and, per checkpoint, accuracy, flips and tokens saved."""
+    from jex.engine.types import EngineDeadError, EngineError
+    from jex.flows.local_api import ensure_local_api
+
+    ensure_local_api()
+    from jex.flows.probe import early_exit_probe
+    from jex.tasks.capture.engine_pool import EngineSpec
+
+    try:
+        res = early_exit_probe(suite=str(suite), rows=rows, every=every, max_tokens=max_tokens, out=str(out),
+                               engine=EngineSpec(kind=engine, model=model, device=device, batch_size=batch_size))
+    except (JexError, ValueError, EngineError, EngineDeadError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"full accuracy {res['full_accuracy']:.3f}, free gate fired at {100 * res['gate_fire_rate']:.2f} % of "
+               f"checkpoints -> {out}")

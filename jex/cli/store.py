@@ -1,0 +1,63 @@
+"""`jex store pull`: bring a campaign back from S3 into an empty local store (a new orchestrator).
+
+Every object is checked against the sha256 in its metadata, every stage folder against its
+`_SUCCESS.json`; a stage whose folder in S3 is incomplete is left to be computed again. `jex run
+--resume RUN` does the same first when S3 is configured, so a campaign whose orchestrator died
+continues on a fresh one with no engine call for what S3 already holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from jex.errors import InputError
+from jex.settings import load_settings
+
+store_app = typer.Typer(no_args_is_help=True, help="The artifact store: bring campaigns back from S3.")
+
+
+def _s3():  # -> infra.s3.S3Store
+    from jex.infra.s3 import S3Store
+
+    settings = load_settings()
+    if not settings.store.s3_bucket:
+        raise InputError("no S3 bucket configured; set JEX_STORE__S3_BUCKET (and _S3_ENDPOINT_URL, _S3_PREFIX)")
+    return S3Store.from_settings(settings.store, settings.infra)
+
+
+def pull(campaign: str, out: Path, store: Path | None = None):  # -> infra.s3.PullReport
+    """Pull `campaign` (a campaign name with one run in S3, or a run folder name) into `out` and its store."""
+    from jex.infra.s3 import pull_campaign
+
+    return pull_campaign(_s3(), campaign, out=out, store=store)
+
+
+def resume_from_s3(run_dir: Path) -> None:
+    """Before `jex run --resume RUN`: with S3 configured, pull RUN's record and stage folders (idempotent)."""
+    if not load_settings().store.s3_bucket:
+        return
+    report = pull(Path(run_dir).name, Path(run_dir).parent)
+    typer.echo(_summary(report), err=True)
+
+
+def _summary(report) -> str:  # noqa: ANN001 - infra.s3.PullReport
+    return (f"pulled {len(report.pulled)} stage folder(s) and {report.shards} machine shard(s) "
+            f"({report.objects} objects, {report.bytes} bytes, sha256 verified) into {report.store}; "
+            f"{len(report.present)} already here; incomplete in S3: {report.incomplete or 'none'}")
+
+
+@store_app.command("pull")
+def pull_cmd(campaign: Annotated[str, typer.Option(help="Campaign name (one run in S3) or run folder name")],
+             out: Annotated[Path, typer.Option(help="Folder for the run folder")] = Path("runs"),
+             store: Annotated[Path | None, typer.Option(help="Local store (default: the campaign's own)")] = None
+             ) -> None:
+    """Bring a campaign's run record, complete stage folders and machine shards back from S3 (verified).
+
+    The last line printed is the run folder: `jex run --resume RUN_FOLDER` continues it.
+    """
+    report = pull(campaign, out, store)
+    typer.echo(_summary(report))
+    typer.echo(report.run_dir)

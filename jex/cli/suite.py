@@ -1,0 +1,117 @@
+"""`jex suite import hf|lm-eval`, `jex suite validate` and `jex suite ls`: bringing a benchmark in."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from jex.errors import JexError
+
+import_app = typer.Typer(no_args_is_help=True, help="Import a suite from a Hugging Face dataset or an lm-eval task.")
+
+
+def _fail(err: Exception) -> None:
+    typer.echo(f"error: {err}", err=True)
+    raise typer.Exit(2)
+
+
+def _report(result) -> None:  # noqa: ANN001 - jex.suite_import.ImportResult
+    for cat, n in result.rows.items():
+        shots = result.fewshot_rows.get(cat, 0)
+        typer.echo(f"{cat}: {n} rows" + (f", {shots} few-shot rows" if shots else ""))
+    typer.echo(result.suite_dir)
+
+
+@import_app.command("hf")
+def import_hf_cmd(dataset: Annotated[str, typer.Option(help="Hub dataset id (local cache first) or local "
+                                                             "Parquet/JSON/CSV file or folder")],
+                  split: Annotated[str, typer.Option(help="Split to import")],
+                  question: Annotated[str, typer.Option(help="Column with the question text")],
+                  choices: Annotated[str, typer.Option(help="Column with the options (list, or {text, label})")],
+                  answer: Annotated[str, typer.Option(help="Column with the answer: index, letter or option text")],
+                  out: Annotated[Path, typer.Option("-o", "--out", help="Suite folder to write")],
+                  config: Annotated[str | None, typer.Option(help="Dataset config (subset)")] = None,
+                  id: Annotated[str | None, typer.Option("--id", help="Column with a unique row id")] = None,
+                  catalog: Annotated[str | None, typer.Option(help="Catalog id (default: from the dataset)")] = None,
+                  revision: Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit)")] = None,
+                  fewshot_split: Annotated[str | None, typer.Option(help="Split whose rows become few-shot "
+                                                                         "examples")] = None,
+                  force: Annotated[bool, typer.Option(help="Replace a non-empty output folder")] = False) -> None:
+    """A Hugging Face dataset as a one-catalog jex suite (prints the suite folder last)."""
+    from jex.suite_import import import_hf
+
+    try:
+        result = import_hf(dataset, out, split=split, question=question, choices=choices, answer=answer,
+                           config=config, id_col=id, catalog=catalog, revision=revision,
+                           fewshot_split=fewshot_split, force=force)
+    except JexError as e:
+        _fail(e)
+    _report(result)
+
+
+@import_app.command("lm-eval")
+def import_lm_eval_cmd(task: Annotated[str, typer.Option(help="lm-eval task or group name, or a task YAML file")],
+                       out: Annotated[Path, typer.Option("-o", "--out", help="Suite folder to write")],
+                       data_files: Annotated[list[str] | None, typer.Option(
+                           "--data-files", help="SPLIT=FILE, repeatable: read the task's data from local files")
+                       ] = None,
+                       force: Annotated[bool, typer.Option(help="Replace a non-empty output folder")] = False) -> None:
+    """An lm-evaluation-harness multiple_choice task (or group) as a jex suite, one catalog per task."""
+    try:
+        from jex.suite_import import import_lm_eval
+    except ImportError as e:
+        _fail(JexError(f"lm-evaluation-harness is not installed (pip install 'jex[interop]'): {e}"))
+    files = {}
+    for item in data_files or []:
+        split, sep, path = item.partition("=")
+        if not sep or not split or not path:
+            _fail(JexError(f"--data-files {item!r}: expected SPLIT=FILE, e.g. test=rows.jsonl"))
+        files[split] = path
+    try:
+        result = import_lm_eval(task, out, data_files=files or None, force=force)
+    except JexError as e:
+        _fail(e)
+    _report(result)
+
+
+def suite_validate(suite: Annotated[Path, typer.Argument(help="Suite folder (holds suite.toml)")],
+                   limit: Annotated[int, typer.Option(help="Stop after this many problems")] = 1000) -> None:
+    """Check a suite and print every problem with its file, row and field (exit 1 if any)."""
+    from jex.suite import validate_suite
+
+    problems = validate_suite(suite, limit=limit)
+    for p in problems:
+        typer.echo(f"{p}")
+    if problems:
+        typer.echo(f"{len(problems)} problem(s){' (stopped at --limit)' if len(problems) >= limit else ''}", err=True)
+        raise typer.Exit(1)
+    typer.echo("ok")
+
+
+def suite_ls(suite: Annotated[Path, typer.Argument(help="Suite folder (holds suite.toml)")]) -> None:
+    """Catalogs with their rows, options, chance, leg and weight; the legs and their weights."""
+    from jex.suite import iter_fewshot_rows, iter_rows, load_manifest
+    from jex.tasks.capture.bundle import catalog_chance
+
+    try:
+        manifest = load_manifest(suite)
+        options: dict[str, Counter[int]] = {c.id: Counter() for c in manifest.catalogs}
+        for row in iter_rows(suite, manifest):
+            options[row.catalog][len(row.options)] += 1
+        shots = Counter(r.catalog for r in iter_fewshot_rows(suite, manifest))
+    except JexError as e:
+        _fail(e)
+    typer.echo(f"suite {manifest.name}: legs " + ", ".join(f"{k}={v:g}" for k, v in manifest.legs.items()))
+    typer.echo(f"{'catalog':<24} {'leg':<10} {'weight':>7} {'rows':>7} {'options':>9} {'chance':>7} {'few-shot':>8}")
+    for c in manifest.catalogs:
+        hist = options[c.id]
+        ks = f"{min(hist)}-{max(hist)}" if hist and min(hist) != max(hist) else str(min(hist, default=0))
+        chance = c.chance if c.chance is not None else (catalog_chance(hist) if hist else float("nan"))
+        typer.echo(f"{c.id:<24} {c.leg:<10} {c.weight:>7g} {sum(hist.values()):>7} {ks:>9} {chance:>7.4f} "
+                   f"{shots.get(c.id, 0):>8}")
+    if manifest.source:
+        typer.echo(f"source: {manifest.source.get('importer', '?')} "
+                   f"{manifest.source.get('dataset') or manifest.source.get('task') or ''}".rstrip())

@@ -1,0 +1,1 @@
+"""Capture: the suite bundled, and read by engines (fast pass, rationales, golden replay)."""

@@ -1,0 +1,361 @@
+"""Bundle build and read: a suite streamed into a byte-reproducible tar.gz of Parquet shards.
+
+Layout of a bundle:
+
+    manifest.json              (first member) format, suite summary, per-catalog counts, sha256 of every member,
+                               provenance
+    suite.toml                 the suite manifest, verbatim
+    rows/shard-00000.parquet   rows in suite order, `shard_rows` per shard
+    fewshot/shard-00000.parquet   optional solved examples for few-shot prompts (never scored)
+    reference/shard-00000.parquet   optional banked capture (run_id, choice, probs), 1:1 with rows
+
+The archive is byte-identical across runs: members sorted, mtime/uid/gid fixed, mode 0644,
+gzip header mtime 0. Rows stream through a bounded buffer: memory does not grow with the suite.
+"""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import json
+import shutil
+import tarfile
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from jex.errors import InputError, JexError
+from jex.fileio import atomic_path, canonical_json, sha256_file
+from jex.provenance import provenance
+from jex.suite import MANIFEST_NAME, SuiteManifest, iter_fewshot_rows, iter_rows, load_manifest, read_row_file
+from jex.tasks.store import write_parquet
+
+BUNDLE_FORMAT = "jex-bundle/1"
+MANIFEST_MEMBER = "manifest.json"
+DEFAULT_SHARD_ROWS = 16384
+ROW_SCHEMA = {
+    "run_id": pl.String, "catalog": pl.String, "question_id": pl.String, "prompt": pl.String,
+    "options": pl.List(pl.String), "labels": pl.List(pl.String), "gold": pl.Int32,
+    "metadata": pl.String,  # JSON text: a stable schema whatever the rows carry
+}
+REFERENCE_SCHEMA = {"run_id": pl.String, "choice": pl.Int32, "probs": pl.List(pl.Float64)}
+
+
+class BundleError(JexError):
+    """A bundle that fails its checks: tampered, unsafe or inconsistent."""
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    path: Path
+    sha256: str
+    rows: int
+    manifest: dict[str, Any]
+
+
+def _flush(buffer: list[dict[str, Any]], schema: dict[str, Any], folder: Path, index: int) -> Path:
+    path = folder / f"shard-{index:05d}.parquet"
+    write_parquet(pl.DataFrame(buffer, schema=schema, orient="row"), path)
+    buffer.clear()
+    return path
+
+
+def _reference_rows(path: Path) -> Any:
+    for line, rec in read_row_file(path):
+        if not isinstance(rec, dict) or "run_id" not in rec or "choice" not in rec:
+            raise InputError("reference rows need 'run_id' and 'choice'", file=str(path), row=line,
+                             field="run_id" if not isinstance(rec, dict) or "run_id" not in rec else "choice")
+        yield line, rec
+
+
+def _check_reference(path: Path, suite_ids: dict[str, int], stage: Path, shard_rows: int) -> dict[str, Any]:
+    """Write the reference capture in suite order; it must match the suite 1:1 on run_id."""
+    seen: dict[str, dict[str, Any]] = {}
+    duplicated: list[str] = []
+    extra: list[str] = []
+    for line, rec in _reference_rows(path):
+        rid = str(rec["run_id"])
+        if rid in seen:
+            duplicated.append(rid)
+            continue
+        if rid not in suite_ids:
+            extra.append(rid)
+            continue
+        choice = rec["choice"]
+        if choice is not None and (not isinstance(choice, int) or isinstance(choice, bool)):
+            raise InputError(f"choice must be an integer or null, got {choice!r}", file=str(path), row=line,
+                             field="choice")
+        seen[rid] = {"run_id": rid, "choice": choice, "probs": rec.get("probs")}
+    missing = [rid for rid in suite_ids if rid not in seen]
+    if missing or extra or duplicated:
+        parts = [f"{name}: {len(ids)} (first: {ids[:3]})"
+                 for name, ids in (("missing", missing), ("extra", extra), ("duplicated", duplicated)) if ids]
+        raise InputError("reference rows do not match the suite 1:1 on run_id; " + "; ".join(parts),
+                         file=str(path), field="run_id")
+    folder = stage / "reference"
+    folder.mkdir()
+    buffer: list[dict[str, Any]] = []
+    shards = 0
+    for rid in suite_ids:  # suite order
+        buffer.append(seen[rid])
+        if len(buffer) == shard_rows:
+            _flush(buffer, REFERENCE_SCHEMA, folder, shards)
+            shards += 1
+    if buffer:
+        _flush(buffer, REFERENCE_SCHEMA, folder, shards)
+        shards += 1
+    return {"rows": len(seen), "shards": shards, "source_sha256": sha256_file(path)}
+
+
+def _pack(stage: Path, out: Path) -> None:
+    """Tar+gzip `stage` deterministically into `out`."""
+    members = sorted((p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()),
+                     key=lambda name: (name != MANIFEST_MEMBER, name))  # the manifest first: readers check it first
+    with atomic_path(out) as tmp, open(tmp, "wb") as raw:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz:
+            with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                for name in members:
+                    info = tarfile.TarInfo(name)
+                    info.size = (stage / name).stat().st_size
+                    info.mtime, info.uid, info.gid, info.mode = 0, 0, 0, 0o644
+                    info.uname = info.gname = ""
+                    with open(stage / name, "rb") as f:
+                        tar.addfile(info, f)
+
+
+def catalog_chance(catalog_counts: dict[int, int]) -> float:
+    """Chance level of a catalog: the mean of 1/len(options) over its scored rows, exactly rounded."""
+    n = sum(catalog_counts.values())
+    return float(sum((Fraction(c, k) for k, c in catalog_counts.items()), Fraction(0)) / n)
+
+
+def suite_files(suite_dir: Path, manifest: SuiteManifest) -> list[Path]:
+    """The row and few-shot files a suite's manifest lists (what a bundle's identity covers)."""
+    return [suite_dir / f for c in manifest.catalogs for f in (*c.files, *c.fewshot_files)]
+
+
+def build_bundle(suite_dir: str | Path, out: str | Path, *, reference: str | Path | None = None,
+                 shard_rows: int = DEFAULT_SHARD_ROWS, settings: dict[str, Any] | None = None) -> BuildResult:
+    """Stream a suite into a deterministic bundle at `out`; returns its path, sha256 and manifest."""
+    suite_dir, out = Path(suite_dir), Path(out)
+    manifest = load_manifest(suite_dir)
+    with tempfile.TemporaryDirectory(prefix="jex-bundle-", dir=out.parent if out.parent.exists() else None) as t:
+        stage = Path(t)
+        rows_dir = stage / "rows"
+        rows_dir.mkdir()
+        shutil.copyfile(suite_dir / MANIFEST_NAME, stage / MANIFEST_NAME)
+        buffer: list[dict[str, Any]] = []
+        shards = 0
+        suite_ids: dict[str, int] = {}
+        options_hist: dict[str, Counter[int]] = {c.id: Counter() for c in manifest.catalogs}
+        counts: Counter[str] = Counter()
+        excluded = {c.id: set(c.exclusions) for c in manifest.catalogs}
+        for row in iter_rows(suite_dir, manifest):
+            suite_ids[row.run_id] = len(suite_ids)
+            counts[row.catalog] += 1
+            if row.run_id not in excluded[row.catalog]:
+                options_hist[row.catalog][len(row.options)] += 1
+            buffer.append({**row.model_dump(), "metadata": None if row.metadata is None else
+                           json.dumps(row.metadata, sort_keys=True, ensure_ascii=False)})
+            if len(buffer) == shard_rows:
+                _flush(buffer, ROW_SCHEMA, rows_dir, shards)
+                shards += 1
+        if buffer:
+            _flush(buffer, ROW_SCHEMA, rows_dir, shards)
+            shards += 1
+        if not suite_ids:
+            raise InputError("the suite has no rows", file=str(suite_dir / MANIFEST_NAME))
+        fewshot = [{**r.model_dump(), "metadata": None if r.metadata is None else
+                    json.dumps(r.metadata, sort_keys=True, ensure_ascii=False)}
+                   for r in iter_fewshot_rows(suite_dir, manifest)]
+        if fewshot:
+            (stage / "fewshot").mkdir()
+            _flush(fewshot, ROW_SCHEMA, stage / "fewshot", 0)
+        ref_info = _check_reference(Path(reference), suite_ids, stage, shard_rows) if reference else None
+        inputs = {f"suite/{p.relative_to(suite_dir).as_posix()}": sha256_file(p)
+                  for p in [suite_dir / MANIFEST_NAME, *suite_files(suite_dir, manifest)]}
+        if reference:
+            inputs["reference"] = ref_info["source_sha256"]  # type: ignore[index]
+        catalogs = []
+        for c in manifest.catalogs:
+            if counts[c.id] == 0:
+                raise InputError(f"catalog '{c.id}' has no rows", file=str(suite_dir / MANIFEST_NAME),
+                                 field="files")
+            scored = sum(options_hist[c.id].values())
+            if scored == 0:
+                raise InputError(f"catalog '{c.id}' excludes every row", file=str(suite_dir / MANIFEST_NAME),
+                                 field="exclusions")
+            catalogs.append({**c.model_dump(mode="json"), "rows": counts[c.id], "scored_rows": scored,
+                             "chance": c.chance if c.chance is not None else catalog_chance(options_hist[c.id]),
+                             "chance_source": "manifest" if c.chance is not None else "mean 1/len(options)"})
+        members = {p.relative_to(stage).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+                   for p in sorted(stage.rglob("*")) if p.is_file()}
+        doc = {
+            "format": BUNDLE_FORMAT,
+            "suite": {"name": manifest.name, "legs": manifest.legs, "catalogs": catalogs},
+            "rows": len(suite_ids), "shard_rows": shard_rows, "row_shards": shards,
+            "reference": ref_info,
+            "members": members,
+            "provenance": provenance(inputs=inputs, settings=settings or {}),
+        }
+        (stage / MANIFEST_MEMBER).write_text(canonical_json(doc), encoding="utf-8")
+        _pack(stage, out)
+    return BuildResult(path=out, sha256=sha256_file(out), rows=len(suite_ids), manifest=doc)
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+def _safe_member(member: tarfile.TarInfo, bundle: Path) -> None:
+    name = member.name
+    if not member.isfile():
+        kind = ("a symbolic link" if member.issym() else "a hard link" if member.islnk() else
+                "a device" if member.isdev() else "a directory" if member.isdir() else "not a regular file")
+        raise BundleError(f"{bundle}: unsafe member '{name}': {kind}")
+    if name.startswith("/") or Path(name).is_absolute():
+        raise BundleError(f"{bundle}: unsafe member '{name}': absolute path")
+    if ".." in Path(name).parts or "\\" in name:
+        raise BundleError(f"{bundle}: unsafe member '{name}': path leaves the bundle")
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """An opened, verified bundle extracted into `root`."""
+
+    path: Path
+    sha256: str
+    root: Path
+    manifest: dict[str, Any]
+
+    def suite_manifest(self) -> SuiteManifest:
+        return load_manifest(self.root)
+
+    def row_shards(self) -> list[Path]:
+        return sorted((self.root / "rows").glob("shard-*.parquet"))
+
+    def rows(self, columns: list[str] | None = None) -> pl.DataFrame:
+        """All rows in suite order (scan of the shards, so `columns` limits what is read)."""
+        return pl.scan_parquet(self.row_shards()).select(columns or pl.all()).collect()
+
+    def fewshot(self) -> pl.DataFrame | None:
+        """The catalogs' few-shot example rows (ROW_SCHEMA), or None when the suite has none."""
+        shards = sorted((self.root / "fewshot").glob("shard-*.parquet"))
+        return pl.read_parquet(shards) if shards else None
+
+    def reference(self) -> pl.DataFrame | None:
+        shards = sorted((self.root / "reference").glob("shard-*.parquet"))
+        return pl.read_parquet(shards) if shards else None
+
+    def catalogs(self) -> list[dict[str, Any]]:
+        return self.manifest["suite"]["catalogs"]
+
+
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+
+
+def _read_manifest(tar: tarfile.TarFile, path: Path) -> tuple[tarfile.TarInfo, dict[str, Any]]:
+    """The first member, which must be `manifest.json` (packed first), read in memory."""
+    first = tar.next()
+    if first is None:
+        raise BundleError(f"{path}: empty bundle")
+    _safe_member(first, path)
+    if first.name != MANIFEST_MEMBER:
+        raise BundleError(f"{path}: the first member is '{first.name}', not {MANIFEST_MEMBER}")
+    if first.size > MAX_MANIFEST_BYTES:
+        raise BundleError(f"{path}: {MANIFEST_MEMBER} is {first.size} bytes (limit {MAX_MANIFEST_BYTES})")
+    try:
+        manifest = json.loads(tar.extractfile(first).read().decode("utf-8"))  # type: ignore[union-attr]
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BundleError(f"{path}: manifest.json unreadable ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
+        raise BundleError(f"{path}: unknown bundle format "
+                          f"{manifest.get('format') if isinstance(manifest, dict) else None!r}")
+    if not isinstance(manifest.get("members"), dict):
+        raise BundleError(f"{path}: manifest.json lists no members")
+    return first, manifest
+
+
+def _intact(folder: Path, listed: dict[str, Any]) -> bool:
+    return folder.is_dir() and all((folder / name).is_file() and sha256_file(folder / name) == meta["sha256"]
+                                   for name, meta in listed.items())
+
+
+def _verify(folder: Path, listed: dict[str, Any], path: Path) -> None:
+    for name, meta in listed.items():
+        actual = sha256_file(folder / name)
+        if actual != meta["sha256"]:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise BundleError(f"{path}: checksum mismatch for '{name}': manifest {meta['sha256'][:16]}…, "
+                              f"file {actual[:16]}… (the bundle was modified or corrupted)")
+
+
+def _publish(fresh: Path, dest: Path, listed: dict[str, Any]) -> None:
+    """Rename a verified extraction into place. When another process published the same bundle
+    first, its copy is kept and this one dropped; a damaged `dest` (an interrupted older
+    extraction) is set aside and replaced."""
+    for _ in range(3):
+        try:
+            fresh.rename(dest)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                shutil.rmtree(fresh, ignore_errors=True)
+                raise
+        if _intact(dest, listed):  # published by another process: same bytes, verified there
+            shutil.rmtree(fresh, ignore_errors=True)
+            return
+        stale = Path(tempfile.mkdtemp(prefix=f".{dest.name}.stale.", dir=dest.parent))
+        dest.rename(stale / dest.name)
+        shutil.rmtree(stale, ignore_errors=True)
+    raise BundleError(f"{dest}: could not publish the extracted bundle")
+
+
+def _check_members(tar: tarfile.TarFile, path: Path, listed: dict[str, Any]) -> list[tarfile.TarInfo]:
+    """Every member's header against the manifest, one header at a time: an unlisted, oversized or
+    duplicated member is refused before its data is read, and before anything is written."""
+    members, seen = [], set()
+    while (m := tar.next()) is not None:  # lazy: the next header skips only data already vouched for
+        _safe_member(m, path)
+        meta = listed.get(m.name)
+        if meta is None:
+            raise BundleError(f"{path}: members differ from the manifest: unlisted ['{m.name}'] ({m.size} bytes)")
+        if m.name in seen:
+            raise BundleError(f"{path}: member '{m.name}' appears twice")
+        if m.size != meta["bytes"]:
+            raise BundleError(f"{path}: member '{m.name}' is {m.size} bytes, the manifest says {meta['bytes']}")
+        seen.add(m.name)
+        members.append(m)
+    if seen != set(listed):
+        raise BundleError(f"{path}: members differ from the manifest: unlisted [], absent {sorted(set(listed) - seen)}")
+    return members
+
+
+def open_bundle(path: str | Path, dest: str | Path) -> Bundle:
+    """Extract `path` into `dest` after checking every member's name, type and size against the
+    manifest (nothing is written before all passed); then verify every member's sha256.
+
+    Safe for several processes at once (the engine processes of one machine): an intact `dest` is
+    reused as is, and a new extraction is verified in a private folder, then renamed into place."""
+    path, dest = Path(path), Path(dest)
+    try:
+        with tarfile.open(path, mode="r:gz") as tar:
+            first, manifest = _read_manifest(tar, path)
+            listed = manifest["members"]
+            if not _intact(dest, listed):
+                members = _check_members(tar, path, listed)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                fresh = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+                try:
+                    tar.extractall(fresh, members=[first, *members], filter="data")
+                    _verify(fresh, listed, path)
+                except BaseException:
+                    shutil.rmtree(fresh, ignore_errors=True)
+                    raise
+                _publish(fresh, dest, listed)
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise BundleError(f"{path}: not a readable bundle ({e})") from None
+    return Bundle(path=path, sha256=sha256_file(path), root=dest, manifest=manifest)

@@ -1,0 +1,144 @@
+"""The engine calls every capture makes: fast pass, rationale, re-read after the thought.
+
+Rows are anything with `run_id, prompt, labels, options` (suite `Row`s, or dicts through
+`as_row`). These functions hold no state and know nothing of Prefect: the stages, the bake-off
+and parity all call them, so they compute the same thing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from jex.engine.render import DEFAULT_RENDER, Example, RenderSpec, option_order
+from jex.engine.types import Engine, GenerateRequest, Generation, Readout, ReadoutMode, ReadoutRequest
+
+
+class RowLike(Protocol):
+    run_id: str
+    prompt: str
+    labels: Sequence[str]
+    options: Sequence[str]
+
+
+@dataclass(frozen=True)
+class SimpleRow:
+    run_id: str
+    prompt: str
+    labels: tuple[str, ...]
+    options: tuple[str, ...]
+    gold: int | None = None
+    catalog: str | None = None
+    question_id: str | None = None
+
+
+def as_row(d: dict[str, Any]) -> SimpleRow:
+    return SimpleRow(d["run_id"], d["prompt"], tuple(d["labels"]), tuple(d["options"]), d.get("gold"),
+                     d.get("catalog"), d.get("question_id"))
+
+
+FewShotPool = Mapping[str, Sequence[SimpleRow]]
+"""Solved example rows by catalog id, in the order they are used."""
+
+
+def examples_for(row: RowLike, pool: FewShotPool | None, k: int) -> tuple[Example, ...]:
+    """The first `k` examples of the row's catalog, skipping any that share its question or run id.
+
+    Fewer than `k` are available: an `InputError`-worthy setting, reported by the caller.
+    """
+    if k == 0 or pool is None:
+        return ()
+    catalog = getattr(row, "catalog", None)
+    qid = getattr(row, "question_id", None)
+    out = []
+    for ex in pool.get(catalog or "", ()):
+        if ex.run_id == row.run_id or (qid is not None and ex.question_id == qid) or ex.gold is None:
+            continue
+        out.append(Example(ex.prompt, tuple(ex.labels), tuple(ex.options), ex.gold))
+        if len(out) == k:
+            return tuple(out)
+    raise ValueError(f"catalog '{catalog}' has {len(out)} few-shot example(s) for row '{row.run_id}', "
+                     f"num_fewshot is {k}")
+
+
+def question_prompts(engine: Engine, rows: Sequence[RowLike], render: RenderSpec = DEFAULT_RENDER,
+                     fewshot: FewShotPool | None = None) -> list[ReadoutRequest]:
+    """The fast-pass requests: each row rendered as `render` says, with its few-shot examples."""
+    renderer = engine.renderer(render)
+    requests = []
+    for r in rows:
+        rendered = renderer.question(run_id=r.run_id, prompt=r.prompt, labels=r.labels,
+                                     options=_shown(render, r), examples=examples_for(r, fewshot, render.num_fewshot))
+        requests.append(ReadoutRequest(r.run_id, rendered.prompt, rendered.labels, rendered.options))
+    return requests
+
+
+def fast_pass(engine: Engine, rows: Sequence[RowLike], mode: ReadoutMode = ReadoutMode.LABEL_SLOT, *,
+              render: RenderSpec = DEFAULT_RENDER, fewshot: FewShotPool | None = None) -> list[Readout]:
+    """One forward per row: the label-slot (or continuation) readout of the rendered question."""
+    return _restored(render, engine.readout(question_prompts(engine, rows, render, fewshot), mode))
+
+
+def _shown(render: RenderSpec, row: RowLike) -> Sequence[str]:
+    """The row's options in the order the render shows them (`RenderSpec.option_order_seed`)."""
+    order = option_order(render, row.run_id, len(row.options))
+    return row.options if order is None else [row.options[j] for j in order]
+
+
+def _restored(render: RenderSpec, readouts: list[Readout]) -> list[Readout]:
+    """Readouts back in the row's own option order (position i showed option order[i])."""
+    if render.option_order_seed is None:
+        return readouts
+    out = []
+    for r in readouts:
+        order = option_order(render, r.run_id, len(r.logprobs or r.raw_logprobs or ()))
+        if order is None or r.logprobs is None:
+            out.append(r)
+            continue
+        lp, raw = [0.0] * len(order), [0.0] * len(order)
+        for pos, j in enumerate(order):
+            lp[j] = r.logprobs[pos]
+            raw[j] = r.raw_logprobs[pos] if r.raw_logprobs is not None else 0.0
+        out.append(dataclasses.replace(r, logprobs=tuple(lp),
+                                       raw_logprobs=tuple(raw) if r.raw_logprobs is not None else None))
+    return out
+
+
+def reason_prompts(engine: Engine, rows: Sequence[RowLike], render: RenderSpec = DEFAULT_RENDER) -> list[str]:
+    renderer = engine.renderer(render)
+    return [renderer.reason(prompt=r.prompt, labels=r.labels, options=_shown(render, r)) for r in rows]
+
+
+def reason(engine: Engine, rows: Sequence[RowLike], *, max_tokens: int, render: RenderSpec = DEFAULT_RENDER,
+           stop: tuple[str, ...] = ()) -> list[Generation]:
+    """A greedy rationale per row."""
+    prompts = reason_prompts(engine, rows, render)
+    return engine.generate([GenerateRequest(r.run_id, p, max_tokens, stop) for r, p in zip(rows, prompts,
+                                                                                           strict=True)])
+
+
+def reread(engine: Engine, rows: Sequence[RowLike], rationales: Sequence[Generation], *,
+           render: RenderSpec = DEFAULT_RENDER) -> list[Readout]:
+    """Label-slot readout with the rationale in context: the post-thought probabilities."""
+    renderer = engine.renderer(render)
+    prompts = reason_prompts(engine, rows, render)
+    requests = [ReadoutRequest(r.run_id, renderer.after_thought(p, g.text), tuple(r.labels), tuple(_shown(render, r)))
+                for r, p, g in zip(rows, prompts, rationales, strict=True)]
+    return _restored(render, engine.readout(requests, ReadoutMode.LABEL_SLOT))
+
+
+def margin(logprobs: Sequence[float] | None) -> float | None:
+    """Top-1 minus top-2 log-odds of a readout (natural log)."""
+    if logprobs is None or len(logprobs) < 2:
+        return None
+    top = sorted(logprobs, reverse=True)
+    p1, p2 = math.exp(top[0]), math.exp(top[1])
+    return _logit(p1) - _logit(p2)
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-300), 1 - 1e-16)
+    return math.log(p) - math.log1p(-p)

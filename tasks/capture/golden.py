@@ -1,0 +1,101 @@
+"""Pre-flight golden replay: a new machine re-reads a fixed slice of the bundle before it spends the budget.
+
+The readout of the first `rows` rows is compared with a stored reference capture of the same
+engine fingerprint; above the tolerance (max |dp| over every row and option) the machine must not
+run its shards. A re-run is a reproduction, not an improvisation, on every machine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from jex.tasks.capture.engine_pool import EngineSpec, audited_fingerprint, fingerprint, get_engine
+from jex.tasks.capture.stages import _as_rows, _bundle_rows, fewshot_pool, readouts_frame
+from jex.tasks.keys import stage_key
+from jex.tasks.store import LocalStore, write_parquet
+
+
+def golden_readout(bundle: dict[str, Any], engine: EngineSpec, store: LocalStore, rows: int) -> pl.DataFrame:
+    """The label-slot readout of the bundle's first `rows` rows (the same code path as the fast pass)."""
+    from jex.tasks.capture.engine_calls import fast_pass
+
+    chunk = _as_rows(_bundle_rows(bundle, store).head(rows))
+    return readouts_frame(fast_pass(get_engine(engine), chunk, render=engine.render,
+                                   fewshot=fewshot_pool(bundle, store, engine)))
+
+
+def golden_key(bundle: dict[str, Any], engine_fp: dict[str, Any], rows: int) -> str:
+    return stage_key("fast_pass", params={"mode": "label_slot", "golden_rows": rows},
+                     inputs={"bundle": bundle["sha256"]}, engine=audited_fingerprint(engine_fp))
+
+
+def reference_path(store: LocalStore, bundle: dict[str, Any], engine_fp: dict[str, Any], rows: int) -> Path:
+    return store.root / "golden" / golden_key(bundle, engine_fp, rows) / "reference.parquet"
+
+
+def find_reference(store: LocalStore, bundle: dict[str, Any], engine_fp: dict[str, Any], rows: int,
+                   fast_pass_capture: str | None = None) -> tuple[pl.DataFrame | None, str]:
+    """The stored reference, else the head of a complete fast-pass capture of the same engine; (None, why) if none."""
+    ref = reference_path(store, bundle, engine_fp, rows)
+    if ref.exists():
+        return pl.read_parquet(ref), str(ref)
+    if fast_pass_capture and Path(fast_pass_capture).exists():
+        return pl.read_parquet(fast_pass_capture).head(rows), fast_pass_capture
+    return None, "no reference yet"
+
+
+def store_reference(store: LocalStore, bundle: dict[str, Any], engine_fp: dict[str, Any], frame: pl.DataFrame) -> Path:
+    path = reference_path(store, bundle, engine_fp, frame.height)
+    write_parquet(frame, path)
+    return path
+
+
+@dataclass
+class GoldenVerdict:
+    ok: bool
+    rows: int
+    max_abs_dp: float
+    tolerance: float
+    worst: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def compare_golden(reference: pl.DataFrame, replay: pl.DataFrame, tolerance: float = 1e-4,
+                   worst: int = 5) -> GoldenVerdict:
+    """max |p_ref - p_replay| over rows and options; rows missing on either side or refused differently fail."""
+    ref = {r["run_id"]: r for r in reference.iter_rows(named=True)}
+    got = {r["run_id"]: r for r in replay.iter_rows(named=True)}
+    problems = [f"{rid}: missing in replay" for rid in ref if rid not in got]
+    problems += [f"{rid}: not in reference" for rid in got if rid not in ref]
+    diffs = []
+    for rid in ref.keys() & got.keys():
+        a, b = ref[rid]["logprobs"], got[rid]["logprobs"]
+        if (a is None) != (b is None) or (a is not None and len(a) != len(b)):
+            problems.append(f"{rid}: readout shape differs ({ref[rid]['refusal']!r} vs {got[rid]['refusal']!r})")
+            continue
+        if a is None:
+            continue
+        dp = max(abs(math.exp(x) - math.exp(y)) for x, y in zip(a, b, strict=True))
+        diffs.append({"run_id": rid, "max_abs_dp": dp,
+                      "argmax_ref": a.index(max(a)), "argmax_replay": b.index(max(b))})
+    diffs.sort(key=lambda d: (-d["max_abs_dp"], d["run_id"]))
+    top = diffs[0]["max_abs_dp"] if diffs else 0.0
+    return GoldenVerdict(ok=not problems and top <= tolerance, rows=len(ref), max_abs_dp=top, tolerance=tolerance,
+                         worst=diffs[:worst], problems=problems[:worst])
+
+
+def golden_job(args: dict[str, Any], rows: int, out: Path, fingerprint_out: Path) -> None:
+    """What `jex stage golden` runs on a machine: the replay and this machine's engine fingerprint."""
+    from jex.fileio import write_json
+
+    engine = EngineSpec.model_validate(args["engine"])
+    write_json(fingerprint_out, fingerprint(engine))
+    write_parquet(golden_readout(args["bundle"], engine, LocalStore(args["store"]), rows), out)

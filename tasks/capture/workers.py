@@ -1,0 +1,81 @@
+"""Data parallelism over engine stages: N worker processes, one engine each, then one merge.
+
+Worker w of N computes shards w, w+N, ... of a stage (`run_sharded`); each process sees one GPU
+through CUDA_VISIBLE_DEVICES (tensor parallel 1: batch invariance survives data parallelism, not
+tensor parallelism). The merge is the stage called once more with workers=1: every shard exists,
+so nothing is recomputed, and the merged capture is the same bytes as a one-worker run.
+
+    python -m jex.tasks.capture.workers STAGE ARGS.json WORKER WORKERS    (one worker; used by `run_workers`)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from jex.tasks.capture.engine_pool import EngineSpec
+from jex.tasks.store import LocalStore
+
+
+def run_workers(stage: str, args: dict[str, Any], *, workers: int, devices: list[str] | None = None,
+                timeout: float | None = None) -> dict[str, Any]:
+    """Run `stage` ('fast_pass' or 'reason') on `workers` processes, then merge; returns the stage summary.
+
+    `devices[i]` becomes worker i's CUDA_VISIBLE_DEVICES (None: inherit). Raises if any worker fails.
+    """
+    spec_file = Path(args["store"]) / f".workers-{stage}-{os.getpid()}.json"
+    spec_file.parent.mkdir(parents=True, exist_ok=True)
+    spec_file.write_text(json.dumps(args, default=str))
+    procs = []
+    for w in range(workers):
+        env = dict(os.environ)
+        if devices:
+            env["CUDA_VISIBLE_DEVICES"] = devices[w]
+        procs.append(subprocess.Popen([sys.executable, "-m", "jex.tasks.capture.workers", stage, str(spec_file), str(w),
+                                       str(workers)], env=env, stdout=subprocess.PIPE, text=True))
+    reports = []
+    for w, p in enumerate(procs):
+        out, _ = p.communicate(timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"{stage} worker {w} exited {p.returncode}")
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    summary = stage_call(stage, args, worker=0, workers=1)
+    spec_file.unlink(missing_ok=True)
+    return {**summary, "workers": reports}
+
+
+def stage_call(stage: str, args: dict[str, Any], *, worker: int, workers: int, claim: bool = False) -> dict[str, Any]:
+    from jex.tasks.capture.stages import fast_pass_stage, reason_stage
+
+    engine = EngineSpec.model_validate(args["engine"])
+    store = LocalStore(args["store"])
+    if stage == "fast_pass":
+        return fast_pass_stage(args["bundle"], engine, store, shard_rows=args["shard_rows"], worker=worker,
+                               workers=workers, claim=claim)
+    if stage == "reason":
+        return reason_stage(args["bundle"], args["gate"], engine, store, max_tokens=args["max_tokens"],
+                            shard_rows=args["shard_rows"], worker=worker, workers=workers, claim=claim)
+    raise ValueError(f"unknown stage {stage!r}")
+
+
+def _main(stage: str, spec_file: str, worker: int, workers: int) -> None:
+    from jex.tasks.capture.engine_pool import get_engine
+
+    args = json.loads(Path(spec_file).read_text())
+    t0 = time.perf_counter()
+    get_engine(EngineSpec.model_validate(args["engine"]))
+    started = time.perf_counter()
+    summary = stage_call(stage, args, worker=worker, workers=workers)
+    done = time.perf_counter()
+    print(json.dumps({"worker": worker, "engine_start_s": started - t0, "compute_s": done - started,
+                      "computed_shards": summary.get("computed_shards", []),
+                      "device": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

@@ -1,0 +1,267 @@
+"""Batch-invariance bake-off: does greedy output depend on the batch size?
+
+Each arm (an engine under one profile) generates G tokens for N divergence-prone prompts at every
+rung of a batch ladder, with repeats. Tokens are compared with the arm's own batch-1 run: the count
+of positions that differ, the first divergence (prompt, step), and run-to-run identity per rung.
+Arms run in separate processes (`python -m jex.tasks.lab.bakeoff arm ...`): batch invariance is
+process-wide in vLLM, so a control arm and an invariant arm must not share one. If the control arm
+shows no divergence, the verdict says the test was underpowered instead of claiming invariance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from jex.engine.types import GenerateRequest
+from jex.engine.vllm_engine import NGRAM
+
+TOPICS = ["a lighthouse keeper", "a failed rocket launch", "the history of a small bakery", "a chess endgame",
+          "a river delta in flood", "a bug in a compiler", "a winter expedition", "the economics of a ferry"]
+FACTS = ["The reading at {n} was {m} units.", "Step {n} took {m} seconds longer than planned.",
+         "Entry {n}: the count rose to {m}.", "At {n} o'clock the level was {m} and still falling.",
+         "Observer {n} reported {m} anomalies."]
+
+
+def divergence_prompts(n: int = 32, seed: int = 0) -> list[str]:
+    """Prompts of very different lengths (tens to ~2,000 tokens) that invite long free continuations."""
+    rng = random.Random(f"jex-bakeoff:{seed}")
+    out = []
+    for i in range(n):
+        sentences = int(2 * (1.13 ** i)) % 160 + 1
+        body = " ".join(rng.choice(FACTS).format(n=rng.randint(1, 999), m=rng.randint(1, 9999))
+                        for _ in range(sentences))
+        out.append(f"Here are field notes about {TOPICS[i % len(TOPICS)]}. {body}\n\nContinue these notes with a "
+                   "long, detailed, numbered list of further observations and your reasoning about each one.")
+    return out
+
+
+def run_ladder(engine: Any, prompts: list[str], *, ladder: list[int], repeats: int, tokens: int) -> dict[str, Any]:
+    """Generate at every rung; returns token ids per repeat and throughput per rung."""
+    requests = [GenerateRequest(f"p{i:03d}", engine.chat_prompt(p), tokens, ignore_eos=True)
+                for i, p in enumerate(prompts)]
+    engine.generate(requests[:1])  # warm-up outside the timings
+    rungs: dict[str, Any] = {}
+    for batch in ladder:
+        engine.batch_size = batch
+        runs, seconds = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            gens = engine.generate(requests)
+            seconds.append(time.perf_counter() - t0)
+            runs.append([list(g.token_ids) for g in gens])
+        n_tok = sum(len(t) for t in runs[0])
+        rungs[str(batch)] = {"runs": runs, "seconds": seconds, "tok_s": n_tok / min(seconds), "tokens": n_tok}
+    return rungs
+
+
+def compare(rungs: dict[str, Any]) -> dict[str, Any]:
+    """Mismatches of every rung and repeat against batch 1, repeat 0."""
+    ref = rungs["1"]["runs"][0]
+    out: dict[str, Any] = {}
+    for batch, rung in rungs.items():
+        mismatches, first, divergent = 0, None, 0
+        for p, (a, b) in enumerate(zip(ref, rung["runs"][0], strict=True)):
+            diff = [s for s in range(max(len(a), len(b))) if s >= len(a) or s >= len(b) or a[s] != b[s]]
+            mismatches += len(diff)
+            if diff:
+                divergent += 1
+                if first is None or diff[0] < first["step"]:
+                    first = {"prompt": p, "step": diff[0]}
+        out[batch] = {"mismatches": mismatches, "divergent_prompts": divergent, "first_divergence": first,
+                      "run_to_run_identical": all(r == rung["runs"][0] for r in rung["runs"]),
+                      "tok_s": rung["tok_s"], "tokens": rung["tokens"], "seconds": rung["seconds"],
+                      "token_ids": rung["runs"][0]}
+    return out
+
+
+def verdict(arms: dict[str, dict[str, Any]], invariant_arms: list[str], control_arms: list[str]) -> str:
+    def total(arm: str) -> int:
+        return sum(r["mismatches"] for r in arms[arm]["rungs"].values())
+
+    if control_arms and all(total(a) == 0 for a in control_arms if a in arms):
+        return ("UNDERPOWERED: the control arm showed no divergence, so this run cannot show that the invariant "
+                "arm is invariant (use longer generations or more, longer prompts)")
+    broken = [a for a in invariant_arms if a in arms and (total(a) or not all(
+        r["run_to_run_identical"] for r in arms[a]["rungs"].values()))]
+    if broken:
+        return f"NOT INVARIANT: {', '.join(broken)} differ from batch 1 or run to run"
+    if not any(a in arms for a in control_arms):
+        return ("INVARIANT at every rung and run to run (no control arm ran, so this run does not show the test "
+                "could detect divergence)")
+    return "INVARIANT: 0 mismatches at every rung and run to run, while the control arm diverged"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"# Bake-off ({result['engine']})", "", f"**{result['verdict']}**", "",
+             f"{result['prompts']} prompts x {result['tokens']} tokens, ladder {result['ladder']}, "
+             f"{result['repeats']} repeats.", "",
+             "| arm | batch | mismatches | divergent prompts | first divergence (prompt, step) | run-to-run | tok/s |",
+             "|---|---:|---:|---:|---|---|---:|"]
+    for arm, data in result["arms"].items():
+        for batch, r in data["rungs"].items():
+            fd = r["first_divergence"]
+            lines.append(f"| {arm} | {batch} | {r['mismatches']} | {r['divergent_prompts']} | "
+                         f"{'-' if fd is None else (fd['prompt'], fd['step'])} | "
+                         f"{'identical' if r['run_to_run_identical'] else 'DIFFERS'} | {r['tok_s']:.1f} |")
+    if result.get("tax"):
+        lines += ["", "| batch | BI tax (control tok/s / invariant tok/s) |", "|---:|---:|"]
+        lines += [f"| {b} | {t:.2f}x |" for b, t in result["tax"].items()]
+    for arm, sp in (result.get("speculation") or {}).items():
+        lines += ["", f"**{arm}** against {sp['base']}: {'token-exact at every rung' if sp['exact'] else 'NOT EXACT'}",
+                  "", "| batch | tokens identical | prompts identical | tok/s | base tok/s | speed-up |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {b} | {r['tokens_identical']}/{r['tokens']} | {r['prompts_identical']}/{r['prompts']} | "
+                  f"{r['tok_s']:.1f} | {r['base_tok_s']:.1f} | {r['speedup']:.2f}x"
+                  f"{' (slower)' if r['speedup'] < 1 else ''} |" for b, r in sp["rungs"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for arm, data in result["arms"].items():
+        batches = [int(b) for b in data["rungs"]]
+        ax1.plot(batches, [r["tok_s"] for r in data["rungs"].values()], marker="o", label=arm)
+        ax2.plot(batches, [r["mismatches"] for r in data["rungs"].values()], marker="o", label=arm)
+    ax1.set(xlabel="batch size", ylabel="tokens / s", title="throughput", xscale="log", yscale="log")
+    ax2.set(xlabel="batch size", ylabel="tokens differing from batch 1", title="mismatches", xscale="log")
+    ax1.legend()
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --- one arm, in its own process -----------------------------------------------------------------
+
+ARMS = {
+    # name: (engine kind, settings)
+    "hf-bi": ("hf", {"batch_invariant": True}),
+    "hf-bi-ngram": ("hf", {"batch_invariant": True, "speculative": NGRAM}),
+    "hf-control": ("hf", {"batch_invariant": False}),
+    "vllm-bi": ("vllm", {"name": "audit"}),
+    "vllm-bi-ngram": ("vllm", {"name": "audit-ngram", "speculative_config": NGRAM}),
+    "vllm-bi-fdo": ("vllm", {"name": "audit", "cudagraph_mode": "FULL_DECODE_ONLY"}),
+    "vllm-control": ("vllm", {"name": "control", "batch_invariant": False}),
+}
+INVARIANT_ARMS = {"hf-bi", "hf-bi-ngram", "vllm-bi", "vllm-bi-ngram", "vllm-bi-fdo"}
+SPECULATIVE_BASE = {"hf-bi-ngram": "hf-bi", "vllm-bi-ngram": "vllm-bi"}
+"""Each speculative arm and the audited arm its tokens must equal, rung by rung."""
+
+
+def speculation(arms: dict[str, Any]) -> dict[str, Any]:
+    """Per speculative arm and rung: tokens identical to its audited base arm (count), speed-up."""
+    out: dict[str, Any] = {}
+    for arm, base in SPECULATIVE_BASE.items():
+        if arm not in arms or base not in arms:
+            continue
+        rungs = {}
+        for batch, r in arms[arm]["rungs"].items():
+            b = arms[base]["rungs"].get(batch)
+            if b is None:
+                continue
+            pairs = list(zip(r["token_ids"], b["token_ids"], strict=True))
+            same = sum(x == y for a, c in pairs for x, y in zip(a, c, strict=False))
+            total = sum(max(len(a), len(c)) for a, c in pairs)
+            rungs[batch] = {"tokens_identical": same, "tokens": total,
+                            "prompts_identical": sum(a == c for a, c in pairs), "prompts": len(pairs),
+                            "tok_s": r["tok_s"], "base_tok_s": b["tok_s"], "speedup": r["tok_s"] / b["tok_s"]}
+        out[arm] = {"base": base, "rungs": rungs,
+                    "exact": all(v["tokens_identical"] == v["tokens"] for v in rungs.values())}
+    return out
+
+
+def make_engine(arm: str, model: str | None, max_num_seqs: int, device: str) -> Any:
+    kind, settings = ARMS[arm]
+    if kind == "hf":
+        from jex.engine.hf import HFEngine
+
+        return HFEngine(model, device=device, **settings)
+    from jex.engine.vllm_engine import VLLMEngine, VLLMProfile
+
+    return VLLMEngine(model, VLLMProfile(max_num_seqs=max_num_seqs, **settings))
+
+
+def _arm_main(args: argparse.Namespace) -> None:
+    engine = make_engine(args.arm, args.model, args.max_num_seqs, args.device)
+    prompts = divergence_prompts(args.prompts, args.seed)
+    rungs = run_ladder(engine, prompts, ladder=args.ladder, repeats=args.repeats, tokens=args.tokens)
+    out = {"arm": args.arm, "rungs": compare(rungs), "provenance": engine.provenance(),
+           "prompt_tokens": [len(engine.encode(engine.chat_prompt(p))) for p in prompts]}
+    Path(args.out).write_text(json.dumps(out, default=str))
+
+
+def run_bakeoff(arms: list[str], *, model: str | None, prompts: int = 32, tokens: int = 256,
+                ladder: list[int] | None = None, repeats: int = 2, max_num_seqs: int = 32, device: str = "cpu",
+                out_dir: Path, seed: int = 0) -> dict[str, Any]:
+    """Run each arm in a fresh process, then compare; writes bakeoff.json, bakeoff.md, bakeoff.png."""
+    ladder = ladder or [1, 8, 16, 32]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    for arm in arms:
+        if arm not in ARMS:
+            raise ValueError(f"unknown arm {arm!r}; known: {sorted(ARMS)}")
+        target = out_dir / f"arm-{arm}.json"
+        cmd = [sys.executable, "-m", "jex.tasks.lab.bakeoff", "arm", arm, "--prompts", str(prompts), "--tokens",
+               str(tokens), "--ladder", ",".join(map(str, ladder)), "--repeats", str(repeats), "--max-num-seqs",
+               str(max_num_seqs), "--device", device, "--seed", str(seed), "--out", str(target)]
+        if model:
+            cmd += ["--model", model]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=os.environ.copy())
+        if proc.returncode != 0:
+            results[arm] = {"error": f"arm process exited {proc.returncode}", "rungs": {}}
+            continue
+        results[arm] = json.loads(target.read_text())
+        results[arm]["wall_seconds"] = time.perf_counter() - t0
+    ok = {a: r for a, r in results.items() if "error" not in r}
+    inv = [a for a in arms if a in INVARIANT_ARMS]
+    ctl = [a for a in arms if a not in INVARIANT_ARMS]
+    tax: dict[str, float] = {}
+    if inv and ctl and inv[0] in ok and ctl[0] in ok:
+        tax = {b: ok[ctl[0]]["rungs"][b]["tok_s"] / ok[inv[0]]["rungs"][b]["tok_s"] for b in ok[inv[0]]["rungs"]}
+    result = {"engine": ARMS[arms[0]][0], "prompts": prompts, "tokens": tokens, "ladder": ladder, "repeats": repeats,
+              "arms": results, "tax": tax, "speculation": speculation(ok),
+              "errors": {a: r["error"] for a, r in results.items() if "error" in r},
+              "verdict": verdict(ok, inv, ctl) if ok else "NO RESULT: every arm failed"}
+    slim = {**result, "arms": {a: {**r, "rungs": {b: {k: v for k, v in x.items() if k != "token_ids"}
+                                                  for b, x in r.get("rungs", {}).items()}}
+                               for a, r in results.items()}}  # the token ids stay in arm-*.json
+    (out_dir / "bakeoff.json").write_text(json.dumps(slim, indent=1, default=str))
+    (out_dir / "bakeoff.md").write_text(markdown({**result, "arms": ok}))
+    if ok:
+        plot({**result, "arms": ok}, out_dir / "bakeoff.png")
+    return result
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jex.tasks.lab.bakeoff")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("arm")
+    a.add_argument("arm", choices=sorted(ARMS))
+    a.add_argument("--model")
+    a.add_argument("--prompts", type=int, default=32)
+    a.add_argument("--tokens", type=int, default=256)
+    a.add_argument("--ladder", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16, 32])
+    a.add_argument("--repeats", type=int, default=2)
+    a.add_argument("--max-num-seqs", type=int, default=32)
+    a.add_argument("--device", default="cpu")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    _arm_main(_parse(sys.argv[1:]))

@@ -1,0 +1,208 @@
+"""The early-exit checkpoint probe: could a rationale be cut short without changing the answer?
+
+For each probed row the rationale is generated once (greedy). At every `every`-th generated token m
+the probe reads two things:
+
+- the **free gate**: the rank and log-prob of the end-of-sequence token as the next token after the
+  first m rationale tokens (rank 1 = the model would end its thought here, so a decoder could stop
+  for free);
+- the **checkpoint answer**: the options re-read after the first m tokens (the same re-read slot
+  the reason stage uses after a whole rationale), i.e. the answer if the rationale were cut at m.
+
+A policy "cut every rationale at m" then has an accuracy, flips against the full rationale's
+answer, correct rows lost, and a token cost (mean of min(m, length)); the report lists them per
+checkpoint and the first m whose accuracy is no worse than the full rationale's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jex.engine.render import DEFAULT_RENDER, RenderSpec
+from jex.engine.types import NextTokenRequest, ReadoutMode, ReadoutRequest
+from jex.tasks.capture.engine_calls import SimpleRow, reason, reason_prompts
+
+
+class CheckpointStats(BaseModel):
+    """A policy that cuts every rationale at `tokens` (rows that ended earlier keep their whole one)."""
+
+    model_config = ConfigDict(frozen=True)
+    tokens: int
+    mean_tokens_spent: float
+    accuracy: float
+    agreement_with_full: float = Field(description="Share of rows whose answer equals the full rationale's")
+    flips: int = Field(description="Rows whose answer differs from the full rationale's")
+    correct_lost: int = Field(description="Rows right after the full rationale, wrong when cut here")
+    still_thinking: int = Field(description="Rows whose rationale is longer than `tokens`")
+    gate_fired: int = Field(description="Of those, rows where end-of-sequence is the top next token")
+
+
+class ProbeResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    rows: int
+    every: int
+    max_tokens: int
+    engine: dict[str, Any]
+    full_accuracy: float
+    mean_rationale_tokens: float
+    gate_checkpoints: int = Field(description="(row, m) pairs with m inside the rationale")
+    gate_fired: int
+    gate_fire_rate: float
+    gate_tokens_saved: int = Field(description="Tokens saved by stopping each row at its first fired checkpoint")
+    gate_correct_lost: int
+    checkpoints: list[CheckpointStats]
+    first_matching_checkpoint: int | None = Field(description="First m whose accuracy >= the full rationale's")
+    tokens_saved_at_first_match: int | None
+
+
+def _choice(logprobs: Sequence[float] | None) -> int | None:
+    if logprobs is None:
+        return None
+    return max(range(len(logprobs)), key=lambda i: (logprobs[i], -i))
+
+
+def probe_rows(engine: Any, rows: Sequence[SimpleRow], *, every: int, max_tokens: int,
+               render: RenderSpec = DEFAULT_RENDER) -> ProbeResult:
+    """Generate each row's rationale, then read the free gate and the answer at every checkpoint."""
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
+    prompts = reason_prompts(engine, rows, render)
+    gens = reason(engine, rows, max_tokens=max_tokens, render=render)
+    renderer = engine.renderer(render)
+    eos = engine.tokenizer.eos_token_id
+    marks = list(range(every, max_tokens + 1, every))
+    # checkpoint answers: the re-read after min(m, length) tokens, each distinct cut read once
+    cuts: dict[tuple[int, int], str] = {}
+    for i, g in enumerate(gens):
+        length = len(g.token_ids)
+        for m in [*marks, length]:
+            k = min(m, length)
+            if (i, k) not in cuts:
+                text = g.text if k == length else engine.tokenizer.decode(list(g.token_ids[:k]),
+                                                                          skip_special_tokens=True)
+                cuts[(i, k)] = renderer.after_thought(prompts[i], text)
+    keys = list(cuts)
+    readouts = engine.readout([ReadoutRequest(f"{rows[i].run_id}@{k}", cuts[(i, k)], tuple(rows[i].labels),
+                                              tuple(rows[i].options)) for i, k in keys], ReadoutMode.LABEL_SLOT)
+    answer = {key: _choice(r.logprobs) for key, r in zip(keys, readouts, strict=True)}
+    inside = [(i, m) for i, g in enumerate(gens) for m in marks if m < len(g.token_ids)]
+    stats = engine.next_token([NextTokenRequest(f"{rows[i].run_id}@{m}", prompts[i], tuple(gens[i].token_ids[:m]),
+                                                (eos,)) for i, m in inside])
+    fired = {(i, m) for (i, m), st in zip(inside, stats, strict=True) if st.ranks and st.ranks[0] == 1}
+    return _summarise(engine, rows, gens, answer, marks, inside, fired, every=every, max_tokens=max_tokens)
+
+
+def _summarise(engine: Any, rows: Sequence[SimpleRow], gens: Sequence[Any], answer: dict[tuple[int, int], int | None],
+               marks: list[int], inside: list[tuple[int, int]], fired: set[tuple[int, int]], *, every: int,
+               max_tokens: int) -> ProbeResult:
+    n = len(rows)
+    lengths = [len(g.token_ids) for g in gens]
+    full = [answer[(i, lengths[i])] for i in range(n)]
+    right = [full[i] == rows[i].gold for i in range(n)]
+    checkpoints = []
+    for m in marks:
+        cut = [answer[(i, min(m, lengths[i]))] for i in range(n)]
+        ok = [cut[i] == rows[i].gold for i in range(n)]
+        checkpoints.append(CheckpointStats(
+            tokens=m, mean_tokens_spent=sum(min(m, k) for k in lengths) / n, accuracy=sum(ok) / n,
+            agreement_with_full=sum(c == f for c, f in zip(cut, full, strict=True)) / n,
+            flips=sum(c != f for c, f in zip(cut, full, strict=True)),
+            correct_lost=sum(r and not o for r, o in zip(right, ok, strict=True)),
+            still_thinking=sum(k > m for k in lengths), gate_fired=sum((i, m) in fired for i in range(n))))
+    first_fire = {i: min(m for j, m in fired if j == i) for i in {j for j, _ in fired}}
+    full_acc = sum(right) / n if n else math.nan
+    match = next((c for c in checkpoints if c.accuracy >= full_acc), None)
+    return ProbeResult(
+        rows=n, every=every, max_tokens=max_tokens, engine=engine.provenance(), full_accuracy=full_acc,
+        mean_rationale_tokens=sum(lengths) / n if n else 0.0, gate_checkpoints=len(inside), gate_fired=len(fired),
+        gate_fire_rate=len(fired) / len(inside) if inside else 0.0,
+        gate_tokens_saved=sum(lengths[i] - m for i, m in first_fire.items()),
+        gate_correct_lost=sum(right[i] and answer[(i, m)] != rows[i].gold for i, m in first_fire.items()),
+        checkpoints=checkpoints, first_matching_checkpoint=match.tokens if match else None,
+        tokens_saved_at_first_match=sum(k - min(match.tokens, k) for k in lengths) if match else None)
+
+
+def markdown(result: ProbeResult) -> str:
+    lines = ["# Early-exit checkpoint probe", "",
+             f"{result.rows} gated rows, rationales up to {result.max_tokens} tokens (mean "
+             f"{result.mean_rationale_tokens:.1f}), a checkpoint every {result.every} tokens; engine "
+             f"`{result.engine.get('engine', '?')}`.", "",
+             f"- Full rationale accuracy: **{result.full_accuracy:.3f}**.",
+             f"- Free gate (end-of-sequence ranked first): fired at {result.gate_fired} of {result.gate_checkpoints} "
+             f"checkpoints ({100 * result.gate_fire_rate:.2f} %); stopping there would save "
+             f"{result.gate_tokens_saved} tokens and lose {result.gate_correct_lost} correct rows."]
+    if result.first_matching_checkpoint is not None:
+        lines.append(f"- First checkpoint as accurate as the full rationale: {result.first_matching_checkpoint} tokens "
+                     f"(saves {result.tokens_saved_at_first_match} tokens over all rows).")
+    else:
+        lines.append("- No checkpoint reaches the full rationale's accuracy: cutting rationales short costs answers.")
+    lines += ["", "| cut at | mean tokens | accuracy | agreement with full | flips | correct lost | still thinking "
+                  "| gate fired |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {c.tokens} | {c.mean_tokens_spent:.1f} | {c.accuracy:.3f} | {c.agreement_with_full:.3f} | {c.flips} "
+              f"| {c.correct_lost} | {c.still_thinking} | {c.gate_fired} |" for c in result.checkpoints]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: ProbeResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([c.mean_tokens_spent for c in result.checkpoints], [c.accuracy for c in result.checkpoints],
+            marker="o", label="cut at checkpoint")
+    ax.axhline(result.full_accuracy, color="grey", linestyle="--", label="full rationale")
+    ax.set(xlabel="mean rationale tokens spent", ylabel="accuracy", title="early exit: accuracy vs tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def pick_gated(engine: Any, rows: Sequence[SimpleRow], n: int, *, render: RenderSpec = DEFAULT_RENDER,
+               pool: int | None = None) -> list[SimpleRow]:
+    """The `n` rows the coverage gate would send to reasoning first: the smallest fast-pass margins
+    among a pool of rows taken evenly from each catalog (default pool 4n; the whole suite if smaller)."""
+    import polars as pl
+
+    from jex.tasks.capture.engine_calls import fast_pass
+    from jex.tasks.probabilities.coverage_gate import coverage_gate
+
+    size = min(len(rows), pool or 4 * n)
+    by_catalog: dict[str | None, list[SimpleRow]] = {}
+    for r in rows:
+        by_catalog.setdefault(r.catalog, []).append(r)
+    candidates: list[SimpleRow] = []
+    while len(candidates) < size:  # one row of each catalog in turn, in suite order
+        for queue in by_catalog.values():
+            if queue and len(candidates) < size:
+                candidates.append(queue.pop(0))
+    readouts = fast_pass(engine, candidates, render=render)
+    panel = pl.DataFrame({"run_id": [r.run_id for r in candidates], "catalog": [r.catalog or "" for r in candidates],
+                          "logprobs": [list(r.logprobs) if r.logprobs else None for r in readouts]},
+                         schema={"run_id": pl.String, "catalog": pl.String, "logprobs": pl.List(pl.Float64)})
+    gated = coverage_gate(panel, coverage=min(1.0, n / len(candidates)))["run_id"].to_list()[:n]
+    index = {r.run_id: r for r in candidates}
+    return [index[i] for i in gated]
+
+
+def suite_rows(source: str | Path, workdir: Path) -> list[SimpleRow]:
+    """Rows of a suite folder or a bundle file (extracted under `workdir`)."""
+    source = Path(source)
+    if source.is_dir():
+        from jex.suite import iter_rows
+
+        return [SimpleRow(r.run_id, r.prompt, tuple(r.labels), tuple(r.options), r.gold, r.catalog, r.question_id)
+                for r in iter_rows(source)]
+    from jex.tasks.capture.bundle import open_bundle
+
+    frame = open_bundle(source, workdir / "bundle").rows(["run_id", "catalog", "question_id", "prompt", "options",
+                                                          "labels", "gold"])
+    return [SimpleRow(r["run_id"], r["prompt"], tuple(r["labels"]), tuple(r["options"]), r["gold"], r["catalog"],
+                      r["question_id"]) for r in frame.iter_rows(named=True)]

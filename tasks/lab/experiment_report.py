@@ -1,0 +1,362 @@
+"""An experiment's products: the registered gate, verdicts, `experiment.json`, `report.md`, the forest
+and sweep plots, the twin audit and the append-only decision ledger.
+
+Nothing here runs an engine: it reads finished run folders (predictions, provenance, stage summaries).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from jex.errors import InputError
+from jex.fileio import canonical_json, write_json, write_text
+from jex.tasks.lab.arms import ArmsFile, GateSettings
+from jex.tasks.lab.experiment_stats import ArmStats, Delta, versus
+
+
+def register_gate(arms: ArmsFile, out: Path) -> str:
+    """Write `gate-settings.json` (the gate and every arm as declared) before any arm runs; its sha256.
+
+    Re-running the same experiment registers the same bytes; a changed gate or arm list is refused
+    (it would be a new experiment in the same folder: pick another OUT).
+    """
+    doc = {"gate": arms.gate.model_dump(mode="json"), "arms_file_sha256": arms.sha256,
+           "arms": [a.model_dump(mode="json") for a in arms.arms], "base": arms.base.model_dump(mode="json")}
+    text = canonical_json(doc)
+    path = out / "gate-settings.json"
+    if path.exists() and path.read_text() != text:
+        raise InputError("this folder holds an experiment registered with other gate settings or arms; "
+                         "write the new experiment to another folder", file=str(path))
+    write_json(path, doc)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ArmRun:
+    """One finished sub-run of an arm (or a sweep point)."""
+
+    name: str
+    kind: str
+    run_dir: Path
+    engine_calls: dict[str, int]
+    wall_s: float
+    sweep: str | None = None
+    value: Any = None
+
+
+def predictions(run_dir: Path) -> pl.DataFrame:
+    """run_id, choice, probs, and `abstain` when an overlay set it (the scorer reads it per catalog)."""
+    return pl.read_parquet(run_dir / "predictions.parquet").select(pl.exclude("stage"))
+
+
+def stage_summaries(run_dir: Path) -> dict[str, Any]:
+    """The stage summaries a run used (`stages.json` names the folders; `_SUCCESS.json` holds them)."""
+    stages = json.loads((run_dir / "stages.json").read_text())
+    return {k: json.loads((Path(v["folder"]) / "_SUCCESS.json").read_text()) for k, v in stages.items()}
+
+
+def engine_cost(run_dir: Path) -> tuple[float, float]:
+    """(engine compute seconds of the capture, mean rationale tokens), whether computed now or reused."""
+    s = stage_summaries(run_dir)
+    seconds = sum(float(s[k].get("compute_seconds") or 0.0) for k in ("fast_pass", "reason"))
+    return seconds, float(s["reason"].get("rationale_tokens", {}).get("mean") or 0.0)
+
+
+def verdict(stats: ArmStats, vs_placebo: Delta | None, gate: GateSettings) -> tuple[str, dict[str, bool]]:
+    """GO only when every pre-registered check passes (the checks come back with the verdict)."""
+    worst = min(d.delta for d in stats.catalogs.values())
+    checks = {"ci_above_min_effect": stats.metric.ci[0] > gate.min_effect,
+              "p_below_alpha": stats.p < gate.alpha,
+              "above_placebo": vs_placebo is not None and vs_placebo.ci[0] > 0,
+              "no_catalog_degrades": worst >= -gate.catalog_tolerance}
+    return ("GO" if all(checks.values()) else "NO-GO"), checks
+
+
+def first_difference(a: Path, b: Path) -> dict[str, Any] | None:
+    """None when two Parquet files hold equal bytes; else the first differing row and column."""
+    if a.read_bytes() == b.read_bytes():
+        return None
+    fa, fb = pl.read_parquet(a), pl.read_parquet(b)
+    if fa.columns != fb.columns or fa.height != fb.height:
+        return {"row": None, "run_id": None, "column": None,
+                "detail": f"shape {fa.shape} vs {fb.shape}, columns {fa.columns} vs {fb.columns}"}
+    for i, (ra, rb) in enumerate(zip(fa.iter_rows(named=True), fb.iter_rows(named=True), strict=True)):
+        for col in fa.columns:
+            if ra[col] != rb[col]:
+                return {"row": i, "run_id": ra.get("run_id"), "column": col,
+                        "detail": f"{str(ra[col])[:120]!r} vs {str(rb[col])[:120]!r}"}
+    return {"row": None, "run_id": None, "column": None, "detail": "same values, different bytes (metadata)"}
+
+
+def twin_audit(base_dir: Path, twin_dir: Path) -> dict[str, Any]:
+    """Compare the twin's capture, rationales and predictions with the base's, byte for byte."""
+    b, t = stage_summaries(base_dir), stage_summaries(twin_dir)
+    files = {"fast_pass": (Path(b["fast_pass"]["capture"]), Path(t["fast_pass"]["capture"])),
+             "reason": (Path(b["reason"]["reasoned"]), Path(t["reason"]["reasoned"])),
+             "predictions": (base_dir / "predictions.parquet", twin_dir / "predictions.parquet")}
+    diffs = {k: first_difference(x, y) for k, (x, y) in files.items()}
+    first = next(({"artifact": k, **v} for k, v in diffs.items() if v is not None), None)
+    return {"identical": first is None, "first_difference": first,
+            "sha256": {k: [b[k]["sha256"], t[k]["sha256"]] for k in ("fast_pass", "reason")},
+            "folders": {k: [b[k]["key"], t[k]["key"]] for k in ("fast_pass", "reason")}}
+
+
+def forest_plot(arms: Mapping[str, Mapping[str, Any]], placebo: Mapping[str, Any] | None, path: Path,
+                metric: str) -> None:
+    """Each arm's delta with its 95% CI; the gate's placebo interval as a shaded band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(arms)
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.45 * len(names)))
+    if placebo is not None:
+        ax.axvspan(*placebo["ci"], color="tab:orange", alpha=0.18, label="placebo 95% CI")
+        ax.axvline(placebo["delta"], color="tab:orange", ls="--", lw=1, label="placebo delta")
+    for i, n in enumerate(names):
+        a = arms[n]
+        color = {"GO": "tab:green", "NO-GO": "tab:red", "placebo": "tab:orange"}.get(a["verdict"], "tab:grey")
+        ax.errorbar(a["delta"], i, xerr=[[a["delta"] - a["ci"][0]], [a["ci"][1] - a["delta"]]], fmt="o",
+                    color=color, capsize=3)
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set(xlabel=f"delta vs base ({metric} index points, paired 95% CI)", title="Arms against the base")
+    if placebo is not None:
+        ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def sweep_plot(name: str, parameter: str, points: list[dict[str, Any]], oof: Mapping[str, Any], path: Path) -> None:
+    """Index delta and CI against the swept parameter, with the out-of-fold choice marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = list(range(len(points)))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    d = [p["delta"] for p in points]
+    ax.fill_between(x, [p["ci"][0] for p in points], [p["ci"][1] for p in points], alpha=0.25, label="95% CI")
+    ax.plot(x, d, "o-", label="delta vs base")
+    chosen = next(i for i, p in enumerate(points) if p["value"] == oof["choice"])
+    ax.axvline(chosen, color="tab:red", ls="--", label=f"out-of-fold choice ({oof['choice']})")
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xticks(x, [str(p["value"]) for p in points])
+    ax.set(xlabel=parameter, ylabel="delta (index points)", title=f"Sweep {name}: plateau or cliff?")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _ci(ci: list[float] | tuple[float, float]) -> str:
+    return f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
+
+
+def render_report(doc: dict[str, Any]) -> str:
+    """`report.md`: the gate and its hash, the arms table, the twin audit, sweeps, panel projection."""
+    g = doc["gate"]
+    lines = [f"# Experiment: {doc['name']}", "",
+             f"Base index **{doc['base']['index']:.3f}** ({doc['base']['run']}).", "",
+             f"Gate (registered before any arm ran, sha256 `{g['settings_sha256']}`): metric `{g['metric']}`, "
+             f"alpha {g['alpha']}, minimum effect {g['min_effect']}, placebo `{g['placebo']}`, catalog tolerance "
+             f"{g['catalog_tolerance']}; {g['draws']} paired clustered draws (seed {g['seed']}), "
+             f"{g['permutations']} sign-flip permutations.", "",
+             "| arm | kind | delta | 95% CI | p | vs placebo | verdict | wall ratio | engine calls (fast/reason) |",
+             "|---|---|---:|---|---:|---|---|---:|---|"]
+    for name, a in doc["arms"].items():
+        vp = a["vs_placebo"]
+        vs = f"{vp['delta']:+.3f} {_ci(vp['ci'])}" if vp else "-"
+        calls = a["engine_calls"]
+        lines.append(f"| {name} | {a['kind']} | {a['delta']:+.3f} | {_ci(a['ci'])} | {a['p']:.4f} | {vs} | "
+                     f"**{a['verdict']}** | {a['wall_ratio']:.2f} | {calls.get('fast_pass', 0)}/"
+                     f"{calls.get('reason', 0)} |")
+    lines += ["", "![forest](forest.png)", ""]
+    for name, a in doc["arms"].items():
+        if a["kind"] in ("arm", "sweep") and a["verdict"] == "NO-GO":
+            failed = [k for k, v in a["checks"].items() if not v]
+            lines.append(f"- {name}: NO-GO ({', '.join(failed)})")
+    if doc.get("twin"):
+        t = doc["twin"]
+        lines += ["", "## Twin audit", ""]
+        for name, audit in t.items():
+            if audit["identical"]:
+                lines.append(f"- {name}: **identical** (capture, rationales and predictions byte-identical; the "
+                             f"engine stages ran in a fresh process, store `{audit['store']}`)")
+            else:
+                f = audit["first_difference"]
+                lines.append(f"- {name}: **DIFFERENT**: first difference in {f['artifact']}, row {f['row']} "
+                             f"(run_id {f['run_id']}), column {f['column']}: {f['detail']}")
+    for name, s in doc.get("sweeps", {}).items():
+        lines += ["", f"## Sweep {name} ({s['parameter']})", "",
+                  f"Out-of-fold choice **{s['oof']['choice']}** (fold choices {s['oof']['fold_choices']}, "
+                  f"out-of-fold delta {s['oof']['oof_delta']:+.3f}; in-sample best {s['oof']['in_sample_best']}).",
+                  "", "| value | delta | 95% CI | verdict |", "|---|---:|---|---|"]
+        lines += [f"| {p['value']} | {p['delta']:+.3f} | {_ci(p['ci'])} | {p['verdict']} |" for p in s["points"]]
+        lines += ["", f"![sweep {name}]({s['plot']})"]
+    if doc.get("panel"):
+        p = doc["panel"]
+        lines += ["", "## Panel projection", "",
+                  f"Panel catalogs {', '.join(p['catalogs'])}: **share of the full weight {p['share']:.5f}** "
+                  f"(asserted {p['asserted_share']}).", "",
+                  "| arm | panel-scale delta | 95% CI | projected full delta | 95% CI |", "|---|---:|---|---:|---|"]
+        for name, v in p["arms"].items():
+            lines.append(f"| {name} | {v['panel_delta']:+.3f} | {_ci(v['panel_ci'])} | {v['projected']['delta']:+.3f}"
+                         f" | {_ci(v['projected']['ci'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(float(v)) if isinstance(v, float) else str(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))  # a JSON string is a valid TOML basic string
+
+
+def append_ledger(path: Path, doc: dict[str, Any], reopen: Mapping[str, str], *, date: str | None = None) -> int:
+    """Append one `[[decisions]]` entry per decided arm (GO / NO-GO) not yet in the ledger for this
+    gate hash; the file is only ever appended to (one write, then fsync). Returns entries added."""
+    seen = set()
+    if path.exists():
+        for d in tomllib.loads(path.read_text()).get("decisions", []):
+            seen.add((d.get("arm"), d.get("gate_sha256")))
+    date = date or dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    blocks = []
+    for name, a in doc["arms"].items():
+        if a["verdict"] not in ("GO", "NO-GO") or (name, doc["gate"]["settings_sha256"]) in seen:
+            continue
+        vp = a["vs_placebo"]
+        entry = {"arm": name, "experiment": doc["name"], "kind": a["kind"], "verdict": a["verdict"],
+                 "metric": doc["gate"]["metric"], "effect": a["delta"], "ci": a["ci"], "p": a["p"],
+                 "placebo": doc["gate"]["placebo"] or "", "placebo_effect": a.get("placebo_delta", float("nan")),
+                 "vs_placebo_ci": vp["ci"] if vp else [], "gate_sha256": doc["gate"]["settings_sha256"],
+                 "date": date, "reopen_when": reopen.get(name.split("@")[0], "") or "not given"}
+        entry = {k: v for k, v in entry.items() if not (isinstance(v, float) and v != v)}
+        blocks.append("[[decisions]]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in entry.items()))
+    if blocks:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lead = "\n" if path.exists() and path.stat().st_size else ""
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(lead + "\n".join(blocks))
+            f.flush()
+            os.fsync(f.fileno())
+    return len(blocks)
+
+
+def read_ledger(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        raise InputError("no ledger.toml here: run `jex experiment run` with -o this folder first", file=str(path))
+    try:
+        return tomllib.loads(path.read_text()).get("decisions", [])
+    except tomllib.TOMLDecodeError as e:
+        raise InputError(f"not valid TOML: {e}", file=str(path)) from None
+
+
+def format_ledger(entries: list[dict[str, Any]]) -> str:
+    lines = [f"{'date':<21} {'arm':<22} {'verdict':<6} {'effect':>8}  {'95% CI':<20} {'placebo':>8}  "
+             "gate   reopen when"]
+    for e in entries:
+        ci = e.get("ci") or [float("nan")] * 2
+        interval = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
+        lines.append(f"{e['date']:<21} {e['arm']:<22} {e['verdict']:<6} {e['effect']:>+8.3f}  {interval:<20} "
+                     f"{e.get('placebo_effect', float('nan')):>+8.3f}  {e['gate_sha256'][:6]} {e['reopen_when']}")
+    return "\n".join(lines)
+
+
+def arm_entry(run: ArmRun, stats: ArmStats, vs: Delta | None, verdict_: str, checks: dict[str, bool],
+              base_cost: tuple[float, float], placebo_delta: float | None) -> dict[str, Any]:
+    """One arm of `experiment.json` (the output contract in docs/experiments.md)."""
+    seconds, tokens = engine_cost(run.run_dir)
+    return {"kind": run.kind, "delta": stats.metric.delta, "ci": list(stats.metric.ci), "p": stats.p,
+            "vs_placebo": vs.to_json() if vs else None, "verdict": verdict_, "checks": checks,
+            "index": stats.index, "full": stats.full.to_json(),
+            "wall_ratio": seconds / base_cost[0] if base_cost[0] else float("nan"),
+            "token_ratio": tokens / base_cost[1] if base_cost[1] else float("nan"),
+            "legs": {k: v.to_json() for k, v in stats.legs.items()},
+            "catalogs": {k: v.to_json() for k, v in stats.catalogs.items()},
+            "run": str(run.run_dir), "engine_calls": run.engine_calls, "sub_run_wall_s": run.wall_s,
+            **({"placebo_delta": placebo_delta} if placebo_delta is not None else {}),
+            **({"sweep": run.sweep, "value": run.value} if run.sweep else {})}
+
+
+def analyse(arms: ArmsFile, *, base: ArmRun, runs: list[ArmRun], gate_sha256: str, out: Path,
+            twins: Mapping[str, dict[str, Any]] | None = None, panel: Mapping[str, Any] | None = None,
+            settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Paired statistics, verdicts, sweeps and panel projection of finished sub-runs; writes
+    `experiment.json`, `report.md`, `forest.png` and one `sweep-NAME.png` per sweep. Returns the doc."""
+    from jex.provenance import provenance
+    from jex.tasks.lab.experiment_stats import oof_choice, paired_arms, project, row_contributions
+    from jex.tasks.scoring.inputs import load_suite_table
+
+    gate = arms.gate
+    bundle = stage_summaries(base.run_dir)["bundle"]
+    table = load_suite_table(bundle["bundle"])
+    base_preds = predictions(base.run_dir)
+    base_index, stats = paired_arms(table.rows, table.spec, base_preds,
+                                    {r.name: predictions(r.run_dir) for r in runs}, metric=gate.metric,
+                                    draws=gate.draws, seed=gate.seed, permutations=gate.permutations)
+    base_cost = engine_cost(base.run_dir)
+    entries: dict[str, Any] = {}
+    for r in runs:
+        decl = arms.arm(r.sweep or r.name)
+        placebo = arms.placebo_of(decl) if r.kind in ("arm", "sweep") else None
+        vs = versus(stats[r.name], stats[placebo]) if placebo else None
+        if r.kind in ("arm", "sweep"):
+            v, checks = verdict(stats[r.name], vs, gate)
+        elif r.kind == "placebo":
+            v, checks = "placebo", {}
+        else:
+            v, checks = ("identical" if (twins or {})[r.name]["identical"] else "DIFFERENT"), {}
+        entries[r.name] = arm_entry(r, stats[r.name], vs, v, checks, base_cost,
+                                    stats[placebo].metric.delta if placebo else None)
+    doc: dict[str, Any] = {"name": arms.name, "base": {"index": base_index, "run": str(base.run_dir),
+                                                       "engine_calls": base.engine_calls, "wall_s": base.wall_s},
+                           "gate": {"settings_sha256": gate_sha256, **gate.model_dump(mode="json")},
+                           "arms": entries, "twin": dict(twins or {})}
+    sweeps = {}
+    for decl in (a for a in arms.arms if a.kind == "sweep"):
+        points = [r for r in runs if r.sweep == decl.name]
+        contrib = {r.value: row_contributions(table.rows, table.spec, predictions(r.run_dir), metric=gate.metric)
+                   for r in points}
+        oof = oof_choice(row_contributions(table.rows, table.spec, base_preds, metric=gate.metric), contrib,
+                         folds=min(5, table.rows["question_id"].n_unique()))
+        rows = [{"value": r.value, "name": r.name, "delta": entries[r.name]["delta"], "ci": entries[r.name]["ci"],
+                 "verdict": entries[r.name]["verdict"]} for r in points]
+        plot = f"sweep-{decl.name}.png"
+        sweep_plot(decl.name, decl.parameter or "", rows, oof, out / plot)
+        sweeps[decl.name] = {"parameter": decl.parameter, "points": rows, "oof": oof, "plot": plot}
+    doc["sweeps"] = sweeps
+    if panel:
+        shares = panel["shares"]
+        doc["panel"] = {"catalogs": list(shares), "share": sum(shares.values()),
+                        "asserted_share": panel.get("asserted_share"), "shares": dict(shares),
+                        "arms": {n: {"panel_delta": st.full.delta, "panel_ci": list(st.full.ci),
+                                     "projected": project(st, shares).to_json()} for n, st in stats.items()}}
+    doc["provenance"] = provenance(inputs={"arms_file": arms.sha256, "bundle": bundle["sha256"]},
+                                   settings=dict(settings or {}), gate_sha256=gate_sha256)
+    placebo_entry = entries.get(gate.placebo) if gate.placebo else None
+    forest_plot({n: e for n, e in entries.items()}, placebo_entry, out / "forest.png", gate.metric)
+    write_json(out / "experiment.json", doc)
+    write_text(out / "report.md", render_report(doc))
+    return doc
+
+
+__all__ = ["ArmRun", "analyse", "append_ledger", "arm_entry", "first_difference", "forest_plot", "format_ledger",
+           "read_ledger", "register_gate", "render_report", "sweep_plot", "twin_audit", "verdict", "versus"]

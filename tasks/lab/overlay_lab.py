@@ -1,0 +1,293 @@
+"""Overlay research on a frozen capture: mining, the pre-registered gate, the ladder, the disclosure.
+
+Everything here reads a finished run folder (predictions + the bundle's rows) and never an engine.
+
+- `mine`: per catalog, where are errors systematic? Gold-position against predicted-position
+  distributions, and per-option threshold sweeps whose gain is measured out-of-fold (thresholds
+  chosen on the other folds, by question).
+- `gate`: settings are written and hashed before any candidate is scored. A candidate passes only if
+  (1) the paired clustered bootstrap interval of the full-index delta of its out-of-fold decisions
+  lies above zero (each fold's threshold refitted on the other folds, folds by question, as
+  calibration does; the in-sample interval is recorded beside it), (2) a permutation test gives
+  p < alpha, and (3) no catalog but its target moves. The permutation null is that option position
+  carries no information: each permutation shuffles the option positions of every row of the target
+  catalog (probabilities, base choice and gold together), re-applies the rule and
+  measures its gain; p = (1 + #{gain_perm >= gain}) / (1 + permutations).
+- `ladder`: passing rules one flag at a time in declared order, every leave-one-out, and the base,
+  with the reversibility and no-degrade checks asserted on every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from jex.errors import InputError
+from jex.fileio import canonical_json, write_json
+from jex.overlays.apply import apply_overlays, no_degrade_check, reversibility_check
+from jex.overlays.rules import IsotonicShrink, OverlayRuleBase, logit
+from jex.tasks.scoring.bootstrap_ci import paired_bootstrap_ci
+from jex.tasks.scoring.index import catalog_chances, score_predictions, scored_frame
+from jex.tasks.scoring.inputs import ScoreSpec, load_suite_table
+
+
+@dataclass(frozen=True)
+class Capture:
+    spec: ScoreSpec
+    rows: pl.DataFrame  # run_id, catalog, question_id, gold, n_options
+    base: pl.DataFrame  # rows + choice, probs, stage
+
+    def full(self, choices: pl.Series) -> float:
+        preds = pl.DataFrame({"run_id": self.base["run_id"], "choice": choices})
+        return score_predictions(self.rows, preds, self.spec).full
+
+
+def load_capture(run_dir: str | Path) -> Capture:
+    run_dir = Path(run_dir)
+    prov = json.loads((run_dir / "provenance.json").read_text())
+    table = load_suite_table(Path(prov["stages"]["bundle"]["folder"]) / "bundle.tar.gz")
+    preds = pl.read_parquet(run_dir / "predictions.parquet")
+    base = table.rows.join(preds, on="run_id", how="left", maintain_order="left")
+    return Capture(table.spec.as_accuracy(), table.rows, base)  # rules change choices: gated on accuracy
+
+
+def _oof_positional(frame: pl.DataFrame, index: int, folds: int = 5) -> tuple[np.ndarray, float]:
+    """Choices with tau fitted on the other folds (by question), and tau fitted on all rows."""
+    z = logit(np.array([ps[index] if ps is not None and index < len(ps) else np.nan
+                        for ps in frame["probs"].to_list()]))
+    gold, base = frame["gold"].to_numpy(), frame["choice"].to_numpy()
+    fold = np.array([zlib.crc32(q.encode()) % folds for q in frame["question_id"].to_list()])
+
+    def best_tau(mask: np.ndarray) -> float:
+        grid = np.unique(np.nanquantile(z[mask], np.linspace(0, 1, 41))) if mask.any() else np.array([np.inf])
+        scores = [(np.where(z[mask] >= t, index, base[mask]) == gold[mask]).mean() for t in grid]
+        keep = (base[mask] == gold[mask]).mean()
+        i = int(np.argmax(scores))
+        return float(grid[i]) if scores[i] > keep else float("inf")
+
+    out = base.copy()
+    for k in range(folds):
+        test = fold == k
+        if test.any():
+            tau = best_tau(~test)
+            out[test] = np.where(z[test] >= tau, index, base[test])
+    return out, best_tau(np.ones(len(z), dtype=bool))
+
+
+def mine(capture: Capture, *, folds: int = 5) -> dict[str, Any]:
+    """Candidates per catalog with their out-of-fold gain, best first."""
+    report, candidates = {}, []
+    base_full = capture.full(capture.base["choice"])
+    for c in capture.spec.catalogs:
+        f = capture.base.filter(pl.col("catalog") == c.id)
+        k = int(f["n_options"].max())
+        gold_pos = np.bincount(f["gold"].to_numpy(), minlength=k)
+        pred_pos = np.bincount(f["choice"].fill_null(-1).to_numpy() + 1, minlength=k + 1)[1:]
+        report[c.id] = {"gold_position": gold_pos.tolist(), "predicted_position": pred_pos.tolist(),
+                        "acc": float((f["choice"] == f["gold"]).mean())}
+        for index in range(k):
+            oof, tau = _oof_positional(f, index, folds)
+            if not np.isfinite(tau):
+                continue
+            choices = capture.base["choice"].to_numpy().copy()
+            choices[(capture.base["catalog"] == c.id).to_numpy()] = oof
+            gain = capture.full(pl.Series(choices, dtype=pl.Int32)) - base_full
+            if gain > 0:
+                share = gold_pos[index] / gold_pos.sum()
+                candidates.append({"catalog": c.id, "kind": "positional-threshold", "label_index": index,
+                                   "tau": tau, "oof_gain_full": gain, "gold_share_at_index": float(share),
+                                   "projection_class": "positional-construction-reuse"})
+        if k == 2:
+            rule = IsotonicShrink(id=f"iso-{c.id}", target=c.id, projection_class="fitted-on-public-oof")
+            gain = capture.full(rule.apply(capture.base)) - base_full
+            if gain > 0:
+                candidates.append({"catalog": c.id, "kind": "isotonic-shrink", "positive_index": 0, "shrink": 0.75,
+                                   "folds": 10, "oof_gain_full": gain, "projection_class": "fitted-on-public-oof"})
+    candidates.sort(key=lambda x: -x["oof_gain_full"])
+    return {"base_full": base_full, "catalogs": report, "candidates": candidates}
+
+
+def candidate_rules_toml(candidates: list[dict[str, Any]], top: int = 5) -> str:
+    """A rule file for the best candidates (disabled: a person enables what the gate passed)."""
+    out = []
+    for i, c in enumerate(candidates[:top]):
+        params = {k: v for k, v in c.items() if k in ("label_index", "tau", "positive_index", "shrink", "folds")}
+        lines = ["[[rules]]", f'id = "M{i + 1}-{c["catalog"]}"', f'kind = "{c["kind"]}"', f'target = "{c["catalog"]}"',
+                 f'projection_class = "{c["projection_class"]}"', "enabled = true"]
+        lines += [f"{k} = {json.dumps(v)}" for k, v in params.items()]
+        out.append("\n".join(lines))
+    return "\n\n".join(out) + "\n"
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    alpha: float = 0.05
+    draws: int = 2000
+    seed: int = 20260929
+    permutations: int = 200
+    folds: int = 5
+    """Question-grouped folds (crc32(question_id) % folds, as calibration) for the out-of-fold refit."""
+
+    def register(self, path: Path) -> str:
+        """Write the settings before any candidate is scored; returns their sha256."""
+        text = canonical_json(asdict(self))
+        write_json(path, asdict(self))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _permuted(frame: pl.DataFrame, rng: np.random.Generator) -> pl.DataFrame:
+    probs, gold, choice = [], [], []
+    for ps, g, ch in zip(frame["probs"].to_list(), frame["gold"].to_list(), frame["choice"].to_list(), strict=True):
+        k = len(ps) if ps is not None else 0
+        if k == 0:
+            probs.append(ps), gold.append(g), choice.append(ch)
+            continue
+        perm = rng.permutation(k)  # new position i shows old option perm[i]
+        inv = np.argsort(perm)
+        probs.append([ps[j] for j in perm])
+        gold.append(int(inv[g]))
+        choice.append(None if ch is None else int(inv[ch]))
+    return frame.with_columns(pl.Series("probs", probs, dtype=pl.List(pl.Float64)),
+                              pl.Series("gold", gold, dtype=pl.Int32), pl.Series("choice", choice, dtype=pl.Int32))
+
+
+def out_of_fold_choices(rule: OverlayRuleBase, frame: pl.DataFrame, folds: int) -> tuple[np.ndarray, list[Any]]:
+    """Choices for every row of `frame` with the rule refitted on the other folds of its target rows
+    (folds by question); rows outside the target keep their choice. Returns them and each fold's tau."""
+    choices = frame["choice"].to_numpy().copy()
+    is_target = (frame["catalog"] == rule.target).to_numpy()
+    target = frame.filter(pl.Series(is_target))
+    if not target.height:
+        return choices, []
+    if rule.fits_out_of_fold:
+        choices[is_target] = rule.decide(target).to_numpy()
+        return choices, []
+    fold = np.array([zlib.crc32(q.encode()) % folds for q in target["question_id"].to_list()])
+    decided = target["choice"].to_numpy().copy()
+    fitted = []
+    for k in range(folds):
+        test = fold == k
+        if not test.any():
+            continue
+        train = target.filter(pl.Series(~test))
+        refit = rule.fit(train) if train.height else rule
+        decided[test] = refit.decide(target.filter(pl.Series(test))).to_numpy()
+        fitted.append(getattr(refit, "tau", None))
+    choices[is_target] = decided
+    return choices, fitted
+
+
+def _choice_rules_only(rules: list[OverlayRuleBase], what: str) -> None:
+    for rule in rules:
+        if rule.sets != "choice":
+            raise InputError(f"rule {rule.id!r} ({rule.kind}) sets the '{rule.sets}' flag; {what} measures rules "
+                             "that change choices (an abstention's effect is read in the campaign's score, per "
+                             "catalog)", field="kind")
+
+
+def gate_rule(capture: Capture, rule: OverlayRuleBase, settings: GateSettings) -> dict[str, Any]:
+    """One rule through the gate. The interval is of the out-of-fold decisions (`out_of_fold_choices`),
+    so a rule cannot pass on its own fit; the in-sample numbers are recorded beside them."""
+    _choice_rules_only([rule], "the gate")
+    base = capture.base
+    new = rule.apply(base)
+    overlaid = base.with_columns(new.alias("choice"))
+    degrade = None
+    try:
+        no_degrade_check(base, overlaid, targets={rule.target}, what=f"rule {rule.id!r}")
+    except Exception as e:  # noqa: BLE001 - recorded as the failed check
+        degrade = str(e)
+    oof, taus = out_of_fold_choices(rule, base, settings.folds)
+    oof_choices = pl.Series("choice", oof, dtype=pl.Int32)
+    frame_a = scored_frame(capture.rows, base.select("run_id", "choice"), capture.spec)
+    frame_b = scored_frame(capture.rows, overlaid.select("run_id", "choice"), capture.spec)
+    frame_oof = scored_frame(capture.rows, base.select("run_id").with_columns(oof_choices), capture.spec)
+    chance = catalog_chances(frame_a, capture.spec)
+    ci_in = paired_bootstrap_ci(frame_a, frame_b, capture.spec, chance, draws=settings.draws, seed=settings.seed)
+    ci = paired_bootstrap_ci(frame_a, frame_oof, capture.spec, chance, draws=settings.draws, seed=settings.seed)
+    base_full = capture.full(base["choice"])
+    target = base.filter(pl.col("catalog") == rule.target)
+    obs = float((rule.decide(target) == target["gold"]).mean() - (target["choice"] == target["gold"]).mean())
+    rng = np.random.default_rng([settings.seed, zlib.crc32(rule.id.encode())])
+    null = []
+    for _ in range(settings.permutations):
+        t = _permuted(target, rng)
+        null.append(float((rule.decide(t) == t["gold"]).mean() - (t["choice"] == t["gold"]).mean()))
+    p = (1 + sum(g >= obs for g in null)) / (1 + settings.permutations)
+    perm_ok = p < settings.alpha
+    checks = {"ci_above_zero": ci["full"][0] > 0, "permutation_p_below_alpha": perm_ok, "no_degrade": degrade is None}
+    in_checks = {"ci_above_zero": ci_in["full"][0] > 0, "permutation_p_below_alpha": perm_ok,
+                 "no_degrade": degrade is None}
+    return {"rule": rule.record(), "gain_full": capture.full(oof_choices) - base_full, "ci_full": ci["full"],
+            "fold_taus": taus, "target_acc_gain": obs, "permutation_p": p, "no_degrade_error": degrade,
+            "checks": checks, "passed": all(checks.values()),
+            "in_sample": {"gain_full": capture.full(new) - base_full, "ci_full": ci_in["full"], "checks": in_checks,
+                          "passed": all(in_checks.values())}}
+
+
+def gate(capture: Capture, rules: list[OverlayRuleBase], settings: GateSettings, out_dir: Path) -> dict[str, Any]:
+    """Register the settings, then score each rule; writes gate-settings.json and gate.json."""
+    sha = settings.register(out_dir / "gate-settings.json")
+    results = [gate_rule(capture, r, settings) for r in rules]
+    doc = {"settings": asdict(settings), "settings_sha256": sha, "results": results,
+           "passed": [r["rule"]["id"] for r in results if r["passed"]]}
+    write_json(out_dir / "gate.json", doc)
+    return doc
+
+
+def ladder(capture: Capture, rules: list[OverlayRuleBase]) -> dict[str, Any]:
+    """Base, each step in declared order, every leave-one-out; reversibility and no-degrade asserted."""
+    _choice_rules_only(rules, "the ladder")
+    base = capture.base.with_columns(stage=pl.lit("base"))
+    off, _ = apply_overlays(base, [])
+    reversibility_check(base, off)
+    base_full = capture.full(base["choice"])
+    if capture.full(off["choice"]) != base_full:
+        raise AssertionError("all flags off must give the base score bit-exactly")
+    steps, current = [{"step": "base", "full": base_full}], []
+    for r in rules:
+        current.append(r)
+        frame, _ = apply_overlays(base, current)
+        steps.append({"step": f"+{r.id}", "rule": r.id, "target": r.target, "full": capture.full(frame["choice"])})
+    frame, applied = apply_overlays(base, rules)
+    no_degrade_check(base, frame, targets={r.target for r in rules})
+    loo = [{"variant": f"no {r.id}", "full": capture.full(apply_overlays(base, [x for x in rules if x is not r])[0]
+                                                          ["choice"])} for r in rules]
+    moved = sorted(set(frame.filter(pl.col("choice").ne_missing(base["choice"]))["catalog"].to_list()))
+    return {"base_full": base_full, "steps": steps, "leave_one_out": loo, "applied": applied,
+            "catalogs_moved": moved, "catalogs_identical": len(capture.spec.catalogs) - len(moved)}
+
+
+CLASS_SENTENCES = {
+    "positional-construction-reuse": "It exploits the option position the public construction assigns the correct "
+    "answer: a public-suite projection; on a private re-run whose construction is not a twin of the public one its "
+    "effect is unverifiable.",
+    "fitted-on-public-oof": "It is fitted on public data out-of-fold: an in-sample-family fit that may regress toward "
+    "the base rate on a private panel.",
+}
+
+
+def disclosure(ladder_doc: dict[str, Any], rules: list[OverlayRuleBase]) -> str:
+    gains = {s["rule"]: s["full"] - prev["full"] for prev, s in zip(ladder_doc["steps"], ladder_doc["steps"][1:],
+                                                                     strict=False)}
+    lines = ["# Overlay disclosure sheet", "",
+             f"Base {ladder_doc['base_full']:.4f}; with every overlay {ladder_doc['steps'][-1]['full']:.4f}. "
+             f"Catalogs moved: {', '.join(ladder_doc['catalogs_moved']) or 'none'}; "
+             f"{ladder_doc['catalogs_identical']} others bit-identical. Every overlay is one flag: turning all off "
+             "gives the base back exactly.", "",
+             "| overlay | class | target | rule | gain (index) |", "|---|---|---|---|---:|"]
+    for r in rules:
+        lines.append(f"| {r.id} | {r.projection_class} | {r.target} | {r.describe()} | {gains[r.id]:+.4f} |")
+    lines += [""] + [f"- **{r.id}**: {CLASS_SENTENCES[r.projection_class]}" for r in rules]
+    lines += ["", "## Ladder", "", "| step | full index |", "|---|---:|"]
+    lines += [f"| {s['step']} | {s['full']:.4f} |" for s in ladder_doc["steps"]]
+    lines += ["", "| leave-one-out | full index |", "|---|---:|"]
+    lines += [f"| {v['variant']} | {v['full']:.4f} |" for v in ladder_doc["leave_one_out"]]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,90 @@
+"""A panel: a suite folder holding a subset of another suite's catalogs (for `--panel-catalogs`).
+
+The panel keeps each catalog's manifest entry (weight, chance, exclusions, scoring) and its legs, and
+writes the catalog's rows (and few-shot rows) as JSONL in suite order, so the same source and catalog
+list always give the same bytes. The source is a suite folder or a bundle.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from jex.errors import InputError
+from jex.fileio import atomic_open, write_text
+from jex.suite import Row, SuiteManifest, iter_fewshot_rows, iter_rows, load_manifest
+
+FIELDS = ("run_id", "catalog", "question_id", "prompt", "options", "labels", "gold")
+
+
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return json.dumps(str(v))
+
+
+def _write_rows(path: Path, rows: Iterable[Row]) -> None:
+    with atomic_open(path) as f:
+        for r in rows:
+            f.write(json.dumps(r.model_dump(exclude_none=True), sort_keys=True) + "\n")
+
+
+def panel_suite(source: str | Path, dest: str | Path, catalogs: Sequence[str]) -> Path:
+    """Write the panel of `catalogs` of the suite at `source` (folder or bundle) into `dest`."""
+    source, dest = Path(source), Path(dest)
+    if source.is_file():
+        from jex.tasks.capture.bundle import open_bundle
+
+        with tempfile.TemporaryDirectory(prefix="jex-panel-") as tmp:
+            return _panel_of_folder(open_bundle(source, tmp).root, dest, catalogs, from_bundle=True)
+    return _panel_of_folder(source, dest, catalogs)
+
+
+def _panel_of_folder(source: Path, dest: Path, catalogs: Sequence[str], *, from_bundle: bool = False) -> Path:
+    manifest: SuiteManifest = load_manifest(source)
+    ids = [c.id for c in manifest.catalogs]
+    unknown = [c for c in catalogs if c not in ids]
+    if unknown:
+        raise InputError(f"panel catalog(s) {unknown} are not in the suite ({ids})", file=str(source / "suite.toml"),
+                         field="panel_catalogs")
+    keep = [c for c in manifest.catalogs if c.id in catalogs]
+    legs = {c.leg: manifest.legs[c.leg] for c in keep}
+    rows: dict[str, list[Row]] = {c.id: [] for c in keep}
+    shots: dict[str, list[Row]] = {c.id: [] for c in keep}
+    if from_bundle:
+        import polars as pl
+
+        for folder, into in (("rows", rows), ("fewshot", shots)):
+            shards = sorted((source / folder).glob("shard-*.parquet"))
+            frame = pl.read_parquet(shards) if shards else None
+            for r in frame.select(*FIELDS).iter_rows(named=True) if frame is not None else ():
+                if r["catalog"] in into:
+                    into[r["catalog"]].append(Row(**r))
+    else:
+        for r in iter_rows(source, manifest):
+            if r.catalog in rows:
+                rows[r.catalog].append(r)
+        for r in iter_fewshot_rows(source, manifest):
+            if r.catalog in shots:
+                shots[r.catalog].append(r)
+    lines = [f"name = {_toml(manifest.name + '-panel')}", "", "[legs]", *(f"{_toml(k)} = {_toml(v)}"
+                                                                           for k, v in legs.items())]
+    for c in keep:
+        _write_rows(dest / "rows" / f"{c.id}.jsonl", rows[c.id])
+        entry = c.model_dump(exclude_none=True)
+        entry["files"] = [f"rows/{c.id}.jsonl"]
+        if shots[c.id]:
+            _write_rows(dest / "fewshot" / f"{c.id}.jsonl", shots[c.id])
+            entry["fewshot_files"] = [f"fewshot/{c.id}.jsonl"]
+        else:
+            entry.pop("fewshot_files", None)
+        lines += ["", "[[catalogs]]", *(f"{k} = {_toml(v)}" for k, v in entry.items() if v != ())]
+    write_text(dest / "suite.toml", "\n".join(lines) + "\n")
+    return dest

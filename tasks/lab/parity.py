@@ -1,0 +1,186 @@
+"""Parity: do two engines compute the same function on the same rows?
+
+Readout parity compares the fast-pass readouts: argmax agreement, flips, mean / p95 / max |Δp|,
+and the flips' pre-margins (a flip on a near-tie is expected numerics; a flip on a wide margin is
+a defect). `parity_with_capture` compares one live engine with a stored capture (`jex parity
+--reference CAPTURE`) with the same readout metrics. Generation parity compares the choice after a
+rationale: each engine writes its own rationale and re-reads the options after it; every mismatch
+is recorded with both choices, the gold answer and the margins.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from jex.engine.types import Generation, Readout, ReadoutMode
+from jex.errors import InputError
+from jex.fileio import sha256_file
+from jex.suite import read_row_file
+from jex.tasks.capture.engine_calls import RowLike, fast_pass, margin, reason, reread
+
+
+def compare_readouts(a: Sequence[Readout], b: Sequence[Readout], gold: dict[str, int] | None = None) -> dict[str, Any]:
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if x.logprobs is not None and y.logprobs is not None]
+    refused = len(a) - len(pairs)
+    if not pairs:
+        return {"common": 0, "refused": refused}
+    dp = np.array([abs(math.exp(p) - math.exp(q)) for x, y in pairs for p, q in zip(x.logprobs, y.logprobs,
+                                                                                     strict=True)])
+    flips = [{"run_id": x.run_id, "choice_a": x.choice, "choice_b": y.choice,
+              "gold": (gold or {}).get(x.run_id), "margin_a": margin(x.logprobs), "margin_b": margin(y.logprobs)}
+             for x, y in pairs if x.choice != y.choice]
+    agree = len(pairs) - len(flips)
+    margins = [f["margin_a"] for f in flips]
+    return {"common": len(pairs), "refused": refused, "argmax_agreement": agree / len(pairs), "agree": agree,
+            "flips": len(flips), "mean_abs_dp": float(dp.mean()), "p95_abs_dp": float(np.percentile(dp, 95)),
+            "max_abs_dp": float(dp.max()), "flip_pre_margin_median": float(np.median(margins)) if margins else None,
+            "flip_pre_margin_max": float(max(margins)) if margins else None, "flip_rows": flips[:200]}
+
+
+def compare_reasoned(rows: Sequence[RowLike], gen_a: Sequence[Generation], gen_b: Sequence[Generation],
+                     post_a: Sequence[Readout], post_b: Sequence[Readout], pre_a: Sequence[Readout],
+                     gold: dict[str, int] | None = None) -> dict[str, Any]:
+    mismatches = []
+    same_tokens = 0
+    for r, ga, gb, pa, pb, pre in zip(rows, gen_a, gen_b, post_a, post_b, pre_a, strict=True):
+        same_tokens += ga.token_ids == gb.token_ids
+        if pa.choice != pb.choice:
+            mismatches.append({"run_id": r.run_id, "choice_a": pa.choice, "choice_b": pb.choice,
+                               "gold": (gold or {}).get(r.run_id), "pre_choice": pre.choice,
+                               "pre_margin": margin(pre.logprobs), "post_margin_a": margin(pa.logprobs),
+                               "post_margin_b": margin(pb.logprobs)})
+    n = len(rows)
+    return {"rows": n, "choice_agreement": (n - len(mismatches)) / n if n else None, "mismatches": mismatches,
+            "identical_rationales": same_tokens}
+
+
+def run_parity(engine_a: Any, engine_b: Any, rows: Sequence[RowLike], *, reason_rows: int = 0,
+               max_tokens: int = 96) -> dict[str, Any]:
+    """Fast-pass parity on `rows`; generation parity on the first `reason_rows` of them."""
+    gold = {r.run_id: r.gold for r in rows if getattr(r, "gold", None) is not None}  # type: ignore[attr-defined]
+    timings: dict[str, float] = {}
+    captures: dict[str, Any] = {}
+    for name, eng in (("a", engine_a), ("b", engine_b)):
+        t0 = time.perf_counter()
+        captures[f"pre_{name}"] = fast_pass(eng, rows)
+        timings[f"readout_rows_per_s_{name}"] = len(rows) / (time.perf_counter() - t0)
+        sub = list(rows[:reason_rows])
+        if sub:
+            t0 = time.perf_counter()
+            captures[f"gen_{name}"] = reason(eng, sub, max_tokens=max_tokens)
+            captures[f"post_{name}"] = reread(eng, sub, captures[f"gen_{name}"])
+            timings[f"reason_seconds_{name}"] = time.perf_counter() - t0
+    out: dict[str, Any] = {"readout": compare_readouts(captures["pre_a"], captures["pre_b"], gold),
+                           "timings": timings,
+                           "accuracy_a": _acc(captures["pre_a"], gold), "accuracy_b": _acc(captures["pre_b"], gold)}
+    if reason_rows:
+        sub = list(rows[:reason_rows])
+        out["reasoned"] = compare_reasoned(sub, captures["gen_a"], captures["gen_b"], captures["post_a"],
+                                           captures["post_b"], captures["pre_a"][:reason_rows], gold)
+    return out
+
+
+def parity_of_kinds(kind_a: str, kind_b: str, rows: Sequence[RowLike], *, model: str | None, device: str,
+                    batch_size: int, reason_rows: int = 0, max_tokens: int = 96) -> dict[str, Any]:
+    """`run_parity` on two engines built from their kinds, with both engines' provenance."""
+    from jex.engine.factory import make_engine
+
+    a = make_engine(kind_a, model=model, device=device, batch_size=batch_size)
+    b = make_engine(kind_b, model=model, device=device, batch_size=batch_size)
+    res = run_parity(a, b, rows, reason_rows=reason_rows, max_tokens=max_tokens)
+    res["provenance"] = {"a": a.provenance(), "b": b.provenance()}
+    return res
+
+
+def capture_readouts(path: str | Path, run_ids: Sequence[str]) -> list[Readout]:
+    """The stored readouts of `run_ids` (in that order) from a capture: a fast-pass `capture.parquet`
+    (run_id, logprobs[, label_mass, refusal]) or reference rows (run_id, choice, probs; JSONL or
+    Parquet). Errors name the file and the first run_id it lacks."""
+    path = Path(path)
+    try:
+        frame = pl.read_parquet(path) if path.suffix == ".parquet" else pl.DataFrame(
+            [rec for _, rec in read_row_file(path)], infer_schema_length=None)
+    except (OSError, pl.exceptions.PolarsError) as e:
+        raise InputError(f"cannot read the capture: {e}", file=str(path)) from None
+    if "run_id" not in frame.columns or not {"logprobs", "probs"} & set(frame.columns):
+        raise InputError("a capture needs run_id and logprobs (fast-pass capture) or probs (reference rows)",
+                         file=str(path), field="run_id" if "run_id" not in frame.columns else "probs")
+    if "logprobs" not in frame.columns:
+        frame = frame.with_columns(logprobs=pl.col("probs").cast(pl.List(pl.Float64)).list.eval(
+            pl.when(pl.element() > 0).then(pl.element().log()).otherwise(float("-inf"))))
+    stored = {r["run_id"]: r for r in frame.select("run_id", "logprobs", *(
+        c for c in ("label_mass", "refusal") if c in frame.columns)).iter_rows(named=True)}
+    missing = [rid for rid in run_ids if rid not in stored]
+    if missing:
+        raise InputError(f"the capture lacks {len(missing)} of the rows (first: {missing[:3]})", file=str(path),
+                         field="run_id")
+    out = []
+    for rid in run_ids:
+        r = stored[rid]
+        lp = tuple(r["logprobs"]) if r["logprobs"] is not None else None
+        out.append(Readout(rid, lp, lp, r.get("label_mass"), ReadoutMode.LABEL_SLOT,
+                           r.get("refusal") if lp is None else None))
+    return out
+
+
+def parity_with_capture(engine: Any, capture: str | Path, rows: Sequence[RowLike]) -> dict[str, Any]:
+    """Readout parity of a live engine (A) against a stored capture (B) on `rows`: the metrics of
+    `run_parity`, with no second engine."""
+    gold = {r.run_id: r.gold for r in rows if getattr(r, "gold", None) is not None}  # type: ignore[attr-defined]
+    stored = capture_readouts(capture, [r.run_id for r in rows])
+    t0 = time.perf_counter()
+    live = fast_pass(engine, rows)
+    timings = {"readout_rows_per_s_a": len(rows) / (time.perf_counter() - t0)}
+    return {"readout": compare_readouts(live, stored, gold), "timings": timings,
+            "accuracy_a": _acc(live, gold), "accuracy_b": _acc(stored, gold),
+            "provenance": {"a": engine.provenance(), "b": {"capture": str(capture),
+                                                           "sha256": sha256_file(capture)}}}
+
+
+def capture_parity_files(suite: str | Path, capture: str | Path, out: str | Path, *, kind: str, model: str | None,
+                         device: str, batch_size: int, rows: int = 0) -> dict[str, Any]:
+    """`jex parity --reference CAPTURE`: engine `kind` live against the capture; parity.json + parity.md."""
+    from jex.engine.factory import make_engine
+    from jex.fileio import write_json, write_text
+    from jex.suite import iter_rows
+
+    picked = list(iter_rows(suite))
+    picked = picked[:rows] if rows else picked
+    capture_readouts(capture, [r.run_id for r in picked])  # a bad capture fails before the engine loads
+    res = parity_with_capture(make_engine(kind, model=model, device=device, batch_size=batch_size), capture, picked)
+    write_json(Path(out) / "parity.json", res)
+    write_text(Path(out) / "parity.md", markdown(res, (kind, f"capture {Path(capture).name}")))
+    return res
+
+
+def _acc(readouts: Sequence[Readout], gold: dict[str, int]) -> float | None:
+    scored = [r for r in readouts if r.run_id in gold]
+    return sum(r.choice == gold[r.run_id] for r in scored) / len(scored) if scored else None
+
+
+def markdown(result: dict[str, Any], names: tuple[str, str]) -> str:
+    r = result["readout"]
+    lines = [f"# Parity: {names[0]} vs {names[1]}", "", "| metric | value |", "|---|---|",
+             f"| common rows | {r['common']} (refused {r['refused']}) |",
+             f"| argmax agreement | {r['agree']} / {r['common']} = {100 * r['argmax_agreement']:.2f}% |",
+             f"| flips | {r['flips']} |", f"| mean abs dp | {r['mean_abs_dp']:.3g} |",
+             f"| p95 abs dp | {r['p95_abs_dp']:.3g} |", f"| max abs dp | {r['max_abs_dp']:.3g} |",
+             f"| flips' median pre-margin (log-odds) | {r['flip_pre_margin_median']} |",
+             f"| accuracy A / B | {result['accuracy_a']} / {result['accuracy_b']} |"]
+    if "reasoned" in result:
+        g = result["reasoned"]
+        lines += [f"| choice agreement after a rationale | {g['rows'] - len(g['mismatches'])} / {g['rows']} |",
+                  f"| identical rationales (token ids) | {g['identical_rationales']} / {g['rows']} |"]
+        if g["mismatches"]:
+            lines += ["", "| run_id | choice A | choice B | gold | pre choice | pre margin | post margin A | "
+                      "post margin B |", "|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {m['run_id']} | {m['choice_a']} | {m['choice_b']} | {m['gold']} | {m['pre_choice']} | "
+                      f"{m['pre_margin']} | {m['post_margin_a']} | {m['post_margin_b']} |" for m in g["mismatches"]]
+    return "\n".join(lines) + "\n"

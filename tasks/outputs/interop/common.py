@@ -1,0 +1,271 @@
+"""What both importers share: another tool's per-document answers, mapped onto a suite's run_ids, then
+scored by jex's own scorers (`tasks.score.score_files`: both scorers and the clustered bootstrap).
+
+A document maps to a run_id in one of three ways (`MapMode`):
+    doc_id   the suite row's metadata holds the tool's task and document id ({"task", "doc_id"}, what
+             `jex suite import lm-eval` writes): (task, doc_id) -> run_id
+    id       a declared id: the document's `id_field` value (or the Inspect sample id) equals the row's
+             metadata[id_field] or, failing that, its run_id
+    content  content hash: sha256 of the row's options picks the candidates, and the one whose question
+             text (stripped) appears in the text the tool's model read is the row
+`auto` picks doc_id when the suite's rows carry document ids for the task and the documents have
+them, id when an id field is declared; otherwise a document whose id is a run_id (jex's own exports)
+maps by it and any other by content (recorded as `auto-id`).
+
+Every problem is an `InputError` naming the tool's file, the line (or sample id) and the field, and is
+raised before anything is written: the output folder is filled from a staging folder by renames only
+after scoring succeeded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import polars as pl
+
+from jex.errors import InputError
+
+MapMode = Literal["auto", "doc_id", "id", "content"]
+LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+@dataclass(frozen=True)
+class ToolSample:
+    """One document as another tool logged it: where it is, how to identify it, what the model chose."""
+
+    file: str
+    where: int | str  # 1-based line (lm-eval) or sample id (Inspect)
+    task: str
+    doc_id: int | None
+    ids: dict[str, Any]  # declared-id candidates: the document's own fields (or the Inspect sample id)
+    context: str  # the text the tool's model read (question inside)
+    options: tuple[str, ...]
+    choice: int | None
+    probs: tuple[float, ...] | None = None
+    gold: int | None = None
+    reported_correct: float | None = None  # the tool's own per-document verdict (lm-eval `acc`)
+
+
+@dataclass(frozen=True)
+class SuiteRows:
+    """A suite's rows with what mapping needs (prompt, options, metadata), and where they came from."""
+
+    source: str
+    name: str
+    catalogs: tuple[str, ...]
+    rows: pl.DataFrame  # run_id, catalog, question_id, prompt, options, labels, gold, metadata (JSON text)
+
+
+@dataclass(frozen=True)
+class MappedPredictions:
+    run_ids: list[str]
+    choices: list[int | None]
+    probs: list[list[float] | None]
+    mode: dict[str, str]  # task -> mode used
+    tasks: dict[str, dict[str, Any]] = field(default_factory=dict)  # per task: docs, reported / jex accuracy
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split())
+
+
+def options_hash(options: Sequence[str]) -> str:
+    return hashlib.sha256(json.dumps([_norm(o) for o in options], ensure_ascii=False).encode()).hexdigest()
+
+
+def content_hash(question: str, options: Sequence[str]) -> str:
+    """sha256 of the normalised question and options (whitespace runs collapsed)."""
+    return hashlib.sha256(json.dumps([_norm(question), [_norm(o) for o in options]],
+                                     ensure_ascii=False).encode()).hexdigest()
+
+
+def load_suite_rows(source: str | Path) -> SuiteRows:
+    """Rows of a suite folder (validated) or a bundle file (verified), metadata included."""
+    from jex.suite import iter_rows, load_manifest
+
+    source = Path(source)
+    if not source.exists():
+        raise InputError("no suite folder or bundle here", file=str(source))
+    if source.is_file():
+        from jex.tasks.capture.bundle import open_bundle
+
+        with tempfile.TemporaryDirectory(prefix="jex-interop-") as tmp:
+            opened = open_bundle(source, tmp)
+            manifest = opened.suite_manifest()
+            rows = opened.rows(["run_id", "catalog", "question_id", "prompt", "options", "labels", "gold",
+                                "metadata"])
+    else:
+        manifest = load_manifest(source)
+        recs = [r.model_dump() for r in iter_rows(source, manifest)]
+        rows = pl.DataFrame({"run_id": [r["run_id"] for r in recs], "catalog": [r["catalog"] for r in recs],
+                             "question_id": [r["question_id"] for r in recs],
+                             "prompt": [r["prompt"] for r in recs], "options": [r["options"] for r in recs],
+                             "labels": [r["labels"] for r in recs], "gold": [r["gold"] for r in recs],
+                             "metadata": [None if r["metadata"] is None else json.dumps(r["metadata"], sort_keys=True)
+                                          for r in recs]},
+                            schema={"run_id": pl.String, "catalog": pl.String, "question_id": pl.String,
+                                    "prompt": pl.String, "options": pl.List(pl.String),
+                                    "labels": pl.List(pl.String), "gold": pl.Int64, "metadata": pl.String})
+    return SuiteRows(str(source), manifest.name, tuple(c.id for c in manifest.catalogs), rows)
+
+
+def _metadata(text: str | None) -> dict[str, Any]:
+    return json.loads(text) if text else {}
+
+
+def map_samples(samples: Sequence[ToolSample], suite: SuiteRows, *, mode: MapMode = "auto",
+                id_field: str | None = None) -> MappedPredictions:
+    """Each tool document onto exactly one suite row; an InputError for the first one that cannot be."""
+    rows = suite.rows.to_dicts()
+    meta = [_metadata(r["metadata"]) for r in rows]
+    by_doc = {(m.get("task"), m.get("doc_id")): r for r, m in zip(rows, meta, strict=True) if "doc_id" in m}
+    by_run = {r["run_id"]: r for r in rows}
+    by_declared = {str(m[id_field]): r for r, m in zip(rows, meta, strict=True) if id_field and id_field in m}
+    by_options: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_options.setdefault(options_hash(r["options"]), []).append(r)
+    tasks = sorted({s.task for s in samples})
+    modes = {t: _pick_mode(t, [s for s in samples if s.task == t], mode, id_field, by_doc, by_run, suite)
+             for t in tasks}
+    out = MappedPredictions([], [], [], modes)
+    taken: dict[str, ToolSample] = {}
+    for s in samples:
+        m = modes[s.task]
+        if m == "doc_id":
+            row = by_doc.get((s.task, s.doc_id))
+            how = f"task '{s.task}', doc_id {s.doc_id}"
+        elif m == "id" or (m == "auto-id" and str(s.ids.get("id")) in by_run):
+            key = s.ids.get(id_field) if id_field else s.ids.get("id")
+            row = by_declared.get(str(key)) or by_run.get(str(key))
+            how = f"{id_field or 'id'} {key!r}"
+        else:
+            cands = [r for r in by_options.get(options_hash(s.options), []) if _norm(r["prompt"]) in _norm(s.context)]
+            longest = max((len(_norm(r["prompt"])) for r in cands), default=0)
+            cands = [r for r in cands if len(_norm(r["prompt"])) == longest]  # a question inside another: the longer
+            if len(cands) > 1:
+                ids = [r["run_id"] for r in cands][:3]
+                raise InputError(f"document matches {len(cands)} suite rows by content ({ids}); declare an id "
+                                 "field (--id-field)", file=s.file, row=s.where, field="doc")
+            row = cands[0] if cands else None
+            how = "content hash of question + options"
+        if row is None:
+            hint = "" if s.task in suite.catalogs else \
+                f"; task '{s.task}' is not a catalog of it ({list(suite.catalogs)}): samples of another task?"
+            raise InputError(f"document ({how}) matches no row of suite {suite.source} (mapping: {m}){hint}",
+                             file=s.file, row=s.where, field="doc_id" if m == "doc_id" else "doc")
+        if [_norm(o) for o in row["options"]] != [_norm(o) for o in s.options]:
+            raise InputError(f"options {list(s.options)[:4]} differ from suite row '{row['run_id']}' "
+                             f"({list(row['options'])[:4]}): samples of another task or another suite?",
+                             file=s.file, row=s.where, field="options")
+        if s.gold is not None and s.gold != row["gold"]:
+            raise InputError(f"gold {s.gold} differs from suite row '{row['run_id']}' (gold {row['gold']})",
+                             file=s.file, row=s.where, field="target")
+        if row["run_id"] in taken:
+            first = taken[row["run_id"]]
+            raise InputError(f"document maps to run_id '{row['run_id']}', as did {first.file} {first.where}",
+                             file=s.file, row=s.where, field="doc_id")
+        taken[row["run_id"]] = s
+        out.run_ids.append(row["run_id"])
+        out.choices.append(s.choice)
+        out.probs.append(list(s.probs) if s.probs is not None else None)
+    return out
+
+
+def _pick_mode(task: str, samples: list[ToolSample], mode: MapMode, id_field: str | None,
+               by_doc: dict, by_run: dict, suite: SuiteRows) -> str:
+    if mode != "auto":
+        if mode == "doc_id" and not any(t == task for t, _ in by_doc):
+            raise InputError(f"task '{task}' has no rows with a document id in suite {suite.source} (its "
+                             f"catalogs: {list(suite.catalogs)}): samples of another task?",
+                             file=samples[0].file, field="task")
+        return mode
+    if any(t == task for t, _ in by_doc) and all(s.doc_id is not None for s in samples):
+        return "doc_id"
+    if id_field:
+        return "id"
+    if any(str(s.ids.get("id")) in by_run for s in samples if s.ids.get("id") is not None):
+        return "auto-id"  # documents whose id is a run_id map by it, the others by content
+    return "content"
+
+
+def softmax(values: Sequence[float]) -> list[float]:
+    top = max(values)
+    exps = [math.exp(v - top) for v in values]
+    total = math.fsum(exps)
+    return [e / total for e in exps]
+
+
+def argmax(values: Sequence[float]) -> int:
+    """Highest value, ties to the lowest index (numpy's argmax, as lm-eval uses it)."""
+    return max(range(len(values)), key=lambda i: (values[i], -i))
+
+
+def synthesized_suite(samples: Sequence[ToolSample], folder: Path, *, name: str) -> Path:
+    """A suite made from the tool's own documents (one catalog per task, one leg): what the index is
+    computed against when no --suite is given. run_id = f"{task}-{doc_id}", as `jex suite import` names rows."""
+    tasks = sorted({s.task for s in samples})
+    (folder / "rows").mkdir(parents=True, exist_ok=True)
+    lines = [f"name = {json.dumps(name)}", "", "[legs]", "public = 1.0"]
+    for t in tasks:
+        fname = f"rows/{_slug(t)}.jsonl"
+        with open(folder / fname, "w", encoding="utf-8") as f:
+            for s in samples:
+                if s.task != t:
+                    continue
+                if s.gold is None:
+                    raise InputError("the document has no gold answer the suite could be made from; pass --suite",
+                                     file=s.file, row=s.where, field="target")
+                key = s.doc_id if s.doc_id is not None else s.where
+                f.write(json.dumps({"run_id": f"{t}-{key}", "catalog": t, "question_id": f"{t}-{key}",
+                                    "prompt": s.context, "options": list(s.options),
+                                    "labels": list(LABELS[:len(s.options)]), "gold": s.gold,
+                                    "metadata": {"task": t, "doc_id": s.doc_id} if s.doc_id is not None
+                                    else {"task": t, "id": str(s.where)}}, ensure_ascii=False) + "\n")
+        lines += ["", "[[catalogs]]", f"id = {json.dumps(t)}", f"name = {json.dumps(t)}", 'leg = "public"',
+                  f"files = [{json.dumps(fname)}]"]
+    (folder / "suite.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return folder
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def score_mapped(mapped: MappedPredictions, suite: str | Path, out: str | Path, *, draws: int, seed: int,
+                 record: dict[str, Any], extra: Iterable[tuple[str, Path]] = ()) -> dict[str, Any]:
+    """Write predictions.jsonl, score.json, score.md and import.json (+ `extra` (name, path) items) into
+    `out`: everything is made in a staging folder beside it and moved in only when scoring succeeded."""
+    from jex.fileio import write_json
+    from jex.tasks.scoring.score import score_files
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        preds = stage / "predictions.jsonl"
+        with open(preds, "w", encoding="utf-8") as f:
+            for rid, c, p in zip(mapped.run_ids, mapped.choices, mapped.probs, strict=True):
+                f.write(json.dumps({"run_id": rid, "choice": c, "probs": p}) + "\n")
+        doc = score_files(suite, preds, stage, draws=draws, seed=seed, settings={"import": record})
+        write_json(stage / "import.json", {**record, "mapping": mapped.mode, "tasks": mapped.tasks,
+                                           "documents": len(mapped.run_ids)})
+        for name, path in extra:
+            shutil.copytree(path, stage / name) if Path(path).is_dir() else shutil.copyfile(path, stage / name)
+        out.mkdir(parents=True, exist_ok=True)
+        for item in sorted(stage.iterdir()):
+            target = out / item.name
+            if target.is_dir() and item.is_dir():
+                shutil.rmtree(target)
+            os.replace(item, target)
+        return doc
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)

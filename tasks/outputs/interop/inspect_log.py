@@ -1,0 +1,224 @@
+"""Inspect AI eval logs in and out, through `inspect_ai.log` itself (optional extra `interop`).
+
+Out (`export_inspect`): one `EvalSample` per row of `samples.parquet`: id = run_id, input = the rendered
+fast-pass prompt, choices = the options, target = the gold label; the messages are the prompt the model
+reasoned from and its rationale (or, for rows that were not gated, its one-label answer); the `jex`
+score is C/I with the chosen label as answer and the final probabilities, the fast-pass and
+post-thought readouts and the deciding stage in its metadata. Rows the suite excludes from scoring
+carry no score (Inspect's explicit "unscored"). The log's task is `jex/<suite name>`; its results hold
+accuracy, its stderr and the jex index with its clustered-bootstrap interval.
+
+In (`read_inspect` / `score_inspect`): any multiple-choice log: choices, target (a label), and per
+sample the score whose answer is a label (the `jex` score when present; its metadata's probabilities
+are kept).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from jex.errors import InputError
+from jex.tasks.outputs.interop.common import (
+    LABELS,
+    MapMode,
+    ToolSample,
+    load_suite_rows,
+    map_samples,
+    score_mapped,
+    synthesized_suite,
+)
+
+SCORER = "jex"
+
+
+def _inspect() -> Any:
+    try:
+        import inspect_ai.log as log
+    except ImportError as e:
+        raise InputError("inspect-ai is not installed: pip install 'jex[interop]'") from e
+    return log
+
+
+def run_suite_name(run_dir: Path) -> str:
+    """The suite name of a run, from its bundle's manifest (the bundle named in stages.json)."""
+    from jex.tasks.capture.bundle import open_bundle
+
+    stages = json.loads((run_dir / "stages.json").read_text())
+    bundle = json.loads((Path(stages["bundle"]["folder"]) / "_SUCCESS.json").read_text())
+    with tempfile.TemporaryDirectory(prefix="jex-inspect-") as tmp:
+        return open_bundle(bundle["bundle"], tmp).suite_manifest().name
+
+
+def export_inspect(run_dir: str | Path, out: str | Path) -> Path:
+    """Write `<out>/<created>_jex-<suite>_<run>.eval`; returns its path (written to a temp name first)."""
+    import inspect_ai
+    from inspect_ai.model import ChatMessageAssistant, ChatMessageUser, ModelOutput
+    from inspect_ai.scorer import Score
+
+    ilog = _inspect()
+    from jex.tasks.outputs.samples import read_samples, resolve_prompt_ref
+
+    run_dir = Path(run_dir)
+    samples = read_samples(run_dir)
+    if samples["prompt"].null_count() and samples["prompt_ref"].null_count() == samples.height:
+        raise InputError(f"the run has no rendered prompts to export as Inspect inputs "
+                         f"({samples['prompt_missing'][0]})", file=str(run_dir / "samples.parquet"), field="prompt")
+    spec = json.loads((run_dir / "campaign.json").read_text())
+    score = json.loads((run_dir / "score.json").read_text())
+    model = f"jex/{spec['engine'].get('model') or 'SmolLM2-135M-Instruct'}"
+    suite = run_suite_name(run_dir)
+    now = datetime.now(UTC).isoformat(timespec="seconds")
+    task_id = run_dir.name.rsplit("-", 1)[-1]  # the run's identity hash
+    out_samples = []
+    for r in samples.iter_rows(named=True):
+        prompt, reason_prompt = (r["prompt"], r["reason_prompt"]) if r["prompt"] is not None else \
+            resolve_prompt_ref(r["prompt_ref"])
+        labels = r["labels"]
+        answer = labels[r["choice"]] if r["choice"] is not None else None
+        reply = (f"{(r['rationale'] or '').strip()}\n\nANSWER: {answer}" if r["gated"] else f"ANSWER: {answer}")
+        scores = {}
+        if r["scored"]:
+            scores[SCORER] = Score(
+                value="C" if r["correct"] else "I", answer=answer,
+                explanation=f"decided by {r['decided_by']}" + (" after a rationale" if r["gated"] else ""),
+                metadata={"choice": r["choice"], "probs": r["final_probs"], "fast_logprobs": r["label_logprobs"],
+                          "post_logprobs": r["post_logprobs"], "decided_by": r["decided_by"]})
+        out_samples.append(ilog.EvalSample(
+            id=r["run_id"], epoch=1, input=prompt, target=labels[r["gold"]], choices=list(r["options"]),
+            messages=[ChatMessageUser(content=reason_prompt if r["gated"] else prompt),
+                      ChatMessageAssistant(content=reply, model=model)],
+            output=ModelOutput.from_content(model=model, content=reply), scores=scores,
+            metadata={"run_id": r["run_id"], "catalog": r["catalog"], "question_id": r["question_id"],
+                      "labels": list(labels), "gated": r["gated"], "rationale_tokens": r["rationale_tokens"],
+                      "finish_reason": r["finish_reason"], "scored": r["scored"],
+                      "row_metadata": json.loads(r["metadata"]) if r["metadata"] else None}))
+    scored = samples.filter(pl.col("scored"))
+    acc = [1.0 if c else 0.0 for c in scored["correct"].to_list()]
+    mean = sum(acc) / len(acc)
+    stderr = math.sqrt(sum((a - mean) ** 2 for a in acc) / (len(acc) - 1) / len(acc)) if len(acc) > 1 else 0.0
+    metrics = {"accuracy": mean, "stderr": stderr, "jex_index": score["full"], "jex_index_ci_low": score["ci"][0],
+               "jex_index_ci_high": score["ci"][1]}
+    log = ilog.EvalLog(
+        version=2, status="success",
+        eval=ilog.EvalSpec(created=now, task=f"jex/{suite}", task_id=task_id, run_id=run_dir.name,
+                           dataset=ilog.EvalDataset(name=suite, samples=samples.height,
+                                                    sample_ids=samples["run_id"].to_list()),
+                           model=model, config=ilog.EvalConfig(),
+                           packages={"inspect_ai": inspect_ai.__version__, "jex": _jex_version()},
+                           metadata={"jex": {"run": run_dir.name, "suite": suite, "campaign": spec,
+                                             "provenance": score.get("provenance")}}),
+        plan=ilog.EvalPlan(name="jex", steps=[ilog.EvalPlanStep(solver=s) for s in
+                                              ("fast_pass", "gate", "reason", "fold", "calibrate", "overlay")]),
+        results=ilog.EvalResults(
+            total_samples=samples.height, completed_samples=samples.height,
+            scores=[ilog.EvalScore(name=SCORER, scorer=SCORER, scored_samples=scored.height,
+                                   unscored_samples=samples.height - scored.height,
+                                   metrics={k: ilog.EvalMetric(name=k, value=v) for k, v in metrics.items()})],
+            metadata={"jex_legs": score["legs"],
+                      "jex_catalogs": {c: {k: v[k] for k in ("leg", "n", "acc", "skill", "ci")}
+                                       for c, v in score["catalogs"].items()}}),
+        stats=ilog.EvalStats(started_at=now, completed_at=now), samples=out_samples)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{now.replace(':', '-')}_jex-{_slug(suite)}_{task_id}.eval"  # Inspect's {created}_{task}_{id}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=out)
+    os.close(fd)
+    try:
+        ilog.write_eval_log(log, tmp, format="eval")
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return path
+
+
+def _jex_version() -> str:
+    import jex
+
+    return jex.__version__
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "-" for c in name)
+
+
+def read_inspect(source: str | Path) -> tuple[Any, list[ToolSample]]:
+    """The log's header and one `ToolSample` per sample (epoch 1); InputErrors name the file and sample."""
+    ilog = _inspect()
+    source = Path(source)
+    if not source.is_file():
+        raise InputError("no Inspect log here", file=str(source))
+    try:
+        log = ilog.read_eval_log(str(source))
+    except Exception as e:  # noqa: BLE001 - any failure to parse means: not a readable Inspect log
+        raise InputError(f"not a readable Inspect log: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                         file=str(source)) from None
+    out = []
+    for s in log.samples or []:
+        if s.epoch != 1:
+            continue
+
+        def bad(field: str, msg: str, sid: Any = s.id) -> InputError:
+            return InputError(msg, file=str(source), row=f"sample {sid!r}", field=field)  # type: ignore[arg-type]
+
+        if not s.choices or len(s.choices) < 2:
+            raise bad("choices", "not a multiple-choice sample (no choices)")
+        labels = list((s.metadata or {}).get("labels") or LABELS[:len(s.choices)])
+        target = s.target if isinstance(s.target, str) else (s.target[0] if len(s.target) == 1 else None)
+        if target not in labels:
+            raise bad("target", f"target {s.target!r} is not one of the labels {labels}")
+        choice, probs = _decision(s, labels, bad)
+        meta = s.metadata or {}
+        row_meta = meta.get("row_metadata") or {}
+        text = s.input if isinstance(s.input, str) else "\n".join(m.text for m in s.input)
+        out.append(ToolSample(file=str(source), where=f"sample {s.id!r}", task=meta.get("catalog") or log.eval.task,
+                              doc_id=row_meta.get("doc_id"), ids={"id": s.id, **meta}, context=text,
+                              options=tuple(s.choices), choice=choice, probs=probs, gold=labels.index(target)))
+    if not out:
+        raise InputError("the log has no samples (written with --no-log-samples?)", file=str(source))
+    return log, out
+
+
+def _decision(s: Any, labels: list[str], bad: Any) -> tuple[int | None, tuple[float, ...] | None]:
+    """The chosen option: the `jex` score, else the first score whose answer is a label; None if unscored."""
+    scores = s.scores or {}
+    ordered = ([scores[SCORER]] if SCORER in scores else []) + [v for k, v in scores.items() if k != SCORER]
+    for sc in ordered:
+        meta = sc.metadata or {}
+        if isinstance(meta.get("choice"), int):
+            probs = meta.get("probs")
+            return meta["choice"], tuple(probs) if probs else None
+        if sc.answer is not None and sc.answer.strip() in labels:
+            return labels.index(sc.answer.strip()), None
+    if scores:
+        raise bad("scores", f"no score names a chosen label (answers: {[v.answer for v in scores.values()]})")
+    return None, None
+
+
+def score_inspect(source: str | Path, out: str | Path, *, suite: str | Path | None = None, draws: int, seed: int,
+                  mode: MapMode = "auto", id_field: str | None = None) -> dict[str, Any]:
+    """`jex score --from inspect LOG.eval [--suite DIR]`: the log's decisions through jex's index."""
+    from jex.fileio import sha256_file
+
+    log, samples = read_inspect(source)
+    with tempfile.TemporaryDirectory(prefix="jex-inspect-") as tmp:
+        suite_path = Path(suite) if suite else synthesized_suite(samples, Path(tmp) / "suite",
+                                                                 name=f"inspect {log.eval.task}")
+        rows = load_suite_rows(suite_path)
+        task = log.eval.task
+        if suite and task.startswith("jex/") and task != f"jex/{rows.name}":
+            raise InputError(f"the log is of task '{task}', the suite is '{rows.name}' ({suite}): a log of another "
+                             "task", file=str(source), field="eval.task")
+        mapped = map_samples(samples, rows, mode=mode, id_field=id_field)
+        record = {"from": "inspect", "source": str(source), "task": task, "model": log.eval.model,
+                  "suite": str(suite) if suite else "made from the samples",
+                  "files": {str(source): sha256_file(source)}}
+        return score_mapped(mapped, suite_path, out, draws=draws, seed=seed, record=record,
+                            extra=[] if suite else [("suite", suite_path)])

@@ -1,0 +1,321 @@
+"""The per-sample record of a run: `samples.parquet`, one row per suite row, from the stages' own artifacts.
+
+Nothing here recomputes a number: every column is read from the artifact the stage wrote (bundle rows,
+fast-pass capture, gate, reason, fold, calibrate, overlay predictions), joined on `run_id` in suite
+order. The one thing the stages do not keep is the rendered prompt; it is rendered again exactly as
+the stages rendered it (`tasks.capture.question_prompts` / `reason_prompts` with the campaign's
+`RenderSpec`, few-shot pool and the model's tokenizer). When the tokenizer cannot be loaded here the
+prompt columns are null and `prompt_missing` says why: never a guess.
+
+Columns (`SAMPLES_SCHEMA`):
+    run_id, catalog, question_id, metadata   the suite row (metadata as JSON text, e.g. an imported
+                                       task's {"doc_id", "task"})
+    prompt, prompt_sha256, prompt_ref  the fast-pass text the engine read; with `prompts="sha256"` the
+                                       text is null and `prompt_ref` points at the row in the store's
+                                       prompts file (`<store>/prompts/<key>/prompts.parquet#run_id=...`)
+    reason_prompt, reason_prompt_sha256  the rationale prompt (gated rows only)
+    prompt_missing                     why the prompts are null (else null)
+    options, labels                    as in the suite
+    label_logprobs, label_mass, fast_refusal, fast_choice   the fast-pass readout
+    gated, gate_margin                 the coverage gate's decision and the row's top-1/top-2 margin
+    rationale, rationale_token_ids, rationale_tokens, finish_reason, reason_refusal, post_logprobs
+                                       the reason stage (null on rows that were not gated)
+    folded, folded_logprobs            the fold stage
+    final_probs, decided_by            the calibrated probabilities and the stage that made the choice
+                                       (fast_pass | fold | overlay:<rule id>)
+    choice, gold, correct, scored      final choice, gold index, choice == gold, and False on rows the
+                                       suite excludes from scoring
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import polars as pl
+
+from jex.errors import InputError
+
+SAMPLES_VERSION = "jex-samples/1"
+SAMPLES_FILE = "samples.parquet"
+PromptMode = Literal["full", "sha256"]
+
+SAMPLES_SCHEMA: dict[str, Any] = {
+    "run_id": pl.String, "catalog": pl.String, "question_id": pl.String, "metadata": pl.String,
+    "prompt": pl.String, "prompt_sha256": pl.String, "prompt_ref": pl.String,
+    "reason_prompt": pl.String, "reason_prompt_sha256": pl.String, "prompt_missing": pl.String,
+    "options": pl.List(pl.String), "labels": pl.List(pl.String),
+    "label_logprobs": pl.List(pl.Float64), "label_mass": pl.Float64, "fast_refusal": pl.String,
+    "fast_choice": pl.Int32, "gated": pl.Boolean, "gate_margin": pl.Float64,
+    "rationale": pl.String, "rationale_token_ids": pl.List(pl.Int64), "rationale_tokens": pl.Int32,
+    "finish_reason": pl.String, "reason_refusal": pl.String, "post_logprobs": pl.List(pl.Float64),
+    "folded": pl.Boolean, "folded_logprobs": pl.List(pl.Float64), "final_probs": pl.List(pl.Float64),
+    "decided_by": pl.String, "choice": pl.Int32, "gold": pl.Int32, "correct": pl.Boolean, "scored": pl.Boolean,
+}
+
+
+@dataclass(frozen=True)
+class RenderedPrompts:
+    """The texts the engine read, by run_id; `missing` says why there are none (then both maps are empty)."""
+
+    question: dict[str, str]
+    reason: dict[str, str]
+    missing: str | None = None
+
+
+@dataclass(frozen=True)
+class StageArtifacts:
+    """Paths of the stage outputs a samples record is read from (all from the stage summaries)."""
+
+    bundle: dict[str, Any]
+    capture: Path
+    gated: Path
+    reasoned: Path
+    folded: Path
+    predictions: Path
+
+    @classmethod
+    def from_summaries(cls, s: dict[str, Any]) -> StageArtifacts:
+        return cls(bundle=s["bundle"], capture=Path(s["fast_pass"]["capture"]), gated=Path(s["gate"]["gated"]),
+                   reasoned=Path(s["reason"]["reasoned"]), folded=Path(s["fold"]["folded"]),
+                   predictions=Path(s["overlay"]["predictions"]))
+
+
+def sha256_text(text: str | None) -> str | None:
+    return None if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def build_samples(rows: pl.DataFrame, *, capture: pl.DataFrame, gated: pl.DataFrame, reasoned: pl.DataFrame,
+                  folded: pl.DataFrame, predictions: pl.DataFrame, prompts: RenderedPrompts,
+                  excluded: set[str], prompt_ref: str | None = None,
+                  abstaining: frozenset[str] = frozenset()) -> pl.DataFrame:
+    """Join the stage frames on run_id, in the order of `rows` (the suite's).
+
+    `rows`: run_id, catalog, question_id, options, labels, gold[, metadata]. `capture`: run_id, logprobs, label_mass,
+    refusal. `gated`: run_id, margin. `reasoned`: run_id, rationale, token_ids, finish_reason,
+    post_logprobs, refusal. `folded`: run_id, folded_logprobs, gated, folded, fast_choice.
+    `predictions`: run_id, choice, probs, stage[, abstain]; a row flagged `abstain` in a catalog of
+    `abstaining` (those that declare the flag) is not `correct`, as the scorer counts it. With
+    `prompt_ref` (compact output) the prompt texts
+    are left out and each row points at `prompt_ref#run_id=...`.
+    """
+    ids = rows["run_id"].to_list()
+    if "metadata" not in rows.columns:
+        rows = rows.with_columns(metadata=pl.lit(None, dtype=pl.String))
+    frame = (rows.select("run_id", "catalog", "question_id", "metadata", "options", "labels", "gold")
+             .join(capture.select("run_id", label_logprobs="logprobs", label_mass="label_mass",
+                                  fast_refusal="refusal"), on="run_id", how="left", maintain_order="left")
+             .join(gated.select("run_id", gate_margin="margin"), on="run_id", how="left", maintain_order="left")
+             .join(reasoned.select("run_id", "rationale", "finish_reason", "post_logprobs",
+                                   rationale_token_ids="token_ids", reason_refusal="refusal"),
+                   on="run_id", how="left", maintain_order="left")
+             .join(folded.select("run_id", "gated", "folded", "folded_logprobs", "fast_choice"), on="run_id",
+                   how="left", maintain_order="left")
+             .join(predictions.select("run_id", "choice", final_probs="probs", decided_by="stage",
+                                      abstained=(pl.col("abstain").fill_null(False) if "abstain" in predictions.columns
+                                                 else pl.lit(False))),
+                   on="run_id", how="left", maintain_order="left"))
+    question = [prompts.question.get(r) for r in ids]
+    reason = [prompts.reason.get(r) for r in ids]
+    frame = frame.with_columns(
+        pl.Series("prompt", [None if prompt_ref else q for q in question], dtype=pl.String),
+        pl.Series("prompt_sha256", [sha256_text(q) for q in question], dtype=pl.String),
+        pl.Series("prompt_ref", [f"{prompt_ref}#run_id={r}" if prompt_ref and q is not None else None
+                                 for r, q in zip(ids, question, strict=True)], dtype=pl.String),
+        pl.Series("reason_prompt", [None if prompt_ref else t for t in reason], dtype=pl.String),
+        pl.Series("reason_prompt_sha256", [sha256_text(t) for t in reason], dtype=pl.String),
+        pl.lit(prompts.missing, dtype=pl.String).alias("prompt_missing"),
+        pl.col("rationale_token_ids").list.len().cast(pl.Int32).alias("rationale_tokens"),
+        ((pl.col("choice") == pl.col("gold")).fill_null(False)
+         & ~(pl.col("abstained").fill_null(False) & pl.col("catalog").is_in(list(abstaining)))).alias("correct"),
+        (~pl.col("run_id").is_in(list(excluded))).alias("scored"),
+        pl.col("gated").fill_null(False), pl.col("folded").fill_null(False))
+    return frame.select([pl.col(c).cast(t) for c, t in SAMPLES_SCHEMA.items()])
+
+
+def render_prompts(engine: Any, rows: Sequence[Any], *, render: Any, fewshot: Any, gated: set[str]) -> RenderedPrompts:
+    """The exact fast-pass and rationale texts, as `tasks.capture` builds them for the engine."""
+    from jex.tasks.capture.engine_calls import question_prompts, reason_prompts
+
+    question = {r.run_id: r.prompt for r in question_prompts(engine, rows, render, fewshot)}
+    thinking = [r for r in rows if r.run_id in gated]
+    reason = dict(zip([r.run_id for r in thinking], reason_prompts(engine, thinking, render), strict=True))
+    return RenderedPrompts(question, reason)
+
+
+def tokenizer_engine(engine_spec: Any) -> Any:
+    """A tokenizer-only engine (chat template + renderer) for the campaign's model, without the weights."""
+    from transformers import AutoTokenizer
+
+    from jex.engine.base import TokenizedEngine
+    from jex.engine.models import resolve_model
+
+    eng = TokenizedEngine()
+    eng.tokenizer = AutoTokenizer.from_pretrained(resolve_model(engine_spec.model, Path(engine_spec.cache_dir)).path)
+    return eng
+
+
+def campaign_prompts(art: StageArtifacts, engine_spec: Any, store: Any, rows: Sequence[Any],
+                     gated: set[str]) -> RenderedPrompts:
+    """Render the run's prompts with its own RenderSpec and few-shot pool; null + reason when the
+    model's tokenizer is not available on this machine."""
+    from jex.tasks.capture.stages import fewshot_pool
+
+    try:
+        eng = tokenizer_engine(engine_spec)
+    except Exception as e:  # noqa: BLE001 - any failure to load the tokenizer means the same: no prompt here
+        why = f"the tokenizer of model {engine_spec.model or 'embedded SmolLM2'} is not available here: " \
+              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return RenderedPrompts({}, {}, why)
+    return render_prompts(eng, rows, render=engine_spec.render, fewshot=fewshot_pool(art.bundle, store, engine_spec),
+                          gated=gated)
+
+
+def write_samples(run_dir: Path, summaries: dict[str, Any], spec: dict[str, Any], *,
+                  prompts: PromptMode = "full") -> Path:
+    """`samples.parquet` of a finished campaign (`summaries`: the flow's stage summaries; `spec`: its
+    CampaignSpec as JSON). With `prompts="sha256"` the texts go to the store and the run keeps hashes."""
+    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.tasks.capture.stages import _as_rows, _bundle_rows
+    from jex.tasks.cpu_stages import _suite
+    from jex.tasks.store import LocalStore, write_parquet
+
+    art = StageArtifacts.from_summaries(summaries)
+    store = LocalStore(spec["store"])
+    engine_spec = EngineSpec.model_validate(spec["engine"])
+    bundle_rows = _bundle_rows(art.bundle, store)
+    bundle_rows = bundle_rows.join(bundle_metadata(art.bundle, store), on="run_id", how="left",
+                                   maintain_order="left")
+    gated = pl.read_parquet(art.gated)
+    rendered = campaign_prompts(art, engine_spec, store, _as_rows(bundle_rows), set(gated["run_id"].to_list()))
+    ref = None
+    if prompts == "sha256" and rendered.missing is None:
+        ref = str(store_prompts(store.root, art.bundle["sha256"], engine_spec, rendered))
+    catalogs = _suite(art.bundle).spec.catalogs
+    excluded = {rid for c in catalogs for rid in c.exclusions}
+    frame = build_samples(bundle_rows, capture=pl.read_parquet(art.capture), gated=gated,
+                          reasoned=pl.read_parquet(art.reasoned), folded=pl.read_parquet(art.folded),
+                          predictions=pl.read_parquet(art.predictions), prompts=rendered, excluded=excluded,
+                          prompt_ref=ref, abstaining=frozenset(c.id for c in catalogs if "abstain" in c.secondary))
+    out = Path(run_dir) / SAMPLES_FILE
+    write_parquet(frame, out)
+    return out
+
+
+def bundle_metadata(bundle: dict[str, Any], store: Any) -> pl.DataFrame:
+    """run_id and the row's metadata (JSON text) from the bundle."""
+    from jex.tasks.capture.bundle import open_bundle
+
+    opened = open_bundle(bundle["bundle"], store.root / "bundle" / bundle["key"] / "extracted")
+    return opened.rows(["run_id", "metadata"])
+
+
+def store_prompts(root: Path, bundle_sha256: str, engine_spec: Any, rendered: RenderedPrompts) -> Path:
+    """The prompt texts, once per (bundle, render, model), at `<store>/prompts/<key>/prompts.parquet`."""
+    from jex.engine.models import resolve_model, weights_sha256
+    from jex.tasks.store import write_parquet
+
+    weights = weights_sha256(resolve_model(engine_spec.model, Path(engine_spec.cache_dir)).path)
+    key = hashlib.sha256(json.dumps({"bundle": bundle_sha256, "render": engine_spec.render.fingerprint(),
+                                     "weights": weights}, sort_keys=True).encode()).hexdigest()[:32]
+    path = root / "prompts" / key / "prompts.parquet"
+    if not path.exists():
+        ids = list(rendered.question)
+        write_parquet(pl.DataFrame({"run_id": ids, "prompt": [rendered.question[r] for r in ids],
+                                    "reason_prompt": [rendered.reason.get(r) for r in ids]},
+                                   schema={"run_id": pl.String, "prompt": pl.String, "reason_prompt": pl.String}),
+                      path)
+    return path
+
+
+def resolve_prompt_ref(ref: str) -> tuple[str | None, str | None]:
+    """(prompt, reason_prompt) behind a `prompt_ref` (`PATH#run_id=ID`); an InputError when it is gone."""
+    path, _, rid = ref.partition("#run_id=")
+    if not Path(path).exists():
+        raise InputError("the prompts file this samples record points at is gone", file=path)
+    hit = pl.read_parquet(path).filter(pl.col("run_id") == rid)
+    if hit.height != 1:
+        raise InputError(f"no prompt for run_id '{rid}'", file=path, field="run_id")
+    return hit["prompt"][0], hit["reason_prompt"][0]
+
+
+def read_samples(run_dir: str | Path) -> pl.DataFrame:
+    """`samples.parquet` of a run folder; an InputError naming the folder when it has none."""
+    path = Path(run_dir) / SAMPLES_FILE
+    if not Path(run_dir).is_dir():
+        raise InputError("not a run folder", file=str(run_dir))
+    if not path.exists():
+        raise InputError(f"no {SAMPLES_FILE} in this run folder (written by the report step of `jex run`; "
+                         "run `jex run --resume RUN` to add it)", file=str(path))
+    frame = pl.read_parquet(path)
+    missing = [c for c in SAMPLES_SCHEMA if c not in frame.columns]
+    if missing:
+        raise InputError(f"not a jex samples record: columns {missing} are missing", file=str(path))
+    return frame
+
+
+def select_samples(frame: pl.DataFrame, *, catalog: str | None = None, wrong: bool = False,
+                   run_ids: Sequence[str] = (), limit: int | None = None) -> pl.DataFrame:
+    """Rows of a samples record: one catalog, only the wrong ones, given run_ids, the first `limit`."""
+    if catalog is not None:
+        known = sorted(set(frame["catalog"].to_list()))
+        if catalog not in known:
+            raise InputError(f"no catalog '{catalog}' in this run (catalogs: {known})", field="catalog")
+        frame = frame.filter(pl.col("catalog") == catalog)
+    if run_ids:
+        unknown = sorted(set(run_ids) - set(frame["run_id"].to_list()))
+        if unknown:
+            raise InputError(f"run_id(s) {unknown[:5]} are not in this run", field="run_id")
+        frame = frame.filter(pl.col("run_id").is_in(list(run_ids)))
+    if wrong:
+        frame = frame.filter(pl.col("scored") & ~pl.col("correct"))
+    return frame.head(limit) if limit is not None else frame
+
+
+def _dist(labels: Sequence[str], values: Sequence[float] | None, *, log: bool) -> str:
+    if values is None:
+        return "-"
+    import math
+
+    return "  ".join(f"{lab} {math.exp(v) if log else v:.3f}" for lab, v in zip(labels, values, strict=True))
+
+
+def format_sample(r: dict[str, Any], *, prompt: bool = False) -> str:
+    """One sample, readably: verdict, the readouts as probabilities, the rationale, decisions, [prompt]."""
+    labels = r["labels"]
+
+    def lab(i: int | None) -> str:
+        return "-" if i is None else labels[i]
+
+    verdict = "excluded" if not r["scored"] else ("right" if r["correct"] else "WRONG")
+    head = (f"{r['run_id']}  [{r['catalog']}, question {r['question_id']}]  choice {lab(r['choice'])}  "
+            f"gold {lab(r['gold'])}  {verdict}  (decided by {r['decided_by']})")
+    lines = [head]
+    lines += [f"  {label}. {option}" for label, option in zip(labels, r["options"], strict=True)]
+    lines.append(f"  fast pass   {_dist(labels, r['label_logprobs'], log=True)}   -> {lab(r['fast_choice'])}"
+                 + (f"   refused: {r['fast_refusal']}" if r["fast_refusal"] else ""))
+    if r["gated"]:
+        lines.append(f"  gated (margin {r['gate_margin']:.3f}); rationale, {r['rationale_tokens']} tokens, "
+                     f"{r['finish_reason']}:")
+        lines += [f"    | {line}" for line in (r["rationale"] or "").strip().splitlines() or [""]]
+        lines.append(f"  after it    {_dist(labels, r['post_logprobs'], log=True)}"
+                     + (f"   refused: {r['reason_refusal']}" if r["reason_refusal"] else ""))
+        lines.append(f"  folded      {_dist(labels, r['folded_logprobs'], log=True)}" if r["folded"]
+                     else "  not folded (no post-thought readout)")
+    lines.append(f"  final       {_dist(labels, r['final_probs'], log=False)}")
+    if prompt:
+        text, why = r["prompt"], r["prompt_missing"]
+        if text is None and r["prompt_ref"]:
+            text = resolve_prompt_ref(r["prompt_ref"])[0]
+        lines.append("  prompt (what the engine read):" if text is not None else f"  prompt: not recorded ({why})")
+        lines += [f"    > {line}" for line in (text or "").splitlines()]
+        thought = r["reason_prompt"] if r["prompt"] is not None or not r["prompt_ref"] else \
+            resolve_prompt_ref(r["prompt_ref"])[1]
+        if r["gated"] and thought is not None:
+            lines.append("  rationale prompt:")
+            lines += [f"    > {line}" for line in thought.splitlines()]
+    return "\n".join(lines)

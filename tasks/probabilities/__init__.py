@@ -1,0 +1,1 @@
+"""From fast-pass readouts to calibrated probabilities: coverage gate, fold, temperature scaling."""

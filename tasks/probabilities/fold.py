@@ -1,0 +1,159 @@
+"""Fold: the post-thought readout folded into the fast-pass probabilities, and its dry-run counters.
+
+Rules (documented in docs/stages.md):
+    replace   log p = log p_post
+    mix       log p = normalise((1 - w) * log p_fast + w * log p_post)   (log-linear pool, weight w)
+Rows that were not gated keep their fast-pass probabilities. A gated row without a post-thought
+readout (refused) keeps them too and is counted `fold_missing`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import polars as pl
+
+from jex.errors import JexError
+from jex.tasks.scoring.bootstrap_ci import paired_bootstrap_ci
+from jex.tasks.scoring.index import catalog_chances, scored_frame, skill_of
+from jex.tasks.scoring.inputs import ScoreSpec
+
+FoldRule = Literal["replace", "mix"]
+
+
+def argmax(lp: list[float] | None) -> int | None:
+    """Choice of a readout: the highest log-prob, ties to the lowest index."""
+    if lp is None:
+        return None
+    return max(range(len(lp)), key=lambda i: (lp[i], -i))
+
+
+def fold_logprobs(fast: list[float], post: list[float], *, rule: FoldRule, weight: float) -> list[float]:
+    if rule == "replace":
+        return list(post)
+    mixed = [(1 - weight) * a + weight * b for a, b in zip(fast, post, strict=True)]
+    top = max(mixed)
+    lse = top + math.log(math.fsum(math.exp(x - top) for x in mixed))
+    return [x - lse for x in mixed]
+
+
+def fold_predictions(panel: pl.DataFrame, reasoned: pl.DataFrame, gated: pl.DataFrame, *, rule: FoldRule = "mix",
+                     weight: float = 0.5) -> pl.DataFrame:
+    """Per row: fast and folded log-probs and choices, and whether the row was gated / folded.
+
+    `panel`: run_id, logprobs (fast pass), in suite order. `reasoned`: run_id, post_logprobs.
+    """
+    if not 0 <= weight <= 1:
+        raise ValueError(f"fold weight must be in [0, 1], got {weight}")
+    unmatched = reasoned.join(panel, on="run_id", how="anti").height + reasoned.join(gated, on="run_id",
+                                                                                     how="anti").height
+    if unmatched:
+        raise ValueError(f"{unmatched} reasoned row(s) are not gated panel rows: the capture and the gate disagree")
+    post = dict(zip(reasoned["run_id"].to_list(), reasoned["post_logprobs"].to_list(), strict=True))
+    gated_ids = set(gated["run_id"].to_list())
+    folded_lp, is_folded = [], []
+    for rid, lp in zip(panel["run_id"].to_list(), panel["logprobs"].to_list(), strict=True):
+        p = post.get(rid)
+        if rid in gated_ids and p is not None and lp is not None:
+            folded_lp.append(fold_logprobs(lp, p, rule=rule, weight=weight))
+            is_folded.append(True)
+        else:
+            folded_lp.append(lp)
+            is_folded.append(False)
+    return panel.select("run_id", "logprobs").with_columns(
+        pl.Series("folded_logprobs", folded_lp, dtype=pl.List(pl.Float64)),
+        pl.col("run_id").is_in(list(gated_ids)).alias("gated"),
+        pl.Series("folded", is_folded, dtype=pl.Boolean),
+        pl.Series("fast_choice", [argmax(x) for x in panel["logprobs"].to_list()], dtype=pl.Int32),
+        pl.Series("choice", [argmax(x) for x in folded_lp], dtype=pl.Int32))
+
+
+def fold_counters(rows: pl.DataFrame, folded: pl.DataFrame, reasoned: pl.DataFrame, spec: ScoreSpec, *,
+                  draws: int, seed: int) -> dict[str, Any]:
+    """The dry-run counters: overall and per catalog, with the paired bootstrap of the index delta.
+
+    The fold changes choices, so its counters and delta are measured by accuracy whatever each
+    catalog's scoring kind (the score stage applies the kinds)."""
+    spec = spec.as_accuracy()
+    df = rows.join(folded, on="run_id", how="left", maintain_order="left").with_columns(
+        fast_ok=(pl.col("fast_choice") == pl.col("gold")).fill_null(False),
+        ok=(pl.col("choice") == pl.col("gold")).fill_null(False))
+    reasoned_ok = reasoned.filter(pl.col("refusal").is_null()).height
+
+    def counts(d: pl.DataFrame) -> dict[str, Any]:
+        gated = d.filter(pl.col("gated"))
+        wrong_before = gated.filter(~pl.col("fast_ok")).height
+        fixed = gated.filter(~pl.col("fast_ok") & pl.col("ok")).height
+        flipped = gated.filter(pl.col("fast_ok") & ~pl.col("ok")).height
+        return {"panel_rows": d.height, "gated": gated.height, "folded": gated.filter(pl.col("folded")).height,
+                "fold_missing": gated.filter(~pl.col("folded")).height, "fixed": fixed, "flipped": flipped,
+                "gated_wrong_before": wrong_before, "fix_rate": fixed / wrong_before if wrong_before else None,
+                "baseline_acc": d["fast_ok"].mean(), "policy_acc": d["ok"].mean()}
+
+    overall = counts(df)
+    overall["reasoned"] = reasoned_ok
+    fast = df.select("run_id", choice="fast_choice")
+    pol = df.select("run_id", "choice")
+    base_frame, pol_frame = scored_frame(rows, fast, spec), scored_frame(rows, pol, spec)
+    chance = catalog_chances(base_frame, spec)
+    ci = paired_bootstrap_ci(base_frame, pol_frame, spec, chance, draws=draws, seed=seed)
+    per_catalog = {}
+    for c in spec.catalogs:
+        sub = counts(df.filter(pl.col("catalog") == c.id))
+        sub["delta_skill"] = skill_of(sub["policy_acc"], chance[c.id]) - skill_of(sub["baseline_acc"], chance[c.id])
+        sub["delta_skill_ci"] = ci["catalogs"][c.id]
+        per_catalog[c.id] = sub
+    return {"overall": overall, "catalogs": per_catalog, "delta_full_ci": ci["full"],
+            "delta_legs_ci": ci["legs"]}
+
+
+ERROR_COUNTERS = ("context_refusals", "readout_errors", "unmatched_rows", "key_fallbacks", "batch_errors",
+                  "mechanism_failures")
+
+
+def error_counters(fast: dict[str, Any], reason: dict[str, Any], unmatched: int) -> dict[str, int]:
+    """Every error of the capture, disjoint per stage (see `docs/stages.md`); all zero on a clean run.
+
+    context_refusals: prompts that do not fit (fast pass, rationale prompts); readout_errors: fast-pass
+    rows not read for another reason; key_fallbacks: fast-pass rows whose labels were read through
+    the continuation fallback; batch_errors: rows whose engine batch still failed after retry and
+    split (both stages); mechanism_failures: rationales that could not be re-read; unmatched_rows.
+    """
+    return {"context_refusals": fast["context_refusals"] + reason["context_refusals"],
+            "readout_errors": fast["readout_errors"], "unmatched_rows": unmatched,
+            "key_fallbacks": fast["key_fallbacks"], "batch_errors": fast["batch_errors"] + reason["batch_errors"],
+            "mechanism_failures": reason["mechanism_failures"]}
+
+
+def error_rows(panel: pl.DataFrame, reasoned: pl.DataFrame, limit: int = 50) -> dict[str, list[dict[str, Any]]]:
+    """The rows behind the non-zero counters (first `limit` of each): run_id and why."""
+    refusal = pl.col("refusal")
+    fast_batch = refusal.str.starts_with("batch error").fill_null(False)
+    picks = {
+        "key_fallbacks": panel.filter(pl.col("logprobs").is_not_null() & pl.col("label_mass").is_null())
+        .select("run_id", why=pl.lit("labels read through the continuation fallback")),
+        "readout_errors": panel.filter(refusal.is_not_null() & ~refusal.str.starts_with("context") & ~fast_batch)
+        .select("run_id", why=refusal),
+        "batch_errors": pl.concat([panel.filter(fast_batch).select("run_id", why=pl.format("fast pass: {}", refusal)),
+                                   reasoned.filter(refusal.str.starts_with("batch error").fill_null(False))
+                                   .select("run_id", why=pl.format("reason: {}", refusal))]),
+        "mechanism_failures": reasoned.filter(pl.col("finish_reason").is_in(["stop", "length"])
+                                              & pl.col("post_logprobs").is_null()
+                                              & ~refusal.str.starts_with("batch error").fill_null(False))
+        .select("run_id", why=refusal.fill_null("no re-read")),
+    }
+    return {k: v.head(limit).to_dicts() for k, v in picks.items() if v.height}
+
+
+class ErrorCountersNotZero(JexError):
+    """The campaign asked for every error counter to be zero (`require_zero_errors`) and one is not."""
+
+
+def require_zero(errors: dict[str, int]) -> None:
+    """Raise `ErrorCountersNotZero` naming every non-zero counter."""
+    bad = {k: v for k, v in errors.items() if v}
+    if bad:
+        raise ErrorCountersNotZero(f"error counters must all be zero (require_zero_errors): {bad}; "
+                                   "see fold.json and report.md for the rows")
+

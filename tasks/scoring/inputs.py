@@ -1,0 +1,155 @@
+"""What scoring reads: the suite's scored rows and a predictions file, both validated.
+
+Both scorers start from these frames; nothing else is shared between them.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import polars as pl
+
+from jex.errors import InputError
+from jex.fileio import sha256_file
+from jex.suite import iter_rows, load_manifest, read_row_file
+from jex.tasks.capture.bundle import open_bundle
+
+SCORING_COLUMNS = ["run_id", "catalog", "question_id", "gold", "n_options"]
+
+
+ScoringKind = Literal["accuracy", "brier", "log_loss", "calibrated_accuracy"]
+PROBABILITY_KINDS = ("brier", "log_loss", "calibrated_accuracy")
+PROB_SUM_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class CatalogSpec:
+    id: str
+    leg: str
+    weight: float
+    chance: float | None
+    exclusions: frozenset[str] = field(default_factory=frozenset)
+    scoring: ScoringKind = "accuracy"
+    secondary: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScoreSpec:
+    """The scoring-relevant part of a suite manifest, in manifest order."""
+
+    legs: dict[str, float]
+    catalogs: tuple[CatalogSpec, ...]
+
+    @classmethod
+    def from_manifest(cls, manifest: Any) -> ScoreSpec:
+        return cls(legs=dict(manifest.legs), catalogs=tuple(
+            CatalogSpec(c.id, c.leg, c.weight, c.chance, frozenset(c.exclusions), c.scoring, tuple(c.secondary))
+            for c in manifest.catalogs))
+
+    def as_accuracy(self) -> ScoreSpec:
+        """The same suite with every catalog scored by accuracy (what decision-only counters use)."""
+        return replace(self, catalogs=tuple(replace(c, scoring="accuracy", secondary=()) for c in self.catalogs))
+
+    @property
+    def needs_probs(self) -> bool:
+        return any(c.scoring in PROBABILITY_KINDS for c in self.catalogs)
+
+
+@dataclass(frozen=True)
+class SuiteTable:
+    spec: ScoreSpec
+    rows: pl.DataFrame  # SCORING_COLUMNS, suite order
+    sha256: dict[str, str]
+
+
+def load_suite_table(source: str | Path) -> SuiteTable:
+    """Read the scored columns from a suite folder (validated row by row) or a bundle (verified)."""
+    source = Path(source)
+    if source.is_file():
+        with tempfile.TemporaryDirectory(prefix="jex-score-") as tmp:
+            bundle = open_bundle(source, tmp)
+            spec = ScoreSpec.from_manifest(bundle.suite_manifest())
+            rows = pl.scan_parquet(bundle.row_shards()).select(
+                "run_id", "catalog", "question_id", "gold",
+                pl.col("options").list.len().cast(pl.Int32).alias("n_options")).collect()
+        return SuiteTable(spec, rows, {"bundle": bundle.sha256})
+    manifest = load_manifest(source)
+    data: dict[str, list[Any]] = {c: [] for c in SCORING_COLUMNS}
+    for r in iter_rows(source, manifest):
+        for col, val in (("run_id", r.run_id), ("catalog", r.catalog), ("question_id", r.question_id),
+                         ("gold", r.gold), ("n_options", len(r.options))):
+            data[col].append(val)
+    rows = pl.DataFrame(data, schema={"run_id": pl.String, "catalog": pl.String, "question_id": pl.String,
+                                      "gold": pl.Int32, "n_options": pl.Int32})
+    files = [source / "suite.toml", *(source / f for c in manifest.catalogs for f in c.files)]
+    return SuiteTable(ScoreSpec.from_manifest(manifest), rows,
+                      {f"suite/{p.relative_to(source).as_posix()}": sha256_file(p) for p in files})
+
+
+PREDICTION_SCHEMA = {"run_id": pl.String, "choice": pl.Int32, "probs": pl.List(pl.Float64), "abstain": pl.Boolean}
+
+
+def _check_probs(probs: Any, k: int, where: dict[str, Any]) -> list[float] | None:
+    """`probs`: null or one probability per option, each in [0, 1], summing to 1 within 1e-6."""
+    if probs is None:
+        return None
+    if not isinstance(probs, list) or len(probs) != k or any(
+            isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p <= 1 for p in probs):
+        raise InputError(f"probs must be null or {k} numbers in [0, 1], one per option, got {probs!r}",
+                         field="probs", **where)
+    if abs(math.fsum(probs) - 1) > PROB_SUM_TOLERANCE:
+        raise InputError(f"probs must sum to 1 (within {PROB_SUM_TOLERANCE:g}), got {math.fsum(probs)!r}",
+                         field="probs", **where)
+    return [float(p) for p in probs]
+
+
+def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
+    """Read `run_id, choice[, probs][, abstain]` and check them against the suite rows.
+
+    Errors name the file, row and field: a duplicate or unknown run_id, a choice that is not an
+    integer or lies outside the row's options, probs that are not a distribution over the row's
+    options, an abstain flag that is not a boolean. A missing prediction is not an error: scoring
+    counts it as unsupported.
+    """
+    path = Path(path)
+    n_options = dict(zip(suite["run_id"].to_list(), suite["n_options"].to_list(), strict=True))
+    run_ids: list[str] = []
+    choices: list[int | None] = []
+    probs: list[list[float] | None] = []
+    abstain: list[bool | None] = []
+    seen: set[str] = set()
+    for line, rec in read_row_file(path):
+        where = {"file": str(path), "row": line}
+        if not isinstance(rec, dict):
+            raise InputError("a prediction must be an object with run_id and choice", **where)
+        if "run_id" not in rec:
+            raise InputError("missing run_id", field="run_id", **where)
+        if "choice" not in rec:
+            raise InputError("missing choice (use null for no answer)", field="choice", **where)
+        rid, choice = str(rec["run_id"]), rec["choice"]
+        if rid in seen:
+            raise InputError(f"duplicate prediction for run_id '{rid}'", field="run_id", **where)
+        if rid not in n_options:
+            raise InputError(f"run_id '{rid}' is not in the suite", field="run_id", **where)
+        if choice is not None:
+            if isinstance(choice, bool) or not isinstance(choice, int):
+                raise InputError(f"choice must be an option index or null, got {choice!r}", field="choice",
+                                 **where)
+            if not 0 <= choice < n_options[rid]:
+                raise InputError(f"choice {choice} out of range for {n_options[rid]} options", field="choice",
+                                 **where)
+        flag = rec.get("abstain")
+        if flag is not None and not isinstance(flag, bool):
+            raise InputError(f"abstain must be true, false or null, got {flag!r}", field="abstain", **where)
+        probs.append(_check_probs(rec.get("probs"), n_options[rid], where))
+        abstain.append(flag)
+        seen.add(rid)
+        run_ids.append(rid)
+        choices.append(choice)
+    return pl.DataFrame({"run_id": run_ids, "choice": choices, "probs": probs, "abstain": abstain},
+                        schema=PREDICTION_SCHEMA)
+
