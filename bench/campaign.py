@@ -35,22 +35,26 @@ def direct(spec) -> float:
     from jex.tasks import cpu_stages as c
     from jex.tasks.capture import stages as s
     from jex.tasks.outputs.run_folder import write_run_folder
+    from jex.tasks.records import CampaignSummaries
     from jex.tasks.store import LocalStore
 
     t0 = time.perf_counter()
     store = LocalStore(spec.store)
-    out = {"bundle": s.bundle_stage(spec.suite or sample_suite_dir(spec), store)}
-    out["fast_pass"] = s.fast_pass_stage(out["bundle"], spec.engine, store, shard_rows=spec.fast_shard_rows)
-    out["gate"] = c.gate_stage(out["bundle"], out["fast_pass"], store, coverage=spec.coverage)
-    out["reason"] = s.reason_stage(out["bundle"], out["gate"], spec.engine, store, max_tokens=spec.reason_max_tokens,
-                                   shard_rows=spec.reason_shard_rows)
-    out["fold"] = c.fold_stage(out["bundle"], out["fast_pass"], out["gate"], out["reason"], store, rule=spec.fold_rule,
-                               weight=spec.fold_weight, draws=spec.bootstrap_draws, seed=spec.bootstrap_seed)
-    out["calibrate"] = c.calibrate_stage(out["bundle"], out["fold"], store, folds=spec.calibration_folds)
+    out = CampaignSummaries()
+    out.bundle = s.bundle_stage(store, suite=spec.suite or sample_suite_dir(spec), reference=spec.reference)
+    out.fast_pass = s.fast_pass_stage(store, bundle=out.bundle, engine=spec.engine, shard_rows=spec.fast_shard_rows)
+    out.gate = c.gate_stage(store, bundle=out.bundle, fast=out.fast_pass, coverage=spec.coverage,
+                            per_catalog_cap=spec.per_catalog_cap)
+    out.reason = s.reason_stage(store, bundle=out.bundle, gate=out.gate, engine=spec.engine,
+                                max_tokens=spec.reason_max_tokens, shard_rows=spec.reason_shard_rows)
+    out.fold = c.fold_stage(store, bundle=out.bundle, fast=out.fast_pass, gate=out.gate, reason=out.reason,
+                            rule=spec.fold_rule, weight=spec.fold_weight, draws=spec.bootstrap_draws,
+                            seed=spec.bootstrap_seed)
+    out.calibrate = c.calibrate_stage(store, bundle=out.bundle, fold=out.fold, folds=spec.calibration_folds)
     rules, sha = load_rules(spec.overlays)
-    out["overlay"] = c.overlay_stage(out["calibrate"], store, rules=rules, rules_sha256=sha)
-    out["score"] = c.score_stage(out["bundle"], out["overlay"], out["fold"], store, draws=spec.bootstrap_draws,
-                                 seed=spec.bootstrap_seed)
+    out.overlay = c.overlay_stage(store, calibrated=out.calibrate, rules=rules, rules_sha256=sha)
+    out.score = c.score_stage(store, bundle=out.bundle, overlay=out.overlay, fold=out.fold,
+                              draws=spec.bootstrap_draws, seed=spec.bootstrap_seed)
     write_run_folder(Path(tempfile.mkdtemp()), out, spec.model_dump(mode="json"), {})
     return time.perf_counter() - t0
 

@@ -24,6 +24,7 @@ from jex.tasks.capture.engine_pool import EngineSpec  # noqa: E402
 from jex.tasks.capture.stages import bundle_stage  # noqa: E402
 from jex.tasks.capture.workers import run_workers  # noqa: E402
 from jex.tasks.cpu_stages import gate_stage  # noqa: E402
+from jex.tasks.records import EngineStageArgs  # noqa: E402
 from jex.tasks.store import LocalStore  # noqa: E402
 
 
@@ -34,28 +35,27 @@ def sha(path: str) -> str:
 def one_config(suite: Path, store_dir: Path, gpus: int, args: argparse.Namespace) -> dict:
     """`gpus` workers; worker i runs on device args.devices[i] (default: GPU i)."""
     store = LocalStore(store_dir)
-    bundle = bundle_stage(suite, store)
+    bundle = bundle_stage(store, suite=suite)
     engine = EngineSpec(kind="vllm", model=args.model, batch_size=args.batch, max_num_seqs=args.max_num_seqs)
-    common = {"bundle": bundle, "engine": engine.model_dump(), "store": str(store_dir)}
+    common = EngineStageArgs(bundle=bundle, engine=engine, store=str(store_dir), shard_rows=args.fast_shard)
     devices = (args.devices.split(",") if args.devices else [str(i) for i in range(args.gpus)])[:gpus]
     t0 = time.perf_counter()
-    fast = run_workers("fast_pass", {**common, "shard_rows": args.fast_shard}, workers=gpus, devices=devices)
+    fast, fast_workers = run_workers("fast_pass", common, workers=gpus, devices=devices)
     fast_wall = time.perf_counter() - t0
-    gate = gate_stage(bundle, fast, store, coverage=args.coverage)
+    gate = gate_stage(store, bundle=bundle, fast=fast, coverage=args.coverage)
     t0 = time.perf_counter()
-    reason = run_workers("reason", {**common, "gate": gate, "shard_rows": args.reason_shard,
-                                    "max_tokens": args.max_tokens}, workers=gpus, devices=devices)
+    reason, reason_workers = run_workers("reason", common.model_copy(update={
+        "gate": gate, "shard_rows": args.reason_shard, "max_tokens": args.max_tokens}), workers=gpus, devices=devices)
     reason_wall = time.perf_counter() - t0
-    fast_compute = max(w["compute_s"] for w in fast["workers"])
-    reason_compute = max(w["compute_s"] for w in reason["workers"])
-    return {"gpus": gpus, "rows": fast["rows"], "gated": gate["rows"],
-            "fast_pass": {"wall_s": fast_wall, "compute_s": fast_compute, "rows_per_s": fast["rows"] / fast_compute,
-                          "workers": fast["workers"], "capture_sha256": sha(fast["capture"])},
+    fast_compute = max(w.compute_s for w in fast_workers)
+    reason_compute = max(w.compute_s for w in reason_workers)
+    return {"gpus": gpus, "rows": fast.rows, "gated": gate.rows,
+            "fast_pass": {"wall_s": fast_wall, "compute_s": fast_compute, "rows_per_s": fast.rows / fast_compute,
+                          "workers": [w.model_dump() for w in fast_workers], "capture_sha256": sha(fast.capture)},
             "reason": {"wall_s": reason_wall, "compute_s": reason_compute,
-                       "rows_per_s": reason["rows"] / reason_compute,
-                       "workers": reason["workers"], "reasoned_sha256": sha(reason["reasoned"])},
-            "combined_rows_per_s": fast["rows"] / (fast_compute + reason_compute)}
-
+                       "rows_per_s": reason.rows / reason_compute,
+                       "workers": [w.model_dump() for w in reason_workers], "reasoned_sha256": sha(reason.reasoned)},
+            "combined_rows_per_s": fast.rows / (fast_compute + reason_compute)}
 
 def main() -> None:
     p = argparse.ArgumentParser()

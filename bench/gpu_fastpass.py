@@ -77,7 +77,7 @@ def child(args: argparse.Namespace) -> None:
     if cfg["per_prompt_tokens"]:
         per_prompt_tokenising()
     store = LocalStore(Path(args.store))
-    bundle = bundle_stage(Path(args.suite), store)
+    bundle = bundle_stage(store, suite=Path(args.suite))
     if args.kind == "hf":  # a CPU smoke run of this script's plumbing (no vLLM, no ceiling)
         spec = EngineSpec(kind="hf")
     else:
@@ -88,18 +88,19 @@ def child(args: argparse.Namespace) -> None:
     engine = get_engine(spec)
     start_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    fast = fast_pass_stage(bundle, spec, store, shard_rows=args.fast_shard)
+    fast = fast_pass_stage(store, bundle=bundle, engine=spec, shard_rows=args.fast_shard)
     fast_s = time.perf_counter() - t0
-    gate = gate_stage(bundle, fast, store, coverage=args.gated / fast["rows"])
+    gate = gate_stage(store, bundle=bundle, fast=fast, coverage=args.gated / fast.rows)
     t0 = time.perf_counter()
-    reasoned = reason_stage(bundle, gate, spec, store, max_tokens=args.max_tokens, shard_rows=args.reason_shard)
+    reasoned = reason_stage(store, bundle=bundle, gate=gate, engine=spec, max_tokens=args.max_tokens,
+                            shard_rows=args.reason_shard)
     reason_s = time.perf_counter() - t0
-    tokens = sum(len(t) for t in pl.read_parquet(reasoned["reasoned"])["token_ids"].to_list())
+    tokens = sum(len(t) for t in pl.read_parquet(reasoned.reasoned)["token_ids"].to_list())
     out = {"config": args.config, "settings": cfg, "engine_start_s": start_s,
-           "fast_pass": {"rows": fast["rows"], "seconds": fast_s, "rows_per_s": fast["rows"] / fast_s,
-                         "capture_sha256": sha256_file(fast["capture"])},
-           "reason": {"rows": reasoned["rows"], "seconds": reason_s, "tokens": tokens, "tok_per_s": tokens / reason_s,
-                      "rows_per_s": reasoned["rows"] / reason_s, "reasoned_sha256": sha256_file(reasoned["reasoned"])},
+           "fast_pass": {"rows": fast.rows, "seconds": fast_s, "rows_per_s": fast.rows / fast_s,
+                         "capture_sha256": sha256_file(fast.capture)},
+           "reason": {"rows": reasoned.rows, "seconds": reason_s, "tokens": tokens, "tok_per_s": tokens / reason_s,
+                      "rows_per_s": reasoned.rows / reason_s, "reasoned_sha256": sha256_file(reasoned.reasoned)},
            "provenance": engine.provenance()}
     if args.config == "new" and args.kind == "vllm":
         from jex.tasks.capture.stages import _as_rows, _bundle_rows

@@ -46,6 +46,7 @@ def main() -> None:
     from jex.settings import load_settings
     from jex.tasks.capture.engine_pool import EngineSpec
     from jex.tasks.capture.stages import bundle_stage, fast_pass_stage
+    from jex.tasks.records import EngineStageArgs
     from jex.tasks.store import LocalStore
 
     suite = write_sample_suite(work / "suite", rows=a.rows, seed=0)
@@ -56,9 +57,8 @@ def main() -> None:
         store = LocalStore(work / f"store-{n}")
         if first_store is not None:  # the reference the first run established travels with the campaign store
             shutil.copytree(first_store / "golden", store.root / "golden")
-        bundle = bundle_stage(suite, store)
-        args = {"bundle": bundle, "engine": engine.model_dump(mode="json"), "store": str(store.root),
-                "shard_rows": a.shard_rows}
+        bundle = bundle_stage(store, suite=suite)
+        args = EngineStageArgs(bundle=bundle, engine=engine, store=str(store.root), shard_rows=a.shard_rows)
         t0 = time.time()
         lines: list[str] = []
         spec = MachinesSpec(provider="local", workers=n, golden_rows=a.golden_rows, concurrent=not a.one_gpu)
@@ -67,7 +67,8 @@ def main() -> None:
         try:
             with fleet:
                 fleet.run_stage("fast_pass", args)
-                fast = fast_pass_stage(bundle, engine, store, shard_rows=a.shard_rows, engine_fp=fleet.engine_fp)
+                fast = fast_pass_stage(store, bundle=bundle, engine=engine, shard_rows=a.shard_rows,
+                                       engine_fp=fleet.engine_fp)
         except JobFailed as e:
             result["runs"][str(n)] = {"error": str(e), "log_tail": e.outcome.log_tail[-4000:],
                                       "report": fleet.report()}
@@ -77,9 +78,9 @@ def main() -> None:
             raise
         rep = fleet.report()
         result["runs"][str(n)] = {
-            "wall_s": round(time.time() - t0, 1), "capture_sha256": fast["sha256"],
-            "capture_file_sha256": sha256_file(fast["capture"]), "rows": fast["rows"],
-            "readout_errors": fast["readout_errors"], "engine": fleet.engine_fp,
+            "wall_s": round(time.time() - t0, 1), "capture_sha256": fast.sha256,
+            "capture_file_sha256": sha256_file(fast.capture), "rows": fast.rows,
+            "readout_errors": fast.readout_errors, "engine": fleet.engine_fp,
             "golden": [{k: g[k] for k in ("machine", "ok", "max_abs_dp", "established", "rows")}
                        for g in rep["golden"]],
             "machines": [{"id": m["machine"]["id"], "life_s": m["life_s"], "teardown": m["teardown"],

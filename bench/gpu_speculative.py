@@ -46,20 +46,21 @@ def stage_process(args: argparse.Namespace) -> None:
     store = LocalStore(work / "store")
     eng = engine(args, args.profile)
     t0 = time.perf_counter()
-    bundle = bundle_stage(suite, store)
-    fast = fast_pass_stage(bundle, eng, store, shard_rows=args.shard_rows)
+    bundle = bundle_stage(store, suite=suite)
+    fast = fast_pass_stage(store, bundle=bundle, engine=eng, shard_rows=args.shard_rows)
     t_fast = time.perf_counter() - t0
-    gate = gate_stage(bundle, fast, store, coverage=args.gated / args.rows)
+    gate = gate_stage(store, bundle=bundle, fast=fast, coverage=args.gated / args.rows)
     t1 = time.perf_counter()
-    reason = reason_stage(bundle, gate, eng, store, max_tokens=args.max_tokens, shard_rows=args.shard_rows)
+    reason = reason_stage(store, bundle=bundle, gate=gate, engine=eng, max_tokens=args.max_tokens,
+                          shard_rows=args.shard_rows)
     t_reason = time.perf_counter() - t1
-    out = {"profile": args.profile, "fast_pass": fast, "gate": gate, "reason": reason,
-           "fast_pass_wall_s": t_fast, "reason_wall_s": t_reason}
+    out = {"profile": args.profile, "fast_pass": fast.model_dump(mode="json"), "gate": gate.model_dump(mode="json"),
+           "reason": reason.model_dump(mode="json"), "fast_pass_wall_s": t_fast, "reason_wall_s": t_reason}
     if args.profile == "audit":
-        sample = proof_gate_stage(bundle, gate, store, rows=args.proof_rows)
-        out["proof_gate"] = sample
-        out["proof_base"] = reason_stage(bundle, sample, eng, store, max_tokens=args.max_tokens,
-                                         shard_rows=args.shard_rows)
+        sample = proof_gate_stage(store, bundle=bundle, gate=gate, rows=args.proof_rows)
+        out["proof_gate"] = sample.model_dump(mode="json")
+        out["proof_base"] = reason_stage(store, bundle=bundle, gate=sample, engine=eng, max_tokens=args.max_tokens,
+                                         shard_rows=args.shard_rows).model_dump(mode="json")
     (work / f"{args.profile}.json").write_text(json.dumps(out, default=str))
 
 
@@ -67,6 +68,7 @@ def workload(args: argparse.Namespace) -> dict:
     import polars as pl
 
     from jex.tasks.capture.spec_proof import prove
+    from jex.tasks.records import ReasonSummary
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -79,8 +81,10 @@ def workload(args: argparse.Namespace) -> dict:
         subprocess.run([sys.executable, __file__, "_stage", "--profile", profile, *common], check=True)
         walls[profile] = time.perf_counter() - t0
     base, spec = (json.loads((work / f"{p}.json").read_text()) for p in ("audit", "audit-ngram"))
-    all_rows = prove(spec["reason"], base["reason"], profile="audit-ngram")
-    sample = prove(spec["reason"], base["proof_base"], profile="audit-ngram")
+    spec_reason, base_reason, base_proof = (ReasonSummary.model_validate(d) for d in
+                                            (spec["reason"], base["reason"], base["proof_base"]))
+    all_rows = prove(spec_reason, base_reason, profile="audit-ngram")
+    sample = prove(spec_reason, base_proof, profile="audit-ngram")
 
     def tokens(summary: dict) -> int:
         return sum(len(t) for t in pl.read_parquet(summary["reasoned"])["token_ids"].to_list())

@@ -165,7 +165,7 @@ def upload_throughput(mib: int, work: Path) -> dict:
         t0 = time.perf_counter()
         rec = S3Store("bench", "jex", client).put_file(f, "jex/verified/artifact.bin")
         verified = time.perf_counter() - t0
-        assert rec["uploaded"]
+        assert rec.uploaded
         f.unlink()
         return {"mib": mib, "boto3_upload_file_s": round(baseline, 2), "s3store_put_file_s": round(verified, 2),
                 "boto3_mib_per_s": round(mib / baseline, 1), "s3store_mib_per_s": round(mib / verified, 1),

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from jex.sample_suite import write_sample_suite  # noqa: E402
+from jex.settings import BOOTSTRAP_SEED  # noqa: E402
 
 
 def naive_bootstrap(frame, spec, chance, draws: int, seed: int) -> list[float]:
@@ -93,7 +94,7 @@ def main() -> None:
         ci = bootstrap_ci(frame, table.spec, chance, draws=args.draws)
         res["score_and_bootstrap_seconds"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        naive = naive_bootstrap(frame, table.spec, chance, args.draws, 20260929)
+        naive = naive_bootstrap(frame, table.spec, chance, args.draws, BOOTSTRAP_SEED)
         res["naive_bootstrap_seconds"] = time.perf_counter() - t0
         res["ratio_naive_over_vectorised"] = res["naive_bootstrap_seconds"] / res["score_and_bootstrap_seconds"]
         res["ci_full_vectorised"] = ci["full"]

@@ -15,20 +15,30 @@ from __future__ import annotations
 
 import contextlib
 import io
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from jex.settings import JexSettings
+
+if TYPE_CHECKING:
+    from jex.flows.campaign import CampaignSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 POOL = "jex-orchestrator"
 FAILURE_AUTOMATION = "jex: reconcile after a failed campaign"
 
 
-def deployment_specs(settings: Any, campaign_defaults: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Name, entrypoint, default parameters and schedule of every deployment."""
-    from jex.flows.calibration import CalibrationSpec
-    from jex.flows.campaign import CampaignSpec
+def deployment_specs(settings: JexSettings, campaign_defaults: Mapping[str, Any] | None = None
+                     ) -> list[dict[str, Any]]:
+    """Name, entrypoint, default parameters and schedule of every deployment.
 
-    spec = CampaignSpec(**(campaign_defaults or {}))
+    The campaign form's defaults take the one path `jex run` takes: settings, then `campaign_defaults`
+    (`jex server start --defaults FILE`), through `campaign_spec`."""
+    from jex.flows.calibration import CalibrationSpec
+    from jex.flows.campaign import campaign_spec
+
+    spec = campaign_spec(settings, campaign_defaults or {})
     return [
         {"name": "campaign", "entrypoint": "flows/campaign.py:campaign",
          "parameters": {"spec": spec.model_dump(mode="json")},
@@ -52,13 +62,13 @@ def deployment_specs(settings: Any, campaign_defaults: dict[str, Any] | None = N
     ]
 
 
-def _experiment_defaults(spec: Any) -> dict[str, Any]:
+def _experiment_defaults(spec: CampaignSpec) -> dict[str, Any]:
     from jex.flows.experiment import ExperimentSpec
 
     return ExperimentSpec(campaign=spec, out=str(Path(spec.out) / "experiment")).model_dump(mode="json")
 
 
-def register(settings: Any, campaign_defaults: dict[str, Any] | None = None) -> dict[str, str]:
+def register(settings: JexSettings, campaign_defaults: Mapping[str, Any] | None = None) -> dict[str, str]:
     """Create the work pool (process) if missing, (re)register every deployment; returns name -> id."""
     from prefect import flow as prefect_flow
 

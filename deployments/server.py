@@ -20,15 +20,17 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from jex.deployments.register import POOL, ROOT, register
 from jex.errors import ServerError
 from jex.fileio import write_json
+from jex.settings import JexSettings
 
 
-def state_file(settings: Any) -> Path:
+def state_file(settings: JexSettings) -> Path:
     return Path(settings.infra.state_dir).resolve() / "server.json"
 
 
@@ -43,7 +45,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_bind(settings: Any) -> None:
+def check_bind(settings: JexSettings) -> None:
     """Refuse a server reachable from other machines without authentication."""
     host = settings.prefect.host
     if not is_loopback(host) and not settings.prefect.auth_string:
@@ -54,13 +56,13 @@ def check_bind(settings: Any) -> None:
         raise ServerError("JEX_PREFECT__AUTH_STRING must have the form 'user:password'")
 
 
-def client_env(settings: Any) -> dict[str, str]:
+def client_env(settings: JexSettings) -> dict[str, str]:
     """What a Prefect client of this server needs besides the URL: the basic-auth secret, if any."""
     auth = settings.prefect.auth_string
     return {"PREFECT_API_AUTH_STRING": auth.get_secret_value()} if auth else {}
 
 
-def _env(settings: Any, api_url: str) -> dict[str, str]:
+def _env(settings: JexSettings, api_url: str) -> dict[str, str]:
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": api_url,
            "PREFECT_UI_API_URL": api_url, "PREFECT_LOGGING_LEVEL": "INFO"}  # flow-run logs reach the UI
     if settings.prefect.database_url:
@@ -79,7 +81,7 @@ def healthy(api_url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def start(settings: Any, *, campaign_defaults: dict[str, Any] | None = None, worker: bool = True,
+def start(settings: JexSettings, *, campaign_defaults: Mapping[str, Any] | None = None, worker: bool = True,
           timeout: float = 180.0) -> dict[str, Any]:
     """Start server (+ worker), register everything; returns the state written to server.json."""
     check_bind(settings)
@@ -122,7 +124,7 @@ def start(settings: Any, *, campaign_defaults: dict[str, Any] | None = None, wor
     return state
 
 
-def stop(settings: Any, grace: float = 15.0) -> list[int]:
+def stop(settings: JexSettings, grace: float = 15.0) -> list[int]:
     """Stop the process groups recorded by `start` (and nothing else); returns the PIDs signalled."""
     sf = state_file(settings)
     if not sf.exists():

@@ -34,10 +34,12 @@ def make_engine(spec: str, *, model: str | Path | None = None, device: str = "cp
             raise ValueError("the vLLM engine needs --model: a dequantised bf16 model folder or a Hub id")
         if not Path(model).exists() and HUB_ID.match(str(model)):
             model = resolve_hub(str(model)).path
+        # three keyword sets, each given only when it applies (a name given twice is still an error)
+        by_dtype: dict[str, Any] = {"dtype": dtype} if dtype else {}
+        by_profile: dict[str, Any] = {"name": profile, "speculative_config": speculative} if speculative else {}
+        by_spec: dict[str, Any] = {"name": "control", "batch_invariant": False} if spec == "vllm-control" else {}
         settings = VLLMProfile(max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
                                max_num_batched_tokens=max_num_batched_tokens,
-                               max_model_len=max_model_len, **({"dtype": dtype} if dtype else {}),
-                               **({"name": profile, "speculative_config": speculative} if speculative else {}),
-                               **({"name": "control", "batch_invariant": False} if spec == "vllm-control" else {}))
+                               max_model_len=max_model_len, **by_dtype, **by_profile, **by_spec)
         return VLLMEngine(model, settings, batch_size=batch_size)
     raise ValueError(f"unknown engine {spec!r}; use one of {ENGINE_SPECS}")

@@ -51,7 +51,9 @@ class HFEngine(TokenizedEngine):
         self.speculative = _prompt_lookup(speculative)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-            self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, dtype)).to(device)
+            # transformers wraps nn.Module.to with functools.wraps; typeshed's _Wrapped does not bind `self`
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.path, dtype=getattr(torch, dtype)).to(device)  # type: ignore[arg-type]
         except (OSError, ValueError) as e:
             raise EngineDeadError(f"cannot load model from {self.path}: {e}") from e
         self.model.eval()
@@ -195,7 +197,7 @@ class HFEngine(TokenizedEngine):
         return tokens
 
     # --- provenance ------------------------------------------------------------------------------
-    def fingerprint(self) -> dict[str, Any]:
+    def identity(self) -> dict[str, Any]:
         """What fixes the function this engine computes (the cache-key part of provenance)."""
         return {"engine": "hf", "weights_sha256": self.weights_sha256, "dtype": self.dtype,
                 **({"speculative": self.speculative} if self.speculative else {}),
@@ -204,10 +206,10 @@ class HFEngine(TokenizedEngine):
                 "transformers": package_version("transformers")}
 
     def provenance(self) -> dict[str, Any]:
-        """fingerprint() plus what describes the run but not the function (paths, hardware, threads)."""
+        """identity() plus what describes the run but not the function (paths, hardware, threads)."""
         torch = self.torch
         gpu = torch.cuda.get_device_name(0) if self.device.startswith("cuda") else None
-        return {**self.fingerprint(), "model_path": str(self.path),
+        return {**self.identity(), "model_path": str(self.path),
                 "batch_invariant_method": "per-request forward (batch 1)" if self.batch_invariant else None,
                 "requested_batch_size": self.requested_batch_size, "max_context": self.max_context,
                 "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "gpu": gpu,

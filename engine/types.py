@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from jex.numerics import argmax
+
 if TYPE_CHECKING:
     from jex.engine.render import Renderer, RenderSpec
 
@@ -67,9 +69,7 @@ class Readout:
 
     @property
     def choice(self) -> int | None:
-        if self.logprobs is None:
-            return None
-        return max(range(len(self.logprobs)), key=lambda i: (self.logprobs[i], -i))
+        return argmax(self.logprobs)
 
 
 @dataclass(frozen=True)

@@ -182,19 +182,19 @@ class VLLMEngine(TokenizedEngine):
         groups: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
         for i, ids, labels in todo:
             groups.setdefault(tuple(labels), []).append((i, ids))
-        for labels, items in groups.items():
+        for label_ids, items in groups.items():
             if self.has_token_ids_api:
-                params = self.SamplingParams(temperature=0, max_tokens=1, logprob_token_ids=list(labels))
+                params = self.SamplingParams(temperature=0, max_tokens=1, logprob_token_ids=list(label_ids))
             else:
                 params = self.SamplingParams(temperature=0, max_tokens=1, logprobs=20)
             for (i, _), res in zip(items, self._run([ids for _, ids in items], params), strict=True):
                 lp = res.outputs[0].logprobs[0]
-                missing = [t for t in labels if t not in lp]
+                missing = [t for t in label_ids if t not in lp]
                 if missing:
                     results[i] = Readout(requests[i].run_id, None, None, None, ReadoutMode.LABEL_SLOT,
                                          f"label token: ids {missing} not among the returned top-k log-probs")
                     continue
-                raw = tuple(float(lp[t].logprob) for t in labels)
+                raw = tuple(float(lp[t].logprob) for t in label_ids)
                 mass = sum(2.718281828459045 ** x for x in raw)
                 results[i] = Readout(requests[i].run_id, renormalise(raw), raw, mass, ReadoutMode.LABEL_SLOT)
         return [results[i] for i in range(len(requests))]
@@ -254,16 +254,16 @@ class VLLMEngine(TokenizedEngine):
                                       tuple(getattr(lp[t], "rank", None) if t in lp else None for t in r.watch)))
         return out
 
-    def fingerprint(self) -> dict[str, Any]:
+    def identity(self) -> dict[str, Any]:
         return {"engine": "vllm", "weights_sha256": self.weights_sha256, "profile": asdict(self.profile),
                 "vllm": package_version("vllm"), "torch": package_version("torch")}
 
     def provenance(self) -> dict[str, Any]:
-        """fingerprint() plus what describes the run but not the function (paths, hardware, threads)."""
+        """identity() plus what describes the run but not the function (paths, hardware, threads)."""
         import torch
 
         env_names = sorted(k for k in os.environ if k.startswith(("VLLM_", "CUBLAS", "CUDA_VISIBLE")))
-        return {**self.fingerprint(), "model_path": str(self.path), "audited": self.profile.name == AUDIT,
+        return {**self.identity(), "model_path": str(self.path), "audited": self.profile.name == AUDIT,
                 "environment": {k: os.environ[k] for k in env_names}, "transformers": package_version("transformers"),
                 "triton": package_version("triton"), "cuda": torch.version.cuda,
                 "driver": _driver_version(),

@@ -70,25 +70,24 @@ def calibration(spec: CalibrationSpec = CalibrationSpec()) -> dict[str, Any]:  #
     suite = c.suite or sample_suite_dir(c)
     bundle = bundle_task(suite=suite, store=c.store)
     fast = fast_pass_task(bundle=bundle, engine=c.engine, store=c.store, shard_rows=c.fast_shard_rows)
-    gate = gate_stage(bundle, fast, store, coverage=spec.coverage, sample_every=spec.sample_every)
+    gate = gate_stage(store, bundle=bundle, fast=fast, coverage=spec.coverage, sample_every=spec.sample_every)
     t0 = time.perf_counter()
     reason = reason_task(bundle=bundle, gate=gate, engine=c.engine, store=c.store, max_tokens=c.reason_max_tokens,
                          shard_rows=c.reason_shard_rows)
     wall = time.perf_counter() - t0
     fold = fold_task(bundle=bundle, fast=fast, gate=gate, reason=reason, store=c.store, rule=c.fold_rule,
                      weight=c.fold_weight, draws=c.bootstrap_draws, seed=c.bootstrap_seed)
-    from jex.tasks.cpu_stages import read_json
+    from jex.fileio import read_json
 
-    counters = read_json(fold["fold_json"])["overall"]
-    fast_rate = fast["compute_seconds"] / fast["computed_rows"] if fast.get("computed_rows") else None
-    reason_rate = (reason["compute_seconds"] / reason["computed_rows"] if reason.get("computed_rows")
-                   else wall / max(reason["rows"], 1))
+    counters = read_json(fold.fold_json)["overall"]
+    fast_rate = fast.compute_seconds / fast.computed_rows if fast.computed_rows else None
+    reason_rate = reason.compute_seconds / reason.computed_rows if reason.computed_rows else wall / max(reason.rows, 1)
     if fast_rate is None:  # a fully reused capture carries no timing: use the reason stage's measure only
         fast_rate = 0.0
-    measured = {"sample_rows": gate["panel_rows"], "gated": gate["rows"], "fast_s_per_row": fast_rate,
+    measured = {"sample_rows": gate.panel_rows, "gated": gate.rows, "fast_s_per_row": fast_rate,
                 "reason_s_per_row": reason_rate, "fix_rate": counters["fix_rate"], "fixed": counters["fixed"],
                 "flipped": counters["flipped"]}
-    rows = spec.target_rows or fast["rows"]
+    rows = spec.target_rows or fast.rows
     doc = {"spec": spec.model_dump(mode="json"), "measured": measured, "projection_rows": rows,
            "projection": project(rows=rows, fast_s_per_row=fast_rate, reason_s_per_row=reason_rate,
                                  coverages=spec.coverages, price=spec.price_per_gpu_hour, gpus=spec.gpus,

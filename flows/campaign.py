@@ -7,10 +7,10 @@ Cached and an interrupted engine stage resumes at its first missing shard.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,10 +18,12 @@ from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field
 
 from jex.errors import FlowError
-from jex.fileio import write_json
-from jex.flows.fleet import GpuFleet, MachinesSpec, s3_store
+from jex.fileio import sha256_json, write_json
+from jex.flows.fleet import MachinesSpec, s3_store
+from jex.flows.runners import EngineStage, StageRunner, make_runner
 from jex.infra.s3 import checkpoint
-from jex.tasks.capture.engine_pool import CALLS, EngineSpec, audited_fingerprint
+from jex.settings import BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, JexSettings
+from jex.tasks.capture.engine_pool import CALLS, EngineSpec
 from jex.tasks.capture.spec_proof import ExactnessProof, prove, write_proof
 from jex.tasks.prefect_tasks import (
     bundle_task,
@@ -35,6 +37,7 @@ from jex.tasks.prefect_tasks import (
     report_task,
     score_task,
 )
+from jex.tasks.records import CampaignSummaries, EngineStageArgs, FinishedCampaign
 
 AUDIT_SETTINGS = {"require_zero_errors", "reference_min_agreement"}
 """Settings that decide whether a run passes, not what it computes (so not in the run's identity)."""
@@ -57,8 +60,8 @@ class CampaignSpec(BaseModel):
     fold_weight: float = Field(0.5, ge=0, le=1, description="Weight of the post-thought readout (mix)")
     calibration_folds: int = Field(5, ge=2)
     overlays: str | None = Field(None, description="Overlay rule file (TOML)")
-    bootstrap_draws: int = Field(2000, ge=1)
-    bootstrap_seed: int = 20260929
+    bootstrap_draws: int = Field(BOOTSTRAP_DRAWS, ge=1)
+    bootstrap_seed: int = BOOTSTRAP_SEED
     fast_shard_rows: int = Field(32, ge=1)
     reason_shard_rows: int = Field(8, ge=1)
     store: str = Field("runs/store", description="Artifact store folder")
@@ -78,10 +81,43 @@ class CampaignSpec(BaseModel):
         where = ("store", "out", "fast_shard_rows", "reason_shard_rows", "machines", "samples_prompts", *AUDIT_SETTINGS)
         # a scheduler limit: under the audit profile the results do not depend on it
         doc = self.model_dump(exclude={**dict.fromkeys(where, True), "engine": {"max_num_batched_tokens": True}})
-        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:10]
+        return sha256_json(doc)[:10]
 
     def run_dir(self) -> Path:
         return Path(self.out) / f"{self.name}-{self.identity()}"
+
+
+def settings_fields(settings: JexSettings) -> dict[str, Any]:
+    """The CampaignSpec fields settings decide: the engine (`JEX_ENGINE__*`), where runs go
+    (`JEX_STORE__ROOT`: run folders in ROOT, the store in ROOT/store), the bootstrap (`JEX_BOOTSTRAP_*`)
+    and where engine stages run (`JEX_INFRA__PROVIDER`)."""
+    root = Path(settings.store.root)
+    return {"engine": settings.engine.model_dump(), "out": str(root), "store": str(root / "store"),
+            "bootstrap_draws": settings.bootstrap_draws, "bootstrap_seed": settings.bootstrap_seed,
+            "machines": {"provider": settings.infra.provider}}
+
+
+def campaign_spec(settings: JexSettings, *layers: Mapping[str, Any]) -> CampaignSpec:
+    """The one way a campaign is specified: settings, then each layer in turn (a `--spec` file, the
+    command-line flags, the UI form's values). A later layer wins field by field; tables (`engine`,
+    `machines`, `engine.render`) merge. `store` follows `out` (OUT/store) unless a layer sets it.
+
+    Raises pydantic's ValidationError naming the field of a bad value."""
+    fields = settings_fields(settings)
+    for layer in layers:
+        fields = merged_fields(fields, layer)
+    if any("out" in layer for layer in layers) and not any("store" in layer for layer in layers):
+        fields["store"] = str(Path(fields["out"]) / "store")
+    return CampaignSpec.model_validate(fields)
+
+
+def merged_fields(base: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `layer` on top; a table in both is merged, any other value replaced."""
+    out = dict(base)
+    for name, value in layer.items():
+        below = out.get(name)
+        out[name] = merged_fields(below, value) if isinstance(value, Mapping) and isinstance(below, Mapping) else value
+    return out
 
 
 def sample_suite_dir(spec: CampaignSpec) -> str:
@@ -94,6 +130,51 @@ def sample_suite_dir(spec: CampaignSpec) -> str:
 
 
 STAGES = ("bundle", "fast_pass", "gate", "reason", "fold", "calibrate", "overlay", "score")
+"""The campaign's stages in order (a speculative profile adds `spec_proof_gate` and `spec_proof`)."""
+
+
+@dataclass
+class CampaignRun:
+    """One run of the campaign flow: runs its stages one by one, keeps their summaries and timings,
+    and records them in the run folder (`stages.json`) and on S3 after each."""
+
+    spec: CampaignSpec
+    run_dir: Path
+    runner: StageRunner
+    redo: list[str] = field(default_factory=list)
+    s3: Any = None
+    summaries: CampaignSummaries = field(default_factory=CampaignSummaries)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def stage(self, name: str, task: Any, *, args: EngineStageArgs | None = None,
+              engine_stage: EngineStage | None = None, audited_base: bool = False, **inputs: Any) -> Any:
+        """Run one stage task: an engine stage (`args` given) has its missing shards computed by the
+        runner first (`engine_stage`, default `name`). Returns the stage's summary."""
+        t0 = time.perf_counter()
+        if args is not None:
+            fp = self.runner.compute(engine_stage or name, args, audited_base=audited_base)  # type: ignore[arg-type]
+            if fp is not None:
+                inputs["engine_fp"] = fp
+        out = task.with_options(refresh_cache=True)(**inputs) if name in self.redo else task(**inputs)
+        if not (Path(out.folder) / "_SUCCESS.json").exists():  # Prefect cached a result the store lost
+            out = task.with_options(refresh_cache=True)(**inputs)
+        self.timings[name] = time.perf_counter() - t0
+        setattr(self.summaries, name, out)
+        write_json(self.run_dir / "stages.json", {k: {"key": v.key, "folder": v.folder,
+                                                      "seconds": round(self.timings[k], 3)}
+                                                  for k, v in self.summaries.done().items()})
+        if self.s3 is not None:  # a new orchestrator can resume from here (`jex store pull`, `jex run --resume`)
+            checkpoint(self.s3, self.run_dir, out.folder)
+        return out
+
+    def engine_args(self, stage: EngineStage, **update: Any) -> EngineStageArgs:
+        """What the runner needs to compute `stage` for this campaign (`update`: e.g. another engine)."""
+        spec, s = self.spec, self.summaries
+        args: dict[str, Any] = {"bundle": s.bundle, "engine": spec.engine, "store": spec.store,
+                                "shard_rows": spec.fast_shard_rows}
+        if stage == "reason":
+            args |= {"shard_rows": spec.reason_shard_rows, "gate": s.gate, "max_tokens": spec.reason_max_tokens}
+        return EngineStageArgs.model_validate(args | update)
 
 
 @flow(name="campaign", log_prints=True, persist_result=True)
@@ -106,122 +187,100 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[str] | None = None)
     run_dir = spec.run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "campaign.json").write_text(spec.model_dump_json(indent=2))
-    store = spec.store
-    timings: dict[str, float] = {}
     redo = list(redo or [])
-    unknown = set(redo) - set(STAGES)
-    if unknown:
+    if unknown := set(redo) - set(STAGES):
         raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages are {list(STAGES)}")
     retired = retire_stages(run_dir, redo)
     if retired:
         print(f"retry: set aside {len(retired)} stage folder(s) for {redo}: {retired}")
-    s: dict[str, Any] = {}
-    s3 = s3_store()
-
-    def timed(name: str, fn: Any, remote: dict[str, Any] | None = None, machine_stage: str | None = None,
-              audited_base: bool = False, **kw: Any) -> dict[str, Any]:
-        """Run one stage (its missing shards first on the machines, when `remote` args are given).
-
-        `machine_stage` is the engine stage the machines run (default: `name`); `audited_base` says the
-        stage's engine is the campaign engine under the plain audit profile."""
-        t0 = time.perf_counter()
-        if fleet and remote is not None:
-            fp = audited_fingerprint(fleet.engine_fp) if audited_base and fleet.engine_fp else None
-            fleet.run_stage(machine_stage or name, remote, engine_fp=fp)
-            # measured on the machines (None: every shard was already here)
-            kw["engine_fp"] = fp or fleet.engine_fp
-        out = fn.with_options(refresh_cache=True)(**kw) if name in redo else fn(**kw)
-        if not (Path(out.get("folder", "")) / "_SUCCESS.json").exists():  # Prefect cached a result the store lost
-            out = fn.with_options(refresh_cache=True)(**kw)
-        timings[name] = time.perf_counter() - t0
-        s[name] = out
-        write_json(run_dir / "stages.json", {k: {"key": v.get("key"), "folder": v.get("folder"),
-                                                 "seconds": round(timings[k], 3)} for k, v in s.items()})
-        if s3 is not None:  # a new orchestrator can resume from here (`jex store pull`, `jex run --resume`)
-            checkpoint(s3, run_dir, out.get("folder"))
-        return out
-
-    suite = spec.suite or sample_suite_dir(spec)
     if spec.reference_min_agreement is not None and not spec.reference:
         raise FlowError("reference_min_agreement is set but no reference rows are given (set `reference`)")
-    fleet = None if spec.machines.provider == "inprocess" else GpuFleet(spec.machines, campaign=run_dir.name,
-                                                                         store=store)
-    engine = spec.engine.model_dump(mode="json")
+    run = CampaignRun(spec, run_dir, make_runner(spec.machines, campaign=run_dir.name, store=spec.store), redo,
+                      s3_store())
     calls_before = dict(CALLS)
-    proof = None
-    try:
-        with fleet or contextlib.nullcontext():
-            timed("bundle", bundle_task, suite=suite, store=store, reference=spec.reference)
-            timed("fast_pass", fast_pass_task, remote={"bundle": s["bundle"], "engine": engine, "store": store,
-                                                       "shard_rows": spec.fast_shard_rows},
-                  bundle=s["bundle"], engine=spec.engine, store=store, shard_rows=spec.fast_shard_rows)
-            timed("gate", gate_task, bundle=s["bundle"], fast=s["fast_pass"], store=store, coverage=spec.coverage,
-                  per_catalog_cap=spec.per_catalog_cap)
-            timed("reason", reason_task, remote={"bundle": s["bundle"], "gate": s["gate"], "engine": engine,
-                                                 "store": store, "shard_rows": spec.reason_shard_rows,
-                                                 "max_tokens": spec.reason_max_tokens},
-                  bundle=s["bundle"], gate=s["gate"], engine=spec.engine, store=store,
-                  max_tokens=spec.reason_max_tokens, shard_rows=spec.reason_shard_rows)
-            if spec.engine.profile != "audit":
-                proof = prove_speculation(spec, s, timed)
-    finally:
-        if fleet:  # also when a machine failed, went quiet, ran out of budget or failed its golden replay
-            publish_machines(run_dir, fleet.report())
-    machines = fleet.report() if fleet else None
-    timed("fold", fold_task, bundle=s["bundle"], fast=s["fast_pass"], gate=s["gate"], reason=s["reason"], store=store,
-          rule=spec.fold_rule, weight=spec.fold_weight, draws=spec.bootstrap_draws, seed=spec.bootstrap_seed)
-    timed("calibrate", calibrate_task, bundle=s["bundle"], fold=s["fold"], store=store, folds=spec.calibration_folds)
-    timed("overlay", overlay_task, calibrated=s["calibrate"], store=store, rules_file=spec.overlays)
-    timed("score", score_task, bundle=s["bundle"], overlay=s["overlay"], fold=s["fold"], store=store,
-          draws=spec.bootstrap_draws, seed=spec.bootstrap_seed)
-    engine_calls = {k: CALLS[k] - calls_before.get(k, 0) for k in ("fast_pass", "reason")}
-    if fleet:  # the engines ran on the machines: count the shard jobs they computed
-        engine_calls = {k: sum(len(j["artifacts"]) for m in machines["machines"] for j in m["jobs"] if j["job"] == k)
-                        for k in ("fast_pass", "reason")}
-    write_json(run_dir / "engine_calls.json", {"redo": redo, "retired": retired, "calls": engine_calls})
+    proof = capture_stages(run)
+    decision_stages(run)
+    in_process = {k: CALLS[k] - calls_before.get(k, 0) for k in ("fast_pass", "reason")}
+    write_json(run_dir / "engine_calls.json", {"redo": redo, "retired": retired, "in_process": in_process,
+                                               "calls": run.runner.engine_calls() or in_process})
     if proof is not None:
         write_proof(run_dir, proof, fell_back=not proof.exact)
-    report_task(run_dir=str(run_dir), summaries=s, spec=spec.model_dump(mode="json"), timings=timings,
-                machines=machines)
-    upload_to_s3(run_dir, s, store)
-    errors = s["fold"]["errors"]
-    if any(errors.values()):
-        print(f"WARNING: error counters are not all zero: {errors}")
+    report_task(run_dir=str(run_dir), summaries=run.summaries, spec=spec.model_dump(mode="json"),
+                timings=run.timings, machines=run.runner.report())
+    upload_to_s3(run_dir, run.summaries, spec.store)
+    s = run.summaries.finished()
+    if any(s.fold.errors.values()):
+        print(f"WARNING: error counters are not all zero: {s.fold.errors}")
     enforce_audit(spec, s)
     print(f"run folder: {run_dir.resolve()} (retry a stage: the retry-stage deployment with this run_dir)")
     return str(run_dir)
 
 
-def prove_speculation(spec: CampaignSpec, s: dict[str, Any], timed: Any) -> ExactnessProof:
+def capture_stages(run: CampaignRun) -> ExactnessProof | None:
+    """bundle -> fast pass -> gate -> reason (-> the speculative profile's proof), the engine stages on
+    the campaign's runner; its machines are released at the end, also on failure."""
+    spec, s = run.spec, run.summaries
+    proof = None
+    try:
+        with run.runner:
+            run.stage("bundle", bundle_task, suite=spec.suite or sample_suite_dir(spec), store=spec.store,
+                      reference=spec.reference)
+            run.stage("fast_pass", fast_pass_task, args=run.engine_args("fast_pass"), bundle=s.bundle,
+                      engine=spec.engine, store=spec.store, shard_rows=spec.fast_shard_rows)
+            run.stage("gate", gate_task, bundle=s.bundle, fast=s.fast_pass, store=spec.store, coverage=spec.coverage,
+                      per_catalog_cap=spec.per_catalog_cap)
+            run.stage("reason", reason_task, args=run.engine_args("reason"), bundle=s.bundle, gate=s.gate,
+                      engine=spec.engine, store=spec.store, max_tokens=spec.reason_max_tokens,
+                      shard_rows=spec.reason_shard_rows)
+            if spec.engine.profile != "audit":
+                proof = prove_speculation(run)
+    finally:
+        if (machines := run.runner.report()) is not None:  # also when a machine failed its golden replay
+            publish_machines(run.run_dir, machines)
+    return proof
+
+
+def decision_stages(run: CampaignRun) -> None:
+    """fold -> calibrate -> overlay -> score, on this process's CPU."""
+    spec, s, store = run.spec, run.summaries, run.spec.store
+    run.stage("fold", fold_task, bundle=s.bundle, fast=s.fast_pass, gate=s.gate, reason=s.reason, store=store,
+              rule=spec.fold_rule, weight=spec.fold_weight, draws=spec.bootstrap_draws, seed=spec.bootstrap_seed)
+    run.stage("calibrate", calibrate_task, bundle=s.bundle, fold=s.fold, store=store, folds=spec.calibration_folds)
+    run.stage("overlay", overlay_task, calibrated=s.calibrate, store=store, rules_file=spec.overlays)
+    run.stage("score", score_task, bundle=s.bundle, overlay=s.overlay, fold=s.fold, store=store,
+              draws=spec.bootstrap_draws, seed=spec.bootstrap_seed)
+
+
+def prove_speculation(run: CampaignRun) -> ExactnessProof:
     """The audited base engine reasons on a sample of the gated rows; unless every token matches the
-    speculative stage's, the whole reason stage is recomputed by the base engine (s["reason"] replaced)."""
+    speculative stage's, the whole reason stage is recomputed by the base engine (its summary replaced)."""
+    spec, s = run.spec, run.summaries
     base = spec.engine.audited_base()
-    reason_args = {"bundle": s["bundle"], "engine": base.model_dump(mode="json"), "store": spec.store,
-                   "shard_rows": spec.reason_shard_rows, "max_tokens": spec.reason_max_tokens}
-    timed("spec_proof_gate", proof_gate_task, bundle=s["bundle"], gate=s["gate"], store=spec.store,
-          rows=spec.spec_proof_rows)
-    timed("spec_proof", reason_task, remote={**reason_args, "gate": s["spec_proof_gate"]}, machine_stage="reason",
-          audited_base=True, bundle=s["bundle"], gate=s["spec_proof_gate"], engine=base, store=spec.store,
-          max_tokens=spec.reason_max_tokens, shard_rows=spec.reason_shard_rows)
-    proof = prove(s["reason"], s["spec_proof"], profile=spec.engine.profile)
+    run.stage("spec_proof_gate", proof_gate_task, bundle=s.bundle, gate=s.gate, store=spec.store,
+              rows=spec.spec_proof_rows)
+    run.stage("spec_proof", reason_task, args=run.engine_args("reason", engine=base, gate=s.spec_proof_gate),
+              engine_stage="reason", audited_base=True, bundle=s.bundle, gate=s.spec_proof_gate, engine=base,
+              store=spec.store, max_tokens=spec.reason_max_tokens, shard_rows=spec.reason_shard_rows)
+    assert s.reason is not None and s.spec_proof is not None  # the reason stage ran before, spec_proof just now
+    proof = prove(s.reason, s.spec_proof, profile=spec.engine.profile)
     print(f"speculative decoding ({spec.engine.profile}): {proof.rows_checked} rows, {proof.tokens_compared} tokens "
           f"compared, {proof.rows_differing} differing" + ("" if proof.exact else
                                                           " -> falling back to the audited base profile"))
     if not proof.exact:
-        timed("reason", reason_task, remote={**reason_args, "gate": s["gate"]}, audited_base=True,
-              bundle=s["bundle"], gate=s["gate"], engine=base, store=spec.store,
-              max_tokens=spec.reason_max_tokens, shard_rows=spec.reason_shard_rows)
+        run.stage("reason", reason_task, args=run.engine_args("reason", engine=base), audited_base=True,
+                  bundle=s.bundle, gate=s.gate, engine=base, store=spec.store, max_tokens=spec.reason_max_tokens,
+                  shard_rows=spec.reason_shard_rows)
     return proof
 
 
-def enforce_audit(spec: CampaignSpec, summaries: dict[str, Any]) -> None:
+def enforce_audit(spec: CampaignSpec, summaries: FinishedCampaign) -> None:
     """After the report is written: fail the run if the spec requires zero errors or a reference
     agreement that this run does not have."""
     from jex.tasks.probabilities.fold import require_zero
 
     if spec.require_zero_errors:
-        require_zero(summaries["fold"]["errors"])
-    audit = summaries["score"].get("reference_agreement")
+        require_zero(summaries.fold.errors)
+    audit = summaries.score.reference_agreement
     if spec.reference_min_agreement is not None and (audit is None or audit < spec.reference_min_agreement):
         shown = "none (no row compared)" if audit is None else f"{audit:.4f}"
         raise FlowError(f"reference agreement {shown} is below reference_min_agreement "
@@ -259,7 +318,7 @@ def retire_stages(run_dir: Path, stages: list[str]) -> list[str]:
     return retired
 
 
-def upload_to_s3(run_dir: Path, summaries: dict[str, Any], store: str) -> None:
+def upload_to_s3(run_dir: Path, summaries: CampaignSummaries, store: str) -> None:
     """With JEX_STORE__S3_BUCKET set, copy the stage folders and the run folder to S3 (verified)."""
     from jex.settings import load_settings
 
@@ -268,7 +327,8 @@ def upload_to_s3(run_dir: Path, summaries: dict[str, Any], store: str) -> None:
         return
     from jex.infra.s3 import S3Store, sync_campaign
 
-    manifest = sync_campaign(S3Store.from_settings(settings.store, settings.infra), run_dir, summaries, Path(store))
+    folders = {name: {"folder": summary.folder} for name, summary in summaries.done().items()}
+    manifest = sync_campaign(S3Store.from_settings(settings.store, settings.infra), run_dir, folders, Path(store))
     print(f"uploaded {sum(o['uploaded'] for o in manifest['objects'])} of {len(manifest['objects'])} objects to "
           f"s3://{manifest['bucket']}/{manifest['prefix']}")
 

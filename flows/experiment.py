@@ -24,7 +24,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from jex.errors import FlowError, InputError
 from jex.flows.campaign import CampaignSpec, campaign, sample_suite_dir
 from jex.tasks.lab.arms import ArmDecl, ArmsFile, parse_arms
-from jex.tasks.lab.experiment_report import ArmRun, analyse, append_ledger, register_gate, twin_audit
+from jex.tasks.lab.experiment_report import (
+    ArmRun,
+    TwinAudit,
+    analyse,
+    append_ledger,
+    register_experiment_gate,
+    twin_audit,
+)
 
 EXAMPLE_ARMS = '''name = "sample"
 
@@ -166,35 +173,20 @@ def _sub_run(spec: CampaignSpec) -> tuple[Path, dict[str, int], float]:
 
 
 def run_twin(base: CampaignSpec, name: str, out: Path) -> tuple[Path, dict[str, int], float, str]:
-    """The base again on a store of its own, its engine stages computed by a fresh process, then the
-    campaign flow over that store. In-process campaigns: one `tasks.workers` process per stage; with
-    machines (local, ssh, ec2, command): the campaign's own fleet, whose machines are fresh processes."""
-    from jex.tasks.capture.stages import bundle_stage
-    from jex.tasks.capture.workers import run_workers
-    from jex.tasks.cpu_stages import gate_stage
-    from jex.tasks.store import LocalStore
-
-    t0 = time.perf_counter()
+    """The base again on a store of its own, its engine stages computed by fresh processes, then the
+    campaign flow over that store. In-process campaigns: one worker process per stage
+    (`MachinesSpec.fresh_processes`); with machines (local, ssh, ec2, command): the campaign's own
+    fleet, whose machines are fresh processes."""
     store = out / f"twin-{name}" / "store"
-    spec = base.model_copy(update={"store": str(store), "name": name})
-    if spec.machines.provider != "inprocess":
-        run_dir, calls, wall = _sub_run(spec)
-        return run_dir, calls, wall, str(store)
-    local = LocalStore(str(store))
-    bundle = bundle_stage(spec.suite or sample_suite_dir(spec), local)
-    engine = spec.engine.model_dump(mode="json")
-    fast = run_workers("fast_pass", {"bundle": bundle, "engine": engine, "store": str(store),
-                                     "shard_rows": spec.fast_shard_rows}, workers=1)
-    gate = gate_stage(bundle, fast, local, coverage=spec.coverage, per_catalog_cap=spec.per_catalog_cap)
-    reason = run_workers("reason", {"bundle": bundle, "gate": gate, "engine": engine, "store": str(store),
-                                    "shard_rows": spec.reason_shard_rows, "max_tokens": spec.reason_max_tokens},
-                         workers=1)
-    run_dir, calls, _ = _sub_run(spec)
-    subprocess_calls = {"fast_pass": sum(len(w.get("computed_shards") or []) for w in fast["workers"]),
-                        "reason": sum(len(w.get("computed_shards") or []) for w in reason["workers"])}
-    if any(calls.values()):
-        raise FlowError(f"twin {name}: the flow recomputed engine stages in-process ({calls})")
-    return run_dir, subprocess_calls, time.perf_counter() - t0, str(store)
+    machines = base.machines
+    if machines.provider == "inprocess":
+        machines = machines.model_copy(update={"fresh_processes": True})
+    spec = base.model_copy(update={"store": str(store), "name": name, "machines": machines})
+    run_dir, calls, wall = _sub_run(spec)
+    in_process = json.loads((run_dir / "engine_calls.json").read_text())["in_process"]
+    if any(in_process.values()):
+        raise FlowError(f"twin {name}: the flow recomputed engine stages in-process ({in_process})")
+    return run_dir, calls, wall, str(store)
 
 
 @flow(name="experiment", log_prints=True)
@@ -205,11 +197,12 @@ def experiment(spec: ExperimentSpec = ExperimentSpec()) -> str:  # noqa: B008 - 
     plan = plan_experiment(spec)
     out = Path(spec.out)
     out.mkdir(parents=True, exist_ok=True)
-    gate_sha = register_gate(plan.arms, out)
+    gate_sha = register_experiment_gate(plan.arms, out)
     print(f"gate registered: sha256 {gate_sha}")
     base_dir, base_calls, base_wall = _sub_run(plan.base)
     base = ArmRun("base", "base", base_dir, base_calls, base_wall)
-    runs, twins = [], {}
+    runs: list[ArmRun] = []
+    twins: dict[str, TwinAudit] = {}
     for p in plan.points:
         if p.kind == "twin":
             run_dir, calls, wall, store = run_twin(plan.base, p.name, out)
@@ -235,6 +228,7 @@ def experiment(spec: ExperimentSpec = ExperimentSpec()) -> str:  # noqa: B008 - 
     different = [n for n, t in twins.items() if not t["identical"]]
     if different:
         first = twins[different[0]]["first_difference"]
+        assert first is not None  # not identical: twin_audit recorded the first difference
         raise FlowError(f"twin audit: {different[0]} is not byte-identical to the base: first difference in "
                         f"{first['artifact']} at row {first['row']} (run_id {first['run_id']}, column "
                         f"{first['column']}); see {out / 'report.md'}")

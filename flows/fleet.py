@@ -14,7 +14,7 @@ import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -23,10 +23,13 @@ from jex.errors import FlowError, InfraError, JexError
 from jex.fileio import write_json
 from jex.infra.ledger import Ledger
 from jex.infra.machine import JobFailed, MachineSession, RemoteJob, stack_lock
+from jex.infra.providers import Machine
 from jex.infra.reaper import make_provider, policy_from_settings
 from jex.tasks.capture.engine_host import COMPILE_CACHE, STARTS, parse_starts
+from jex.tasks.capture.engine_pool import EngineSpec
 from jex.tasks.capture.golden import compare_golden, find_reference, store_reference
 from jex.tasks.capture.stages import stage_plan
+from jex.tasks.records import EngineStageArgs, StagePlan
 from jex.tasks.store import LocalStore
 
 ProviderName = Literal["inprocess", "local", "ssh", "ec2", "command"]
@@ -53,6 +56,8 @@ class MachinesSpec(BaseModel):
     engines_per_gpu: int = Field(1, ge=1, description="Engine processes per GPU, each a data-parallel worker; more "
                                                       "than 1 pays off when one engine leaves the GPU idle (small "
                                                       "models); their engine starts are serialised")
+    fresh_processes: bool = Field(False, description="inprocess: compute the engine stages in fresh local processes "
+                                                     "(one per worker) instead of this one (a twin audit's check)")
 
     @model_validator(mode="after")
     def _slots_need_machines(self) -> MachinesSpec:
@@ -66,13 +71,13 @@ class MachinesSpec(BaseModel):
         """Engine processes per machine."""
         return self.gpus_per_machine * self.engines_per_gpu
 
-    def host_argv(self, workdir: str, engine: dict[str, Any], *, all_slots: bool) -> list[str]:
+    def host_argv(self, workdir: str, engine: EngineSpec, *, all_slots: bool) -> list[str]:
         """The `jex stage` options that hand a job's engine work to the machine's engine hosts."""
         argv = ["--engine-host", f"{workdir}/engines", "--host-requests", "0" if self.engine_hosts else "1"]
         slots = self.slots if all_slots else 1
         if slots > 1:
             argv += ["--slots", str(slots)]
-        if str(engine.get("device", "cpu")).startswith("cuda"):  # slot s sees one GPU: s // engines_per_gpu
+        if engine.device.startswith("cuda"):  # slot s sees one GPU: s // engines_per_gpu
             argv += ["--devices", ",".join(str(s // self.engines_per_gpu) for s in range(slots))]
         return argv
 
@@ -138,21 +143,21 @@ class GpuFleet:
 
         return self.settings.infra.worker_python or (sys.executable if self.spec.provider == "local" else "python3")
 
-    def _stack(self, engine: dict[str, Any]) -> str:
-        if str(engine.get("kind", "hf")).startswith("vllm"):
+    def _stack(self, engine: EngineSpec) -> str:
+        if engine.kind.startswith("vllm"):
             from jex.tasks.capture.engine_pool import VLLM_PIN
 
             return stack_lock({"vllm": VLLM_PIN}, with_torch=False)
         return stack_lock()
 
-    def _start(self, args: dict[str, Any]) -> None:
+    def _start(self, args: EngineStageArgs) -> None:
         """Start the machines (once), each replaying the golden rows before it may run shards."""
         if self.sessions:
             return
         for i in range(self.spec.workers):
             session = MachineSession(self.provider, campaign=self.campaign, ledger=self.ledger, policy=self.policy,
                                      label=f"w{i}", python=self._python(), state_dir=self.state_dir,
-                                     stack=self._stack(args["engine"]), s3=self.s3, echo=self.echo,
+                                     stack=self._stack(args.engine), s3=self.s3, echo=self.echo,
                                      on_poll=self.on_poll, pip_args=self.settings.infra.pip_args,
                                      machine_credentials=self._machine_credentials)
             self.sessions.append(session)
@@ -160,17 +165,18 @@ class GpuFleet:
         with ThreadPoolExecutor(len(self.sessions) if self.spec.concurrent else 1) as pool:
             list(pool.map(lambda s: self._golden(s, args), self.sessions))
 
-    def _golden(self, session: MachineSession, args: dict[str, Any]) -> None:
-        rows = min(self.spec.golden_rows, args["bundle"]["rows"])
-        inbox = self.store.root / ".machines" / session.machine.id / "golden"
+    def _golden(self, session: MachineSession, args: EngineStageArgs) -> None:
+        host = _machine(session)
+        rows = min(self.spec.golden_rows, args.bundle.rows)
+        inbox = self.store.root / ".machines" / host.id / "golden"
         files = _job_files(args, inbox)
         machine = json.loads(session.provenance_file.read_text()) if session.provenance_file else None
-        cached = compile_cache_path(self.store, args["engine"], machine)
+        cached = compile_cache_path(self.store, args.engine, machine)
         brought = cached.exists()
         cache_argv = self._compile_cache_argv(cached, files)
         job = RemoteJob("golden", ["-m", "jex", "stage", "golden", "--args", "args.json", "--rows", str(rows),
                                    "--out", "golden.parquet", "--fingerprint", "fingerprint.json",
-                                   *self.spec.host_argv(session.machine.workdir, args["engine"], all_slots=False),
+                                   *self.spec.host_argv(host.workdir, args.engine, all_slots=False),
                                    *cache_argv],
                         ["golden.parquet", "fingerprint.json", COMPILE_CACHE], inbox, files=files)
         self._run(session, job)
@@ -184,23 +190,23 @@ class GpuFleet:
         with self._lock:
             self.engine_fp = self.engine_fp or fp
             if fp != self.engine_fp:
-                raise GoldenMismatch(session.machine.id, {"max_abs_dp": float("inf"), "tolerance": 0, "worst": [],
+                raise GoldenMismatch(host.id, {"max_abs_dp": float("inf"), "tolerance": 0, "worst": [],
                                                            "problems": [f"engine fingerprint {fp} differs from "
                                                                         f"{self.engine_fp}"]})
-            plan = stage_plan("fast_pass", {**args, "shard_rows": 1}, fp)
-            capture = Path(plan["folder"]) / "capture.parquet"
-            ref, source = find_reference(self.store, args["bundle"], fp, rows, str(capture))
+            plan = stage_plan("fast_pass", args.model_copy(update={"shard_rows": 1}), fp)
+            capture = Path(plan.folder) / "capture.parquet"
+            ref, source = find_reference(self.store, args.bundle, fp, rows, str(capture))
             if ref is None:
-                source = str(store_reference(self.store, args["bundle"], fp, replay))
+                source = str(store_reference(self.store, args.bundle, fp, replay))
                 verdict = {"ok": True, "rows": rows, "max_abs_dp": 0.0, "tolerance": self.spec.golden_tolerance,
                            "worst": [], "problems": [], "established": True}
             else:
                 verdict = {**compare_golden(ref, replay, self.spec.golden_tolerance).to_dict(), "established": False}
-            self.golden.append({"machine": session.machine.id, "reference": source, **verdict})
-        self.echo(f"machine {session.machine.id}: golden replay of {rows} rows: max |dp| {verdict['max_abs_dp']:.3g} "
+            self.golden.append({"machine": host.id, "reference": source, **verdict})
+        self.echo(f"machine {host.id}: golden replay of {rows} rows: max |dp| {verdict['max_abs_dp']:.3g} "
                   f"({'reference established' if verdict['established'] else 'against ' + source})")
         if not verdict["ok"]:
-            raise GoldenMismatch(session.machine.id, verdict)
+            raise GoldenMismatch(host.id, verdict)
 
     def _compile_cache_argv(self, cached: Path, files: dict[str, Path]) -> list[str]:
         """The golden job's compile-cache options: bring the store's cache for this engine when there
@@ -212,35 +218,36 @@ class GpuFleet:
             return ["--compile-cache-in", "inputs/compile-cache.tar.gz"]
         return ["--compile-cache-out", COMPILE_CACHE]
 
-    def run_stage(self, stage: str, args: dict[str, Any], engine_fp: dict[str, Any] | None = None) -> dict[str, Any]:
+    def run_stage(self, stage: str, args: EngineStageArgs, engine_fp: dict[str, Any] | None = None) -> StagePlan:
         """Compute the stage's missing shards on the machines; returns the plan (the shards are then local).
 
         `engine_fp` is the fingerprint of the engine `args` names when it is not the fleet's own (the
         audited base of a speculative profile, which the machines also serve)."""
         plan = stage_plan(stage, args, engine_fp or self.engine_fp)
-        if plan["complete"] or _all_shards(plan):  # e.g. collected by `jex infra reconcile` after a restart
+        if plan.complete or _all_shards(plan):  # e.g. collected by `jex infra reconcile` after a restart
             return plan
         self._start(args)
         plan = stage_plan(stage, args, engine_fp or self.engine_fp)
-        if plan["complete"]:
+        if plan.complete:
             return plan
         n = len(self.sessions)
 
         def one(i: int) -> None:
             session = self.sessions[i]
-            inbox = self.store.root / ".machines" / session.machine.id / stage
+            host = _machine(session)
+            inbox = self.store.root / ".machines" / host.id / stage
             job = RemoteJob(stage, ["-m", "jex", "stage", "run", stage, "--args", "args.json", "--worker", str(i),
                                     "--workers", str(n),
-                                    *self.spec.host_argv(session.machine.workdir, args["engine"], all_slots=True)],
-                            [f"store/{stage}/{plan['key']}/shards-{args['shard_rows']}/shard-*.parquet"],
+                                    *self.spec.host_argv(host.workdir, args.engine, all_slots=True)],
+                            [f"store/{stage}/{plan.key}/shards-{args.shard_rows}/shard-*.parquet"],
                             self.store.root, files=_job_files(args, inbox), strip_prefix="store/")
             self._run(session, job)  # the verified shards land in this store's stage folder
 
         with ThreadPoolExecutor(n if self.spec.concurrent else 1) as pool:
             list(pool.map(one, range(n)))
-        have = len(list(Path(plan["shards_dir"]).glob("shard-*.parquet")))
-        if have != plan["shards"]:
-            raise FlowError(f"{stage}: {have} of {plan['shards']} shards came back under key {plan['key']}; the "
+        have = len(list(Path(plan.shards_dir).glob("shard-*.parquet")))
+        if have != plan.shards:
+            raise FlowError(f"{stage}: {have} of {plan.shards} shards came back under key {plan.key}; the "
                                "machines computed a different key (engine or code differs)")
         return plan
 
@@ -251,28 +258,33 @@ class GpuFleet:
         finally:  # never in the way of the job's own outcome: an unreadable record counts no start
             text = session.read_text(f"engines/{STARTS}")
             if text is not None:
-                self.engine_starts[session.machine.id] = [s.model_dump() for s in parse_starts(text)]
+                self.engine_starts[_machine(session).id] = [s.model_dump() for s in parse_starts(text)]
 
     def report(self) -> dict[str, Any]:
-        machines = [{**s.report(), "engine_starts": len(self.engine_starts.get(s.machine.id, [])),
-                     "engine_start_records": self.engine_starts.get(s.machine.id, [])} for s in self.sessions]
+        machines = [{**s.report(), "engine_starts": len(self.engine_starts.get(_machine(s).id, [])),
+                     "engine_start_records": self.engine_starts.get(_machine(s).id, [])} for s in self.sessions]
         return {"provider": self.provider.name, "workers": self.spec.workers, "slots": self.spec.slots,
                 "engine_hosts": self.spec.engine_hosts, "golden": self.golden, "machines": machines,
                 "engine_starts": sum(m["engine_starts"] for m in machines),
                 "ledger": self.ledger.report(self.campaign)}
 
 
-def compile_cache_path(store: LocalStore, engine: dict[str, Any], machine: dict[str, Any] | None) -> Path:
+def _machine(session: MachineSession) -> Machine:
+    """The session's machine, there once `start` has run (as for every session a fleet uses)."""
+    return cast(Machine, session.machine)
+
+
+def compile_cache_path(store: LocalStore, engine: EngineSpec, machine: dict[str, Any] | None) -> Path:
     """Where the store keeps the compile cache of an engine on a kind of machine: keyed by what
     compiled code depends on (the engine fingerprint less its renderer, the scheduler's token
     budget, and from the machine's `provenance.json` its GPU models, vLLM and Python), so every
     machine of that kind and every campaign of that engine starts from it. vLLM checks its own
     cache keys again on load."""
-    from jex.tasks.capture.engine_pool import EngineSpec, fingerprint
+    from jex.tasks.capture.engine_pool import engine_fingerprint
     from jex.tasks.keys import stage_key
 
-    spec = EngineSpec.model_validate(engine)
-    fp = {k: v for k, v in fingerprint(spec).items() if k != "renderer"}
+    spec = engine
+    fp = {k: v for k, v in engine_fingerprint(spec).items() if k != "renderer"}
     machine = machine or {}
     kind = {"gpus": sorted(re.findall(r"GPU \d+: ([^(;]+?) \(", machine.get("gpus") or "")),
             "vllm": (machine.get("packages") or {}).get("vllm"), "python": machine.get("python")}
@@ -281,19 +293,20 @@ def compile_cache_path(store: LocalStore, engine: dict[str, Any], machine: dict[
     return store.root / "compile_cache" / key / COMPILE_CACHE
 
 
-def _all_shards(plan: dict[str, Any]) -> bool:
-    return len(list(Path(plan["shards_dir"]).glob("shard-*.parquet"))) == plan["shards"]
+def _all_shards(plan: StagePlan) -> bool:
+    return len(list(Path(plan.shards_dir).glob("shard-*.parquet"))) == plan.shards
 
 
-def _job_files(args: dict[str, Any], inbox: Path) -> dict[str, Path]:
+def _job_files(args: EngineStageArgs, inbox: Path) -> dict[str, Path]:
     """The stage's inputs for the job folder, with `args.json` rewritten to the machine's relative paths."""
-    files: dict[str, Path] = {"inputs/bundle.tar.gz": Path(args["bundle"]["bundle"])}
-    remote = {**args, "store": "store", "bundle": {**args["bundle"], "bundle": "inputs/bundle.tar.gz"}}
-    if "gate" in args:
-        files["inputs/gated.parquet"] = Path(args["gate"]["gated"])
-        remote["gate"] = {**args["gate"], "gated": "inputs/gated.parquet"}
+    files: dict[str, Path] = {"inputs/bundle.tar.gz": Path(args.bundle.bundle)}
+    remote = args.model_copy(update={"store": "store",
+                                     "bundle": args.bundle.model_copy(update={"bundle": "inputs/bundle.tar.gz"})})
+    if args.gate is not None:
+        files["inputs/gated.parquet"] = Path(args.gate.gated)
+        remote = remote.model_copy(update={"gate": args.gate.model_copy(update={"gated": "inputs/gated.parquet"})})
     inbox.mkdir(parents=True, exist_ok=True)
-    write_json(inbox / "args.json", json.loads(json.dumps(remote, default=str)))
+    write_json(inbox / "args.json", remote.model_dump(mode="json"))
     files["args.json"] = inbox / "args.json"
     return files
 

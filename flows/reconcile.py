@@ -76,5 +76,6 @@ def notify_failure(block: str, flow_run_id: str, report: dict[str, Any]) -> None
         run = client.read_flow_run(UUID(flow_run_id))
     subject, body = failure_notice(run.parameters, run.state_name or "failed",
                                    (run.state.message if run.state else "") or "", run.name, report)
-    Block.load(block).notify(body=body, subject=subject)
+    # prefect types load() as "value or coroutine" (sync_compatible); called from sync code, it is the block
+    Block.load(block).notify(body=body, subject=subject)  # type: ignore[union-attr]
     get_run_logger().info("failure notification sent through %s", block)

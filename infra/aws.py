@@ -1,31 +1,47 @@
-"""boto3 clients from settings: one place where credentials (secrets) meet the client, never logged.
+"""boto3 clients: one place where credentials (secrets) meet the client, never logged.
 
-Every client uses botocore's `standard` retry mode (exponential backoff with jitter, retries on
-throttling and transient errors, a retry quota), not the legacy mode boto3 defaults to.
+Every client, the orchestrator's and a machine watchdog's alike, is built by `aws_client` and uses
+botocore's `standard` retry mode (exponential backoff with jitter, retries on throttling and
+transient errors, a retry quota), not the legacy mode boto3 defaults to.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-RETRIES = {"mode": "standard", "total_max_attempts": 5}
+RETRY_MODE = "standard"
+MAX_ATTEMPTS = 5
+"""botocore's attempts per call (the first included) for the orchestrator's clients."""
+CREDENTIAL_KEYS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 
 
-def aws_client(service: str, *, region: str, endpoint_url: str | None, infra: Any) -> Any:
-    """A boto3 client for `service`; explicit keys from `JEX_INFRA__AWS_*` when set, else boto3's chain."""
+def settings_credentials(infra: Any) -> dict[str, str]:
+    """Explicit keys from `JEX_INFRA__AWS_*` when both are set; empty: boto3's own chain."""
+    if infra is None or not (infra.aws_access_key_id and infra.aws_secret_access_key):
+        return {}
+    return {"aws_access_key_id": infra.aws_access_key_id.get_secret_value(),
+            "aws_secret_access_key": infra.aws_secret_access_key.get_secret_value()}
+
+
+def aws_client(service: str, *, region: str, endpoint_url: str | None, infra: Any = None,
+               credentials: Mapping[str, str] | None = None, max_attempts: int = MAX_ATTEMPTS,
+               timeout_s: float | None = None) -> Any:
+    """A boto3 client for `service` in standard retry mode. Keys: `credentials` (e.g. a watchdog's scoped
+    ones), else those in the `infra` settings, else boto3's chain; `timeout_s` bounds connect and read."""
     import boto3
     from botocore.config import Config
 
-    kw: dict[str, Any] = {"region_name": region, "config": Config(retries=dict(RETRIES))}
+    timeouts = {"connect_timeout": timeout_s, "read_timeout": timeout_s} if timeout_s is not None else {}
+    config = Config(retries={"mode": RETRY_MODE, "total_max_attempts": max_attempts}, **timeouts)
+    keys = {k: v for k, v in (credentials or {}).items() if k in CREDENTIAL_KEYS and v}
+    kw: dict[str, Any] = {"region_name": region, "config": config, **(keys or settings_credentials(infra))}
     if endpoint_url:
         kw["endpoint_url"] = endpoint_url
-    if infra.aws_access_key_id and infra.aws_secret_access_key:
-        kw["aws_access_key_id"] = infra.aws_access_key_id.get_secret_value()
-        kw["aws_secret_access_key"] = infra.aws_secret_access_key.get_secret_value()
     return boto3.client(service, **kw)
 
 

@@ -20,18 +20,40 @@ import shlex
 import tarfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from jex.errors import InfraError
-from jex.fileio import sha256_bytes, sha256_file, write_json
+from jex.fileio import atomic_open, sha256_bytes, sha256_file, write_json
 from jex.infra.ledger import Ledger
 from jex.infra.providers import Machine, Provider
-from jex.infra.retry import Backoff, retry
+from jex.infra.records import (
+    Artifact,
+    BootInfo,
+    CollectedArtifact,
+    JobOutcome,
+    JobRecord,
+    JobStatus,
+    JobUpload,
+    Lost,
+    MachineProvenance,
+    MachineReport,
+    Marker,
+    SelfTerminated,
+    TeardownRecord,
+    Transfer,
+    WorkerStatus,
+)
+from jex.infra.retry import MACHINE_CALL, VERIFY_DOWNLOAD, Backoff, retry
 from jex.infra.shell import Shell, ShellError
 from jex.infra.watchdog import MARKER, WatchdogConfig
+
+__all__ = ["JobFailed", "JobOutcome", "MachineSession", "Policy", "RemoteJob", "adopt_artifacts", "code_bundle",
+           "self_terminated_marker", "stack_lock"]
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,31 +112,24 @@ class RemoteJob:
     def local_path(self, rel: str) -> Path:
         return Path(self.collect_to) / rel.removeprefix(self.strip_prefix)
 
-
-@dataclass
-class JobOutcome:
-    job: str
-    machine: str
-    status: str
-    """success | adopted (from S3, after the machine stopped itself) | failed | heartbeat_lost | no_marker |
-    invalid_marker | budget | unreachable | watchdog_lost | self_terminated (stopped itself, incomplete)"""
-    reason: str = ""
-    exit_code: int | None = None
-    artifacts: list[dict[str, Any]] = field(default_factory=list)
-    lost: list[dict[str, Any]] = field(default_factory=list)
-    seconds: float = 0.0
-    log_tail: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status in ("success", "adopted") and not self.lost
+    @classmethod
+    def from_record(cls, rec: JobRecord) -> RemoteJob:
+        """The job a `job.json` describes, to supervise and collect it (not to launch it again)."""
+        return cls(rec.name, [], rec.artifacts, Path(rec.collect_to), strip_prefix=rec.strip_prefix)
 
 
 class JobFailed(InfraError):
     def __init__(self, outcome: JobOutcome):
         super().__init__(f"job {outcome.job} on {outcome.machine}: {outcome.status}: {outcome.reason}"
-                         + (f"; lost {[x['path'] for x in outcome.lost]}" if outcome.lost else ""))
+                         + (f"; lost {[x.path for x in outcome.lost]}" if outcome.lost else ""))
         self.outcome = outcome
+
+
+class ChecksumMismatch(ValueError):
+    """Downloaded bytes do not match the sha256 the machine recorded."""
+
+
+ARTIFACTS = TypeAdapter(list[Artifact])
 
 
 def code_bundle(dest_dir: Path) -> tuple[Path, str]:
@@ -133,10 +148,8 @@ def code_bundle(dest_dir: Path) -> tuple[Path, str]:
     sha = sha256_bytes(data)
     out = dest_dir / f"code-{sha}.tar.gz"
     if not out.exists():
-        dest_dir.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".part")
-        tmp.write_bytes(data)
-        tmp.replace(out)
+        with atomic_open(out, "wb") as f:
+            f.write(data)
     return out, sha
 
 
@@ -180,12 +193,12 @@ class MachineSession:
         self.python = python
         self.code_dir = ""
         self.outcomes: list[JobOutcome] = []
-        self.teardown_record: dict[str, Any] | None = None
+        self.teardown_record: TeardownRecord | None = None
         self.provenance_file: Path | None = None
         self.pip_args = pip_args
         self.machine_credentials = machine_credentials
         """Credentials for the watchdog's own uploads (scoped to the campaign's prefix); sent on stdin."""
-        self.self_terminated: dict[str, Any] | None = None
+        self.self_terminated: SelfTerminated | None = None
 
     # -- life ---------------------------------------------------------------------------------------
     def __enter__(self) -> MachineSession:
@@ -220,9 +233,10 @@ class MachineSession:
                      retry_on=(ShellError,), what=f"reach {self.machine.id}")
 
     def _backoff(self, **kw: Any) -> Backoff:
-        return Backoff(**{"attempts": 5, "base_s": self.policy.backoff_s, "cap_s": 10.0, **kw})
+        """`MACHINE_CALL` with this session's base (`Policy.backoff_s`) and `kw` replaced."""
+        return replace(MACHINE_CALL, **{"base_s": self.policy.backoff_s, **kw})
 
-    def bootstrap(self) -> dict[str, Any]:
+    def bootstrap(self) -> BootInfo:
         """Upload the code bundle, the stack pins and the bootstrap script; run it (idempotent)."""
         m, sh = self.machine, self.shell
         code, sha = code_bundle(self.state_dir / "code")
@@ -236,18 +250,18 @@ class MachineSession:
         creds, poweroff = "", ""
         if self.policy.watchdog:
             cfg = self.state_dir / "watchdog" / f"{m.id}.json"
-            write_json(cfg, asdict(self.watchdog_config()))
+            write_json(cfg, self.watchdog_config().model_dump())
             sh.put(cfg, f"{m.workdir}/watchdog.json")
             creds = json.dumps(self.machine_credentials() if self.machine_credentials else {})
             if self.provider.self_shutdown == "poweroff":
                 poweroff = f"JEX_POWEROFF_AFTER_S={int(self.policy.machine_ttl_s())} "
         out = sh.run(f"{poweroff}JEX_PIP_ARGS={shlex.quote(self.pip_args)} bash {wd}/bootstrap.sh {wd} {sha} "
                      f"{shlex.quote(self.python_hint)}", timeout=self.policy.boot_timeout_s, input=creds + "\n")
-        boot = json.loads(out.stdout.strip().splitlines()[-1])
-        self.python, self.code_dir = boot["python"], boot["code"]
+        boot = BootInfo.model_validate_json(out.stdout.strip().splitlines()[-1])
+        self.python, self.code_dir = boot.python, boot.code
         self.provenance_file = self.state_dir / "machines-provenance" / f"{m.id}.json"
         sh.get(f"{m.workdir}/provenance.json", self.provenance_file)
-        self.echo(f"machine {m.id}: bootstrapped (stack {boot['stack']}, code {sha[:12]})")
+        self.echo(f"machine {m.id}: bootstrapped (stack {boot.stack}, code {sha[:12]})")
         return boot
 
     def watchdog_config(self) -> WatchdogConfig:
@@ -262,10 +276,11 @@ class MachineSession:
             endpoint_url=s3.client.meta.endpoint_url if s3 else None,
             region=s3.client.meta.region_name if s3 else "us-east-1")
 
-    def teardown(self, reason: str) -> dict[str, Any]:
-        """Delete the machine, retrying until the provider says it is gone; close its ledger entry."""
+    def teardown(self, reason: str) -> TeardownRecord | None:
+        """Delete the machine, retrying until the provider says it is gone; close its ledger entry.
+        None when there was no machine; the first record again when it was torn down before."""
         if self.machine is None or self.teardown_record is not None:
-            return self.teardown_record or {}
+            return self.teardown_record
         m, t0 = self.machine, time.time()
         if self.shell is not None:
             self.shell.close()
@@ -285,14 +300,14 @@ class MachineSession:
                              "`jex infra reconcile` will retry") from e
         ended = time.time()
         if self.self_terminated is not None:  # the machine stopped itself (its watchdog); it cost until then
-            reason = f"self-terminated: {self.self_terminated.get('reason', '')}"
-            ended = float(self.self_terminated.get("time") or ended)
+            reason = f"self-terminated: {self.self_terminated.reason}"
+            ended = self.self_terminated.time or ended
         self.ledger.close(m.id, reason, ended)
         entry = self.ledger.get(m.id)
-        self.teardown_record = {"machine": m.id, "reason": reason, "attempts": attempts,
-                                "teardown_s": round(time.time() - t0, 3),
-                                "life_s": round(entry.seconds(), 3) if entry else None,
-                                "cost_usd": round(entry.cost(), 6) if entry else None}
+        self.teardown_record = TeardownRecord(machine=m.id, reason=reason, attempts=attempts,
+                                              teardown_s=round(time.time() - t0, 3),
+                                              life_s=round(entry.life_s(), 3) if entry else None,
+                                              cost_usd=round(entry.cost(), 6) if entry else None)
         self.echo(f"machine {m.id}: deleted after {attempts} attempt(s) ({reason})")
         return self.teardown_record
 
@@ -315,10 +330,10 @@ class MachineSession:
         for name, local in job.files.items():
             sh.put(local, f"{rd}/{_safe_rel(name)}")
         record = self.state_dir / "jobs" / f"{self.machine.id}-{job.name}.json"
-        write_json(record, {"name": job.name, "campaign": self.campaign, "machine": self.machine.id,
-                            "collect_to": str(job.collect_to), "strip_prefix": job.strip_prefix,
-                            "artifacts": job.artifacts, "python": self.python,
-                            "code": self.code_dir, "heartbeat_timeout_s": self.policy.heartbeat_timeout_s})
+        write_json(record, JobRecord(name=job.name, campaign=self.campaign, machine=self.machine.id,
+                                     collect_to=str(job.collect_to), strip_prefix=job.strip_prefix,
+                                     artifacts=job.artifacts, python=self.python, code=self.code_dir,
+                                     heartbeat_timeout_s=self.policy.heartbeat_timeout_s).model_dump())
         sh.put(record, f"{rd}/job.json")
         cmd = " ".join(shlex.quote(a) for a in [self.python, *job.argv])
         globs = " ".join(shlex.quote(a) for a in job.artifacts)
@@ -337,12 +352,12 @@ class MachineSession:
             return None
         return out.stdout or None
 
-    def status(self, job: RemoteJob) -> dict[str, Any]:
+    def status(self, job: RemoteJob) -> WorkerStatus:
         """One poll; it also renews the machine's lease (the watchdog's dead-man's switch)."""
         guard = f" --workdir {shlex.quote(self.machine.workdir)}" if self.policy.watchdog else ""
         out = self.shell.run(self._py(f"-m jex.infra.worker_protocol status {shlex.quote(self.run_dir(job))}{guard}"),
                              timeout=60)
-        return json.loads(out.stdout)
+        return WorkerStatus.model_validate_json(out.stdout)
 
     def run(self, job: RemoteJob, *, relaunch: bool = True) -> JobOutcome:
         """Launch (unless already running), supervise to the end, collect; raises JobFailed unless all is well."""
@@ -355,6 +370,7 @@ class MachineSession:
         return outcome
 
     def supervise(self, job: RemoteJob) -> JobOutcome:
+        """Poll the job until it ends, goes quiet, dies, runs out of budget or its machine stops itself."""
         p, t0 = self.policy, time.time()
         offset, polls, unreachable_since, dead_polls = 0, 0, None, 0
         tail: list[str] = []
@@ -362,15 +378,11 @@ class MachineSession:
             polls += 1
             if self.on_poll:
                 self.on_poll(self, job, polls)
-            spent = self.ledger.total(self.campaign)
-            if spent >= p.budget_usd:
-                return self._salvage(job, "budget", f"cost budget reached: ${spent:.4f} of ${p.budget_usd:.4f}",
-                                     t0, tail)
-            if p.wall_budget_s is not None and time.time() - self.machine.created_at > p.wall_budget_s:
-                return self._salvage(job, "budget", f"wall-clock budget of {p.wall_budget_s:.0f} s reached", t0, tail)
+            if (over := self._over_budget()) is not None:
+                return self._salvage(job, "budget", over, t0, tail)
             try:
                 st = self.status(job)
-                offset = self._stream_log(job, offset, st["log_bytes"], tail)
+                offset = self._stream_log(job, offset, st.log_bytes, tail)
                 unreachable_since = None
             except (ShellError, ValueError) as e:
                 if (adopted := self._adopt(job, t0, tail)) is not None:  # it stopped itself, results in S3
@@ -381,31 +393,44 @@ class MachineSession:
                                         f"{e}", t0, tail, lost_all=True)
                 time.sleep(p.poll_s)
                 continue
-            if st.get("gone") or st.get("self_terminated"):  # its watchdog stopped it while nobody polled
-                if (adopted := self._adopt(job, t0, tail)) is not None:
-                    return adopted
-                if st.get("self_terminated"):  # the upload failed: the artifacts are still on its disk
-                    self.self_terminated = self._local_marker()
-                    return self._salvage(job, "self_terminated", "the machine's watchdog stopped it and could not "
-                                         "upload; salvaging from its disk", t0, tail)
-                return self._finish(job, "unreachable", "the machine is gone and left no SELF_TERMINATED.json in "
-                                    "S3", t0, tail, lost_all=True)
-            if st["marker"] is not None:
-                return self._collect(job, st["marker"], t0, tail)
-            if st.get("watchdog") is False:
+            if st.gone or st.self_terminated:  # its watchdog stopped it while nobody polled
+                return self._stopped_itself(job, st, t0, tail)
+            if st.marker is not None:
+                return self._collect(job, st.marker, t0, tail)
+            if st.watchdog is False:
                 return self._salvage(job, "watchdog_lost", "the machine's watchdog is not running (its dead-man's "
                                      "switch is gone); stopping the machine", t0, tail)
-            beat = (st["heartbeat"] or {}).get("time")
-            if not st["alive"]:
+            beat = st.heartbeat.time if st.heartbeat else None
+            if not st.alive:
                 dead_polls += 1
                 if dead_polls >= 2:  # twice: the marker may land between two polls
                     return self._salvage(job, "no_marker", "the worker exited without writing a marker", t0, tail)
-            elif beat is not None and st["now"] - beat > p.heartbeat_timeout_s:
+            elif beat is not None and st.now - beat > p.heartbeat_timeout_s:
                 return self._salvage(job, "heartbeat_lost",
-                                     f"no heartbeat for {st['now'] - beat:.0f} s "
-                                     f"(timeout {p.heartbeat_timeout_s:.0f} s)",
+                                     f"no heartbeat for {st.now - beat:.0f} s (timeout {p.heartbeat_timeout_s:.0f} s)",
                                      t0, tail)
             time.sleep(p.poll_s)
+
+    def _over_budget(self) -> str | None:
+        """Why the campaign's cost or this machine's wall-clock budget is spent, or None."""
+        p = self.policy
+        spent = self.ledger.total(self.campaign)
+        if spent >= p.budget_usd:
+            return f"cost budget reached: ${spent:.4f} of ${p.budget_usd:.4f}"
+        if p.wall_budget_s is not None and time.time() - self.machine.created_at > p.wall_budget_s:
+            return f"wall-clock budget of {p.wall_budget_s:.0f} s reached"
+        return None
+
+    def _stopped_itself(self, job: RemoteJob, st: WorkerStatus, t0: float, tail: list[str]) -> JobOutcome:
+        """The machine's watchdog stopped it: adopt its results from S3, else salvage them from its disk."""
+        if (adopted := self._adopt(job, t0, tail)) is not None:
+            return adopted
+        if st.self_terminated:  # the upload failed: the artifacts are still on its disk
+            self.self_terminated = self._local_marker()
+            return self._salvage(job, "self_terminated", "the machine's watchdog stopped it and could not "
+                                 "upload; salvaging from its disk", t0, tail)
+        return self._finish(job, "unreachable", "the machine is gone and left no SELF_TERMINATED.json in "
+                            "S3", t0, tail, lost_all=True)
 
     def _stream_log(self, job: RemoteJob, offset: int, size: int, tail: list[str]) -> int:
         if size <= offset:
@@ -417,42 +442,46 @@ class MachineSession:
         tail[:] = (tail + chunk.splitlines())[-40:]
         return offset + len(chunk.encode())
 
-    def _collect(self, job: RemoteJob, marker: dict[str, Any], t0: float, tail: list[str]) -> JobOutcome:
-        status = "success" if marker["ok"] else "failed"
-        reason = marker.get("reason", "") if not marker["ok"] else ""
-        if marker["ok"] and not marker.get("artifacts"):
-            status, reason = "invalid_marker", "SUCCESS marker lists no artifact"
-        outcome = JobOutcome(job.name, self.machine.id, status, reason, marker.get("exit_code"),
-                             log_tail="\n".join(tail))
-        self._download(job, marker.get("artifacts", []), outcome)
-        if status == "success" and outcome.lost:
-            outcome.status, outcome.reason = "invalid_marker", "SUCCESS marker names artifacts the machine lacks"
-        outcome.seconds = round(time.time() - t0, 3)
-        return outcome
+    def _outcome(self, job: RemoteJob, status: JobStatus, reason: str, t0: float, tail: list[str], *,
+                 transfer: Transfer | None = None, lost: list[Lost] | None = None,
+                 exit_code: int | None = None) -> JobOutcome:
+        transfer = transfer or Transfer()
+        return JobOutcome(job=job.name, machine=self.machine.id, status=status, reason=reason, exit_code=exit_code,
+                          artifacts=transfer.artifacts, lost=[*(lost or []), *transfer.lost],
+                          seconds=round(time.time() - t0, 3), log_tail="\n".join(tail))
 
-    def _salvage(self, job: RemoteJob, status: str, reason: str, t0: float, tail: list[str]) -> JobOutcome:
+    def _collect(self, job: RemoteJob, marker: Marker, t0: float, tail: list[str]) -> JobOutcome:
+        status: JobStatus = "success" if marker.ok else "failed"
+        reason = (marker.reason or "") if not marker.ok else ""
+        if marker.ok and not marker.artifacts:
+            status, reason = "invalid_marker", "SUCCESS marker lists no artifact"
+        transfer = self._download(job, marker.artifacts)
+        if status == "success" and transfer.lost:
+            status, reason = "invalid_marker", "SUCCESS marker names artifacts the machine lacks"
+        return self._outcome(job, status, reason, t0, tail, transfer=transfer, exit_code=marker.exit_code)
+
+    def _salvage(self, job: RemoteJob, status: JobStatus, reason: str, t0: float, tail: list[str]) -> JobOutcome:
         """Stop the worker, then fetch whatever artifacts exist, with checksums computed on the machine."""
         self.echo(f"machine {self.machine.id}: job {job.name}: {status}: {reason}; salvaging")
         rd = shlex.quote(self.run_dir(job))
-        outcome = JobOutcome(job.name, self.machine.id, status, reason, log_tail="\n".join(tail))
+        lost: list[Lost] = []
         try:
             self.shell.run(f"[ -f {rd}/worker.pgid ] && kill -KILL -- -$(cat {rd}/worker.pgid) 2>/dev/null; true")
             globs = " ".join(shlex.quote(a) for a in job.artifacts)
             manifest = self._py(f"-m jex.infra.worker_protocol manifest {rd} --artifacts {globs}")
-            found = json.loads(self.shell.run(manifest, timeout=600).stdout)
+            found = ARTIFACTS.validate_json(self.shell.run(manifest, timeout=600).stdout)
         except (ShellError, ValueError) as e:
-            outcome.lost.append({"path": "*", "reason": f"machine unreachable during salvage: {e}"})
+            lost.append(Lost(path="*", reason=f"machine unreachable during salvage: {e}"))
             found = []
-        self._download(job, found, outcome)
-        outcome.seconds = round(time.time() - t0, 3)
-        return outcome
+        return self._outcome(job, status, reason, t0, tail, transfer=self._download(job, found), lost=lost)
 
-    def _local_marker(self) -> dict[str, Any]:
+    def _local_marker(self) -> SelfTerminated:
         """The SELF_TERMINATED.json the watchdog left on the machine (its upload failed)."""
         try:
-            return json.loads(self.read_text(MARKER) or "")
-        except ValueError as e:
-            return {"reason": f"stopped itself (marker unreadable: {e})", "time": time.time()}
+            return SelfTerminated.model_validate_json(self.read_text(MARKER) or "")
+        except ValidationError as e:
+            return SelfTerminated(reason=f"stopped itself (marker unreadable: {e})", machine=self.machine.id,
+                                  campaign=self.campaign, time=time.time())
 
     def _adopt(self, job: RemoteJob, t0: float, tail: list[str]) -> JobOutcome | None:
         """When the machine's watchdog uploaded its results and stopped it: fetch them from S3 (verified)."""
@@ -463,55 +492,57 @@ class MachineSession:
         if doc is None:
             return None
         self.self_terminated = doc
-        self.echo(f"machine {self.machine.id}: stopped itself ({doc.get('reason')}); adopting its results from S3")
-        entry = (doc.get("jobs") or {}).get(job.name)
-        outcome = JobOutcome(job.name, self.machine.id, "self_terminated",
-                             f"machine stopped itself: {doc.get('reason')}", log_tail="\n".join(tail))
+        self.echo(f"machine {self.machine.id}: stopped itself ({doc.reason}); adopting its results from S3")
+        entry = doc.jobs.get(job.name)
+        reason = f"machine stopped itself: {doc.reason}"
         if entry is None:
-            outcome.lost.append({"path": "*", "reason": "the machine's SELF_TERMINATED.json does not list this job"})
-        else:
-            adopt_artifacts(self.s3, entry, job.local_path, outcome)
-            if entry.get("status") == "success" and not outcome.lost:
-                outcome.status = "adopted"
-        outcome.seconds = round(time.time() - t0, 3)
-        return outcome
+            return self._outcome(job, "self_terminated", reason, t0, tail, lost=[
+                Lost(path="*", reason="the machine's SELF_TERMINATED.json does not list this job")])
+        transfer = adopt_artifacts(self.s3, entry, job.local_path)
+        status: JobStatus = "adopted" if entry.status == "success" and not transfer.lost else "self_terminated"
+        return self._outcome(job, status, reason, t0, tail, transfer=transfer)
 
-    def _finish(self, job: RemoteJob, status: str, reason: str, t0: float, tail: list[str],
+    def _finish(self, job: RemoteJob, status: JobStatus, reason: str, t0: float, tail: list[str],
                 lost_all: bool = False) -> JobOutcome:
-        outcome = JobOutcome(job.name, self.machine.id, status, reason, log_tail="\n".join(tail),
-                             seconds=round(time.time() - t0, 3))
-        if lost_all:
-            outcome.lost.append({"path": "*", "reason": reason})
-        return outcome
+        return self._outcome(job, status, reason, t0, tail, lost=[Lost(path="*", reason=reason)] if lost_all else [])
 
-    def _download(self, job: RemoteJob, artifacts: list[dict[str, Any]], outcome: JobOutcome) -> None:
-        rd = self.run_dir(job)
+    def _fetch_verified(self, remote: str, local: Path, sha256: str) -> None:
+        """Download `remote` to `local`, fetched once more when the bytes do not match `sha256`; only
+        verified bytes ever carry the artifact's name."""
+        part = local.with_name(f".{local.name}.download")
+
+        def fetch() -> None:
+            self.shell.get(remote, part)
+            if sha256_file(part) != sha256:
+                part.unlink(missing_ok=True)
+                raise ChecksumMismatch("downloaded bytes do not match the marker's sha256")
+            part.replace(local)
+
+        retry(fetch, VERIFY_DOWNLOAD, retry_on=(ChecksumMismatch,), what=f"download {remote}")
+
+    def _download(self, job: RemoteJob, artifacts: list[Artifact]) -> Transfer:
+        """Fetch each artifact into the local store (sha256-verified), then upload it to S3 when there is one."""
+        rd, got, lost = self.run_dir(job), [], []
         for art in artifacts:
-            rel = _safe_rel(art["path"])
+            rel = _safe_rel(art.path)
             local = job.local_path(rel)
             try:
-                if not (local.exists() and sha256_file(local) == art["sha256"]):
-                    part = local.with_name(f".{local.name}.download")
-                    for attempt in (1, 2):
-                        self.shell.get(f"{rd}/{rel}", part)
-                        if sha256_file(part) == art["sha256"]:
-                            part.replace(local)  # only verified bytes ever carry the artifact's name
-                            break
-                        part.unlink(missing_ok=True)
-                        if attempt == 2:
-                            raise ValueError("downloaded bytes do not match the marker's sha256")
+                if not (local.exists() and sha256_file(local) == art.sha256):
+                    self._fetch_verified(f"{rd}/{rel}", local, art.sha256)
             except (FileNotFoundError, OSError, ShellError, ValueError) as e:
                 reason = ("listed by the worker but absent on the machine" if isinstance(e, FileNotFoundError)
                           else str(e))
-                outcome.lost.append({"path": rel, "reason": reason})
+                lost.append(Lost(path=rel, reason=reason))
                 continue
-            rec = {"path": rel, "sha256": art["sha256"], "bytes": art["bytes"], "local": str(local)}
+            s3_key = None
             if self.s3 is not None:
                 try:
-                    rec["s3_key"] = self._upload(local, job, rel)
+                    s3_key = self._upload(local, job, rel)
                 except Exception as e:  # noqa: BLE001 - recorded as lost from S3, the local copy stays
-                    outcome.lost.append({"path": rel, "reason": f"S3 upload failed: {e}"})
-            outcome.artifacts.append(rec)
+                    lost.append(Lost(path=rel, reason=f"S3 upload failed: {e}"))
+            got.append(CollectedArtifact(path=rel, sha256=art.sha256, bytes=art.bytes, local=str(local),
+                                         s3_key=s3_key))
+        return Transfer(artifacts=got, lost=lost)
 
     def _upload(self, local: Path, job: RemoteJob, rel: str) -> str:
         """Upload under the campaign's prefix only, retrying with backoff; verified by sha256."""
@@ -520,41 +551,48 @@ class MachineSession:
               what=f"upload {key}")
         return key
 
-    def report(self) -> dict[str, Any]:
+    def record(self) -> MachineReport:
+        """What this machine was, ran on, did and cost."""
         m = self.machine
         entry = self.ledger.get(m.id) if m else None
-        prov = json.loads(self.provenance_file.read_text()) if self.provenance_file else None
-        return {"machine": asdict(m) if m else None, "provenance": prov, "teardown": self.teardown_record,
-                "jobs": [asdict(o) for o in self.outcomes],
-                "life_s": round(entry.seconds(), 3) if entry else None,
-                "cost_usd": round(entry.cost(), 6) if entry else None}
+        prov = (MachineProvenance.model_validate_json(self.provenance_file.read_text())
+                if self.provenance_file else None)
+        return MachineReport(machine=m.model_dump() if m else None, provenance=prov, teardown=self.teardown_record,
+                             jobs=list(self.outcomes), life_s=round(entry.life_s(), 3) if entry else None,
+                             cost_usd=round(entry.cost(), 6) if entry else None)
+
+    def report(self) -> dict[str, Any]:
+        """`record` as JSON, for the flows that read it by key (`machines.json`)."""
+        return self.record().model_dump()
 
 
-
-def self_terminated_marker(s3: Any, campaign: str, machine_id: str, dest: Path) -> dict[str, Any] | None:
+def self_terminated_marker(s3: Any, campaign: str, machine_id: str, dest: Path) -> SelfTerminated | None:
     """The SELF_TERMINATED.json a machine's watchdog left in S3 (verified download), or None."""
     key = s3.key("campaigns", campaign, "machines", machine_id, MARKER)
     if s3.head(key) is None:
         return None
     s3.get_file(key, dest)
-    return json.loads(dest.read_text())
+    return SelfTerminated.model_validate_json(dest.read_text())
 
 
-def adopt_artifacts(s3: Any, entry: dict[str, Any], local_path: Callable[[str], Path], outcome: JobOutcome) -> None:
-    """Download the artifacts a watchdog uploaded (each checked against the sha256 it recorded)."""
-    for art in entry.get("artifacts", []):
-        rel = _safe_rel(art["path"])
+def adopt_artifacts(s3: Any, entry: JobUpload, local_path: Callable[[str], Path]) -> Transfer:
+    """Download the artifacts a watchdog uploaded (each checked against the sha256 it recorded); what
+    it left on the machine's disk (its upload failed) is named as lost."""
+    got, lost = [], []
+    for art in entry.artifacts:
+        rel = _safe_rel(art.path)
         local = local_path(rel)
         try:
-            if not (local.exists() and sha256_file(local) == art["sha256"]):
-                s3.get_file(art["s3_key"], local)
-                if sha256_file(local) != art["sha256"]:
+            if not (local.exists() and sha256_file(local) == art.sha256):
+                s3.get_file(art.s3_key, local)
+                if sha256_file(local) != art.sha256:
                     local.unlink(missing_ok=True)
-                    raise ValueError("the object in S3 does not match the sha256 the machine recorded")
+                    raise ChecksumMismatch("the object in S3 does not match the sha256 the machine recorded")
         except Exception as e:  # noqa: BLE001 - recorded as lost, never silently dropped
-            outcome.lost.append({"path": rel, "reason": f"adoption from S3 failed: {e}"})
+            lost.append(Lost(path=rel, reason=f"adoption from S3 failed: {e}"))
             continue
-        outcome.artifacts.append({"path": rel, "sha256": art["sha256"], "bytes": art["bytes"], "local": str(local),
-                                  "s3_key": art["s3_key"]})
-    for art in entry.get("on_disk", []):
-        outcome.lost.append({"path": art["path"], "reason": "left on the machine's disk (its upload failed)"})
+        got.append(CollectedArtifact(path=rel, sha256=art.sha256, bytes=art.bytes, local=str(local),
+                                     s3_key=art.s3_key))
+    lost += [Lost(path=art.path, reason="left on the machine's disk (its upload failed)")
+             for art in entry.on_disk or []]
+    return Transfer(artifacts=got, lost=lost)

@@ -22,9 +22,12 @@ import sys
 import time
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from jex.errors import InfraError
 from jex.infra.shell import LocalShell, Shell, ShellError, SSHShell
@@ -34,8 +37,11 @@ log = logging.getLogger(__name__)
 TAG_CAMPAIGN, TAG_MACHINE, TAG_MANAGED = "jex:campaign", "jex:machine", "jex:managed"
 
 
-@dataclass
-class Machine:
+class Machine(BaseModel):
+    """A machine as its provider describes it (`machine.json` of a host lease, a command's JSON line).
+    Fields a provider's command prints beyond these are ignored."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
     id: str
     provider: str
     campaign: str | None
@@ -43,17 +49,29 @@ class Machine:
     port: int = 22
     user: str = "root"
     workdir: str = ""
-    created_at: float = field(default_factory=time.time)
+    created_at: float = Field(default_factory=time.time)
     state: str = "running"
     host_key: str | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
+    """'TYPE BASE64' returned by the provider (e.g. from the cloud's console output)."""
+    meta: dict[str, Any] = Field(default_factory=dict)
+    """Provider-specific facts (e.g. the EC2 instance type)."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        return json.dumps(self.model_dump(), sort_keys=True)
 
-    @classmethod
-    def from_dict(cls, doc: dict[str, Any]) -> Machine:
-        return cls(**{k: v for k, v in doc.items() if k in cls.__dataclass_fields__})
+
+class SSHAuth(BaseModel):
+    """How SSH shells authenticate and pin host keys (the `SSHShell` keywords of the same names)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    key_path: Path | None = None
+    key_text: str | None = Field(default=None, repr=False)
+    """A private key's text (a secret: never logged, never written)."""
+    known_hosts: Path | None = None
+    accept_new_host_keys: bool = False
+
+    def shell(self, host: str, port: int, user: str, *, host_key: str | None = None) -> SSHShell:
+        return SSHShell(host, port, user, host_key=host_key, **self.model_dump())
 
 
 class ProviderError(InfraError):
@@ -151,7 +169,7 @@ class HostProvider(Provider):
         found = []
         for host in self.hosts:
             out = self._shell_for(host).run(_LIST.format(root=shlex.quote(self.root))).stdout
-            found += [Machine.from_dict(json.loads(line)) for line in out.splitlines() if line.strip()]
+            found += [Machine.model_validate_json(line) for line in out.splitlines() if line.strip()]
         return found
 
     def _delete(self, machine_id: str) -> None:
@@ -169,7 +187,7 @@ class LocalProvider(HostProvider):
         return LocalShell()
 
     def _machine(self, machine_id: str, campaign: str | None, host: str) -> Machine:
-        return Machine(machine_id, self.name, campaign, host="localhost", port=0, user="",
+        return Machine(id=machine_id, provider=self.name, campaign=campaign, host="localhost", port=0, user="",
                        workdir=f"{self.root}/{machine_id}/work")
 
     def shell(self, machine: Machine) -> Shell:
@@ -184,21 +202,21 @@ class SSHProvider(HostProvider):
                  accept_new_host_keys: bool = False):
         super().__init__(root, hosts)
         self.port, self.user = port, user
-        self._ssh = {"key_path": key_path, "key_text": key_text, "known_hosts": known_hosts,
-                     "accept_new_host_keys": accept_new_host_keys}
+        self._ssh = SSHAuth(key_path=key_path, key_text=key_text, known_hosts=known_hosts,
+                            accept_new_host_keys=accept_new_host_keys)
         self._shells: dict[str, SSHShell] = {}
 
     def _shell_for(self, host: str) -> Shell:
         if host not in self._shells:
-            self._shells[host] = SSHShell(host, self.port, self.user, **self._ssh)
+            self._shells[host] = self._ssh.shell(host, self.port, self.user)
         return self._shells[host]
 
     def _machine(self, machine_id: str, campaign: str | None, host: str) -> Machine:
-        return Machine(machine_id, self.name, campaign, host=host, port=self.port, user=self.user,
-                       workdir=f"{self.root}/{machine_id}/work")
+        return Machine(id=machine_id, provider=self.name, campaign=campaign, host=host, port=self.port,
+                       user=self.user, workdir=f"{self.root}/{machine_id}/work")
 
     def shell(self, machine: Machine) -> Shell:
-        return SSHShell(machine.host, self.port, self.user, **self._ssh)
+        return self._ssh.shell(machine.host, self.port, self.user)
 
 
 class EC2Provider(Provider):
@@ -208,14 +226,15 @@ class EC2Provider(Provider):
     GONE = ("shutting-down", "terminated")
 
     def __init__(self, client: Any, *, image_id: str, instance_type: str, key_name: str | None = None,
-                 workdir: str = "/opt/jex/work", user: str = "ubuntu", ssh: dict[str, Any] | None = None):
+                 workdir: str = "/opt/jex/work", user: str = "ubuntu", ssh: SSHAuth | None = None):
         self.client, self.image_id, self.instance_type, self.key_name = client, image_id, instance_type, key_name
-        self.workdir, self.user, self._ssh = workdir, user, ssh or {}
+        self.workdir, self.user, self._ssh = workdir, user, ssh or SSHAuth()
 
     def _as_machine(self, inst: dict[str, Any]) -> Machine:
+        """A machine from one instance of boto3's `describe_instances` / `run_instances` response."""
         tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
         launched = inst.get("LaunchTime")
-        return Machine(inst["InstanceId"], self.name, tags.get(TAG_CAMPAIGN) or None,
+        return Machine(id=inst["InstanceId"], provider=self.name, campaign=tags.get(TAG_CAMPAIGN) or None,
                        host=inst.get("PublicIpAddress") or inst.get("PrivateIpAddress") or "", port=22,
                        user=self.user, workdir=self.workdir, state=inst["State"]["Name"],
                        created_at=launched.timestamp() if hasattr(launched, "timestamp") else time.time(),
@@ -263,7 +282,7 @@ class EC2Provider(Provider):
                 raise
 
     def shell(self, machine: Machine) -> Shell:
-        return SSHShell(machine.host, 22, self.user, host_key=machine.host_key, **self._ssh)
+        return self._ssh.shell(machine.host, 22, self.user, host_key=machine.host_key)
 
 
 @dataclass
@@ -281,38 +300,44 @@ class CommandProvider(Provider):
 
     name = "command"
 
-    def __init__(self, templates: CommandTemplates, *, shell_for: Any = None, timeout: float = 300):
+    def __init__(self, templates: CommandTemplates, *, shell_for: Callable[[Machine], Shell] | None = None,
+                 timeout: float = 300):
         self.t, self.timeout = templates, timeout
         self._shell_for = shell_for or (lambda m: LocalShell())
 
-    def _call(self, template: str, **kw: str) -> list[dict[str, Any]]:
+    def _run(self, template: str, **kw: str) -> tuple[str, str]:
+        """Run a template with its placeholders quoted; (the command, what it printed)."""
         cmd = template.format(**{k: shlex.quote(v) for k, v in kw.items()})
         p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=self.timeout)
         if p.returncode != 0:
             raise ProviderError(f"command provider: `{cmd[:160]}` exited {p.returncode}: {p.stderr.strip()[-400:]}")
-        try:
-            return [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
-        except ValueError as e:
-            raise ProviderError(f"command provider: `{cmd[:160]}` printed something that is not JSON lines") from e
+        return cmd, p.stdout
 
-    def _as_machine(self, doc: dict[str, Any]) -> Machine:
-        return Machine.from_dict({**doc, "provider": self.name})
+    def _call(self, template: str, **kw: str) -> list[Machine]:
+        """Run a template; every line it prints is a machine (this provider's, whatever it says)."""
+        cmd, out = self._run(template, **kw)
+        try:
+            return [Machine.model_validate({**json.loads(line), "provider": self.name})
+                    for line in out.splitlines() if line.strip()]
+        except ValueError as e:  # pydantic's ValidationError is a ValueError too
+            raise ProviderError(f"command provider: `{cmd[:160]}` printed something that is not JSON lines "
+                                f"of machines: {e}") from e
 
     def _create(self, campaign: str | None, label: str) -> Machine:
-        docs = self._call(self.t.create, campaign=campaign or "", label=label)
-        if len(docs) != 1:
-            raise ProviderError(f"command provider: create printed {len(docs)} machines, expected 1")
-        return self._as_machine(docs[0])
+        machines = self._call(self.t.create, campaign=campaign or "", label=label)
+        if len(machines) != 1:
+            raise ProviderError(f"command provider: create printed {len(machines)} machines, expected 1")
+        return machines[0]
 
     def _describe(self, machine_id: str) -> Machine | None:
-        docs = self._call(self.t.describe, id=machine_id)
-        return self._as_machine(docs[0]) if docs else None
+        machines = self._call(self.t.describe, id=machine_id)
+        return machines[0] if machines else None
 
     def _list(self) -> list[Machine]:
-        return [self._as_machine(d) for d in self._call(self.t.list)]
+        return self._call(self.t.list)
 
     def _delete(self, machine_id: str) -> None:
-        self._call(self.t.delete, id=machine_id)
+        self._run(self.t.delete, id=machine_id)
 
     def shell(self, machine: Machine) -> Shell:
         return self._shell_for(machine)

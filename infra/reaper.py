@@ -7,41 +7,46 @@ collected, orphans without a campaign are torn down. Every machine it touches en
 
 from __future__ import annotations
 
-import json
 import logging
 import shlex
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from jex.errors import InputError
 from jex.infra.ledger import Ledger
-from jex.infra.machine import (
-    JobFailed,
-    JobOutcome,
-    MachineSession,
-    Policy,
-    RemoteJob,
-    adopt_artifacts,
-    self_terminated_marker,
+from jex.infra.machine import JobFailed, MachineSession, Policy, RemoteJob, adopt_artifacts, self_terminated_marker
+from jex.infra.providers import (
+    CommandProvider,
+    CommandTemplates,
+    EC2Provider,
+    LocalProvider,
+    Machine,
+    Provider,
+    SSHAuth,
+    SSHProvider,
 )
-from jex.infra.providers import CommandProvider, CommandTemplates, EC2Provider, LocalProvider, Provider, SSHProvider
-from jex.infra.shell import ShellError
+from jex.infra.records import JobRecord, LostJob, ReconciledJob, ReconciledMachine, ReconcileReport, SelfTerminated
+from jex.infra.s3 import S3Store
+from jex.infra.shell import LocalShell, Shell, ShellError
 from jex.infra.watchdog import MARKER
 
 log = logging.getLogger(__name__)
+Echo = Callable[[str], None]
 
 
 def make_provider(infra: Any, *, name: str | None = None, hosts: list[str] | None = None) -> Provider:
     """The provider named in settings (or `name`), configured from `JEX_INFRA__*`; secrets stay in memory."""
     name = name or infra.provider
-    ssh = {"key_path": infra.ssh_key_path, "known_hosts": infra.ssh_known_hosts,
-           "key_text": infra.ssh_private_key.get_secret_value() if infra.ssh_private_key else None,
-           "accept_new_host_keys": infra.accept_new_host_keys}
+    ssh = SSHAuth(key_path=infra.ssh_key_path, known_hosts=infra.ssh_known_hosts,
+                  key_text=infra.ssh_private_key.get_secret_value() if infra.ssh_private_key else None,
+                  accept_new_host_keys=infra.accept_new_host_keys)
     if name == "local":
         return LocalProvider(Path(infra.state_dir) / "machines")
     if name == "ssh":
-        return SSHProvider(infra.remote_root, hosts or infra.hosts, port=infra.ssh_port, user=infra.ssh_user, **ssh)
+        return SSHProvider(infra.remote_root, hosts or infra.hosts, port=infra.ssh_port, user=infra.ssh_user,
+                           **ssh.model_dump())
     if name == "ec2":
         from jex.infra.aws import aws_client
 
@@ -53,12 +58,11 @@ def make_provider(infra: Any, *, name: str | None = None, hosts: list[str] | Non
                                      infra.command_delete)
         if not all((templates.create, templates.describe, templates.list, templates.delete)):
             raise InputError("the command provider needs JEX_INFRA__COMMAND_CREATE, _DESCRIBE, _LIST and _DELETE")
-        from jex.infra.shell import LocalShell, SSHShell
 
-        def shell_for(m: Any) -> Any:
+        def shell_for(m: Machine) -> Shell:
             if m.host in ("", "localhost"):
                 return LocalShell()
-            return SSHShell(m.host, m.port or 22, m.user or infra.ssh_user, host_key=m.host_key, **ssh)
+            return ssh.shell(m.host, m.port or 22, m.user or infra.ssh_user, host_key=m.host_key)
 
         return CommandProvider(templates, shell_for=shell_for)
     raise InputError(f"unknown provider {name!r}; providers: local, ssh, ec2, command", field="provider")
@@ -72,73 +76,92 @@ def policy_from_settings(infra: Any, **overrides: Any) -> Policy:
                      "ttl_s": infra.ttl_hours * 3600 if infra.ttl_hours else None, **overrides})
 
 
-def _jobs_on(session: MachineSession) -> list[dict[str, Any]]:
+def _jobs_on(session: MachineSession) -> list[JobRecord]:
     wd = shlex.quote(session.machine.workdir)
     out = session.shell.run(f'for f in {wd}/jobs/*/job.json; do [ -f "$f" ] && tr -d "\\n" < "$f" && echo; done; true'
                            ).stdout
-    return [json.loads(line) for line in out.splitlines() if line.strip()]
+    return [JobRecord.model_validate_json(line) for line in out.splitlines() if line.strip()]
 
 
 LOST_AFTER_S = 900.0
 """A machine younger than this is never called lost: a cloud's listing can lag its creation."""
 
 
-def reconcile(provider: Provider, ledger: Ledger, *, policy: Policy | None = None, s3: Any = None,
-              campaign: str | None = None, echo: Any = None, lost_after_s: float = LOST_AFTER_S) -> dict[str, Any]:
+def _collect_jobs(session: MachineSession, jobs: list[ReconciledJob]) -> None:
+    """Supervise every job the machine holds to its end and collect it (no job is launched again);
+    each is added to `jobs` as it ends (so an error later keeps the ones before it)."""
+    for rec in _jobs_on(session):
+        session.python, session.code_dir = rec.python, rec.code
+        job = RemoteJob.from_record(rec)
+        try:
+            outcome = session.run(job, relaunch=False)
+        except JobFailed as e:
+            outcome = e.outcome
+        jobs.append(ReconciledJob(job=job.name, status=outcome.status, artifacts=len(outcome.artifacts),
+                                  lost=outcome.lost))
+
+
+def _reconcile_machine(provider: Provider, ledger: Ledger, machine: Machine, errors: list[str], *,
+                       policy: Policy | None, s3: S3Store | None, echo: Echo) -> ReconciledMachine:
+    """Collect a campaign's machine (or call it an orphan), then delete it; errors are added to `errors`."""
+    session = MachineSession(provider, campaign=machine.campaign or "orphans", ledger=ledger, policy=policy,
+                             s3=s3, echo=echo, machine=machine)
+    ledger.open(machine.id, machine.campaign, provider.name, session.policy.price_per_hour, machine.created_at)
+    action: Literal["collected", "orphan"] = "collected" if machine.campaign else "orphan"
+    jobs: list[ReconciledJob] = []
+    try:
+        if machine.campaign:
+            _collect_jobs(session, jobs)
+    except (ShellError, OSError, ValueError) as e:
+        errors.append(f"{machine.id}: {e}")
+    finally:
+        teardown = session.teardown(f"reconcile: {action}")
+    echo(f"reconcile: {machine.id} ({machine.campaign or 'no campaign'}): {action}, deleted")
+    return ReconciledMachine(machine=machine.id, campaign=machine.campaign, action=action, jobs=jobs,
+                             teardown=teardown)
+
+
+def sweep(provider: Provider, ledger: Ledger, *, policy: Policy | None = None, s3: S3Store | None = None,
+          campaign: str | None = None, echo: Echo | None = None, lost_after_s: float = LOST_AFTER_S
+          ) -> ReconcileReport:
     """Supervise, collect and delete every jex machine the provider lists (of one campaign, or all);
     adopt what machines that stopped themselves left in S3; name the machines that are gone (`report_lost`)."""
-    echo = echo or (lambda s: log.info("%s", s))
-    report: dict[str, Any] = {"machines": [], "errors": []}
+    say: Echo = echo or (lambda s: log.info("%s", s))
+    machines: list[ReconciledMachine] = []
+    errors: list[str] = []
     for machine in provider.list(campaign):
-        entry: dict[str, Any] = {"machine": machine.id, "campaign": machine.campaign, "jobs": []}
-        session = MachineSession(provider, campaign=machine.campaign or "orphans", ledger=ledger, policy=policy,
-                                 s3=s3, echo=echo, machine=machine)
-        ledger.open(machine.id, machine.campaign, provider.name, session.policy.price_per_hour, machine.created_at)
-        try:
-            if not machine.campaign:
-                entry["action"] = "orphan"
-            else:
-                entry["action"] = "collected"
-                for rec in _jobs_on(session):
-                    session.python, session.code_dir = rec["python"], rec["code"]
-                    job = RemoteJob(rec["name"], [], rec["artifacts"], Path(rec["collect_to"]),
-                                    strip_prefix=rec.get("strip_prefix", ""))
-                    try:
-                        outcome = session.run(job, relaunch=False)
-                    except JobFailed as e:
-                        outcome = e.outcome
-                    entry["jobs"].append({"job": job.name, "status": outcome.status,
-                                          "artifacts": len(outcome.artifacts), "lost": outcome.lost})
-        except (ShellError, OSError, ValueError) as e:
-            report["errors"].append(f"{machine.id}: {e}")
-        finally:
-            entry["teardown"] = session.teardown(f"reconcile: {entry.get('action', 'error')}")
-        report["machines"].append(entry)
-        echo(f"reconcile: {machine.id} ({machine.campaign or 'no campaign'}): {entry.get('action')}, deleted")
+        machines.append(_reconcile_machine(provider, ledger, machine, errors, policy=policy, s3=s3, echo=say))
     if s3 is not None:
-        listed = {m["machine"] for m in report["machines"]}
         try:
-            report["machines"] += adopt_self_terminated(s3, ledger, campaign=campaign, skip=listed,
-                                                        provider=provider.name, policy=policy or Policy(), echo=echo)
+            machines += adopt_self_terminated(s3, ledger, campaign=campaign, skip={m.machine for m in machines},
+                                              provider=provider.name, policy=policy or Policy(), echo=say)
         except Exception as e:  # noqa: BLE001 - S3 down: report it; the next reconcile adopts them
-            report["errors"].append(f"adopting self-terminated machines from S3: {type(e).__name__}: {e}")
-            return report  # S3 could not be read: what looks lost may be there; decide at the next reconcile
-    report["machines"] += report_lost(ledger, provider, campaign=campaign,
-                                      seen={m["machine"] for m in report["machines"]}, echo=echo,
-                                      after_s=lost_after_s)
-    return report
+            errors.append(f"adopting self-terminated machines from S3: {type(e).__name__}: {e}")
+            # S3 could not be read: what looks lost may be there; decide at the next reconcile
+            return ReconcileReport(machines=machines, errors=errors)
+    machines += report_lost(ledger, provider, campaign=campaign, seen={m.machine for m in machines}, echo=say,
+                            after_s=lost_after_s)
+    return ReconcileReport(machines=machines, errors=errors)
 
 
-def _recorded_jobs(ledger: Ledger, machine_id: str) -> list[dict[str, Any]]:
+def reconcile(provider: Provider, ledger: Ledger, *, policy: Policy | None = None, s3: S3Store | None = None,
+              campaign: str | None = None, echo: Echo | None = None, lost_after_s: float = LOST_AFTER_S
+              ) -> dict[str, Any]:
+    """`sweep`, its report as JSON (for the reconcile flow and the CLI, which read it by key)."""
+    return sweep(provider, ledger, policy=policy, s3=s3, campaign=campaign, echo=echo,
+                 lost_after_s=lost_after_s).model_dump()
+
+
+def _recorded_jobs(ledger: Ledger, machine_id: str) -> list[LostJob]:
     """The jobs the orchestrator launched on a machine (its records in the state folder), with the
     artifact patterns whatever it had not handed over would have matched."""
     records = sorted((Path(ledger.path).parent / "jobs").glob(f"{machine_id}-*.json"))
-    return [{"job": rec["name"], "status": "lost", "artifacts": 0, "lost": rec["artifacts"],
-             "collect_to": rec["collect_to"]} for rec in (json.loads(p.read_text()) for p in records)]
+    return [LostJob(job=rec.name, lost=rec.artifacts, collect_to=rec.collect_to)
+            for rec in (JobRecord.model_validate_json(p.read_text()) for p in records)]
 
 
-def report_lost(ledger: Ledger, provider: Provider, *, campaign: str | None, seen: set[str], echo: Any,
-                after_s: float = LOST_AFTER_S) -> list[dict[str, Any]]:
+def report_lost(ledger: Ledger, provider: Provider, *, campaign: str | None, seen: set[str], echo: Echo,
+                after_s: float = LOST_AFTER_S) -> list[ReconciledMachine]:
     """Machines the ledger holds open that this provider leased (same provider, and for host providers
     one of its hosts), that it no longer knows (`describe` is None), that S3 did not account for, and
     that are older than `after_s`: gone with whatever they had not handed over. Each is reported with
@@ -154,24 +177,39 @@ def report_lost(ledger: Ledger, provider: Provider, *, campaign: str | None, see
             continue
         jobs = _recorded_jobs(ledger, e.machine_id)
         ledger.close(e.machine_id, "lost: gone without its results reaching the orchestrator or S3")
-        entries.append({"machine": e.machine_id, "campaign": e.campaign, "action": "lost", "jobs": jobs,
-                        "teardown": None})
+        entries.append(ReconciledMachine(machine=e.machine_id, campaign=e.campaign, action="lost", jobs=jobs))
         echo(f"reconcile: {e.machine_id} ({e.campaign or 'no campaign'}) is gone and nothing of it reached S3: "
-             f"whatever job(s) {', '.join(j['job'] for j in jobs) or 'none recorded'} had not handed over is lost")
+             f"whatever job(s) {', '.join(j.job for j in jobs) or 'none recorded'} had not handed over is lost")
     return entries
 
 
-def adopt_self_terminated(s3: Any, ledger: Ledger, *, campaign: str | None, skip: set[str], provider: str,
-                          policy: Policy, echo: Any) -> list[dict[str, Any]]:
+def _self_terminated_in_s3(s3: S3Store, campaign: str | None, skip: set[str]) -> list[tuple[str, str]]:
+    """(campaign, machine) of every SELF_TERMINATED.json under the campaigns' prefix, less `skip`."""
+    root = s3.key("campaigns") + "/"
+    found = []
+    for obj in s3.list(root + (f"{campaign}/" if campaign else "")):
+        parts = obj.key[len(root):].split("/")  # <campaign>/machines/<machine>/SELF_TERMINATED.json
+        if len(parts) == 4 and parts[1] == "machines" and parts[3] == MARKER and parts[2] not in skip:
+            found.append((parts[0], parts[2]))
+    return found
+
+
+def _adopt_jobs(s3: S3Store, machine_id: str, doc: SelfTerminated) -> list[ReconciledJob]:
+    """Fetch a self-terminated machine's artifacts where their jobs said they belong (sha256-verified)."""
+    jobs = []
+    for name, job in doc.jobs.items():
+        transfer = adopt_artifacts(s3, job, RemoteJob.from_record(job.record).local_path)
+        status = "adopted" if job.status == "success" and not transfer.lost else "self_terminated"
+        jobs.append(ReconciledJob(job=name, status=status, artifacts=len(transfer.artifacts), lost=transfer.lost))
+    return jobs
+
+
+def adopt_self_terminated(s3: S3Store, ledger: Ledger, *, campaign: str | None, skip: set[str], provider: str,
+                          policy: Policy, echo: Echo) -> list[ReconciledMachine]:
     """Machines that stopped themselves (their SELF_TERMINATED.json in S3): fetch their artifacts where
     their jobs said they belong (sha256-verified) and record them in the ledger as self-terminated."""
-    root = s3.key("campaigns") + "/"
     entries = []
-    for obj in s3.list(root + (f"{campaign}/" if campaign else "")):
-        parts = obj["key"][len(root):].split("/")  # <campaign>/machines/<machine>/SELF_TERMINATED.json
-        if len(parts) != 4 or parts[1] != "machines" or parts[3] != MARKER or parts[2] in skip:
-            continue
-        camp, machine_id = parts[0], parts[2]
+    for camp, machine_id in _self_terminated_in_s3(s3, campaign, skip):
         known = ledger.get(machine_id)
         if known is not None and (known.end_reason or "").startswith("self-terminated"):
             continue  # adopted before
@@ -179,18 +217,10 @@ def adopt_self_terminated(s3: Any, ledger: Ledger, *, campaign: str | None, skip
         doc = self_terminated_marker(s3, camp, machine_id, state)
         if doc is None:
             continue
-        jobs = []
-        for name, job in (doc.get("jobs") or {}).items():
-            rec = job["record"]
-            to, strip = Path(rec["collect_to"]), rec.get("strip_prefix", "")
-            outcome = JobOutcome(name, machine_id, "self_terminated")
-            adopt_artifacts(s3, job, lambda rel, to=to, strip=strip: to / rel.removeprefix(strip), outcome)
-            status = "adopted" if job.get("status") == "success" and not outcome.lost else "self_terminated"
-            jobs.append({"job": name, "status": status, "artifacts": len(outcome.artifacts), "lost": outcome.lost})
-        ledger.open(machine_id, camp, provider, policy.price_per_hour, doc.get("created_at") or doc["time"])
-        ledger.close(machine_id, f"self-terminated: {doc.get('reason')}", doc["time"])
-        entries.append({"machine": machine_id, "campaign": camp, "action": "adopted", "jobs": jobs, "teardown": None})
-        echo(f"reconcile: {machine_id} ({camp}) stopped itself ({doc.get('reason')}); adopted "
-             f"{sum(j['artifacts'] for j in jobs)} artifact(s) from S3")
+        jobs = _adopt_jobs(s3, machine_id, doc)
+        ledger.open(machine_id, camp, provider, policy.price_per_hour, doc.created_at or doc.time)
+        ledger.close(machine_id, f"self-terminated: {doc.reason}", doc.time)
+        entries.append(ReconciledMachine(machine=machine_id, campaign=camp, action="adopted", jobs=jobs))
+        echo(f"reconcile: {machine_id} ({camp}) stopped itself ({doc.reason}); adopted "
+             f"{sum(j.artifacts for j in jobs)} artifact(s) from S3")
     return entries
-

@@ -20,12 +20,14 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from jex.errors import InfraError
 from jex.fileio import sha256_file, write_json
+from jex.infra.records import ObjectHead, S3Manifest, S3Object, S3Upload
 
 log = logging.getLogger("jex.infra.s3")
 MULTIPART_BYTES = 64 * 1024 * 1024
@@ -51,33 +53,34 @@ class S3Store:
     def key(self, *parts: str) -> str:
         return "/".join(p.strip("/") for p in (self.prefix, *parts) if p)
 
-    def head(self, key: str) -> dict[str, Any] | None:
+    def head(self, key: str) -> ObjectHead | None:
+        """The object's size and recorded sha256, or None when there is no such object."""
         from botocore.exceptions import ClientError
 
         try:
-            return self.client.head_object(Bucket=self.bucket, Key=key)
+            got = self.client.head_object(Bucket=self.bucket, Key=key)
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise
+        return ObjectHead(sha256=(got.get("Metadata") or {}).get("sha256"), bytes=got["ContentLength"])
 
-    def put_file(self, path: Path, key: str) -> dict[str, Any]:
+    def put_file(self, path: Path, key: str) -> S3Upload:
         """Upload unless an identical object is there; verify sha256 and size afterwards."""
         from boto3.s3.transfer import TransferConfig
 
         sha, size = sha256_file(path), path.stat().st_size
-        existing = self.head(key)
-        if existing and existing.get("Metadata", {}).get("sha256") == sha and existing["ContentLength"] == size:
+        want = ObjectHead(sha256=sha, bytes=size)
+        if self.head(key) == want:
             log.info("s3 skip (identical) s3://%s/%s", self.bucket, key)
-            return {"key": key, "sha256": sha, "bytes": size, "uploaded": False}
+            return S3Upload(key=key, sha256=sha, bytes=size, uploaded=False)
         log.info("s3 put s3://%s/%s (%d bytes)", self.bucket, key, size)
         self.client.upload_file(str(path), self.bucket, key, ExtraArgs={"Metadata": {"sha256": sha}},
                                 Config=TransferConfig(multipart_threshold=MULTIPART_BYTES,
                                                       multipart_chunksize=MULTIPART_BYTES))
-        got = self.head(key)
-        if not got or got.get("Metadata", {}).get("sha256") != sha or got["ContentLength"] != size:
+        if self.head(key) != want:
             raise UploadError(f"s3://{self.bucket}/{key}: after upload the object does not match {path}")
-        return {"key": key, "sha256": sha, "bytes": size, "uploaded": True}
+        return S3Upload(key=key, sha256=sha, bytes=size, uploaded=True)
 
     def get_file(self, key: str, dest: Path) -> Path:
         """Download and check the content against the sha256 in the object's metadata."""
@@ -85,35 +88,57 @@ class S3Store:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(dest.name + ".part")
         self.client.download_file(self.bucket, key, str(tmp))
-        want = (self.head(key) or {}).get("Metadata", {}).get("sha256")
-        if want != sha256_file(tmp):
+        head = self.head(key)
+        if head is None or head.sha256 != sha256_file(tmp):
             tmp.unlink(missing_ok=True)
             raise UploadError(f"s3://{self.bucket}/{key}: content does not match its sha256 metadata")
         tmp.replace(dest)
         return dest
 
-    def list(self, key_prefix: str) -> list[dict[str, Any]]:
+    def list(self, key_prefix: str) -> list[S3Object]:
         """Every object under `key_prefix` (a full key prefix, e.g. `self.key('runs') + '/'`): key and size."""
         log.info("s3 list s3://%s/%s", self.bucket, key_prefix)
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=key_prefix)
-        return [{"key": o["Key"], "bytes": o["Size"]} for page in pages for o in page.get("Contents", [])]
+        return [S3Object(key=o["Key"], bytes=o["Size"]) for page in pages for o in page.get("Contents", [])]
 
-    def put_tree(self, folder: Path, key_prefix: str) -> list[dict[str, Any]]:
+    def put_tree(self, folder: Path, key_prefix: str) -> list[S3Upload]:
         return [self.put_file(p, self.key(key_prefix, p.relative_to(folder).as_posix()))
                 for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".")]
 
 
-def sync_campaign(s3: S3Store, run_dir: Path, summaries: dict[str, Any], store_root: Path) -> dict[str, Any]:
-    """Upload the stage folders a campaign used and its run folder; write `s3.json` there."""
-    uploaded: list[dict[str, Any]] = []
+class HasFolder(Protocol):
+    """A typed stage summary: all a sync needs of it is its folder."""
+
+    @property
+    def folder(self) -> str: ...
+
+
+StageSummary = Mapping[str, Any] | HasFolder
+"""A stage summary as the flows hand it over: a typed record, or its JSON form."""
+
+
+def _folder_of(summary: StageSummary) -> Path:
+    return Path(summary["folder"] if isinstance(summary, Mapping) else summary.folder)
+
+
+def push_campaign(s3: S3Store, run_dir: Path, summaries: Mapping[str, StageSummary], store_root: Path) -> S3Manifest:
+    """Upload the stage folders a campaign used (each summary names its folder) and its run folder;
+    write the manifest to `s3.json` there."""
+    uploaded: list[S3Upload] = []
     for summary in summaries.values():
-        folder = Path(summary["folder"])
+        folder = _folder_of(summary)
         rel = folder.resolve().relative_to(Path(store_root).resolve()).as_posix()
         uploaded += s3.put_tree(folder, f"store/{rel}")
     uploaded += s3.put_tree(run_dir, f"runs/{run_dir.name}")
-    manifest = {"bucket": s3.bucket, "prefix": s3.prefix, "objects": uploaded}
-    write_json(run_dir / "s3.json", manifest)
+    manifest = S3Manifest(bucket=s3.bucket, prefix=s3.prefix, objects=uploaded)
+    write_json(run_dir / "s3.json", manifest.model_dump())
     return manifest
+
+
+def sync_campaign(s3: S3Store, run_dir: Path, summaries: Mapping[str, StageSummary],
+                  store_root: Path) -> dict[str, Any]:
+    """`push_campaign`, its manifest as JSON (for the flows that read it by key)."""
+    return push_campaign(s3, run_dir, summaries, store_root).model_dump()
 
 
 STAGE_SUCCESS = "_SUCCESS.json"
@@ -128,9 +153,9 @@ def stage_rel(folder: str | Path) -> str:
     return "/".join(parts[-2:])
 
 
-def checkpoint(s3: S3Store, run_dir: Path, stage_folder: str | Path | None) -> list[dict[str, Any]]:
+def checkpoint(s3: S3Store, run_dir: Path, stage_folder: str | Path | None) -> list[S3Upload]:
     """After a stage: its folder (if complete; `_SUCCESS.json` last), then the run record, to S3."""
-    done: list[dict[str, Any]] = []
+    done: list[S3Upload] = []
     folder = Path(stage_folder) if stage_folder else None
     if folder is not None and (folder / STAGE_SUCCESS).exists():
         rel = stage_rel(folder)
@@ -165,8 +190,8 @@ class PullReport:
 def find_run(s3: S3Store, campaign: str) -> str:
     """The run folder name in S3 of `campaign` (a run folder name, or a campaign name with one run)."""
     prefix = s3.key("runs") + "/"
-    runs = sorted({o["key"][len(prefix):].split("/", 1)[0] for o in s3.list(prefix)
-                   if o["key"].endswith("/campaign.json")})
+    runs = sorted({o.key[len(prefix):].split("/", 1)[0] for o in s3.list(prefix)
+                   if o.key.endswith("/campaign.json")})
     match = [r for r in runs if r == campaign] or [r for r in runs if r.rsplit("-", 1)[0] == campaign]
     if not match:
         raise UploadError(f"no campaign {campaign!r} in s3://{s3.bucket}/{prefix} (runs there: {runs[:20]})")
@@ -177,9 +202,10 @@ def find_run(s3: S3Store, campaign: str) -> str:
 
 def _get_verified(s3: S3Store, key: str, dest: Path) -> int:
     """Download unless `dest` already holds the object's bytes (sha256 from its metadata)."""
-    want = ((s3.head(key) or {}).get("Metadata") or {}).get("sha256")
-    if want is None:
+    head = s3.head(key)
+    if head is None or head.sha256 is None:
         raise UploadError(f"s3://{s3.bucket}/{key}: no sha256 in its metadata; refusing to trust it")
+    want = head.sha256
     if dest.exists() and sha256_file(dest) == want:
         return 0
     s3.get_file(key, dest)
@@ -188,7 +214,7 @@ def _get_verified(s3: S3Store, key: str, dest: Path) -> int:
 
 def _pull_stage(s3: S3Store, rel: str, store: Path, report: PullReport) -> None:
     prefix = s3.key("store", rel) + "/"
-    objects = {o["key"][len(prefix):]: o for o in s3.list(prefix)}
+    objects = {o.key[len(prefix):]: o for o in s3.list(prefix)}
     if STAGE_SUCCESS not in objects:
         report.incomplete.append(rel)
         return
@@ -224,7 +250,7 @@ def pull_campaign(s3: S3Store, campaign: str, *, out: Path, store: Path | None =
     prefix = s3.key("runs", run) + "/"
     objects = s3.list(prefix)
     for o in objects:
-        _get_verified(s3, o["key"], run_dir / o["key"][len(prefix):])
+        _get_verified(s3, o.key, run_dir / o.key[len(prefix):])
     spec = json.loads((run_dir / "campaign.json").read_text())
     store = Path(store if store is not None else spec["store"])
     report = PullReport(run_dir=run_dir, store=store, objects=len(objects))
@@ -237,8 +263,8 @@ def pull_campaign(s3: S3Store, campaign: str, *, out: Path, store: Path | None =
             _pull_stage(s3, rel, store, report)
     machines = s3.key("campaigns", run, "machines") + "/"
     for o in s3.list(machines):
-        rest = o["key"][len(machines):].split("/", 2)  # <machine>/<job>/<path in the job folder>
+        rest = o.key[len(machines):].split("/", 2)  # <machine>/<job>/<path in the job folder>
         if len(rest) == 3 and rest[2].startswith("store/"):
-            report.bytes += _get_verified(s3, o["key"], store / rest[2].removeprefix("store/"))
+            report.bytes += _get_verified(s3, o.key, store / rest[2].removeprefix("store/"))
             report.shards += 1
     return report

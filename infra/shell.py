@@ -12,12 +12,15 @@ import io
 import logging
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from jex.errors import InfraError
-from jex.infra.retry import Backoff, retry
+from jex.infra.retry import SSH_CONNECT, SSH_RECONNECT, retry
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -138,24 +141,27 @@ class SSHShell:
                 raise
 
         try:
-            self._client = retry(connect, Backoff(attempts=self.reconnect_attempts, base_s=0.5, cap_s=8.0),
+            self._client = retry(connect, replace(SSH_CONNECT, attempts=self.reconnect_attempts),
                                  retry_on=(paramiko.SSHException, OSError), what=f"ssh connect {self.where}")
         except (paramiko.SSHException, OSError) as e:
             raise Unreachable(f"ssh {self.where}: unreachable after {self.reconnect_attempts} attempts: {e}") from None
         return self._client
 
-    def _retrying(self, what: str, fn):
+    def _retrying(self, what: str, fn: Callable[[Any], T]) -> T:
+        """`fn(client)`, once more on a fresh connection when the connection dropped under it."""
         import paramiko
 
-        for attempt in (1, 2):
+        def attempt() -> T:
             client = self.client()
             try:
                 return fn(client)
             except (paramiko.SSHException, EOFError, OSError) as e:
-                if isinstance(e, FileNotFoundError) or attempt == 2:
-                    raise
-                log.warning("ssh %s: %s interrupted (%s); reconnecting", self.where, what, type(e).__name__)
-                self.drop()
+                if not isinstance(e, FileNotFoundError):
+                    self.drop()  # the next attempt (or call) reconnects
+                raise
+
+        return retry(attempt, SSH_RECONNECT, retry_on=(paramiko.SSHException, EOFError, OSError),
+                     give_up=lambda e: isinstance(e, FileNotFoundError), what=f"ssh {self.where}: {what}")
 
     def run(self, command: str, *, timeout: float = 120, check: bool = True,
             input: str | None = None) -> CommandResult:

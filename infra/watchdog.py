@@ -27,19 +27,25 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from jex.infra.retry import Backoff, retry
-from jex.infra.worker_protocol import DETACHED_PGIDS, PGID, artifact_manifest, read_marker
+from pydantic import BaseModel, ConfigDict
+
+from jex.fileio import write_json
+from jex.infra.records import Artifact, JobEnd, JobRecord, JobUpload, Record, SelfTerminated, UploadedArtifact
+from jex.infra.retry import retry, until_deadline, wait_until
+from jex.infra.worker_protocol import DETACHED_PGIDS, PGID, alive_group, artifact_manifest, read_marker
+
+if TYPE_CHECKING:
+    from jex.infra.s3 import S3Store
 
 log = logging.getLogger(__name__)
 CONFIG, LEASE, PIDFILE, MARKER = "watchdog.json", "lease", "watchdog.pid", "SELF_TERMINATED.json"
 
 
-@dataclass(frozen=True)
-class WatchdogConfig:
+class WatchdogConfig(Record):
     """What the orchestrator tells a machine's watchdog at bootstrap (no secrets: those come on stdin)."""
 
     machine: str
@@ -67,40 +73,37 @@ class WatchdogConfig:
         return self.created_at + self.ttl_s
 
 
-@dataclass
-class Outcome:
-    reason: str
-    machine: str
-    campaign: str
-    time: float
-    created_at: float = 0.0
-    uploaded: bool = False
-    jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
+class JobOnDisk(BaseModel):
+    """A job as the watchdog finds it in its run folder: its record, how it ended, its artifacts."""
+
+    model_config = ConfigDict(frozen=True)
+    run_dir: Path
+    record: JobRecord
+    status: JobEnd
+    artifacts: list[Artifact]
 
 
-def _alive_group(pgid_file: Path) -> int | None:
+def _group_gone(pgid: int) -> bool:
     try:
-        pgid = int(pgid_file.read_text().strip())
         os.killpg(pgid, 0)
-        return pgid
-    except (OSError, ValueError):
-        return None
+        return False
+    except OSError:
+        return True
+
+
+def _job_ended(rd: Path) -> bool:
+    return alive_group(rd / PGID) is None or read_marker(rd) is not None
 
 
 def _stop_group(pgid: int, grace: float = 3.0) -> None:
+    """SIGTERM the process group, then SIGKILL it if it outlives `grace` seconds."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pgid, sig)
         except OSError:
             return
-        end = time.time() + grace
-        while time.time() < end:
-            try:
-                os.killpg(pgid, 0)
-            except OSError:
-                return
-            time.sleep(0.1)
+        if wait_until(lambda: _group_gone(pgid), timeout_s=grace, every_s=0.1):
+            return
 
 
 class Watchdog:
@@ -122,7 +125,7 @@ class Watchdog:
             return f"lease expired: no orchestrator for {age:.0f} s (lease {self.cfg.lease_s:.0f} s)"
         return None
 
-    def run(self) -> Outcome | None:
+    def run(self) -> SelfTerminated | None:
         """Watch until the lease or the time to live runs out (then stop the machine), or the machine is gone."""
         while True:
             if not (self.workdir / CONFIG).exists():  # the orchestrator deleted the machine: nothing to guard
@@ -138,90 +141,81 @@ class Watchdog:
     def stop_detached(self) -> None:
         """Stop the process groups that outlive single jobs (`DETACHED_PGIDS`: engine hosts)."""
         for pid_file in sorted(self.workdir.glob(DETACHED_PGIDS)):
-            if (pgid := _alive_group(pid_file)) is not None:
+            if (pgid := alive_group(pid_file)) is not None:
                 _stop_group(pgid, grace=1.0)
 
-    def expire(self, reason: str) -> Outcome:
+    def expire(self, reason: str) -> SelfTerminated:
+        """Stop the jobs (after the grace on a lease expiry), upload what they left, write the marker, shut down."""
         log.warning("watchdog %s: %s", self.cfg.machine, reason)
         hard = time.time() >= self.cfg.deadline
-        out = Outcome(reason, self.cfg.machine, self.cfg.campaign, time.time(), created_at=self.cfg.created_at)
+        base = SelfTerminated(reason=reason, machine=self.cfg.machine, campaign=self.cfg.campaign, time=time.time(),
+                              created_at=self.cfg.created_at)
         grace_end = time.time() + (0 if hard else self.cfg.finish_grace_s)
         for rd in self.jobs():  # let running jobs finish within the grace, then stop them
-            while _alive_group(rd / PGID) and read_marker(rd) is None and time.time() < grace_end:
-                time.sleep(0.2)
-            if (pgid := _alive_group(rd / PGID)) is not None:
+            wait_until(partial(_job_ended, rd), timeout_s=grace_end - time.time(), every_s=0.2)
+            if (pgid := alive_group(rd / PGID)) is not None:
                 _stop_group(pgid)
         self.stop_detached()  # engine hosts: no shard may land while the manifests are read
-        manifests = {rd: self._manifest(rd) for rd in self.jobs()}
-        out.uploaded = self._upload_all(manifests, out)
-        self._write_local(out)
+        out = self._upload_all([self._on_disk(rd) for rd in self.jobs()], base)
+        write_json(self.workdir / MARKER, out.model_dump())
         self.shutdown(out)
         return out
 
-    def _manifest(self, rd: Path) -> dict[str, Any]:
-        rec = json.loads((rd / "job.json").read_text())
+    def _on_disk(self, rd: Path) -> JobOnDisk:
+        record = JobRecord.model_validate_json((rd / "job.json").read_text())
         marker = read_marker(rd)
-        arts = marker["artifacts"] if marker and marker.get("ok") else artifact_manifest(rd, rec["artifacts"])
-        return {"record": rec, "status": "success" if marker and marker.get("ok") else
-                ("failed" if marker else "stopped"), "artifacts": arts}
+        if marker is not None and marker.ok:
+            return JobOnDisk(run_dir=rd, record=record, status="success", artifacts=marker.artifacts)
+        return JobOnDisk(run_dir=rd, record=record, status="failed" if marker else "stopped",
+                         artifacts=artifact_manifest(rd, record.artifacts))
 
-    def _store(self) -> Any:
-        import boto3
-        from botocore.config import Config
-
+    def _store(self) -> S3Store:
+        """An S3 client that gives up quickly (a dead endpoint must not hold the machine past its TTL)."""
+        from jex.infra.aws import aws_client
         from jex.infra.s3 import S3Store
 
-        t = self.cfg.upload_attempt_s
-        kw: dict[str, Any] = {"region_name": self.cfg.region, "config": Config(
-            retries={"mode": "standard", "total_max_attempts": 2}, connect_timeout=t, read_timeout=t)}
-        if self.cfg.endpoint_url:
-            kw["endpoint_url"] = self.cfg.endpoint_url
-        kw.update({k: v for k, v in self.credentials.items() if k in (
-            "aws_access_key_id", "aws_secret_access_key", "aws_session_token") and v})
-        return S3Store(self.cfg.bucket or "", self.cfg.prefix, boto3.client("s3", **kw))
+        client = aws_client("s3", region=self.cfg.region, endpoint_url=self.cfg.endpoint_url,
+                            credentials=self.credentials, max_attempts=2, timeout_s=self.cfg.upload_attempt_s)
+        return S3Store(self.cfg.bucket or "", self.cfg.prefix, client)
 
-    def _upload_all(self, manifests: dict[Path, dict[str, Any]], out: Outcome) -> bool:
-        """Every artifact, then the marker, to S3; retried (with jitter) until the hard time to live."""
+    def _upload_job(self, s3: S3Store, job: JobOnDisk) -> JobUpload:
+        name = job.record.name
+        uploaded = []
+        for art in job.artifacts:
+            key = s3.key("campaigns", self.cfg.campaign, "machines", self.cfg.machine, name, art.path)
+            s3.put_file(job.run_dir / art.path, key)
+            uploaded.append(UploadedArtifact(**art.model_dump(), s3_key=key))
+        return JobUpload(status=job.status, record=job.record, artifacts=uploaded)
+
+    def _upload_all(self, jobs: list[JobOnDisk], base: SelfTerminated) -> SelfTerminated:
+        """Every artifact, then the marker, to S3; retried (with jitter) until the hard time to live.
+        Returns the marker as uploaded, or (upload failed) naming what stays on the disk."""
         if not self.cfg.bucket:
-            out.errors.append("no bucket configured: artifacts stay on the machine")
-            return False
+            return base.model_copy(update={"errors": ["no bucket configured: artifacts stay on the machine"]})
+        done: dict[str, JobUpload] = {}
 
-        def attempt() -> bool:
+        def attempt() -> SelfTerminated:
             s3 = self._store()
-            base = ("campaigns", self.cfg.campaign, "machines", self.cfg.machine)
-            for rd, m in manifests.items():
-                name = m["record"]["name"]
-                entry = {"status": m["status"], "record": m["record"], "artifacts": [], "lost": []}
-                for art in m["artifacts"]:
-                    key = s3.key(*base, name, art["path"])
-                    s3.put_file(rd / art["path"], key)
-                    entry["artifacts"].append({**art, "s3_key": key})
-                out.jobs[name] = entry
-            doc = {**asdict(out), "uploaded": True}
+            for job in jobs:
+                done[job.record.name] = self._upload_job(s3, job)
+            doc = base.model_copy(update={"jobs": dict(done), "uploaded": True})
             tmp = self.workdir / f".{MARKER}.upload"
-            tmp.write_text(json.dumps(doc, indent=1, sort_keys=True, default=str))
-            s3.put_file(tmp, s3.key(*base, MARKER))
+            write_json(tmp, doc.model_dump())
+            s3.put_file(tmp, s3.key("campaigns", self.cfg.campaign, "machines", self.cfg.machine, MARKER))
             tmp.unlink(missing_ok=True)
-            return True
+            return doc
 
-        left = self.cfg.deadline - time.time()
-        policy = Backoff(attempts=None, base_s=1.0, cap_s=min(30.0, max(left / 4, 0.5)), deadline_s=max(left, 0.001))
         try:
-            return retry(attempt, policy, what=f"watchdog upload {self.cfg.machine}")
+            return retry(attempt, until_deadline(self.cfg.deadline - time.time()),
+                         what=f"watchdog upload {self.cfg.machine}")
         except Exception as e:  # noqa: BLE001 - whatever S3 says, the machine still stops at its TTL
-            out.errors.append(f"upload failed until the hard time to live: {type(e).__name__}: {str(e)[:300]}")
-            for m in manifests.values():
-                out.jobs.setdefault(m["record"]["name"], {"status": m["status"], "record": m["record"],
-                                                          "artifacts": [], "on_disk": m["artifacts"],
-                                                          "lost": []})
-            return False
+            for job in jobs:
+                done.setdefault(job.record.name, JobUpload(status=job.status, record=job.record,
+                                                           on_disk=job.artifacts))
+            return base.model_copy(update={"jobs": done, "errors": [
+                f"upload failed until the hard time to live: {type(e).__name__}: {str(e)[:300]}"]})
 
-    def _write_local(self, out: Outcome) -> None:
-        tmp = self.workdir / f".{MARKER}.part"
-        tmp.write_text(json.dumps(asdict(out), indent=1, sort_keys=True, default=str))
-        os.replace(tmp, self.workdir / MARKER)
-
-    def shutdown(self, out: Outcome) -> None:
+    def shutdown(self, out: SelfTerminated) -> None:
         """Power off, or end the host lease: kill its jobs; remove its folder unless artifacts remain only there."""
         log.warning("watchdog %s: shutting down (%s)", self.cfg.machine, self.cfg.shutdown)
         if self.cfg.shutdown == "poweroff":
@@ -233,7 +227,7 @@ class Watchdog:
                     continue
             return
         for rd in self.jobs():
-            if (pgid := _alive_group(rd / PGID)) is not None:
+            if (pgid := alive_group(rd / PGID)) is not None:
                 _stop_group(pgid, grace=1.0)
         self.stop_detached()
         if out.uploaded and self.cfg.remove_dir:
@@ -244,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     workdir = Path(argv[0]).resolve()
-    cfg = WatchdogConfig(**json.loads((workdir / CONFIG).read_text()))
+    cfg = WatchdogConfig.model_validate_json((workdir / CONFIG).read_text())
     line = sys.stdin.readline() if not sys.stdin.isatty() else ""
     credentials = json.loads(line) if line.strip() else {}
     outcome = Watchdog(workdir, cfg, credentials).run()

@@ -22,13 +22,15 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from jex.fileio import sha256_file
+from jex.fileio import sha256_file, write_json
+
+if TYPE_CHECKING:
+    from jex.infra.records import Artifact, Heartbeat, Marker, WorkerStatus
 
 HEARTBEAT, SUCCESS, FAILED, LOG = "heartbeat.json", "SUCCESS.json", "FAILED.json", "run.log"
 PGID = "worker.pgid"
@@ -36,36 +38,37 @@ PGID = "worker.pgid"
 DETACHED_PGIDS = "engines/*/host.pgid"
 """Under a machine's workdir: process groups that outlive single jobs (the engine hosts of
 `tasks.engine_host`); a machine's teardown and its watchdog stop them with the jobs."""
+# The records (pydantic) are imported inside the functions: the wrapper starts its child first and
+# a poll pays for them only when it runs (about a second on a loaded machine, against a 1.5 s lease in tests).
 
 
-def _atomic_json(path: Path, doc: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1, sort_keys=True, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def artifact_manifest(run_dir: Path, patterns: list[str]) -> list[Artifact]:
+    """Every file under `run_dir` matching one of `patterns`, with its sha256 and size."""
+    from jex.infra.records import Artifact
 
-
-def artifact_manifest(run_dir: Path, patterns: list[str]) -> list[dict[str, Any]]:
     files = sorted({p for pat in patterns for p in run_dir.glob(pat) if p.is_file()})
-    return [{"path": p.relative_to(run_dir).as_posix(), "sha256": sha256_file(p), "bytes": p.stat().st_size}
+    return [Artifact(path=p.relative_to(run_dir).as_posix(), sha256=sha256_file(p), bytes=p.stat().st_size)
             for p in files]
 
 
-def read_marker(run_dir: Path) -> dict[str, Any] | None:
+def read_marker(run_dir: Path) -> Marker | None:
     """The completion marker, or None while the run has not finished (or died without one)."""
+    from jex.infra.records import Marker
+
     for name, ok in ((SUCCESS, True), (FAILED, False)):
         path = run_dir / name
         if path.exists():
-            return {**json.loads(path.read_text()), "ok": ok}
+            return Marker.model_validate({**json.loads(path.read_text()), "ok": ok})
     return None
 
 
-def read_heartbeat(run_dir: Path) -> dict[str, Any] | None:
+def read_heartbeat(run_dir: Path) -> Heartbeat | None:
+    """The last heartbeat, or None before the first one (or when it cannot be read)."""
+    from jex.infra.records import Heartbeat
+
     try:
-        return json.loads((run_dir / HEARTBEAT).read_text())
-    except (OSError, ValueError):
+        return Heartbeat.model_validate_json((run_dir / HEARTBEAT).read_text())
+    except (OSError, ValueError):  # pydantic's ValidationError is a ValueError
         return None
 
 
@@ -76,56 +79,77 @@ def run(run_dir: Path, command: list[str], *, heartbeat_s: float, artifacts: lis
     started = time.time()
     with open(run_dir / LOG, "ab") as log:
         child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir)
+        signal.signal(signal.SIGTERM, lambda *_: child.terminate())
+        from jex.infra.records import Heartbeat, RunEnd
+
         stop = threading.Event()
 
         def beat() -> None:
             while not stop.is_set():
-                _atomic_json(run_dir / HEARTBEAT, {"time": time.time(), "pid": child.pid, "command": command[0],
-                                                   "elapsed_s": time.time() - started})
+                now = time.time()
+                write_json(run_dir / HEARTBEAT, Heartbeat(time=now, pid=child.pid, command=command[0],
+                                                          elapsed_s=now - started).model_dump())
                 stop.wait(heartbeat_s)
 
         thread = threading.Thread(target=beat, daemon=True)
         thread.start()
-        signal.signal(signal.SIGTERM, lambda *_: child.terminate())
         code = child.wait()
         stop.set()
         thread.join()
     found = artifact_manifest(run_dir, artifacts)
-    doc = {"exit_code": code, "artifacts": found, "seconds": time.time() - started, "command": command}
+    end = RunEnd(exit_code=code, artifacts=found, seconds=time.time() - started, command=command)
     if code == 0 and found:
-        _atomic_json(run_dir / SUCCESS, doc)
+        write_json(run_dir / SUCCESS, end.model_dump())
     else:
         reason = f"exit code {code}" if code != 0 else "exit code 0 but no artifact matched " + ", ".join(artifacts)
-        _atomic_json(run_dir / FAILED, {**doc, "reason": reason})
+        write_json(run_dir / FAILED, end.model_copy(update={"reason": reason}).model_dump())
     return code
 
 
-def _group_alive(pid_file: Path) -> bool:
+def alive_group(pid_file: Path) -> int | None:
+    """The process group named in `pid_file` while it lives; None when it is gone or unreadable."""
     try:
-        os.killpg(int(pid_file.read_text().strip()), 0)
-        return True
+        pgid = int(pid_file.read_text().strip())
+        os.killpg(pgid, 0)
+        return pgid
     except (OSError, ValueError):
-        return False
+        return None
 
 
-def status(run_dir: Path, *, workdir: Path | None = None) -> dict[str, Any]:
+def status(run_dir: Path, *, workdir: Path | None = None) -> WorkerStatus:
     """What a supervisor polls: the machine's clock, heartbeat, marker, whether the worker lives, log size.
 
     With `workdir` (a machine guarded by `jex.infra.watchdog`) the poll also renews the machine's lease
     and reports whether its watchdog lives and whether it stopped the machine (`self_terminated`).
     """
+    from jex.infra.records import WorkerStatus
+
+    return WorkerStatus.model_validate(status_json(run_dir, workdir=workdir))
+
+
+def status_json(run_dir: Path, *, workdir: Path | None = None) -> dict[str, object]:
+    """`status` as the JSON a poll prints, built without loading the records: a poll runs every few
+    seconds on a busy machine, and the supervisor validates what it reads (`WorkerStatus`)."""
+    def load(path: Path) -> object:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    marker = next(({**doc, "ok": ok} for name, ok in ((SUCCESS, True), (FAILED, False))
+                   if isinstance(doc := load(run_dir / name), dict)), None)
     log = run_dir / LOG
-    doc: dict[str, Any] = {"now": time.time(), "heartbeat": read_heartbeat(run_dir), "marker": read_marker(run_dir),
-                           "alive": _group_alive(run_dir / PGID), "log_bytes": log.stat().st_size if log.exists()
-                           else 0}
-    if workdir is not None:
-        guarded = (workdir / "watchdog.json").exists()
-        doc["gone"] = not workdir.exists()
-        doc["self_terminated"] = (workdir / "SELF_TERMINATED.json").exists()
-        if guarded and not doc["self_terminated"]:
-            (workdir / "lease").touch()
-        doc["watchdog"] = _group_alive(workdir / "watchdog.pid") if guarded else None
-    return doc
+    poll: dict[str, object] = {"now": time.time(), "heartbeat": load(run_dir / HEARTBEAT), "marker": marker,
+                               "alive": alive_group(run_dir / PGID) is not None,
+                               "log_bytes": log.stat().st_size if log.exists() else 0}
+    if workdir is None:
+        return poll
+    guarded = (workdir / "watchdog.json").exists()
+    stopped = (workdir / "SELF_TERMINATED.json").exists()
+    if guarded and not stopped:
+        (workdir / "lease").touch()
+    return poll | {"gone": not workdir.exists(), "self_terminated": stopped,
+                   "watchdog": alive_group(workdir / "watchdog.pid") is not None if guarded else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,9 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--artifacts", nargs="+", default=["**/*.parquet"])
         q.add_argument("--workdir", type=Path, default=None, help="status: renew this machine's lease")
         a = q.parse_args(argv[1:])
-        doc: Any = (status(a.run_dir, workdir=a.workdir) if argv[0] == "status"
-                    else artifact_manifest(a.run_dir, a.artifacts))
-        print(json.dumps(doc, default=str))
+        doc = (status_json(a.run_dir, workdir=a.workdir) if argv[0] == "status"
+               else [x.model_dump() for x in artifact_manifest(a.run_dir, a.artifacts)])
+        print(json.dumps(doc))
         return 0
     if "--" not in argv:
         raise SystemExit("usage: python -m jex.infra.worker_protocol RUN_DIR [--heartbeat S] [--artifacts GLOB ...] "

@@ -13,9 +13,10 @@ class JexError(Exception):
 
 
 class InputError(JexError):
-    """Bad input, located by file, row (1-based line for JSONL, row index for Parquet) and field."""
+    """Bad input, located by file, row (1-based line for JSONL, row index for Parquet, or a tool's
+    sample id) and field."""
 
-    def __init__(self, message: str, *, file: str | None = None, row: int | None = None,
+    def __init__(self, message: str, *, file: str | None = None, row: int | str | None = None,
                  field: str | None = None):
         self.file, self.row, self.field = file, row, field
         where = ", ".join(p for p in (

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
+import tarfile
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
 
 CHUNK = 1 << 20
 
@@ -25,6 +27,12 @@ def sha256_file(path: str | Path) -> str:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    """Hex sha256 of compact JSON with sorted keys (library objects as str): the content hash behind
+    cache keys and identities. Its bytes are pinned by tests/test_keys_pinned.py."""
+    return sha256_bytes(json.dumps(obj, sort_keys=True, default=str).encode())
 
 
 @contextmanager
@@ -65,6 +73,25 @@ def write_json(path: str | Path, obj: Any) -> str:
     return sha256_bytes(text.encode())
 
 
+def read_json(path: str | Path) -> Any:
+    """The JSON document in a UTF-8 file."""
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
 def write_text(path: str | Path, text: str) -> None:
     with atomic_open(path, "w") as f:
         f.write(text)
+
+
+def write_tar_gz(fileobj: BinaryIO, members: Iterable[tuple[str, Path]], *, compresslevel: int = 9) -> None:
+    """Tar+gzip `(name in the archive, file)` pairs, in the order given, byte-reproducibly: no gzip
+    name or time, every member mode 0o644, owner 0 and time 0 (PAX format)."""
+    with gzip.GzipFile(filename="", mode="wb", fileobj=fileobj, mtime=0, compresslevel=compresslevel) as gz:
+        with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for name, path in members:
+                info = tarfile.TarInfo(name)
+                info.size = path.stat().st_size
+                info.mtime, info.uid, info.gid, info.mode = 0, 0, 0, 0o644
+                info.uname = info.gname = ""
+                with open(path, "rb") as f:
+                    tar.addfile(info, f)

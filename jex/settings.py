@@ -3,6 +3,10 @@
 Nested sections use a double underscore: `JEX_ENGINE__BATCH_SIZE=8`, `JEX_STORE__S3_BUCKET=...`.
 Secrets are `SecretStr`: they print as '**********' and `public_dict()` leaves them out entirely,
 so they reach no log, artifact or provenance block.
+
+Every setting is read by something: `engine`, `store.root`, `bootstrap_*` and `infra.provider` are the
+defaults of a campaign (`jex.flows.campaign.campaign_spec`, used by `jex run` and the UI form), the
+rest configure the store, the machines and the Prefect server and client.
 """
 
 from __future__ import annotations
@@ -13,23 +17,33 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+BOOTSTRAP_SEED = 20260929
+"""The one default seed of every bootstrap and permutation draw (scores, gates, experiments)."""
+BOOTSTRAP_DRAWS = 2000
+"""The default number of bootstrap draws."""
 
-class EngineSettings(BaseModel):
-    kind: Literal["hf", "vllm"] = "hf"
+
+class EngineDefaults(BaseModel):
+    """Defaults of a campaign's engine (`JEX_ENGINE__*`): every field is a field of the campaign's
+    `EngineSpec` (jex.tasks.capture.engine_pool), which command-line flags and the form override."""
+
+    kind: Literal["hf", "hf-batched", "vllm", "vllm-control"] = Field("hf", description="Engine and profile")
+    profile: Literal["audit", "audit-ngram"] = Field("audit", description="audit-ngram: n-gram speculative decoding")
     model: str | None = Field(None, description="Model folder, GGUF file or Hub id org/name[@revision]; "
                                                 "None = embedded SmolLM2")
     device: str = "cpu"
-    batch_size: int = Field(8, ge=1)
-    batch_invariant: bool = True
-    max_num_seqs: int = Field(32, ge=1)
+    batch_size: int = Field(8, ge=0, description="Requests per engine call (0, vLLM only: one call per shard)")
+    max_num_seqs: int = Field(32, ge=1, description="vLLM: sequences per scheduler step")
+    max_num_batched_tokens: int | None = Field(None, ge=16, description="vLLM: tokens per scheduler step; "
+                                                                        "None = vLLM's")
     dtype: str | None = Field(None, description="Weights dtype; None = the engine's (hf float32, vllm bfloat16)")
     gpu_memory_utilization: float = Field(0.30, gt=0, le=0.95, description="vLLM: share of GPU memory")
     max_model_len: int | None = Field(None, ge=16, description="vLLM: context limit; None = the model's")
-    cache_dir: Path = Field(Path.home() / ".cache" / "jex", description="Converted model cache")
+    cache_dir: str = Field(str(Path.home() / ".cache" / "jex"), description="Converted-model and Hub cache")
 
 
 class StoreSettings(BaseModel):
-    root: Path = Field(Path("runs"), description="Local artifact store (campaign folders)")
+    root: Path = Field(Path("runs"), description="Folder of the run folders; the artifact store is ROOT/store")
     s3_bucket: str | None = None
     s3_prefix: str = "jex"
     s3_endpoint_url: str | None = None
@@ -77,7 +91,8 @@ class InfraSettings(BaseModel):
 
 
 class PrefectSettings(BaseModel):
-    api_url: str | None = None
+    api_url: str | None = Field(None, description="Prefect API the CLI's flows report to (PREFECT_API_URL "
+                                                  "wins); None = a jex server's or Prefect's local API")
     database_url: SecretStr | None = None
     calibration_cron: str = "0 3 * * *"
     reconcile_every_s: float = Field(900.0, gt=0, description="Interval of the scheduled reconcile")
@@ -93,12 +108,12 @@ class JexSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="JEX_", env_nested_delimiter="__", env_file=".env",
                                       env_file_encoding="utf-8", extra="ignore")
 
-    engine: EngineSettings = EngineSettings()
+    engine: EngineDefaults = EngineDefaults()
     store: StoreSettings = StoreSettings()
     infra: InfraSettings = InfraSettings()
     prefect: PrefectSettings = PrefectSettings()
-    bootstrap_draws: int = Field(2000, ge=1)
-    bootstrap_seed: int = 20260929
+    bootstrap_draws: int = Field(BOOTSTRAP_DRAWS, ge=1)
+    bootstrap_seed: int = BOOTSTRAP_SEED
 
     def public_dict(self) -> dict[str, Any]:
         """Settings with every secret field removed: safe for logs, artifacts and provenance."""

@@ -83,7 +83,7 @@ class SuiteManifest(BaseModel):
         raise KeyError(catalog_id)
 
 
-class Row(BaseModel):
+class SuiteRow(BaseModel):
     """One multiple-choice request. `question_id` is the bootstrap cluster."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -131,7 +131,7 @@ def _manifest_error(err: Any, path: Path) -> InputError:
                       field=loc or None)
 
 
-def _check_row(row: Row, *, file: str, line: int, catalogs: set[str], expected: str | None) -> None:
+def _check_row(row: SuiteRow, *, file: str, line: int, catalogs: set[str], expected: str | None) -> None:
     def bad(field: str, msg: str) -> InputError:
         return InputError(msg, file=file, row=line, field=field)
 
@@ -151,14 +151,14 @@ def _check_row(row: Row, *, file: str, line: int, catalogs: set[str], expected: 
         raise bad("gold", f"gold index {row.gold} out of range for {len(row.options)} options")
 
 
-def _parse(record: Any, *, file: str, line: int) -> Row:
+def _parse(record: Any, *, file: str, line: int) -> SuiteRow:
     if not isinstance(record, dict):
         raise InputError("a row must be a JSON object", file=file, row=line)
     unknown = sorted(set(record) - set(ROW_FIELDS))
     if unknown:
         raise InputError(f"unknown field(s) {unknown}", file=file, row=line, field=unknown[0])
     try:
-        return Row.model_validate(record)
+        return SuiteRow.model_validate(record)
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or None
@@ -202,7 +202,7 @@ def read_row_file(path: str | Path, *, problems: list[InputError] | None = None
 
 
 def iter_rows(suite_dir: str | Path, manifest: SuiteManifest | None = None, *,
-              problems: list[InputError] | None = None) -> Iterator[Row]:
+              problems: list[InputError] | None = None) -> Iterator[SuiteRow]:
     """Stream every row of the suite in manifest order, validated; run_ids must be unique.
 
     With `problems` given, a bad row is recorded there and skipped instead of raised (`validate`).
@@ -219,7 +219,7 @@ def iter_rows(suite_dir: str | Path, manifest: SuiteManifest | None = None, *,
 
 
 def iter_fewshot_rows(suite_dir: str | Path, manifest: SuiteManifest | None = None, *,
-                      problems: list[InputError] | None = None) -> Iterator[Row]:
+                      problems: list[InputError] | None = None) -> Iterator[SuiteRow]:
     """The catalogs' few-shot example rows (same format as rows; never scored), validated."""
     suite_dir = Path(suite_dir)
     manifest = manifest or load_manifest(suite_dir)
@@ -233,7 +233,7 @@ def _report(problem: InputError, problems: list[InputError] | None) -> None:
 
 
 def _rows_of(suite_dir: Path, manifest: SuiteManifest, files: dict[str, tuple[str, ...]], seen: dict[str, str],
-             problems: list[InputError] | None) -> Iterator[Row]:
+             problems: list[InputError] | None) -> Iterator[SuiteRow]:
     catalogs = {c.id for c in manifest.catalogs}
     for cat_id, rels in files.items():
         for rel in rels:

@@ -15,7 +15,7 @@ import re
 import shutil
 import string
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ LOCAL_FORMATS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv
 
 
 @dataclass(frozen=True)
-class McRow:
+class ImportedRow:
     """One imported multiple-choice row, before it is written."""
 
     run_id: str
@@ -48,8 +48,8 @@ class McRow:
 @dataclass(frozen=True)
 class ImportedCatalog:
     id: str
-    rows: list[McRow]
-    fewshot: list[McRow] = field(default_factory=list)
+    rows: list[ImportedRow]
+    fewshot: list[ImportedRow] = field(default_factory=list)
     weight: float = 1.0
     leg: str = "public"
     name: str | None = None
@@ -62,16 +62,31 @@ class ImportResult:
     fewshot_rows: dict[str, int]
 
 
+@dataclass(frozen=True)
+class Where:
+    """The place in the source an import error names: file, row and field."""
+
+    file: str
+    row: int | None = None
+    field: str | None = None
+
+    def at(self, field: str) -> Where:
+        return replace(self, field=field)
+
+    def error(self, message: str) -> InputError:
+        return InputError(message, file=self.file, row=self.row, field=self.field)
+
+
 # --- answers ---------------------------------------------------------------------------------------
 
-def answer_index(answer: Any, options: Sequence[str], labels: Sequence[str], *, where: dict[str, Any]) -> int:
+def answer_index(answer: Any, options: Sequence[str], labels: Sequence[str], *, where: Where) -> int:
     """The gold index from an answer given as an index, a label/letter, or the option text."""
     if isinstance(answer, bool) or answer is None:
-        raise InputError(f"answer {answer!r} is neither an index, a letter nor an option's text", **where)
+        raise where.error(f"answer {answer!r} is neither an index, a letter nor an option's text")
     if isinstance(answer, int | float) and float(answer).is_integer():
         i = int(answer)
         if not 0 <= i < len(options):
-            raise InputError(f"answer index {i} out of range for {len(options)} options", **where)
+            raise where.error(f"answer index {i} out of range for {len(options)} options")
         return i
     if isinstance(answer, str):
         text = answer.strip()
@@ -84,26 +99,25 @@ def answer_index(answer: Any, options: Sequence[str], labels: Sequence[str], *, 
             return matches[0]
         if re.fullmatch(r"\d+", text) and int(text) < len(options):
             return int(text)
-        raise InputError(f"answer {answer!r} is not an index, a label of {list(labels)} or one option's text",
-                         **where)
-    raise InputError(f"answer {answer!r} of type {type(answer).__name__} is not understood", **where)
+        raise where.error(f"answer {answer!r} is not an index, a label of {list(labels)} or one option's text")
+    raise where.error(f"answer {answer!r} of type {type(answer).__name__} is not understood")
 
 
-def choices_of(value: Any, *, where: dict[str, Any]) -> tuple[list[str], list[str] | None]:
+def choices_of(value: Any, *, where: Where) -> tuple[list[str], list[str] | None]:
     """Options (and their own labels, when the column carries them as {"text": [...], "label": [...]})."""
     labels = None
     if isinstance(value, dict) and "text" in value:
         labels = [str(x) for x in value.get("label") or []] or None
         value = value["text"]
     if not isinstance(value, list | tuple) or not all(isinstance(x, str | int | float) for x in value):
-        raise InputError(f"choices must be a list of strings, got {type(value).__name__}", **where)
+        raise where.error(f"choices must be a list of strings, got {type(value).__name__}")
     options = [str(x) for x in value]
     if len(options) < 2:
-        raise InputError(f"{len(options)} option(s): a multiple-choice row needs at least 2", **where)
+        raise where.error(f"{len(options)} option(s): a multiple-choice row needs at least 2")
     if len(options) > len(LETTERS) and labels is None:
-        raise InputError(f"{len(options)} options: more than {len(LETTERS)} need their own labels", **where)
+        raise where.error(f"{len(options)} options: more than {len(LETTERS)} need their own labels")
     if labels is not None and len(labels) != len(options):
-        raise InputError(f"{len(labels)} labels for {len(options)} options", **where)
+        raise where.error(f"{len(labels)} labels for {len(options)} options")
     return options, labels
 
 
@@ -208,24 +222,24 @@ def _column(ds: Any, col: str | None, flag: str, dataset: str) -> None:
 
 def mc_rows_from_records(records: Iterable[dict[str, Any]], *, catalog: str, question: str, choices: str,
                          answer: str, id_col: str | None, file: str,
-                         prompt_of: Callable[[dict[str, Any]], str] | None = None) -> list[McRow]:
+                         prompt_of: Callable[[dict[str, Any]], str] | None = None) -> list[ImportedRow]:
     """Records with a question, a choices list and an answer into validated rows (unique ids)."""
     rows, seen = [], {}
     for i, rec in enumerate(records):
-        where = {"file": file, "row": i}
-        options, own_labels = choices_of(rec[choices], where={**where, "field": choices})
+        where = Where(file, i)
+        options, own_labels = choices_of(rec[choices], where=where.at(choices))
         labels = own_labels or list(LETTERS[:len(options)])
         if len(set(labels)) != len(labels):
-            raise InputError(f"labels must be distinct, got {labels}", **where, field=choices)
-        gold = answer_index(rec[answer], options, labels, where={**where, "field": answer})
+            raise where.at(choices).error(f"labels must be distinct, got {labels}")
+        gold = answer_index(rec[answer], options, labels, where=where.at(answer))
         ident = str(rec[id_col]) if id_col else str(i)
         if ident in seen:
-            raise InputError(f"duplicate id {ident!r} (first at row {seen[ident]})", **where, field=id_col or "index")
+            raise where.at(id_col or "index").error(f"duplicate id {ident!r} (first at row {seen[ident]})")
         seen[ident] = i
         prompt = prompt_of(rec) if prompt_of else rec[question]
         if not isinstance(prompt, str) or not prompt.strip():
-            raise InputError("empty or non-text question", **where, field=question)
-        rows.append(McRow(f"{catalog}-{ident}", f"{catalog}-{ident}", prompt, tuple(options), tuple(labels), gold,
+            raise where.at(question).error("empty or non-text question")
+        rows.append(ImportedRow(f"{catalog}-{ident}", f"{catalog}-{ident}", prompt, tuple(options), tuple(labels), gold,
                           {"source_row": i, **({"id": rec[id_col]} if id_col else {})}))
     if not rows:
         raise InputError("the split has no rows", file=file)
@@ -242,10 +256,10 @@ def import_hf(dataset: str, out: str | Path, *, split: str, question: str, choic
     cat = _slug(catalog or (Path(dataset).stem if Path(dataset).exists() else dataset.split("/")[-1]))
     kw = {"catalog": cat, "question": question, "choices": choices, "answer": answer, "id_col": id_col}
     rows = mc_rows_from_records(ds, file=f"{dataset} [{split}]", **kw)
-    fewshot: list[McRow] = []
+    fewshot: list[ImportedRow] = []
     if fewshot_split:
         shots, _ = _load_dataset(dataset, config=config, split=fewshot_split, revision=revision)
-        fewshot = [McRow(f"{r.run_id}-shot", r.question_id + "-shot", r.prompt, r.options, r.labels, r.gold,
+        fewshot = [ImportedRow(f"{r.run_id}-shot", r.question_id + "-shot", r.prompt, r.options, r.labels, r.gold,
                          r.metadata) for r in mc_rows_from_records(shots, file=f"{dataset} [{fewshot_split}]", **kw)]
     src = {"importer": "hf", "split": split, **source, "columns": {"question": question, "choices": choices,
                                                                     "answer": answer, "id": id_col}}
@@ -312,21 +326,21 @@ def _leaf_tasks(loaded: dict[str, Any]) -> list[tuple[str, Any, bool]]:
 
 
 def _task_rows(name: str, task: Any, docs: Iterable[Any], *, file: str, run_suffix: str = "",
-               description: str = "") -> list[McRow]:
+               description: str = "") -> list[ImportedRow]:
     rows = []
     for doc_id, doc in enumerate(docs):
-        where = {"file": file, "row": doc_id}
-        options, _ = choices_of(task.doc_to_choice(doc), where={**where, "field": "doc_to_choice"})
+        where = Where(file, doc_id)
+        options, _ = choices_of(task.doc_to_choice(doc), where=where.at("doc_to_choice"))
         labels = list(LETTERS[:len(options)])
         target = task.doc_to_target(doc)
         if isinstance(target, list):
-            raise InputError("multiple targets per document are not supported", **where, field="doc_to_target")
-        gold = answer_index(target, options, labels, where={**where, "field": "doc_to_target"})
+            raise where.at("doc_to_target").error("multiple targets per document are not supported")
+        gold = answer_index(target, options, labels, where=where.at("doc_to_target"))
         text = task.doc_to_text(doc)
         if not isinstance(text, str) or not text.strip():
-            raise InputError(f"doc_to_text gave {text!r}", **where, field="doc_to_text")
+            raise where.at("doc_to_text").error(f"doc_to_text gave {text!r}")
         run_id = f"{name}-{doc_id}{run_suffix}"
-        rows.append(McRow(run_id, run_id, description + text, tuple(options), tuple(labels), gold,
+        rows.append(ImportedRow(run_id, run_id, description + text, tuple(options), tuple(labels), gold,
                           {"task": name, "doc_id": doc_id}))
     return rows
 

@@ -10,20 +10,16 @@ kinds also read `gold`, and only out-of-fold.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 import polars as pl
 
+from jex.numerics import logit, question_folds
+
 ProjectionClass = Literal["positional-construction-reuse", "fitted-on-public-oof"]
 RULE_KINDS: dict[str, type[OverlayRuleBase]] = {}
-
-
-def logit(p: np.ndarray) -> np.ndarray:
-    p = np.clip(p, 1e-300, 1 - 1e-16)
-    return np.log(p) - np.log1p(-p)
 
 
 def _probs(frame: pl.DataFrame, index: int) -> np.ndarray:
@@ -180,7 +176,7 @@ class IsotonicShrink(OverlayRuleBase):
     def calibrated(self, frame: pl.DataFrame) -> np.ndarray:
         p = _probs(frame, self.positive_index)
         y = (frame["gold"].to_numpy() == self.positive_index).astype(float)
-        fold = np.array([zlib.crc32(q.encode()) % self.folds for q in frame["question_id"].to_list()])
+        fold = question_folds(frame["question_id"].to_list(), self.folds)
         q = p.copy()
         for k in range(self.folds):
             test, train = fold == k, (fold != k) & ~np.isnan(p)

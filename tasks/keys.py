@@ -7,9 +7,9 @@ stage code changes exactly the keys downstream of the change.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
+
+from jex.fileio import sha256_json
 
 # Bump a stage's version when its code changes what it writes.
 STAGE_VERSIONS = {"bundle": 1, "fast_pass": 2, "gate": 1, "reason": 2, "fold": 2, "calibrate": 1,
@@ -20,4 +20,4 @@ def stage_key(stage: str, *, params: dict[str, Any], inputs: dict[str, str],
               engine: dict[str, Any] | None = None) -> str:
     doc = {"stage": stage, "version": STAGE_VERSIONS[stage], "params": params, "inputs": inputs,
            "engine": engine}
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return sha256_json(doc)[:32]

@@ -1,38 +1,74 @@
 """Thin Prefect wrappers: caching, retries and progress artifacts around the stage functions.
 
-The cache key of every task is the stage's own content key (inputs' sha256s, parameters, engine
-fingerprint, stage version), so Prefect shows a re-run stage as Cached and never serves another
-model's capture. The stage functions are also idempotent on the store: if Prefect's cache is cold
-(a new PREFECT_HOME) they return the stored summary without loading an engine.
+The cache key of every task is its stage's store key (`StoreKey`: the same `CachedStage.key` that
+names the stage folder), so Prefect shows a re-run stage as Cached and never serves another model's
+capture. The stages are also idempotent on the store: if Prefect's cache is cold (a new
+PREFECT_HOME) they return the stored summary without loading an engine.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
-from prefect.cache_policies import NO_CACHE
+from prefect.cache_policies import NO_CACHE, CachePolicy
+from prefect.context import TaskRunContext
 
+from jex.progress import shard_progress
 from jex.tasks import cpu_stages
+from jex.tasks.cached_stage import CachedStage
 from jex.tasks.capture import stages
-from jex.tasks.capture.engine_pool import EngineSpec, fingerprint
-from jex.tasks.keys import STAGE_VERSIONS
+from jex.tasks.capture.engine_pool import EngineSpec
+from jex.tasks.capture.spec_proof import proof_gate_stage
+from jex.tasks.records import (
+    BundleSummary,
+    CalibrateSummary,
+    CampaignSummaries,
+    FastPassSummary,
+    FoldSummary,
+    GateSummary,
+    OverlaySummary,
+    PartialSummary,
+    ReasonSummary,
+    ScoreSummary,
+    StageSummary,
+)
 from jex.tasks.store import LocalStore
 
 
-def _key(context: Any, params: dict[str, Any]) -> str:
-    name = context.task.name
-    doc = {"task": name, "version": STAGE_VERSIONS.get(name), "params": params}
-    if isinstance(params.get("engine"), EngineSpec):
-        doc["engine_fingerprint"] = params.get("engine_fp") or fingerprint(params["engine"])
-    return f"{name}-" + hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
+@dataclass
+class StoreKey(CachePolicy):
+    """Prefect's cache key for a stage task: the stage's store key, from the task's inputs, and which
+    store holds it (a campaign on a fresh store must not be served another store's folders)."""
+
+    stage: CachedStage[Any] | None = None
+    stage_inputs: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    """The stage's inputs from the task's, where they differ (the overlay task reads its rule file)."""
+
+    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> str | None:
+        assert self.stage is not None
+        given = {k: v for k, v in inputs.items() if k != "store"}
+        where = hashlib.sha256(str(Path(inputs["store"]).resolve()).encode()).hexdigest()[:8]
+        return f"{self.stage.name}-{self.stage.key(**(self.stage_inputs or dict)(given))}-{where}"
 
 
-CACHED = {"cache_key_fn": _key, "persist_result": True, "cache_expiration": None}
+def cached(stage: CachedStage[Any], stage_inputs: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+           ) -> dict[str, Any]:
+    return {"cache_policy": StoreKey(stage=stage, stage_inputs=stage_inputs), "persist_result": True,
+            "cache_expiration": None}
+
+
+def _overlay_inputs(given: dict[str, Any]) -> dict[str, Any]:
+    from jex.overlays.loading import load_rules
+
+    rules, sha = load_rules(given["rules_file"])
+    return {"calibrated": given["calibrated"], "rules": rules, "rules_sha256": sha}
 
 
 def _progress(stage: str):
@@ -40,7 +76,7 @@ def _progress(stage: str):
     state: dict[str, Any] = {}
 
     def update(name: str, done: int, total: int) -> None:
-        stages.terminal_progress(name, done, total)
+        shard_progress(name, done, total)
         pct = 100.0 * done / max(total, 1)
         try:
             if "id" not in state:
@@ -54,66 +90,71 @@ def _progress(stage: str):
     return update
 
 
-@task(name="bundle", **CACHED)
-def bundle_task(suite: str, store: str, reference: str | None = None) -> dict[str, Any]:
-    return stages.bundle_stage(suite, LocalStore(store), reference=reference)
+def _complete(out: StageSummary | PartialSummary) -> Any:
+    if isinstance(out, PartialSummary):
+        raise RuntimeError(f"{out.stage}: shards are missing after this process's share")
+    return out
 
 
-@task(name="fast_pass", retries=1, **CACHED)
-def fast_pass_task(bundle: dict[str, Any], engine: EngineSpec, store: str, shard_rows: int,
-                   engine_fp: dict[str, Any] | None = None) -> dict[str, Any]:
-    return stages.fast_pass_stage(bundle, engine, LocalStore(store), shard_rows=shard_rows,
-                                  progress=_progress("fast_pass"), engine_fp=engine_fp)
+@task(name="bundle", **cached(stages.bundle_stage))
+def bundle_task(suite: str, store: str, reference: str | None = None) -> BundleSummary:
+    return stages.bundle_stage(LocalStore(store), suite=suite, reference=reference)
 
 
-@task(name="gate", **CACHED)
-def gate_task(bundle: dict[str, Any], fast: dict[str, Any], store: str, coverage: float,
-              per_catalog_cap: float | None) -> dict[str, Any]:
-    return cpu_stages.gate_stage(bundle, fast, LocalStore(store), coverage=coverage, per_catalog_cap=per_catalog_cap)
+@task(name="fast_pass", retries=1, **cached(stages.fast_pass_stage))
+def fast_pass_task(bundle: BundleSummary, engine: EngineSpec, store: str, shard_rows: int,
+                   engine_fp: dict[str, Any] | None = None) -> FastPassSummary:
+    return _complete(stages.fast_pass_stage.run(LocalStore(store), bundle=bundle, engine=engine, shard_rows=shard_rows,
+                                                progress=_progress("fast_pass"), engine_fp=engine_fp))
 
 
-@task(name="reason", retries=1, **CACHED)
-def reason_task(bundle: dict[str, Any], gate: dict[str, Any], engine: EngineSpec, store: str, max_tokens: int,
-                shard_rows: int, engine_fp: dict[str, Any] | None = None) -> dict[str, Any]:
-    return stages.reason_stage(bundle, gate, engine, LocalStore(store), max_tokens=max_tokens, shard_rows=shard_rows,
-                               progress=_progress("reason"), engine_fp=engine_fp)
+@task(name="gate", **cached(cpu_stages.gate_stage))
+def gate_task(bundle: BundleSummary, fast: FastPassSummary, store: str, coverage: float,
+              per_catalog_cap: float | None) -> GateSummary:
+    return cpu_stages.gate_stage(LocalStore(store), bundle=bundle, fast=fast, coverage=coverage,
+                                 per_catalog_cap=per_catalog_cap)
 
 
-@task(name="spec_proof_gate", **CACHED)
-def proof_gate_task(bundle: dict[str, Any], gate: dict[str, Any], store: str, rows: int) -> dict[str, Any]:
-    from jex.tasks.capture.spec_proof import proof_gate_stage
+@task(name="reason", retries=1, **cached(stages.reason_stage))
+def reason_task(bundle: BundleSummary, gate: GateSummary, engine: EngineSpec, store: str, max_tokens: int,
+                shard_rows: int, engine_fp: dict[str, Any] | None = None) -> ReasonSummary:
+    return _complete(stages.reason_stage.run(LocalStore(store), bundle=bundle, gate=gate, engine=engine,
+                                             max_tokens=max_tokens, shard_rows=shard_rows,
+                                             progress=_progress("reason"), engine_fp=engine_fp))
 
-    return proof_gate_stage(bundle, gate, LocalStore(store), rows=rows)
+
+@task(name="spec_proof_gate", **cached(proof_gate_stage))
+def proof_gate_task(bundle: BundleSummary, gate: GateSummary, store: str, rows: int) -> GateSummary:
+    return proof_gate_stage(LocalStore(store), bundle=bundle, gate=gate, rows=rows)
 
 
-@task(name="fold", **CACHED)
-def fold_task(bundle: dict[str, Any], fast: dict[str, Any], gate: dict[str, Any], reason: dict[str, Any], store: str,
-              rule: str, weight: float, draws: int, seed: int) -> dict[str, Any]:
-    return cpu_stages.fold_stage(bundle, fast, gate, reason, LocalStore(store), rule=rule,  # type: ignore[arg-type]
+@task(name="fold", **cached(cpu_stages.fold_stage))
+def fold_task(bundle: BundleSummary, fast: FastPassSummary, gate: GateSummary, reason: ReasonSummary, store: str,
+              rule: str, weight: float, draws: int, seed: int) -> FoldSummary:
+    return cpu_stages.fold_stage(LocalStore(store), bundle=bundle, fast=fast, gate=gate, reason=reason, rule=rule,
                                  weight=weight, draws=draws, seed=seed)
 
 
-@task(name="calibrate", **CACHED)
-def calibrate_task(bundle: dict[str, Any], fold: dict[str, Any], store: str, folds: int) -> dict[str, Any]:
-    return cpu_stages.calibrate_stage(bundle, fold, LocalStore(store), folds=folds)
+@task(name="calibrate", **cached(cpu_stages.calibrate_stage))
+def calibrate_task(bundle: BundleSummary, fold: FoldSummary, store: str, folds: int) -> CalibrateSummary:
+    return cpu_stages.calibrate_stage(LocalStore(store), bundle=bundle, fold=fold, folds=folds)
 
 
-@task(name="overlay", **CACHED)
-def overlay_task(calibrated: dict[str, Any], store: str, rules_file: str | None) -> dict[str, Any]:
-    from jex.overlays.loading import load_rules
-
-    rules, sha = load_rules(rules_file)
-    return cpu_stages.overlay_stage(calibrated, LocalStore(store), rules=rules, rules_sha256=sha)
+@task(name="overlay", **cached(cpu_stages.overlay_stage, _overlay_inputs))
+def overlay_task(calibrated: CalibrateSummary, store: str, rules_file: str | None) -> OverlaySummary:
+    return cpu_stages.overlay_stage(LocalStore(store), **_overlay_inputs({"calibrated": calibrated,
+                                                                          "rules_file": rules_file}))
 
 
-@task(name="score", **CACHED)
-def score_task(bundle: dict[str, Any], overlay: dict[str, Any], fold: dict[str, Any], store: str, draws: int,
-               seed: int) -> dict[str, Any]:
-    return cpu_stages.score_stage(bundle, overlay, fold, LocalStore(store), draws=draws, seed=seed)
+@task(name="score", **cached(cpu_stages.score_stage))
+def score_task(bundle: BundleSummary, overlay: OverlaySummary, fold: FoldSummary, store: str, draws: int,
+               seed: int) -> ScoreSummary:
+    return cpu_stages.score_stage(LocalStore(store), bundle=bundle, overlay=overlay, fold=fold, draws=draws,
+                                  seed=seed)
 
 
 @task(name="report", cache_policy=NO_CACHE)
-def report_task(run_dir: str, summaries: dict[str, Any], spec: dict[str, Any], timings: dict[str, float],
+def report_task(run_dir: str, summaries: CampaignSummaries, spec: dict[str, Any], timings: dict[str, float],
                 machines: dict[str, Any] | None = None) -> str:
     from jex.tasks.outputs.run_folder import write_run_folder
 
@@ -126,7 +167,7 @@ def publish_report(report: str, run_dir: Path) -> None:
     """The report and the per-catalog table as Prefect artifacts, so the UI shows them."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    from jex.tasks.cpu_stages import read_json
+    from jex.fileio import read_json
 
     create_markdown_artifact(markdown=report, key="campaign-report", description=f"report of {run_dir.name}")
     fold = read_json(run_dir / "fold.json")

@@ -15,33 +15,48 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import polars as pl
 
 from jex.fileio import atomic_path, sha256_file, write_json
+from jex.tasks.records import PartialSummary, StageSummary
 
 SUCCESS = "_SUCCESS.json"
 
 
+S = TypeVar("S", bound=StageSummary)
+
+
 @dataclass(frozen=True)
 class StageDir:
+    """`<root>/<stage>/<key>/`: one stage's folder in the store."""
+
     path: Path
+
+    @property
+    def stage(self) -> str:
+        return self.path.parent.name
+
+    @property
+    def key(self) -> str:
+        return self.path.name
 
     @property
     def complete(self) -> bool:
         return (self.path / SUCCESS).exists()
 
     def summary(self) -> dict[str, Any]:
+        """The completion record as written (validate it with the stage's summary type)."""
         return json.loads((self.path / SUCCESS).read_text())
 
-    def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
+    def finish(self, summary: S) -> S:
         """Record every file's sha256 and the summary; this marks the stage complete."""
         files = {p.relative_to(self.path).as_posix(): sha256_file(p) for p in sorted(self.path.rglob("*"))
                  if p.is_file() and p.name != SUCCESS and not p.name.startswith(".")}
-        doc = {**summary, "files": files, "folder": str(self.path)}
-        write_json(self.path / SUCCESS, doc)
-        return doc
+        done = summary.model_copy(update={"files": files, "folder": str(self.path)})
+        write_json(self.path / SUCCESS, done.model_dump(mode="json"))
+        return done
 
 
 class LocalStore:
@@ -114,10 +129,10 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
     return ShardStats(n_shards, computed, reused, seconds, rows)
 
 
-def partial_summary(stage: str, key: str, stats: ShardStats) -> dict[str, Any]:
+def partial_summary(stage: Literal["fast_pass", "reason"], key: str, stats: ShardStats) -> PartialSummary:
     """What one of several workers sharing a stage returns: its own shards and their compute time."""
-    return {"stage": stage, "key": key, "partial": True, "computed_shards": stats.computed,
-            "compute_seconds": stats.compute_seconds, "computed_rows": stats.computed_rows}
+    return PartialSummary(stage=stage, key=key, computed_shards=stats.computed,
+                          compute_seconds=stats.compute_seconds, computed_rows=stats.computed_rows)
 
 
 def _claim(path: Path) -> bool:

@@ -106,10 +106,10 @@ def test_multi_token_labels_are_read_through_the_fallback_and_counted(tmp_path):
 
     rows = [row("one", "c", k=2), row("long", "c", k=2, labels=["Alpha-one", "Bravo-two"])]
     store = LocalStore(tmp_path / "store")
-    bundle = bundle_stage(write_suite(tmp_path / "s", {"c": rows}), store)
-    fast = fast_pass_stage(bundle, EngineSpec(), store, shard_rows=2)
-    capture = pl.read_parquet(fast["capture"])
-    assert fast["key_fallbacks"] == 1 and fast["readout_errors"] == 0
+    bundle = bundle_stage(store, suite=write_suite(tmp_path / "s", {"c": rows}))
+    fast = fast_pass_stage(store, bundle=bundle, engine=EngineSpec(), shard_rows=2)
+    capture = pl.read_parquet(fast.capture)
+    assert fast.key_fallbacks == 1 and fast.readout_errors == 0
     long = capture.row(1, named=True)
     assert long["logprobs"] is not None and long["label_mass"] is None and long["refusal"] is None
     assert capture.row(0, named=True)["label_mass"] is not None  # single-token labels: the label slot

@@ -9,9 +9,11 @@ import polars as pl
 import pytest
 
 from jex.errors import InputError
+from jex.fileio import read_json
 from jex.tasks.capture.stages import bundle_stage
-from jex.tasks.cpu_stages import read_json, score_stage
+from jex.tasks.cpu_stages import score_stage
 from jex.tasks.lab.parity import capture_readouts
+from jex.tasks.records import FoldSummary, OverlaySummary
 from jex.tasks.scoring.reference_audit import audit_markdown
 from jex.tasks.store import LocalStore, write_parquet
 from tests.conftest import row, write_suite
@@ -35,8 +37,8 @@ def run_outputs(tmp_path, run_ids):
     preds = folded.select("run_id", choice="fast_choice", probs=pl.col("logprobs").list.eval(pl.element().exp()))
     write_parquet(folded, tmp_path / "folded.parquet")
     write_parquet(preds, tmp_path / "predictions.parquet")
-    return ({"folded": str(tmp_path / "folded.parquet"), "sha256": "f"},
-            {"predictions": str(tmp_path / "predictions.parquet"), "sha256": "p"}, preds)
+    return (FoldSummary(key="f", sha256="f", folded=str(tmp_path / "folded.parquet"), fold_json="", errors={}),
+            OverlaySummary(key="p", sha256="p", predictions=str(tmp_path / "predictions.parquet"), applied=[]), preds)
 
 
 def write_reference(path, preds, flip=()):
@@ -51,14 +53,14 @@ def audit(tmp_path, suite, flip=()):
     run_ids = [f"{c}{i}" for c in ("a", "b") for i in range(N)]
     fold, overlay, preds = run_outputs(tmp_path, run_ids)
     store = LocalStore(tmp_path / f"store-{len(flip)}")
-    bundle = bundle_stage(suite, store, reference=str(write_reference(tmp_path / "ref.jsonl", preds, flip)))
-    summary = score_stage(bundle, overlay, fold, store, draws=20, seed=1)
-    return summary, read_json(summary["score_json"])["reference_audit"]
+    bundle = bundle_stage(store, suite=suite, reference=str(write_reference(tmp_path / "ref.jsonl", preds, flip)))
+    summary = score_stage(store, bundle=bundle, overlay=overlay, fold=fold, draws=20, seed=1)
+    return summary, read_json(summary.score_json)["reference_audit"]
 
 
 def test_a_reference_equal_to_the_runs_own_capture_agrees_fully(tmp_path, suite):
     summary, doc = audit(tmp_path, suite)
-    assert summary["reference_agreement"] == 1.0
+    assert summary.reference_agreement == 1.0
     for name in ("fast_pass", "final"):
         a = doc[name]
         assert (a["compared"], a["flips"], a["argmax_agreement"], a["max_abs_dp"]) == (2 * N, 0, 1.0, 0.0)
@@ -70,7 +72,7 @@ def test_planted_flips_are_reported_exactly_with_their_pre_margins(tmp_path, sui
     summary, doc = audit(tmp_path, suite, flip=planted)
     final = doc["final"]
     assert [r["run_id"] for r in final["flip_rows"]] == planted and final["flips"] == 3
-    assert summary["reference_agreement"] == (2 * N - 3) / (2 * N)
+    assert summary.reference_agreement == (2 * N - 3) / (2 * N)
     assert final["catalogs"]["a"]["agree"] == N - 2 and final["catalogs"]["b"]["agree"] == N - 1
     a1 = final["flip_rows"][0]
     assert (a1["run_choice"], a1["reference_choice"]) == (1, 2)
@@ -104,8 +106,8 @@ def test_parity_against_a_stored_capture_needs_no_second_engine(tmp_path):
 
     suite = write_sample_suite(tmp_path / "suite", rows=18, seed=3)
     store = LocalStore(tmp_path / "store")
-    bundle = bundle_stage(suite, store)
-    capture = fast_pass_stage(bundle, EngineSpec(), store, shard_rows=9)["capture"]
+    bundle = bundle_stage(store, suite=suite)
+    capture = fast_pass_stage(store, bundle=bundle, engine=EngineSpec(), shard_rows=9).capture
     result = CliRunner().invoke(app, ["parity", "--suite", str(suite), "--reference", capture, "-o",
                                       str(tmp_path / "out")])
     assert result.exit_code == 0, result.output

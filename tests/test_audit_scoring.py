@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jex.errors import InputError
+from jex.tasks.records import CalibrateSummary, FoldSummary
 from jex.tasks.scoring.bootstrap_ci import bootstrap_ci, bootstrap_loop
 from jex.tasks.scoring.index import catalog_chances, scored_frame
 from jex.tasks.scoring.inputs import load_predictions, load_suite_table
@@ -177,9 +178,10 @@ def test_an_overlay_sets_abstain_and_the_campaigns_score_reads_it(tmp_path):
     choices, and the score counts them as the scorer of a predictions file with those flags does."""
     import polars as pl
 
+    from jex.fileio import read_json
     from jex.overlays import AbstainBelow
     from jex.tasks.capture.stages import bundle_stage
-    from jex.tasks.cpu_stages import overlay_stage, read_json, score_stage
+    from jex.tasks.cpu_stages import overlay_stage, score_stage
     from jex.tasks.store import LocalStore, write_parquet
 
     suite, rows = mixed_suite(tmp_path / "s", secondary={"acc": ["abstain"]})
@@ -196,17 +198,18 @@ def test_an_overlay_sets_abstain_and_the_campaigns_score_reads_it(tmp_path):
     write_parquet(calibrated.select("run_id", logprobs="calibrated_logprobs", fast_choice="choice"),
                   tmp_path / "folded.parquet")
     store = LocalStore(tmp_path / "store")
-    bundle = bundle_stage(suite, store)
+    bundle = bundle_stage(store, suite=suite)
     rule = AbstainBelow(id="unsure", target="acc", projection_class="fitted-on-public-oof", p_min=0.45)
-    overlay = overlay_stage({"calibrated": str(tmp_path / "calibrated.parquet"), "sha256": "c"}, store,
-                            rules=[rule], rules_sha256="r")
-    out = pl.read_parquet(overlay["predictions"])
+    calibrated_summary = CalibrateSummary(key="c", sha256="c", calibrated=str(tmp_path / "calibrated.parquet"),
+                                          calibration_json="")
+    overlay = overlay_stage(store, calibrated=calibrated_summary, rules=[rule], rules_sha256="r")
+    out = pl.read_parquet(overlay.predictions)
     unsure = {p["run_id"] for p in preds if p["run_id"].startswith("acc") and p["probs"][p["choice"]] < 0.45}
     assert unsure and set(out.filter("abstain")["run_id"]) == unsure
     assert out["choice"].to_list() == [p["choice"] for p in preds]  # choices kept
-    assert overlay["applied"][0]["changed"] == len(unsure)
-    score = read_json(score_stage(bundle, overlay, {"folded": str(tmp_path / "folded.parquet"), "sha256": "f"},
-                                  store, draws=20, seed=1)["score_json"])
+    assert overlay.applied[0]["changed"] == len(unsure)
+    fold = FoldSummary(key="f", sha256="f", folded=str(tmp_path / "folded.parquet"), fold_json="", errors={})
+    score = read_json(score_stage(store, bundle=bundle, overlay=overlay, fold=fold, draws=20, seed=1).score_json)
     assert score["catalogs"]["acc"]["abstained"] == len(unsure)
     flagged = random_predictions(tmp_path / "flagged.jsonl", rows, missing=(), abstain=tuple(unsure))
     assert score["full"] == score_files(suite, flagged, tmp_path / "out", draws=20)["full"]

@@ -208,11 +208,11 @@ def offline_hub(tmp_path, monkeypatch, embedded_model_dir):
 
 
 def test_hub_model_fingerprint_records_repo_commit_and_blob_hashes(offline_hub):
-    from jex.tasks.capture.engine_pool import EngineSpec, fingerprint
+    from jex.tasks.capture.engine_pool import EngineSpec, engine_fingerprint
 
-    fp = fingerprint(EngineSpec(model="jex-test/smol-base"))
+    fp = engine_fingerprint(EngineSpec(model="jex-test/smol-base"))
     assert fp["hub"] == {"repo": "jex-test/smol-base", "commit": offline_hub}
-    pinned = fingerprint(EngineSpec(model=f"jex-test/smol-base@{offline_hub}"))
+    pinned = engine_fingerprint(EngineSpec(model=f"jex-test/smol-base@{offline_hub}"))
     assert pinned["weights_sha256"] == fp["weights_sha256"]
 
 

@@ -34,11 +34,12 @@ def test_capture_bytes_do_not_depend_on_shard_size_or_workers(tiny_suite, tmp_pa
     captures = []
     for name, shard_rows, workers in (("a", 5, 1), ("b", 16, 1), ("c", 4, 2)):
         store = LocalStore(tmp_path / name)
-        bundle = bundle_stage(tiny_suite, store)
+        bundle = bundle_stage(store, suite=tiny_suite)
         for w in range(workers):  # several workers, each taking every n-th shard, then the merge
-            summary = fast_pass_stage(bundle, engine, store, shard_rows=shard_rows, worker=w, workers=workers)
-        assert summary["rows"] == 27
-        captures.append(Path(summary["capture"]).read_bytes())
+            summary = fast_pass_stage.run(store, bundle=bundle, engine=engine, shard_rows=shard_rows, worker=w,
+                                          workers=workers)
+        assert summary.rows == 27
+        captures.append(Path(summary.capture).read_bytes())
     assert captures[0] == captures[1] == captures[2]
 
 

@@ -40,11 +40,12 @@ def suite_dir(tmp_path_factory):
 def _fast_pass_request(suite: Path, store: Path) -> HostRequest:
     from jex.tasks.capture.engine_pool import EngineSpec
     from jex.tasks.capture.stages import bundle_stage
+    from jex.tasks.records import EngineStageArgs
     from jex.tasks.store import LocalStore
 
-    bundle = bundle_stage(suite, LocalStore(store))
-    return HostRequest(job="fast_pass", args={"bundle": bundle, "engine": EngineSpec().model_dump(mode="json"),
-                                              "store": str(store), "shard_rows": 1})
+    bundle = bundle_stage(LocalStore(store), suite=suite)
+    return HostRequest(job="fast_pass", args=EngineStageArgs(bundle=bundle, engine=EngineSpec(), store=str(store),
+                                                             shard_rows=1))
 
 
 def _kill_host_after_its_first_shard(home: Path, store: Path) -> int:
@@ -73,10 +74,10 @@ def test_a_host_that_dies_mid_job_is_replaced_once_and_the_capture_is_unchanged(
     (reply,) = replies
     assert reply.ok and reply.host_pid != killed
     assert [s.pid for s in read_starts(engine_home)] == [killed, reply.host_pid]
-    assert 0 < len(reply.summary["computed_shards"]) < 24, "the new host reused the shards the dead one wrote"
+    assert 0 < len(reply.summary.computed_shards) < 24, "the new host reused the shards the dead one wrote"
     one = LocalStore(tmp_path / "one")
-    alone = fast_pass_stage(bundle_stage(suite_dir, one), EngineSpec(), one, shard_rows=1)
-    assert sha256_file(reply.summary["capture"]) == sha256_file(alone["capture"])
+    alone = fast_pass_stage(one, bundle=bundle_stage(one, suite=suite_dir), engine=EngineSpec(), shard_rows=1)
+    assert sha256_file(reply.summary.capture) == sha256_file(alone.capture)
 
 
 @pytest.mark.slow
@@ -104,7 +105,7 @@ def test_one_host_serves_successive_jobs_with_one_engine_start(engine_home, suit
     second = submit(engine_home, 0, _fast_pass_request(suite_dir, tmp_path / "b"))
     assert first.ok and second.ok and first.host_pid == second.host_pid
     assert len(read_starts(engine_home)) == 1 and second.engine_starts == 1
-    assert sha256_file(first.summary["capture"]) == sha256_file(second.summary["capture"])
+    assert sha256_file(first.summary.capture) == sha256_file(second.summary.capture)
 
 
 @pytest.mark.slow
@@ -120,14 +121,15 @@ def test_the_first_machine_s_compile_cache_is_restored_on_the_next_machine_of_th
     from jex.settings import load_settings
     from jex.tasks.capture.engine_pool import EngineSpec
     from jex.tasks.capture.stages import bundle_stage
+    from jex.tasks.records import EngineStageArgs
     from jex.tasks.store import LocalStore
 
     for k, v in {"JEX_INFRA__STATE_DIR": str(tmp_path / "infra"), "JEX_INFRA__POLL_S": "0.3",
                  "JEX_INFRA__WORKER_PYTHON": sys.executable}.items():
         monkeypatch.setenv(k, v)
     store = LocalStore(tmp_path / "store")
-    args = {"bundle": bundle_stage(suite_dir, store), "engine": EngineSpec().model_dump(mode="json"),
-            "store": str(store.root), "shard_rows": 12}
+    args = EngineStageArgs(bundle=bundle_stage(store, suite=suite_dir), engine=EngineSpec(), store=str(store.root),
+                           shard_rows=12)
     spec = MachinesSpec(provider="local", golden_rows=4)
 
     def compile_on_first_poll(session, job, polls) -> None:
@@ -139,7 +141,7 @@ def test_the_first_machine_s_compile_cache_is_restored_on_the_next_machine_of_th
     with GpuFleet(spec, campaign="first", store=str(store.root), settings=load_settings(), echo=lambda s: None,
                   on_poll=compile_on_first_poll) as first:
         first.run_stage("fast_pass", args)
-    cached = compile_cache_path(store, args["engine"], first.report()["machines"][0]["provenance"])
+    cached = compile_cache_path(store, args.engine, first.report()["machines"][0]["provenance"])
     with tarfile.open(cached) as tar:
         assert tar.getnames() == ["torch_compile_cache/g/graph.bin", ".jex-cache-root"]
     shutil.rmtree(store.root / "fast_pass")  # the next campaign must rent a machine again

@@ -119,8 +119,8 @@ def test_the_default_render_fingerprint_is_unchanged_by_the_option_order_field()
 
     doc = RenderSpec().model_dump(mode="json")
     del doc["option_order_seed"]
-    assert RenderSpec().fingerprint()["sha256"] == hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
-    assert RenderSpec(option_order_seed=3).fingerprint() != RenderSpec().fingerprint()
+    assert RenderSpec().digest()["sha256"] == hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    assert RenderSpec(option_order_seed=3).digest() != RenderSpec().digest()
 
 
 def test_shuffled_options_are_shown_in_a_seeded_order_and_restored():
@@ -251,7 +251,7 @@ def test_the_permutation_p_agrees_with_swapping_predictions_question_by_question
 
 def test_a_planted_arm_that_hides_the_options_is_a_no_go_with_a_ci_below_zero(small_suite):
     """Hiding the options leaves a model the first label only: planted as 'always label 0'."""
-    from jex.tasks.lab.arms import GateSettings
+    from jex.tasks.lab.arms import ExperimentGateSettings
     from jex.tasks.lab.experiment_report import verdict
 
     base = _preds(small_suite, p_right=0.9, seed=1)
@@ -259,13 +259,13 @@ def test_a_planted_arm_that_hides_the_options_is_a_no_go_with_a_ci_below_zero(sm
     placebo = _preds(small_suite, p_right=0.9, seed=1)
     _, stats = paired_arms(small_suite.rows, small_suite.spec, base, {"hidden": planted, "placebo": placebo},
                            draws=500, seed=20260929, permutations=500)
-    v, checks = verdict(stats["hidden"], versus(stats["hidden"], stats["placebo"]), GateSettings())
+    v, checks = verdict(stats["hidden"], versus(stats["hidden"], stats["placebo"]), ExperimentGateSettings())
     assert v == "NO-GO" and stats["hidden"].metric.ci[1] < 0 and stats["hidden"].p < 0.01
     assert not checks["ci_above_min_effect"] and not checks["above_placebo"]
 
 
 def test_the_gate_says_go_only_above_zero_and_above_the_placebo(small_suite):
-    from jex.tasks.lab.arms import GateSettings
+    from jex.tasks.lab.arms import ExperimentGateSettings
     from jex.tasks.lab.experiment_report import verdict
 
     base = _preds(small_suite, p_right=0.3, seed=1)
@@ -274,12 +274,12 @@ def test_the_gate_says_go_only_above_zero_and_above_the_placebo(small_suite):
     _, stats = paired_arms(small_suite.rows, small_suite.spec, base,
                            {"arm": better, "p0": placebo_same, "p1": placebo_also_better}, draws=500, seed=1,
                            permutations=500)
-    gate = GateSettings(catalog_tolerance=100.0)
+    gate = ExperimentGateSettings(catalog_tolerance=100.0)
     assert verdict(stats["arm"], versus(stats["arm"], stats["p0"]), gate)[0] == "GO"
     v, checks = verdict(stats["arm"], versus(stats["arm"], stats["p1"]), gate)
     assert v == "NO-GO" and checks == {"ci_above_min_effect": True, "p_below_alpha": True, "above_placebo": False,
                                        "no_catalog_degrades": True}
-    strict = GateSettings(min_effect=1000.0)
+    strict = ExperimentGateSettings(min_effect=1000.0)
     assert verdict(stats["arm"], versus(stats["arm"], stats["p0"]), strict)[0] == "NO-GO"
 
 
@@ -321,14 +321,14 @@ def test_the_panel_share_is_the_catalogs_weight_in_the_full_index(sample_suite, 
 # ---------------------------------------------------------------- gate registration and ledger
 
 def test_the_gate_is_registered_once_and_a_changed_gate_is_refused(tmp_path):
-    from jex.tasks.lab.experiment_report import register_gate
+    from jex.tasks.lab.experiment_report import register_experiment_gate
 
-    sha = register_gate(parse_arms(GOOD), tmp_path)
-    assert sha == register_gate(parse_arms(GOOD), tmp_path) and len(sha) == 64
+    sha = register_experiment_gate(parse_arms(GOOD), tmp_path)
+    assert sha == register_experiment_gate(parse_arms(GOOD), tmp_path) and len(sha) == 64
     assert json.loads((tmp_path / "gate-settings.json").read_text())["gate"]["placebo"] == "reworded"
     with pytest.raises(InputError, match="other gate settings"):
-        register_gate(parse_arms(GOOD.replace('placebo = "reworded"', 'placebo = "reworded"\nalpha = 0.01', 1)),
-                      tmp_path)
+        changed = GOOD.replace('placebo = "reworded"', 'placebo = "reworded"\nalpha = 0.01', 1)
+        register_experiment_gate(parse_arms(changed), tmp_path)
 
 
 def _doc(gate_sha: str, verdicts: dict[str, str]) -> dict:

@@ -20,6 +20,7 @@ from jex.infra.ledger import BudgetExceeded, Ledger
 from jex.infra.machine import JobFailed, MachineSession, Policy, RemoteJob
 from jex.infra.providers import CommandProvider, CommandTemplates, EC2Provider, LocalProvider, SSHProvider
 from jex.infra.reaper import reconcile
+from jex.infra.records import Lost, ObjectHead
 from jex.infra.shell import ShellError, SSHShell
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,11 +47,10 @@ def assert_no_machine_and_nothing_lost(provider, campaign, s3, outcome, written:
     assert provider.list(campaign) == [], "a machine was left running"
     in_s3 = set()
     for art in outcome.artifacts:
-        head = s3.head(art["s3_key"])
-        assert head["Metadata"]["sha256"] == art["sha256"] and head["ContentLength"] == art["bytes"]
-        assert art["s3_key"].startswith(s3.key("campaigns", campaign) + "/")
-        in_s3.add(art["path"])
-    lost = {x["path"] for x in outcome.lost}
+        assert s3.head(art.s3_key) == ObjectHead(sha256=art.sha256, bytes=art.bytes)
+        assert art.s3_key.startswith(s3.key("campaigns", campaign) + "/")
+        in_s3.add(art.path)
+    lost = {x.path for x in outcome.lost}
     assert written <= in_s3 | lost, f"unaccounted artifacts: {written - in_s3 - lost}"
 
 
@@ -171,9 +171,9 @@ def test_killed_worker_process_is_salvaged_and_the_machine_deleted(sshd, tmp_pat
         session.run(shell_job("j", "echo partial > part.bin; sleep 41.5; echo never > late.bin", tmp_path / "got"))
     outcome = err.value.outcome
     assert outcome.status == "failed" and outcome.exit_code != 0
-    assert [a["path"] for a in outcome.artifacts] == ["part.bin"]
+    assert [a.path for a in outcome.artifacts] == ["part.bin"]
     assert_no_machine_and_nothing_lost(provider, "c1", s3_bucket, outcome, {"part.bin"})
-    assert session.teardown_record["reason"].startswith("JobFailed")
+    assert session.teardown_record.reason.startswith("JobFailed")
 
 
 def test_success_without_a_marker_is_salvaged(sshd, tmp_path, s3_bucket):
@@ -183,7 +183,7 @@ def test_success_without_a_marker_is_salvaged(sshd, tmp_path, s3_bucket):
         session.run(shell_job("j", "echo done > out.bin; kill -9 $PPID; exit 0", tmp_path / "got"))
     outcome = err.value.outcome
     assert outcome.status == "no_marker"
-    assert [a["path"] for a in outcome.artifacts] == ["out.bin"]
+    assert [a.path for a in outcome.artifacts] == ["out.bin"]
     assert_no_machine_and_nothing_lost(provider, "c1", s3_bucket, outcome, {"out.bin"})
 
 
@@ -200,7 +200,7 @@ def test_marker_naming_missing_artifacts_reports_them_lost(sshd, tmp_path, s3_bu
         session.run(shell_job("j", "echo x > kept.bin; echo y > gone.bin", tmp_path / "got"))
     outcome = err.value.outcome
     assert outcome.status == "invalid_marker"
-    assert outcome.lost == [{"path": "gone.bin", "reason": "listed by the worker but absent on the machine"}]
+    assert outcome.lost == [Lost(path="gone.bin", reason="listed by the worker but absent on the machine")]
     assert_no_machine_and_nothing_lost(provider, "c1", s3_bucket, outcome, {"kept.bin", "gone.bin"})
 
 
@@ -235,7 +235,7 @@ def test_provider_delete_failing_once_is_retried_until_the_machine_is_gone(sshd,
     session = session_for(provider, tmp_path, s3_bucket)
     with session:
         outcome = session.run(shell_job("j", "echo a > a.bin", tmp_path / "got"))
-    assert session.teardown_record["attempts"] == 2
+    assert session.teardown_record.attempts == 2
     assert_no_machine_and_nothing_lost(provider, "c1", s3_bucket, outcome, {"a.bin"})
 
 
@@ -366,14 +366,14 @@ def test_golden_replay_mismatch_stops_the_machine_before_its_shards(tmp_path, mo
     from jex.tasks.capture.engine_pool import EngineSpec
     from jex.tasks.capture.golden import reference_path
     from jex.tasks.capture.stages import bundle_stage
+    from jex.tasks.records import EngineStageArgs
     from jex.tasks.store import LocalStore, write_parquet
 
     for k, v in _env(tmp_path).items():
         monkeypatch.setenv(k, v)
     store = LocalStore(tmp_path / "store")
-    bundle = bundle_stage(write_sample_suite(tmp_path / "suite", rows=18, seed=1), store)
-    args = {"bundle": bundle, "engine": EngineSpec().model_dump(mode="json"), "store": str(store.root),
-            "shard_rows": 9}
+    bundle = bundle_stage(store, suite=write_sample_suite(tmp_path / "suite", rows=18, seed=1))
+    args = EngineStageArgs(bundle=bundle, engine=EngineSpec(), store=str(store.root), shard_rows=9)
     spec = MachinesSpec(provider="local", golden_rows=6)
     with GpuFleet(spec, campaign="g", store=str(store.root), settings=load_settings(), echo=lambda s: None) as fleet:
         fleet.run_stage("fast_pass", args)  # the first machine establishes the reference

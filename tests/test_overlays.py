@@ -12,7 +12,15 @@ from jex.errors import InputError
 from jex.overlays import IsotonicShrink, PositionalThreshold, SignedLogitThreshold, load_rule_file
 from jex.overlays.apply import NoDegradeViolation, apply_overlays, no_degrade_check
 from jex.overlays.rules import isotonic_apply, isotonic_fit
-from jex.tasks.lab.overlay_lab import Capture, GateSettings, disclosure, gate, gate_rule, ladder, mine
+from jex.tasks.lab.overlay_lab import (
+    Capture,
+    OverlayGateSettings,
+    disclosure,
+    ladder,
+    mine,
+    overlay_gate,
+    overlay_gate_rule,
+)
 from jex.tasks.scoring.inputs import CatalogSpec, ScoreSpec
 
 
@@ -133,7 +141,7 @@ def _rule(**kw):
 
 
 def test_gate_passes_the_positional_rule_and_registers_settings_first(capture, tmp_path):
-    doc = gate(capture, [_rule()], GateSettings(draws=300, permutations=99), tmp_path)
+    doc = overlay_gate(capture, [_rule()], OverlayGateSettings(draws=300, permutations=99), tmp_path)
     r = doc["results"][0]
     assert r["passed"] and r["ci_full"][0] > 0 and r["permutation_p"] < 0.05
     assert (tmp_path / "gate-settings.json").exists() and len(doc["settings_sha256"]) == 64
@@ -141,7 +149,7 @@ def test_gate_passes_the_positional_rule_and_registers_settings_first(capture, t
 
 def test_planted_harmful_rule_fails_the_gate(capture, tmp_path):
     harmful = _rule(id="H", label_index=0, tau=-6.0)  # emit option 0 nearly always: gold is at 3
-    r = gate(capture, [harmful], GateSettings(draws=300, permutations=99), tmp_path)["results"][0]
+    r = overlay_gate(capture, [harmful], OverlayGateSettings(draws=300, permutations=99), tmp_path)["results"][0]
     assert not r["passed"] and not r["in_sample"]["checks"]["ci_above_zero"] and r["in_sample"]["gain_full"] < 0
 
 
@@ -155,7 +163,7 @@ class LeakyPositional(PositionalThreshold):
 def test_planted_rule_touching_a_second_catalog_fails_no_degrade(capture, tmp_path):
     leaky = LeakyPositional(id="L", target="pos", projection_class="positional-construction-reuse", label_index=3,
                             tau=-3.0)
-    r = gate(capture, [leaky], GateSettings(draws=100, permutations=19), tmp_path)["results"][0]
+    r = overlay_gate(capture, [leaky], OverlayGateSettings(draws=100, permutations=19), tmp_path)["results"][0]
     assert not r["passed"] and "catalog 'other'" in r["no_degrade_error"]
     with pytest.raises(NoDegradeViolation, match="catalog 'other'"):
         ladder(capture, [leaky])
@@ -211,7 +219,7 @@ def test_a_rule_fitted_to_in_sample_noise_fails_the_out_of_fold_gate():
     target = capture.base.filter(pl.col("catalog") == "noise")
     rule = PositionalThreshold(id="N", target="noise", projection_class="positional-construction-reuse",
                                label_index=1, tau=0.0).fit(target)  # the threshold fitted on all rows
-    r = gate_rule(capture, rule, GateSettings(draws=300, permutations=99))
+    r = overlay_gate_rule(capture, rule, OverlayGateSettings(draws=300, permutations=99))
     assert r["in_sample"]["passed"] and r["in_sample"]["ci_full"][0] > 0  # today's gate would pass it
     assert not r["passed"] and r["ci_full"][0] < 0 < r["ci_full"][1]  # its out-of-fold decisions do not
     assert len(r["fold_taus"]) == 5 and len(set(r["fold_taus"])) > 1  # one threshold refitted per fold
@@ -244,6 +252,6 @@ def test_the_gate_and_the_ladder_refuse_a_rule_that_sets_abstain(capture):
 
     rule = AbstainBelow(id="u", target="pos", projection_class="fitted-on-public-oof")
     with pytest.raises(InputError, match="sets the 'abstain' flag; the gate"):
-        gate_rule(capture, rule, GateSettings(draws=10, permutations=10))
+        overlay_gate_rule(capture, rule, OverlayGateSettings(draws=10, permutations=10))
     with pytest.raises(InputError, match="sets the 'abstain' flag; the ladder"):
         ladder(capture, [rule])

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from jex.engine.render import DEFAULT_RENDER, Example, Renderer, RenderSpec
-from jex.tasks.capture.engine_calls import SimpleRow, examples_for
+from jex.tasks.capture.engine_calls import CaptureRow, examples_for
 
 
 def tagged(messages) -> str:
@@ -49,10 +49,10 @@ def test_without_a_chat_template_examples_are_solved_paragraphs():
 
 
 def test_few_shot_examples_come_in_order_from_the_rows_catalog_and_never_the_row_itself():
-    pool = {"c": [SimpleRow("s1", "P1", ("A", "B"), ("x", "y"), 1, "c", "q1"),
-                  SimpleRow("s2", "P2", ("A", "B"), ("x", "y"), 0, "c", "q2"),
-                  SimpleRow("s3", "P3", ("A", "B"), ("x", "y"), 0, "c", "q3")]}
-    row = SimpleRow("r", "Q", ("A", "B"), ("x", "y"), 0, "c", "q1")
+    pool = {"c": [CaptureRow("s1", "P1", ("A", "B"), ("x", "y"), 1, "c", "q1"),
+                  CaptureRow("s2", "P2", ("A", "B"), ("x", "y"), 0, "c", "q2"),
+                  CaptureRow("s3", "P3", ("A", "B"), ("x", "y"), 0, "c", "q3")]}
+    row = CaptureRow("r", "Q", ("A", "B"), ("x", "y"), 0, "c", "q1")
     assert [e.prompt for e in examples_for(row, pool, 2)] == ["P2", "P3"]
     with pytest.raises(ValueError, match="catalog 'c' has 2 few-shot example"):
         examples_for(row, pool, 3)
@@ -71,12 +71,12 @@ def test_a_bad_render_setting_is_refused_naming_it(field, value, message):
 
 
 def test_every_render_setting_changes_the_fingerprint_and_equal_settings_do_not():
-    assert RenderSpec().fingerprint() == DEFAULT_RENDER.fingerprint()
+    assert RenderSpec().digest() == DEFAULT_RENDER.digest()
     changed = [RenderSpec(system_prompt="x"), RenderSpec(chat_template="none"), RenderSpec(num_fewshot=2),
                RenderSpec(answer_slot="Answer: "), RenderSpec(option_format="{label}) {option}"),
                RenderSpec(reason_template="{prompt}{options}"), RenderSpec(after_thought="\nSo:"),
                RenderSpec(question_template="Q: {prompt}\n{options}")]
-    prints = {s.fingerprint()["sha256"] for s in changed} | {DEFAULT_RENDER.fingerprint()["sha256"]}
+    prints = {s.digest()["sha256"] for s in changed} | {DEFAULT_RENDER.digest()["sha256"]}
     assert len(prints) == len(changed) + 1
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from jex.infra.s3 import UploadError, checkpoint, pull_campaign
+from jex.tasks.records import StageSummary
 from jex.tasks.store import LocalStore
 
 JEX = str(Path(sys.executable).with_name("jex"))
@@ -27,7 +28,7 @@ def _stage(store: Path, stage: str, key: str, files: dict[str, bytes]) -> Path:
     for name, data in files.items():
         (sd.path / name).parent.mkdir(parents=True, exist_ok=True)
         (sd.path / name).write_bytes(data)
-    sd.finish({"stage": stage, "key": key})
+    sd.finish(StageSummary(stage=stage, key=key, sha256=""))
     return sd.path
 
 
@@ -46,7 +47,7 @@ def test_checkpointed_stages_come_back_verified_into_an_empty_store(tmp_path, s3
     run_dir = _run(tmp_path, store, {"fast_pass": a, "gate": b})
     for folder in (a, b):
         checkpoint(s3_bucket, run_dir, folder)
-    keys = [o["key"] for o in s3_bucket.list("jex/store/fast_pass/k1/")]
+    keys = [o.key for o in s3_bucket.list("jex/store/fast_pass/k1/")]
     assert keys[-1].endswith("_SUCCESS.json") or len(keys) == 3
     shutil.rmtree(store)
     shutil.rmtree(run_dir)
@@ -65,7 +66,7 @@ def test_an_object_that_does_not_match_its_sha256_is_refused_and_nothing_lands(t
     run_dir = _run(tmp_path, store, {"fast_pass": a})
     checkpoint(s3_bucket, run_dir, a)
     key = "jex/store/fast_pass/k1/capture.parquet"
-    meta = s3_bucket.head(key)["Metadata"]
+    meta = s3_bucket.client.head_object(Bucket=s3_bucket.bucket, Key=key)["Metadata"]
     s3_bucket.client.put_object(Bucket=s3_bucket.bucket, Key=key, Body=b"tampered", Metadata=meta)
     shutil.rmtree(store)
     with pytest.raises(UploadError, match="does not match its sha256"):
@@ -130,7 +131,7 @@ def test_orchestrator_killed_and_local_store_deleted_resumes_from_s3_with_zero_e
     for stage in ("fold", "calibrate", "overlay", "score"):
         rel = "/".join(Path(stages[stage]["folder"]).parts[-2:])
         for o in s3_bucket.list(f"jex/store/{rel}/") + s3_bucket.list(f"jex/runs/{run_dir.name}/"):
-            s3_bucket.client.delete_object(Bucket=s3_bucket.bucket, Key=o["key"])
+            s3_bucket.client.delete_object(Bucket=s3_bucket.bucket, Key=o.key)
     kept = {k: v for k, v in stages.items() if k in ("bundle", "fast_pass", "gate", "reason")}
     (run_dir / "stages.json").write_text(json.dumps(kept))
     checkpoint(s3_bucket, run_dir, None)  # the run record as it stood after the reason stage

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from jex.infra.retry import Backoff, retry
+from jex.infra.retry import Backoff, retry, until_deadline, wait_until
 
 
 def test_delays_are_jittered_within_the_exponential_envelope():
@@ -72,3 +72,21 @@ def test_errors_not_worth_retrying_are_raised_at_once():
 def test_a_policy_that_would_retry_forever_is_refused():
     with pytest.raises(ValueError, match="retries forever"):
         Backoff(attempts=None, deadline_s=None)
+
+
+def test_a_deadline_policy_sleeps_at_most_a_quarter_of_the_time_left():
+    policy = until_deadline(8.0)
+    assert policy.attempts is None and policy.deadline_s == 8.0 and policy.cap_s == 2.0
+    assert all(d <= 2.0 for d, _ in zip(policy.delays(), range(20), strict=False))
+
+
+def test_wait_until_returns_once_the_condition_holds():
+    t0 = time.monotonic()
+    assert wait_until(lambda: time.monotonic() - t0 > 0.1, timeout_s=5.0, every_s=0.01)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_wait_until_gives_up_at_its_timeout():
+    t0 = time.monotonic()
+    assert not wait_until(lambda: False, timeout_s=0.2, every_s=0.05)
+    assert 0.2 <= time.monotonic() - t0 < 1.0

@@ -14,14 +14,16 @@ from typer.testing import CliRunner
 
 from jex.cli import app
 from jex.tasks.outputs.samples import SAMPLES_SCHEMA, read_samples, resolve_prompt_ref, sha256_text, write_samples
+from jex.tasks.records import CampaignSummaries, FinishedCampaign
 
 pytestmark = pytest.mark.slow
 
 
-def summaries(run_dir: Path) -> dict:
+def summaries(run_dir: Path) -> FinishedCampaign:
     """The stage summaries the flow handed the report step, read back from the store."""
     stages = json.loads((run_dir / "stages.json").read_text())
-    return {k: json.loads((Path(v["folder"]) / "_SUCCESS.json").read_text()) for k, v in stages.items()}
+    return CampaignSummaries.model_validate(
+        {k: json.loads((Path(v["folder"]) / "_SUCCESS.json").read_text()) for k, v in stages.items()}).finished()
 
 
 def spec_of(run_dir: Path) -> dict:
@@ -33,7 +35,7 @@ def by_id(frame: pl.DataFrame) -> dict[str, dict]:
 
 
 def test_samples_record_equals_the_stage_artifacts_row_by_row(main_job_run):
-    from jex.tasks.capture.engine_calls import SimpleRow, question_prompts, reason_prompts
+    from jex.tasks.capture.engine_calls import CaptureRow, question_prompts, reason_prompts
     from jex.tasks.capture.engine_pool import EngineSpec, get_engine
     from jex.tasks.capture.stages import _bundle_rows, fewshot_pool
     from jex.tasks.store import LocalStore
@@ -42,23 +44,23 @@ def test_samples_record_equals_the_stage_artifacts_row_by_row(main_job_run):
     samples = read_samples(main_job_run)
     assert dict(samples.schema) == SAMPLES_SCHEMA
     store = LocalStore(spec["store"])
-    bundle = _bundle_rows(s["bundle"], store)
+    bundle = _bundle_rows(s.bundle, store)
     assert samples["run_id"].to_list() == bundle["run_id"].to_list()  # every suite row, in suite order
-    capture = by_id(pl.read_parquet(s["fast_pass"]["capture"]))
-    gated = by_id(pl.read_parquet(s["gate"]["gated"]))
-    reasoned = by_id(pl.read_parquet(s["reason"]["reasoned"]))
-    folded = by_id(pl.read_parquet(s["fold"]["folded"]))
-    preds = by_id(pl.read_parquet(s["overlay"]["predictions"]))
+    capture = by_id(pl.read_parquet(s.fast_pass.capture))
+    gated = by_id(pl.read_parquet(s.gate.gated))
+    reasoned = by_id(pl.read_parquet(s.reason.reasoned))
+    folded = by_id(pl.read_parquet(s.fold.folded))
+    preds = by_id(pl.read_parquet(s.overlay.predictions))
     assert 0 < len(gated) < len(capture)
     engine_spec = EngineSpec.model_validate(spec["engine"])
     engine = get_engine(engine_spec)  # the real engine the stages used: its renderer, its readout
-    rows = [SimpleRow(r["run_id"], r["prompt"], tuple(r["labels"]), tuple(r["options"]), r["gold"], r["catalog"],
+    rows = [CaptureRow(r["run_id"], r["prompt"], tuple(r["labels"]), tuple(r["options"]), r["gold"], r["catalog"],
                       r["question_id"]) for r in bundle.iter_rows(named=True)]
     question = {q.run_id: q.prompt for q in question_prompts(engine, rows, engine_spec.render,
-                                                             fewshot_pool(s["bundle"], store, engine_spec))}
+                                                             fewshot_pool(s.bundle, store, engine_spec))}
     thinking = [r for r in rows if r.run_id in gated]
     reason = dict(zip([r.run_id for r in thinking], reason_prompts(engine, thinking, engine_spec.render), strict=True))
-    metadata = dict(pl.read_parquet(sorted((store.root / "bundle" / s["bundle"]["key"] / "extracted" / "rows")
+    metadata = dict(pl.read_parquet(sorted((store.root / "bundle" / s.bundle.key / "extracted" / "rows")
                                            .glob("*.parquet"))).select("run_id", "metadata").iter_rows())
     for b, r in zip(bundle.iter_rows(named=True), samples.iter_rows(named=True), strict=True):
         rid = r["run_id"]

@@ -27,6 +27,7 @@ def test_merged_capture_of_two_engines_is_byte_identical_to_one_process(tmp_path
     from jex.tasks.capture.engine_pool import EngineSpec
     from jex.tasks.capture.stages import bundle_stage, fast_pass_stage, reason_stage
     from jex.tasks.cpu_stages import gate_stage
+    from jex.tasks.records import EngineStageArgs
     from jex.tasks.store import LocalStore
 
     monkeypatch.setenv("JEX_INFRA__STATE_DIR", str(tmp_path / "infra"))
@@ -36,23 +37,24 @@ def test_merged_capture_of_two_engines_is_byte_identical_to_one_process(tmp_path
     engine = EngineSpec()
 
     def in_one_process(store: LocalStore) -> tuple:
-        bundle = bundle_stage(suite, store)
-        fast = fast_pass_stage(bundle, engine, store, shard_rows=4)
-        gate = gate_stage(bundle, fast, store, coverage=0.5)
-        reasoned = reason_stage(bundle, gate, engine, store, max_tokens=4, shard_rows=3)
-        return fast["sha256"], sha256_file(fast["capture"]), reasoned["sha256"]
+        bundle = bundle_stage(store, suite=suite)
+        fast = fast_pass_stage(store, bundle=bundle, engine=engine, shard_rows=4)
+        gate = gate_stage(store, bundle=bundle, fast=fast, coverage=0.5)
+        reasoned = reason_stage(store, bundle=bundle, gate=gate, engine=engine, max_tokens=4, shard_rows=3)
+        return fast.sha256, sha256_file(fast.capture), reasoned.sha256
 
     store = LocalStore(tmp_path / "store-fleet")
-    bundle = bundle_stage(suite, store)
-    args = {"bundle": bundle, "engine": engine.model_dump(mode="json"), "store": str(store.root), "shard_rows": 4}
+    bundle = bundle_stage(store, suite=suite)
+    args = EngineStageArgs(bundle=bundle, engine=engine, store=str(store.root), shard_rows=4)
     spec = MachinesSpec(provider="local", golden_rows=4, **layout)
     with GpuFleet(spec, campaign="scale-2", store=str(store.root), settings=load_settings(),
                   echo=lambda s: None) as fleet:
         fleet.run_stage("fast_pass", args)
-        fast = fast_pass_stage(bundle, engine, store, shard_rows=4, engine_fp=fleet.engine_fp)
-        gate = gate_stage(bundle, fast, store, coverage=0.5)
-        fleet.run_stage("reason", {**args, "gate": gate, "max_tokens": 4, "shard_rows": 3})
-        reasoned = reason_stage(bundle, gate, engine, store, max_tokens=4, shard_rows=3, engine_fp=fleet.engine_fp)
+        fast = fast_pass_stage(store, bundle=bundle, engine=engine, shard_rows=4, engine_fp=fleet.engine_fp)
+        gate = gate_stage(store, bundle=bundle, fast=fast, coverage=0.5)
+        fleet.run_stage("reason", args.model_copy(update={"gate": gate, "max_tokens": 4, "shard_rows": 3}))
+        reasoned = reason_stage(store, bundle=bundle, gate=gate, engine=engine, max_tokens=4, shard_rows=3,
+                                engine_fp=fleet.engine_fp)
     report = fleet.report()
     assert len(report["machines"]) == layout["workers"] and fleet.provider.list() == []
     assert report["engine_starts"] == 2, "one start per engine process, not per job (golden, fast pass, reason)"
@@ -61,6 +63,6 @@ def test_merged_capture_of_two_engines_is_byte_identical_to_one_process(tmp_path
     assert sorted(set(sum(per_job, []))) == [0, 1, 2, 3, 4]
     if layout["workers"] == 2:  # two machines split the shards 3 + 2; two engines of one machine claim them
         assert sorted(sum(per_job, [])) == [0, 1, 2, 3, 4], "every shard computed exactly once"
-    assert fast["computed_shards"] == [] and reasoned["computed_shards"] == []  # merged here, computed there
-    fleet_digests = (fast["sha256"], sha256_file(fast["capture"]), reasoned["sha256"])
+    assert fast.computed_shards == [] and reasoned.computed_shards == []  # merged here, computed there
+    fleet_digests = (fast.sha256, sha256_file(fast.capture), reasoned.sha256)
     assert fleet_digests == in_one_process(LocalStore(tmp_path / "store-one"))

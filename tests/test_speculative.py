@@ -11,6 +11,7 @@ import pytest
 from jex.engine.types import EngineDeadError
 from jex.engine.vllm_engine import NGRAM, VLLMProfile
 from jex.tasks.capture.spec_proof import proof_sample, prove
+from jex.tasks.records import RationaleTokens, ReasonSummary
 
 
 def test_speculation_is_refused_under_the_audit_name_and_allowed_only_under_its_own(tmp_path):
@@ -30,10 +31,12 @@ def test_proof_sample_takes_the_gated_golden_rows_then_each_catalog_in_turn():
     assert proof_sample(gated, golden_ids=["g1"], rows=0) == ["g1"]  # the golden rows, whatever `rows` says
 
 
-def _reasoned(path: Path, tokens: dict[str, list[int]]) -> dict:
+def _reasoned(path: Path, tokens: dict[str, list[int]]) -> ReasonSummary:
     pl.DataFrame({"run_id": list(tokens), "token_ids": list(tokens.values())},
                  schema={"run_id": pl.String, "token_ids": pl.List(pl.Int64)}).write_parquet(path)
-    return {"reasoned": str(path), "compute_seconds": 2.0}
+    return ReasonSummary(key=path.stem, sha256=path.stem, reasoned=str(path), rows=len(tokens), shards=1,
+                         rationale_tokens=RationaleTokens(mean=0.0, max=0, hit_max_tokens=0), engine={},
+                         compute_seconds=2.0)
 
 
 def test_the_proof_names_the_first_differing_row_and_token(tmp_path):

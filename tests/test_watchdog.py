@@ -46,7 +46,6 @@ def _marker_key(s3: S3Store, machine: str, campaign: str = "c1") -> str:
 
 ORCHESTRATOR = r'''
 import json, sys
-from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 import boto3
@@ -71,7 +70,7 @@ job = RemoteJob("fast_pass", ["-c", f"import os; os.execvp('sh', ['sh', '-c', {s
 with session:
     print(json.dumps({"machine": session.machine.id}), flush=True)
     outcome = session.run(job)
-print(json.dumps(asdict(outcome)), flush=True)
+print(outcome.model_dump_json(), flush=True)
 '''
 
 
@@ -110,7 +109,7 @@ def test_frozen_orchestrator_its_machine_uploads_stops_itself_and_the_results_ar
     arts = {a["path"]: a for a in marker["jobs"]["fast_pass"]["artifacts"]}
     assert set(arts) == {"a.bin", "b.bin"}
     for name, art in arts.items():  # in S3 with the sha256 in metadata, and here, byte for byte
-        assert s3_bucket.head(art["s3_key"])["Metadata"]["sha256"] == art["sha256"]
+        assert s3_bucket.head(art["s3_key"]).sha256 == art["sha256"]
         assert sha256_file(tmp_path / "collected" / name) == art["sha256"]
     assert (tmp_path / "runs.txt").read_text() == "run\n"  # computed once: nothing re-run
     assert ledger.get(machine).end_reason.startswith("self-terminated: lease expired")
@@ -145,7 +144,7 @@ def test_a_killed_watchdog_is_noticed_at_the_next_poll_and_the_machine_torn_down
         session.run(_job(tmp_path, "echo x > a.bin; sleep 60"))
     assert err.value.outcome.status == "watchdog_lost"
     assert LocalProvider(tmp_path / "machines").list("c1") == []
-    assert [a["path"] for a in err.value.outcome.artifacts] == ["a.bin"]  # salvaged before the teardown
+    assert [a.path for a in err.value.outcome.artifacts] == ["a.bin"]  # salvaged before the teardown
 
 
 def _dead_endpoint() -> str:

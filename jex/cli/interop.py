@@ -8,14 +8,10 @@ from typing import Annotated
 
 import typer
 
+from jex.cli.common import fail
 from jex.errors import JexError
 
 export_app = typer.Typer(no_args_is_help=True, help="Export a run folder to another tool's format.")
-
-
-def _fail(err: Exception) -> None:
-    typer.echo(f"error: {err}", err=True)
-    raise typer.Exit(2)
 
 
 def show(run: Annotated[Path, typer.Argument(help="A run folder (holds samples.parquet)")],
@@ -34,7 +30,7 @@ def show(run: Annotated[Path, typer.Argument(help="A run folder (holds samples.p
         for r in picked.iter_rows(named=True):
             typer.echo(format_sample(r, prompt=prompt) + "\n")
     except JexError as e:
-        _fail(e)
+        fail(e)
     scored = frame.filter(frame["scored"])
     typer.echo(f"{picked.height} of {frame.height} rows shown; {int(scored['correct'].sum())}/{scored.height} "
                f"scored rows right")
@@ -68,7 +64,7 @@ def score_from(tool: str, source: Path | None, *, out: Path, suite: Path | None,
         doc = score_tool(source, out, suite=suite, draws=draws, seed=seed, mode=map_by,  # type: ignore[arg-type]
                          id_field=id_field)
     except JexError as e:
-        _fail(e)
+        fail(e)
     lo, hi = doc["ci"]
     typer.echo(f"full {doc['full']:.4f}  95% CI [{lo:.4f}, {hi:.4f}]  -> {out / 'score.json'}")
     for cid, c in doc["catalogs"].items():
@@ -86,7 +82,7 @@ def export_lm_eval_cmd(run: Annotated[Path, typer.Argument(help="A run folder")]
 
         folder = export_lm_eval(run, out)
     except JexError as e:
-        _fail(e)
+        fail(e)
     typer.echo(folder)
 
 
@@ -100,5 +96,5 @@ def export_inspect_cmd(run: Annotated[Path, typer.Argument(help="A run folder")]
 
         path = export_inspect(run, out)
     except JexError as e:
-        _fail(e)
+        fail(e)
     typer.echo(path)

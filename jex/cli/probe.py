@@ -38,3 +38,7 @@ def early_exit(suite: Annotated[Path, typer.Option(help="Suite folder or bundle 
         raise typer.Exit(2) from None
     typer.echo(f"full accuracy {res['full_accuracy']:.3f}, free gate fired at {100 * res['gate_fire_rate']:.2f} % of "
                f"checkpoints -> {out}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(probe_app, name="probe")

@@ -61,3 +61,7 @@ def pull_cmd(campaign: Annotated[str, typer.Option(help="Campaign name (one run 
     report = pull(campaign, out, store)
     typer.echo(_summary(report))
     typer.echo(report.run_dir)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(store_app, name="store")

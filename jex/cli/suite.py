@@ -1,4 +1,4 @@
-"""`jex suite import hf|lm-eval`, `jex suite validate` and `jex suite ls`: bringing a benchmark in."""
+"""`jex suite import hf|lm-eval|validate|ls|sample`: bringing a benchmark in, and the embedded sample."""
 
 from __future__ import annotations
 
@@ -8,14 +8,12 @@ from typing import Annotated
 
 import typer
 
+from jex.cli.common import fail
 from jex.errors import JexError
 
+suite_app = typer.Typer(no_args_is_help=True, help="Suites: import, validate, list, and the sample generator.")
 import_app = typer.Typer(no_args_is_help=True, help="Import a suite from a Hugging Face dataset or an lm-eval task.")
-
-
-def _fail(err: Exception) -> None:
-    typer.echo(f"error: {err}", err=True)
-    raise typer.Exit(2)
+suite_app.add_typer(import_app, name="import")
 
 
 def _report(result) -> None:  # noqa: ANN001 - jex.suite_import.ImportResult
@@ -48,7 +46,7 @@ def import_hf_cmd(dataset: Annotated[str, typer.Option(help="Hub dataset id (loc
                            config=config, id_col=id, catalog=catalog, revision=revision,
                            fewshot_split=fewshot_split, force=force)
     except JexError as e:
-        _fail(e)
+        fail(e)
     _report(result)
 
 
@@ -63,20 +61,21 @@ def import_lm_eval_cmd(task: Annotated[str, typer.Option(help="lm-eval task or g
     try:
         from jex.suite_import import import_lm_eval
     except ImportError as e:
-        _fail(JexError(f"lm-evaluation-harness is not installed (pip install 'jex[interop]'): {e}"))
+        fail(JexError(f"lm-evaluation-harness is not installed (pip install 'jex[interop]'): {e}"))
     files = {}
     for item in data_files or []:
         split, sep, path = item.partition("=")
         if not sep or not split or not path:
-            _fail(JexError(f"--data-files {item!r}: expected SPLIT=FILE, e.g. test=rows.jsonl"))
+            fail(JexError(f"--data-files {item!r}: expected SPLIT=FILE, e.g. test=rows.jsonl"))
         files[split] = path
     try:
         result = import_lm_eval(task, out, data_files=files or None, force=force)
     except JexError as e:
-        _fail(e)
+        fail(e)
     _report(result)
 
 
+@suite_app.command("validate")
 def suite_validate(suite: Annotated[Path, typer.Argument(help="Suite folder (holds suite.toml)")],
                    limit: Annotated[int, typer.Option(help="Stop after this many problems")] = 1000) -> None:
     """Check a suite and print every problem with its file, row and field (exit 1 if any)."""
@@ -91,6 +90,7 @@ def suite_validate(suite: Annotated[Path, typer.Argument(help="Suite folder (hol
     typer.echo("ok")
 
 
+@suite_app.command("ls")
 def suite_ls(suite: Annotated[Path, typer.Argument(help="Suite folder (holds suite.toml)")]) -> None:
     """Catalogs with their rows, options, chance, leg and weight; the legs and their weights."""
     from jex.suite import iter_fewshot_rows, iter_rows, load_manifest
@@ -103,7 +103,7 @@ def suite_ls(suite: Annotated[Path, typer.Argument(help="Suite folder (holds sui
             options[row.catalog][len(row.options)] += 1
         shots = Counter(r.catalog for r in iter_fewshot_rows(suite, manifest))
     except JexError as e:
-        _fail(e)
+        fail(e)
     typer.echo(f"suite {manifest.name}: legs " + ", ".join(f"{k}={v:g}" for k, v in manifest.legs.items()))
     typer.echo(f"{'catalog':<24} {'leg':<10} {'weight':>7} {'rows':>7} {'options':>9} {'chance':>7} {'few-shot':>8}")
     for c in manifest.catalogs:
@@ -115,3 +115,20 @@ def suite_ls(suite: Annotated[Path, typer.Argument(help="Suite folder (holds sui
     if manifest.source:
         typer.echo(f"source: {manifest.source.get('importer', '?')} "
                    f"{manifest.source.get('dataset') or manifest.source.get('task') or ''}".rstrip())
+
+
+@suite_app.command("sample")
+def suite_sample(out: Annotated[Path, typer.Option("-o", "--out", help="Suite folder to write")],
+                 rows: Annotated[int, typer.Option(help="Total rows over all catalogs")] = 360,
+                 seed: Annotated[int, typer.Option(help="Generator seed")] = 0) -> None:
+    """Write the embedded sample suite (deterministic for a given --rows and --seed)."""
+    from jex.sample_suite import write_sample_suite
+
+    try:
+        typer.echo(write_sample_suite(out, rows=rows, seed=seed))
+    except (JexError, ValueError) as e:
+        fail(e)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(suite_app, name="suite")

@@ -16,38 +16,81 @@ gzip header mtime 0. Rows stream through a bounded buffer: memory does not grow 
 from __future__ import annotations
 
 import errno
-import gzip
 import json
 import shutil
 import tarfile
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import polars as pl
 
 from jex.errors import InputError, JexError
-from jex.fileio import atomic_path, canonical_json, sha256_file
+from jex.fileio import atomic_path, canonical_json, sha256_file, write_tar_gz
 from jex.provenance import provenance
-from jex.suite import MANIFEST_NAME, SuiteManifest, iter_fewshot_rows, iter_rows, load_manifest, read_row_file
+from jex.suite import (
+    MANIFEST_NAME,
+    SuiteManifest,
+    SuiteRow,
+    iter_fewshot_rows,
+    iter_rows,
+    load_manifest,
+    read_row_file,
+)
 from jex.tasks.store import write_parquet
 
+PolarsType = pl.DataType | type[pl.DataType]
 BUNDLE_FORMAT = "jex-bundle/1"
 MANIFEST_MEMBER = "manifest.json"
 DEFAULT_SHARD_ROWS = 16384
-ROW_SCHEMA = {
+ROW_SCHEMA: dict[str, PolarsType] = {
     "run_id": pl.String, "catalog": pl.String, "question_id": pl.String, "prompt": pl.String,
     "options": pl.List(pl.String), "labels": pl.List(pl.String), "gold": pl.Int32,
     "metadata": pl.String,  # JSON text: a stable schema whatever the rows carry
 }
-REFERENCE_SCHEMA = {"run_id": pl.String, "choice": pl.Int32, "probs": pl.List(pl.Float64)}
+REFERENCE_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "choice": pl.Int32, "probs": pl.List(pl.Float64)}
 
 
 class BundleError(JexError):
     """A bundle that fails its checks: tampered, unsafe or inconsistent."""
+
+
+class MemberEntry(TypedDict):
+    """One bundle member as the manifest lists it."""
+
+    sha256: str
+    bytes: int
+
+
+class ReferenceInfo(TypedDict):
+    """The banked capture a bundle carries: its rows and shards, and the source file's sha256."""
+
+    rows: int
+    shards: int
+    source_sha256: str
+
+
+class SuiteSummary(TypedDict):
+    name: str
+    legs: dict[str, float]
+    catalogs: list[dict[str, Any]]  # each catalog as declared, plus rows, scored_rows, chance, chance_source
+
+
+class BundleManifest(TypedDict):
+    """`manifest.json`, the bundle's first member (written as canonical JSON)."""
+
+    format: str
+    suite: SuiteSummary
+    rows: int
+    shard_rows: int
+    row_shards: int
+    reference: ReferenceInfo | None
+    members: dict[str, MemberEntry]
+    provenance: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -55,10 +98,10 @@ class BuildResult:
     path: Path
     sha256: str
     rows: int
-    manifest: dict[str, Any]
+    manifest: BundleManifest
 
 
-def _flush(buffer: list[dict[str, Any]], schema: dict[str, Any], folder: Path, index: int) -> Path:
+def _flush(buffer: list[dict[str, Any]], schema: Mapping[str, PolarsType], folder: Path, index: int) -> Path:
     path = folder / f"shard-{index:05d}.parquet"
     write_parquet(pl.DataFrame(buffer, schema=schema, orient="row"), path)
     buffer.clear()
@@ -73,7 +116,7 @@ def _reference_rows(path: Path) -> Any:
         yield line, rec
 
 
-def _check_reference(path: Path, suite_ids: dict[str, int], stage: Path, shard_rows: int) -> dict[str, Any]:
+def _check_reference(path: Path, suite_ids: dict[str, int], stage: Path, shard_rows: int) -> ReferenceInfo:
     """Write the reference capture in suite order; it must match the suite 1:1 on run_id."""
     seen: dict[str, dict[str, Any]] = {}
     duplicated: list[str] = []
@@ -117,15 +160,7 @@ def _pack(stage: Path, out: Path) -> None:
     members = sorted((p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()),
                      key=lambda name: (name != MANIFEST_MEMBER, name))  # the manifest first: readers check it first
     with atomic_path(out) as tmp, open(tmp, "wb") as raw:
-        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz:
-            with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                for name in members:
-                    info = tarfile.TarInfo(name)
-                    info.size = (stage / name).stat().st_size
-                    info.mtime, info.uid, info.gid, info.mode = 0, 0, 0, 0o644
-                    info.uname = info.gname = ""
-                    with open(stage / name, "rb") as f:
-                        tar.addfile(info, f)
+        write_tar_gz(raw, ((name, stage / name) for name in members), compresslevel=6)
 
 
 def catalog_chance(catalog_counts: dict[int, int]) -> float:
@@ -139,6 +174,69 @@ def suite_files(suite_dir: Path, manifest: SuiteManifest) -> list[Path]:
     return [suite_dir / f for c in manifest.catalogs for f in (*c.files, *c.fewshot_files)]
 
 
+@dataclass
+class _RowCensus:
+    """What streaming the suite's rows into shards counted: run_id order, rows and option counts."""
+
+    suite_ids: dict[str, int] = field(default_factory=dict)  # run_id -> position in suite order
+    counts: Counter[str] = field(default_factory=Counter)  # rows per catalog
+    options_hist: dict[str, Counter[int]] = field(default_factory=dict)  # scored rows per number of options
+    shards: int = 0
+
+
+def _row_record(row: SuiteRow) -> dict[str, Any]:
+    """A suite row as a ROW_SCHEMA record (metadata as canonical JSON text)."""
+    return {**row.model_dump(), "metadata": None if row.metadata is None else
+            json.dumps(row.metadata, sort_keys=True, ensure_ascii=False)}
+
+
+def _write_row_shards(suite_dir: Path, manifest: SuiteManifest, rows_dir: Path, shard_rows: int) -> _RowCensus:
+    """Stream the suite's rows into `shard_rows`-row Parquet shards through a bounded buffer."""
+    census = _RowCensus(options_hist={c.id: Counter() for c in manifest.catalogs})
+    excluded = {c.id: set(c.exclusions) for c in manifest.catalogs}
+    buffer: list[dict[str, Any]] = []
+    for row in iter_rows(suite_dir, manifest):
+        census.suite_ids[row.run_id] = len(census.suite_ids)
+        census.counts[row.catalog] += 1
+        if row.run_id not in excluded[row.catalog]:
+            census.options_hist[row.catalog][len(row.options)] += 1
+        buffer.append(_row_record(row))
+        if len(buffer) == shard_rows:
+            _flush(buffer, ROW_SCHEMA, rows_dir, census.shards)
+            census.shards += 1
+    if buffer:
+        _flush(buffer, ROW_SCHEMA, rows_dir, census.shards)
+        census.shards += 1
+    if not census.suite_ids:
+        raise InputError("the suite has no rows", file=str(suite_dir / MANIFEST_NAME))
+    return census
+
+
+def _write_fewshot(suite_dir: Path, manifest: SuiteManifest, stage: Path) -> None:
+    """The catalogs' few-shot rows into one shard, when the suite has any."""
+    fewshot = [_row_record(r) for r in iter_fewshot_rows(suite_dir, manifest)]
+    if fewshot:
+        (stage / "fewshot").mkdir()
+        _flush(fewshot, ROW_SCHEMA, stage / "fewshot", 0)
+
+
+def _catalog_entries(suite_dir: Path, manifest: SuiteManifest, census: _RowCensus) -> list[dict[str, Any]]:
+    """Each catalog as declared, with its row counts and chance level; a catalog without (scored)
+    rows is an InputError."""
+    catalogs = []
+    for c in manifest.catalogs:
+        if census.counts[c.id] == 0:
+            raise InputError(f"catalog '{c.id}' has no rows", file=str(suite_dir / MANIFEST_NAME), field="files")
+        scored = sum(census.options_hist[c.id].values())
+        if scored == 0:
+            raise InputError(f"catalog '{c.id}' excludes every row", file=str(suite_dir / MANIFEST_NAME),
+                             field="exclusions")
+        catalogs.append({**c.model_dump(mode="json"), "rows": census.counts[c.id], "scored_rows": scored,
+                         "chance": c.chance if c.chance is not None else catalog_chance(census.options_hist[c.id]),
+                         "chance_source": "manifest" if c.chance is not None else "mean 1/len(options)"})
+    return catalogs
+
+
 def build_bundle(suite_dir: str | Path, out: str | Path, *, reference: str | Path | None = None,
                  shard_rows: int = DEFAULT_SHARD_ROWS, settings: dict[str, Any] | None = None) -> BuildResult:
     """Stream a suite into a deterministic bundle at `out`; returns its path, sha256 and manifest."""
@@ -146,66 +244,30 @@ def build_bundle(suite_dir: str | Path, out: str | Path, *, reference: str | Pat
     manifest = load_manifest(suite_dir)
     with tempfile.TemporaryDirectory(prefix="jex-bundle-", dir=out.parent if out.parent.exists() else None) as t:
         stage = Path(t)
-        rows_dir = stage / "rows"
-        rows_dir.mkdir()
+        (stage / "rows").mkdir()
         shutil.copyfile(suite_dir / MANIFEST_NAME, stage / MANIFEST_NAME)
-        buffer: list[dict[str, Any]] = []
-        shards = 0
-        suite_ids: dict[str, int] = {}
-        options_hist: dict[str, Counter[int]] = {c.id: Counter() for c in manifest.catalogs}
-        counts: Counter[str] = Counter()
-        excluded = {c.id: set(c.exclusions) for c in manifest.catalogs}
-        for row in iter_rows(suite_dir, manifest):
-            suite_ids[row.run_id] = len(suite_ids)
-            counts[row.catalog] += 1
-            if row.run_id not in excluded[row.catalog]:
-                options_hist[row.catalog][len(row.options)] += 1
-            buffer.append({**row.model_dump(), "metadata": None if row.metadata is None else
-                           json.dumps(row.metadata, sort_keys=True, ensure_ascii=False)})
-            if len(buffer) == shard_rows:
-                _flush(buffer, ROW_SCHEMA, rows_dir, shards)
-                shards += 1
-        if buffer:
-            _flush(buffer, ROW_SCHEMA, rows_dir, shards)
-            shards += 1
-        if not suite_ids:
-            raise InputError("the suite has no rows", file=str(suite_dir / MANIFEST_NAME))
-        fewshot = [{**r.model_dump(), "metadata": None if r.metadata is None else
-                    json.dumps(r.metadata, sort_keys=True, ensure_ascii=False)}
-                   for r in iter_fewshot_rows(suite_dir, manifest)]
-        if fewshot:
-            (stage / "fewshot").mkdir()
-            _flush(fewshot, ROW_SCHEMA, stage / "fewshot", 0)
-        ref_info = _check_reference(Path(reference), suite_ids, stage, shard_rows) if reference else None
+        census = _write_row_shards(suite_dir, manifest, stage / "rows", shard_rows)
+        _write_fewshot(suite_dir, manifest, stage)
+        ref_info = _check_reference(Path(reference), census.suite_ids, stage, shard_rows) if reference else None
         inputs = {f"suite/{p.relative_to(suite_dir).as_posix()}": sha256_file(p)
                   for p in [suite_dir / MANIFEST_NAME, *suite_files(suite_dir, manifest)]}
-        if reference:
-            inputs["reference"] = ref_info["source_sha256"]  # type: ignore[index]
-        catalogs = []
-        for c in manifest.catalogs:
-            if counts[c.id] == 0:
-                raise InputError(f"catalog '{c.id}' has no rows", file=str(suite_dir / MANIFEST_NAME),
-                                 field="files")
-            scored = sum(options_hist[c.id].values())
-            if scored == 0:
-                raise InputError(f"catalog '{c.id}' excludes every row", file=str(suite_dir / MANIFEST_NAME),
-                                 field="exclusions")
-            catalogs.append({**c.model_dump(mode="json"), "rows": counts[c.id], "scored_rows": scored,
-                             "chance": c.chance if c.chance is not None else catalog_chance(options_hist[c.id]),
-                             "chance_source": "manifest" if c.chance is not None else "mean 1/len(options)"})
-        members = {p.relative_to(stage).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-                   for p in sorted(stage.rglob("*")) if p.is_file()}
-        doc = {
+        if ref_info is not None:
+            inputs["reference"] = ref_info["source_sha256"]
+        members: dict[str, MemberEntry] = {
+            p.relative_to(stage).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+            for p in sorted(stage.rglob("*")) if p.is_file()}
+        doc: BundleManifest = {
             "format": BUNDLE_FORMAT,
-            "suite": {"name": manifest.name, "legs": manifest.legs, "catalogs": catalogs},
-            "rows": len(suite_ids), "shard_rows": shard_rows, "row_shards": shards,
+            "suite": {"name": manifest.name, "legs": manifest.legs,
+                      "catalogs": _catalog_entries(suite_dir, manifest, census)},
+            "rows": len(census.suite_ids), "shard_rows": shard_rows, "row_shards": census.shards,
             "reference": ref_info,
             "members": members,
             "provenance": provenance(inputs=inputs, settings=settings or {}),
         }
         (stage / MANIFEST_MEMBER).write_text(canonical_json(doc), encoding="utf-8")
         _pack(stage, out)
-    return BuildResult(path=out, sha256=sha256_file(out), rows=len(suite_ids), manifest=doc)
+    return BuildResult(path=out, sha256=sha256_file(out), rows=len(census.suite_ids), manifest=doc)
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -229,7 +291,7 @@ class Bundle:
     path: Path
     sha256: str
     root: Path
-    manifest: dict[str, Any]
+    manifest: BundleManifest
 
     def suite_manifest(self) -> SuiteManifest:
         return load_manifest(self.root)
@@ -257,7 +319,7 @@ class Bundle:
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 
 
-def _read_manifest(tar: tarfile.TarFile, path: Path) -> tuple[tarfile.TarInfo, dict[str, Any]]:
+def _read_manifest(tar: tarfile.TarFile, path: Path) -> tuple[tarfile.TarInfo, BundleManifest]:
     """The first member, which must be `manifest.json` (packed first), read in memory."""
     first = tar.next()
     if first is None:
@@ -276,15 +338,15 @@ def _read_manifest(tar: tarfile.TarFile, path: Path) -> tuple[tarfile.TarInfo, d
                           f"{manifest.get('format') if isinstance(manifest, dict) else None!r}")
     if not isinstance(manifest.get("members"), dict):
         raise BundleError(f"{path}: manifest.json lists no members")
-    return first, manifest
+    return first, cast(BundleManifest, manifest)  # format and members checked above
 
 
-def _intact(folder: Path, listed: dict[str, Any]) -> bool:
+def _intact(folder: Path, listed: dict[str, MemberEntry]) -> bool:
     return folder.is_dir() and all((folder / name).is_file() and sha256_file(folder / name) == meta["sha256"]
                                    for name, meta in listed.items())
 
 
-def _verify(folder: Path, listed: dict[str, Any], path: Path) -> None:
+def _verify(folder: Path, listed: dict[str, MemberEntry], path: Path) -> None:
     for name, meta in listed.items():
         actual = sha256_file(folder / name)
         if actual != meta["sha256"]:
@@ -293,7 +355,7 @@ def _verify(folder: Path, listed: dict[str, Any], path: Path) -> None:
                               f"file {actual[:16]}… (the bundle was modified or corrupted)")
 
 
-def _publish(fresh: Path, dest: Path, listed: dict[str, Any]) -> None:
+def _publish(fresh: Path, dest: Path, listed: dict[str, MemberEntry]) -> None:
     """Rename a verified extraction into place. When another process published the same bundle
     first, its copy is kept and this one dropped; a damaged `dest` (an interrupted older
     extraction) is set aside and replaced."""
@@ -314,7 +376,7 @@ def _publish(fresh: Path, dest: Path, listed: dict[str, Any]) -> None:
     raise BundleError(f"{dest}: could not publish the extracted bundle")
 
 
-def _check_members(tar: tarfile.TarFile, path: Path, listed: dict[str, Any]) -> list[tarfile.TarInfo]:
+def _check_members(tar: tarfile.TarFile, path: Path, listed: dict[str, MemberEntry]) -> list[tarfile.TarInfo]:
     """Every member's header against the manifest, one header at a time: an unlisted, oversized or
     duplicated member is refused before its data is read, and before anything is written."""
     members, seen = [], set()

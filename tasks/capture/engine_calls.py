@@ -1,6 +1,6 @@
 """The engine calls every capture makes: fast pass, rationale, re-read after the thought.
 
-Rows are anything with `run_id, prompt, labels, options` (suite `Row`s, or dicts through
+Rows are anything with `run_id, prompt, labels, options` (suite `SuiteRow`s, or dicts through
 `as_row`). These functions hold no state and know nothing of Prefect: the stages, the bake-off
 and parity all call them, so they compute the same thing.
 """
@@ -15,17 +15,26 @@ from typing import Any, Protocol
 
 from jex.engine.render import DEFAULT_RENDER, Example, RenderSpec, option_order
 from jex.engine.types import Engine, GenerateRequest, Generation, Readout, ReadoutMode, ReadoutRequest
+from jex.numerics import logit
 
 
 class RowLike(Protocol):
-    run_id: str
-    prompt: str
-    labels: Sequence[str]
-    options: Sequence[str]
+    # read-only members, so frozen rows (`CaptureRow`, `SuiteRow`) and their tuple/list fields match
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def prompt(self) -> str: ...
+    @property
+    def labels(self) -> Sequence[str]: ...
+    @property
+    def options(self) -> Sequence[str]: ...
 
 
 @dataclass(frozen=True)
-class SimpleRow:
+class CaptureRow:
+    """A bundle row as the capture stages and the lab probes hold it: what a prompt needs, plus the
+    gold, catalog and question id that few-shot pools and reports use."""
+
     run_id: str
     prompt: str
     labels: tuple[str, ...]
@@ -35,12 +44,12 @@ class SimpleRow:
     question_id: str | None = None
 
 
-def as_row(d: dict[str, Any]) -> SimpleRow:
-    return SimpleRow(d["run_id"], d["prompt"], tuple(d["labels"]), tuple(d["options"]), d.get("gold"),
-                     d.get("catalog"), d.get("question_id"))
+def as_row(d: dict[str, Any]) -> CaptureRow:
+    return CaptureRow(d["run_id"], d["prompt"], tuple(d["labels"]), tuple(d["options"]), d.get("gold"),
+                      d.get("catalog"), d.get("question_id"))
 
 
-FewShotPool = Mapping[str, Sequence[SimpleRow]]
+FewShotPool = Mapping[str, Sequence[CaptureRow]]
 """Solved example rows by catalog id, in the order they are used."""
 
 
@@ -70,9 +79,8 @@ def question_prompts(engine: Engine, rows: Sequence[RowLike], render: RenderSpec
     renderer = engine.renderer(render)
     requests = []
     for r in rows:
-        rendered = renderer.question(run_id=r.run_id, prompt=r.prompt, labels=r.labels,
-                                     options=_shown(render, r), examples=examples_for(r, fewshot, render.num_fewshot))
-        requests.append(ReadoutRequest(r.run_id, rendered.prompt, rendered.labels, rendered.options))
+        requests.append(renderer.question(run_id=r.run_id, prompt=r.prompt, labels=r.labels, options=_shown(render, r),
+                                          examples=examples_for(r, fewshot, render.num_fewshot)))
     return requests
 
 
@@ -136,9 +144,4 @@ def margin(logprobs: Sequence[float] | None) -> float | None:
         return None
     top = sorted(logprobs, reverse=True)
     p1, p2 = math.exp(top[0]), math.exp(top[1])
-    return _logit(p1) - _logit(p2)
-
-
-def _logit(p: float) -> float:
-    p = min(max(p, 1e-300), 1 - 1e-16)
-    return math.log(p) - math.log1p(-p)
+    return logit(p1) - logit(p2)

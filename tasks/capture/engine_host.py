@@ -45,6 +45,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jex.fileio import atomic_path
+from jex.tasks.records import EngineStageArgs, FastPassSummary, PartialSummary, ReasonSummary
 
 STARTS = "starts.jsonl"
 COMPILE_CACHE = "compile-cache.tar.gz"
@@ -67,7 +68,7 @@ class HostRequest(BaseModel):
 
     model_config = ConfigDict(frozen=True)
     job: Literal["golden", "fast_pass", "reason"]
-    args: dict[str, Any]
+    args: EngineStageArgs
     worker: int = 0
     workers: int = 1
     claim: bool = Field(False, description="Share this worker's shards with the machine's other engine hosts, "
@@ -77,9 +78,18 @@ class HostRequest(BaseModel):
     fingerprint_out: str = ""
 
 
+class GoldenDone(BaseModel):
+    stage: Literal["golden"] = "golden"
+    rows: int
+
+
+JobSummary = FastPassSummary | ReasonSummary | PartialSummary | GoldenDone
+"""What a host returns for one request: the stage's summary, this worker's share of it, or the replay."""
+
+
 class HostReply(BaseModel):
     ok: bool
-    summary: dict[str, Any] = Field(default_factory=dict)
+    summary: JobSummary | None = None
     error: str = ""
     host_pid: int
     engine_starts: int = Field(description="Engines this host has loaded so far")
@@ -167,9 +177,9 @@ class EngineHost:
 
     def warm(self, request: HostRequest) -> None:
         """Load the request's engine if this host has not yet, one load at a time on this machine."""
-        from jex.tasks.capture.engine_pool import EngineSpec, get_engine, is_loaded, release_engines
+        from jex.tasks.capture.engine_pool import get_engine, is_loaded, release_engines
 
-        spec = EngineSpec.model_validate(request.args["engine"])
+        spec = request.args.engine
         if is_loaded(spec):
             return
         release_engines()  # one engine per host (e.g. a speculative profile, then its audited base): one GPU share
@@ -250,7 +260,7 @@ class EngineHost:
         self._forget_pid_file()
 
 
-def execute(request: HostRequest) -> dict[str, Any]:
+def execute(request: HostRequest) -> JobSummary:
     """The engine work of one request, in this process (the host's, or a client's with no host)."""
     from jex.tasks.capture.workers import stage_call
 
@@ -258,7 +268,7 @@ def execute(request: HostRequest) -> dict[str, Any]:
         from jex.tasks.capture.golden import golden_job
 
         golden_job(request.args, request.golden_rows, Path(request.golden_out), Path(request.fingerprint_out))
-        return {"stage": "golden", "rows": request.golden_rows}
+        return GoldenDone(rows=request.golden_rows)
     return stage_call(request.job, request.args, worker=request.worker, workers=request.workers,
                       claim=request.claim)
 
@@ -441,7 +451,7 @@ def submit_slots(home: Path, request: HostRequest, *, slots: int, devices: list[
 
 
 def run_request(request: HostRequest, engine_host: Path | None, *, slots: int = 1,
-                devices: list[str] | None = None, max_requests: int = 0) -> list[dict[str, Any]]:
+                devices: list[str] | None = None, max_requests: int = 0) -> list[JobSummary]:
     """A job's engine work: in this process (`engine_host` None), else on the machine's hosts.
     Returns each slot's summary; raises when a host reports a failure."""
     if devices is not None and len(devices) != slots:
@@ -454,19 +464,20 @@ def run_request(request: HostRequest, engine_host: Path | None, *, slots: int = 
     failed = [f"slot {s}: {r.error}" for s, r in enumerate(replies) if not r.ok]
     if failed:
         raise RuntimeError(f"{request.job} failed on the engine host: " + "; ".join(failed))
-    return [r.summary for r in replies]
+    return [r.summary for r in replies if r.summary is not None]
 
 
-def absolute_args(args: dict[str, Any], base: Path) -> dict[str, Any]:
-    """A job's args with its relative paths (store, bundle, gated rows) made absolute against `base`."""
+def absolute_args(args: EngineStageArgs | dict[str, Any], base: Path) -> EngineStageArgs:
+    """A job's args (or their JSON) with the relative paths (store, bundle, gated rows) made absolute
+    against `base`."""
+    args = EngineStageArgs.model_validate(args)
+
     def under(p: str) -> str:
         return str(p if Path(p).is_absolute() else (base / p).resolve())
 
-    out = {**args, "store": under(args["store"]),
-           "bundle": {**args["bundle"], "bundle": under(args["bundle"]["bundle"])}}
-    if "gate" in args:
-        out["gate"] = {**args["gate"], "gated": under(args["gate"]["gated"])}
-    return out
+    gate = args.gate.model_copy(update={"gated": under(args.gate.gated)}) if args.gate else None
+    return args.model_copy(update={"store": under(args.store), "gate": gate,
+                                   "bundle": args.bundle.model_copy(update={"bundle": under(args.bundle.bundle)})})
 
 
 def main(argv: list[str]) -> int:

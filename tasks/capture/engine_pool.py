@@ -61,13 +61,13 @@ class EngineSpec(BaseModel):
         return self.model_copy(update={"render": RenderSpec()}).model_dump_json()
 
 
-def fingerprint(spec: EngineSpec) -> dict[str, Any]:
+def engine_fingerprint(spec: EngineSpec) -> dict[str, Any]:
     """The cache-key part of an engine's provenance, without loading the model."""
     from jex.engine.models import resolve_model, weights_sha256
 
     resolved = resolve_model(spec.model, Path(spec.cache_dir))
     fp: dict[str, Any] = {"kind": spec.kind, "weights_sha256": weights_sha256(resolved.path),
-                          "device_type": spec.device.split(":")[0], "renderer": spec.render.fingerprint(),
+                          "device_type": spec.device.split(":")[0], "renderer": spec.render.digest(),
                           "torch": package_version("torch")}
     if resolved.repo_id:
         fp["hub"] = {"repo": resolved.repo_id, "commit": resolved.commit}

@@ -14,13 +14,15 @@ from typing import Any
 
 import polars as pl
 
-from jex.tasks.capture.engine_pool import EngineSpec, audited_fingerprint, fingerprint, get_engine
+from jex.numerics import argmax
+from jex.tasks.capture.engine_pool import EngineSpec, audited_fingerprint, engine_fingerprint, get_engine
 from jex.tasks.capture.stages import _as_rows, _bundle_rows, fewshot_pool, readouts_frame
 from jex.tasks.keys import stage_key
+from jex.tasks.records import BundleSummary, EngineStageArgs
 from jex.tasks.store import LocalStore, write_parquet
 
 
-def golden_readout(bundle: dict[str, Any], engine: EngineSpec, store: LocalStore, rows: int) -> pl.DataFrame:
+def golden_readout(bundle: BundleSummary, engine: EngineSpec, store: LocalStore, rows: int) -> pl.DataFrame:
     """The label-slot readout of the bundle's first `rows` rows (the same code path as the fast pass)."""
     from jex.tasks.capture.engine_calls import fast_pass
 
@@ -29,16 +31,16 @@ def golden_readout(bundle: dict[str, Any], engine: EngineSpec, store: LocalStore
                                    fewshot=fewshot_pool(bundle, store, engine)))
 
 
-def golden_key(bundle: dict[str, Any], engine_fp: dict[str, Any], rows: int) -> str:
+def golden_key(bundle: BundleSummary, engine_fp: dict[str, Any], rows: int) -> str:
     return stage_key("fast_pass", params={"mode": "label_slot", "golden_rows": rows},
-                     inputs={"bundle": bundle["sha256"]}, engine=audited_fingerprint(engine_fp))
+                     inputs={"bundle": bundle.sha256}, engine=audited_fingerprint(engine_fp))
 
 
-def reference_path(store: LocalStore, bundle: dict[str, Any], engine_fp: dict[str, Any], rows: int) -> Path:
+def reference_path(store: LocalStore, bundle: BundleSummary, engine_fp: dict[str, Any], rows: int) -> Path:
     return store.root / "golden" / golden_key(bundle, engine_fp, rows) / "reference.parquet"
 
 
-def find_reference(store: LocalStore, bundle: dict[str, Any], engine_fp: dict[str, Any], rows: int,
+def find_reference(store: LocalStore, bundle: BundleSummary, engine_fp: dict[str, Any], rows: int,
                    fast_pass_capture: str | None = None) -> tuple[pl.DataFrame | None, str]:
     """The stored reference, else the head of a complete fast-pass capture of the same engine; (None, why) if none."""
     ref = reference_path(store, bundle, engine_fp, rows)
@@ -49,7 +51,7 @@ def find_reference(store: LocalStore, bundle: dict[str, Any], engine_fp: dict[st
     return None, "no reference yet"
 
 
-def store_reference(store: LocalStore, bundle: dict[str, Any], engine_fp: dict[str, Any], frame: pl.DataFrame) -> Path:
+def store_reference(store: LocalStore, bundle: BundleSummary, engine_fp: dict[str, Any], frame: pl.DataFrame) -> Path:
     path = reference_path(store, bundle, engine_fp, frame.height)
     write_parquet(frame, path)
     return path
@@ -85,17 +87,16 @@ def compare_golden(reference: pl.DataFrame, replay: pl.DataFrame, tolerance: flo
             continue
         dp = max(abs(math.exp(x) - math.exp(y)) for x, y in zip(a, b, strict=True))
         diffs.append({"run_id": rid, "max_abs_dp": dp,
-                      "argmax_ref": a.index(max(a)), "argmax_replay": b.index(max(b))})
+                      "argmax_ref": argmax(a), "argmax_replay": argmax(b)})
     diffs.sort(key=lambda d: (-d["max_abs_dp"], d["run_id"]))
     top = diffs[0]["max_abs_dp"] if diffs else 0.0
     return GoldenVerdict(ok=not problems and top <= tolerance, rows=len(ref), max_abs_dp=top, tolerance=tolerance,
                          worst=diffs[:worst], problems=problems[:worst])
 
 
-def golden_job(args: dict[str, Any], rows: int, out: Path, fingerprint_out: Path) -> None:
+def golden_job(args: EngineStageArgs, rows: int, out: Path, fingerprint_out: Path) -> None:
     """What `jex stage golden` runs on a machine: the replay and this machine's engine fingerprint."""
     from jex.fileio import write_json
 
-    engine = EngineSpec.model_validate(args["engine"])
-    write_json(fingerprint_out, fingerprint(engine))
-    write_parquet(golden_readout(args["bundle"], engine, LocalStore(args["store"]), rows), out)
+    write_json(fingerprint_out, engine_fingerprint(args.engine))
+    write_parquet(golden_readout(args.bundle, args.engine, LocalStore(args.store), rows), out)

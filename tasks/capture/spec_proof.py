@@ -11,14 +11,15 @@ engine computes it through the same reason stage, cached and sharded like any ot
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field
 
 from jex.fileio import sha256_file
+from jex.tasks.cached_stage import CachedStage
 from jex.tasks.keys import stage_key
-from jex.tasks.store import LocalStore, write_parquet
+from jex.tasks.records import BundleSummary, GateSummary, ReasonSummary
+from jex.tasks.store import LocalStore, StageDir, write_parquet
 
 PROOF_ROWS = 64
 GOLDEN_ROWS = 64  # the golden replay reads the bundle's first 64 rows (flows/fleet.py)
@@ -74,38 +75,42 @@ def proof_sample(gated: pl.DataFrame, golden_ids: list[str], rows: int = PROOF_R
     return sorted(chosen, key=order.__getitem__)
 
 
-def proof_gate_stage(bundle: dict[str, Any], gate: dict[str, Any], store: LocalStore, *,
-                     rows: int = PROOF_ROWS) -> dict[str, Any]:
-    """The proof sample as a gate summary (`gated`, `sha256`, `rows`): what the base engine reasons on."""
+def _proof_gate_key(*, bundle: BundleSummary, gate: GateSummary, rows: int = PROOF_ROWS, **_: object) -> str:
+    return stage_key("spec_proof_gate", params={"rows": rows, "golden_rows": GOLDEN_ROWS},
+                     inputs={"gate": gate.sha256, "bundle": bundle.sha256})
+
+
+def _proof_gate(out: StageDir, store: LocalStore, *, bundle: BundleSummary, gate: GateSummary,
+                rows: int = PROOF_ROWS) -> GateSummary:
     from jex.tasks.capture.bundle import open_bundle
 
-    key = stage_key("spec_proof_gate", params={"rows": rows, "golden_rows": GOLDEN_ROWS},
-                    inputs={"gate": gate["sha256"], "bundle": bundle["sha256"]})
-    sd = store.stage("spec_proof_gate", key)
-    if sd.complete:
-        return sd.summary()
-    opened = open_bundle(bundle["bundle"], store.root / "bundle" / bundle["key"] / "extracted")
+    opened = open_bundle(bundle.bundle, store.root / "bundle" / bundle.key / "extracted")
     golden = opened.rows(["run_id"]).head(GOLDEN_ROWS)["run_id"].to_list()
-    gated = pl.read_parquet(gate["gated"])
+    gated = pl.read_parquet(gate.gated)
     if "catalog" not in gated.columns:
         gated = gated.join(opened.rows(["run_id", "catalog"]), on="run_id", how="left", maintain_order="left")
     sample = proof_sample(gated, golden, rows)
     frame = gated.filter(pl.col("run_id").is_in(sample)).select(pl.col("run_id"))
-    write_parquet(frame, sd.path / "gated.parquet")
-    return sd.finish({"stage": "spec_proof_gate", "key": key, "gated": str(sd.path / "gated.parquet"),
-                      "sha256": sha256_file(sd.path / "gated.parquet"), "rows": frame.height})
+    path = out.path / "gated.parquet"
+    write_parquet(frame, path)
+    return GateSummary(stage="spec_proof_gate", key=out.key, gated=str(path), sha256=sha256_file(path),
+                       rows=frame.height)
 
 
-def _tokens_per_s(reason: dict[str, Any], frame: pl.DataFrame) -> float | None:
-    seconds = reason.get("compute_seconds") or 0.0
+proof_gate_stage = CachedStage("spec_proof_gate", GateSummary, key=_proof_gate_key, body=_proof_gate)
+"""The proof sample as a gate summary: the gated rows the audited base engine reasons on."""
+
+
+def _tokens_per_s(reason: ReasonSummary, frame: pl.DataFrame) -> float | None:
+    seconds = reason.compute_seconds
     tokens = sum(len(t) for t in frame["token_ids"].to_list())
     return tokens / seconds if seconds > 0 and tokens else None
 
 
-def prove(speculative: dict[str, Any], base: dict[str, Any], *, profile: str) -> ExactnessProof:
+def prove(speculative: ReasonSummary, base: ReasonSummary, *, profile: str) -> ExactnessProof:
     """Compare the speculative reason stage with the base engine's on the proof sample, token by token."""
-    spec_frame = pl.read_parquet(speculative["reasoned"], columns=["run_id", "token_ids"])
-    base_frame = pl.read_parquet(base["reasoned"], columns=["run_id", "token_ids"])
+    spec_frame = pl.read_parquet(speculative.reasoned, columns=["run_id", "token_ids"])
+    base_frame = pl.read_parquet(base.reasoned, columns=["run_id", "token_ids"])
     spec_tokens = dict(zip(spec_frame["run_id"].to_list(), spec_frame["token_ids"].to_list(), strict=True))
     compared = differing = 0
     first: FirstDifference | None = None

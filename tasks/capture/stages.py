@@ -6,78 +6,86 @@ the frames. A completed stage folder is reused as is: the engine is not even loa
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 import polars as pl
 
 from jex.engine.types import FinishReason, Generation, Readout, ReadoutMode
 from jex.fileio import sha256_file
+from jex.tasks.cached_stage import CachedStage
 from jex.tasks.capture.batch_errors import BATCH_ERROR, compute_resilient
-from jex.tasks.capture.bundle import build_bundle, open_bundle, suite_files
-from jex.tasks.capture.engine_calls import FewShotPool, SimpleRow, fast_pass, reason, reread
-from jex.tasks.capture.engine_pool import CALLS, EngineSpec, audited_fingerprint, fingerprint, get_engine
+from jex.tasks.capture.bundle import PolarsType, build_bundle, open_bundle, suite_files
+from jex.tasks.capture.engine_calls import CaptureRow, FewShotPool, as_row, fast_pass, reason, reread
+from jex.tasks.capture.engine_pool import CALLS, EngineSpec, audited_fingerprint, engine_fingerprint, get_engine
 from jex.tasks.keys import stage_key
-from jex.tasks.store import LocalStore, merge_shards, partial_summary, run_sharded
+from jex.tasks.records import (
+    BundleSummary,
+    EngineStageArgs,
+    FastPassErrors,
+    FastPassSummary,
+    GateSummary,
+    PartialSummary,
+    RationaleTokens,
+    ReasonErrors,
+    ReasonSummary,
+    StagePlan,
+)
+from jex.tasks.store import LocalStore, ShardStats, StageDir, merge_shards, partial_summary, run_sharded
 
 Progress = Callable[[str, int, int], None]
 
-READOUT_SCHEMA = {"run_id": pl.String, "logprobs": pl.List(pl.Float64), "label_mass": pl.Float64,
+READOUT_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "logprobs": pl.List(pl.Float64), "label_mass": pl.Float64,
                   "refusal": pl.String}
-REASON_SCHEMA = {"run_id": pl.String, "rationale": pl.String, "token_ids": pl.List(pl.Int64),
+REASON_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "rationale": pl.String, "token_ids": pl.List(pl.Int64),
                  "finish_reason": pl.String, "post_logprobs": pl.List(pl.Float64), "refusal": pl.String}
 
 
-def terminal_progress(stage: str, done: int, total: int) -> None:
-    width = 30
-    filled = width * done // max(total, 1)
-    sys.stderr.write(f"\r{stage:>10} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} shards")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
-
-
-def bundle_stage(suite_dir: str | Path, store: LocalStore, reference: str | None = None) -> dict[str, Any]:
-    """Build (or reuse) the bundle of a suite folder; keyed by the suite files' sha256 (and the
-    reference rows file's, when the bundle carries one: `tasks/scoring/reference_audit.py`)."""
+def _suite_inputs(suite_dir: str | Path, reference: str | None = None) -> dict[str, str]:
+    """sha256 of every file the bundle is built from (and of the reference rows file, when the bundle
+    carries one: `tasks/scoring/reference_audit.py`)."""
     from jex.suite import load_manifest
 
     suite_dir = Path(suite_dir)
-    manifest = load_manifest(suite_dir)
-    files = [suite_dir / "suite.toml", *suite_files(suite_dir, manifest)]
+    files = [suite_dir / "suite.toml", *suite_files(suite_dir, load_manifest(suite_dir))]
     inputs = {p.relative_to(suite_dir).as_posix(): sha256_file(p) for p in files}
     if reference:
         inputs["reference"] = sha256_file(reference)
-    key = stage_key("bundle", params={}, inputs=inputs)
-    sd = store.stage("bundle", key)
-    if sd.complete:
-        return sd.summary()
-    result = build_bundle(suite_dir, sd.path / "bundle.tar.gz", reference=reference)
-    return sd.finish({"stage": "bundle", "key": key, "bundle": str(result.path), "sha256": result.sha256,
-                      "rows": result.rows})
+    return inputs
 
 
-def _bundle_rows(bundle: dict[str, Any], store: LocalStore) -> pl.DataFrame:
-    opened = open_bundle(bundle["bundle"], store.root / "bundle" / bundle["key"] / "extracted")
-    if opened.sha256 != bundle["sha256"]:
-        raise RuntimeError(f"{bundle['bundle']} changed since it was built")
+def _bundle_key(*, suite: str | Path, reference: str | None = None, **_: object) -> str:
+    return stage_key("bundle", params={}, inputs=_suite_inputs(suite, reference))
+
+
+def _bundle(out: StageDir, store: LocalStore, *, suite: str | Path, reference: str | None = None) -> BundleSummary:
+    result = build_bundle(Path(suite), out.path / "bundle.tar.gz", reference=reference)
+    return BundleSummary(key=out.key, bundle=str(result.path), sha256=result.sha256, rows=result.rows)
+
+
+bundle_stage = CachedStage("bundle", BundleSummary, key=_bundle_key, body=_bundle)
+"""Build (or reuse) the bundle of a suite folder: `bundle_stage(store, suite=..., reference=None)`."""
+
+
+def _bundle_rows(bundle: BundleSummary, store: LocalStore) -> pl.DataFrame:
+    opened = open_bundle(bundle.bundle, store.root / "bundle" / bundle.key / "extracted")
+    if opened.sha256 != bundle.sha256:
+        raise RuntimeError(f"{bundle.bundle} changed since it was built")
     return opened.rows(["run_id", "catalog", "question_id", "prompt", "options", "labels", "gold"])
 
 
-def _as_rows(frame: pl.DataFrame) -> list[SimpleRow]:
-    return [SimpleRow(r["run_id"], r["prompt"], tuple(r["labels"]), tuple(r["options"]), r["gold"], r["catalog"],
-                      r["question_id"]) for r in frame.iter_rows(named=True)]
+def _as_rows(frame: pl.DataFrame) -> list[CaptureRow]:
+    return [as_row(r) for r in frame.iter_rows(named=True)]
 
 
-def fewshot_pool(bundle: dict[str, Any], store: LocalStore, engine: EngineSpec) -> FewShotPool | None:
+def fewshot_pool(bundle: BundleSummary, store: LocalStore, engine: EngineSpec) -> FewShotPool | None:
     """The bundle's few-shot rows by catalog, when the render asks for examples (else None)."""
     if engine.render.num_fewshot == 0:
         return None
-    opened = open_bundle(bundle["bundle"], store.root / "bundle" / bundle["key"] / "extracted")
+    opened = open_bundle(bundle.bundle, store.root / "bundle" / bundle.key / "extracted")
     frame = opened.fewshot()
-    pool: dict[str, list[SimpleRow]] = {}
+    pool: dict[str, list[CaptureRow]] = {}
     for r in _as_rows(frame) if frame is not None else []:
         pool.setdefault(r.catalog or "", []).append(r)
     return pool
@@ -90,75 +98,106 @@ def readouts_frame(readouts: list[Readout]) -> pl.DataFrame:
                          "refusal": [r.refusal for r in readouts]}, schema=READOUT_SCHEMA)
 
 
-def stage_plan(stage: str, args: dict[str, Any], engine_fp: dict[str, Any] | None = None) -> dict[str, Any]:
+def stage_plan(stage: str, args: EngineStageArgs, engine_fp: dict[str, Any] | None = None) -> StagePlan:
     """Where an engine stage's shards go and how many there are, without loading anything heavy.
 
-    `args` is what `jex stage run` reads (bundle, engine, store, shard_rows[, gate, max_tokens]);
     `engine_fp` is the fingerprint measured on the machine that computes the stage (default: here).
     """
-    fp = engine_fp or fingerprint(EngineSpec.model_validate(args["engine"]))
+    fp = engine_fp or engine_fingerprint(args.engine)
     if stage == "fast_pass":
-        key, rows = _fast_pass_key(args["bundle"], fp), args["bundle"]["rows"]
-    elif stage == "reason":
-        key, rows = _reason_key(args["bundle"], args["gate"], fp, args["max_tokens"]), args["gate"]["rows"]
+        key, rows = _fast_pass_key(bundle=args.bundle, engine=args.engine, engine_fp=fp), args.bundle.rows
+    elif stage == "reason" and args.gate is not None and args.max_tokens is not None:
+        key = _reason_key(bundle=args.bundle, gate=args.gate, engine=args.engine, engine_fp=fp,
+                          max_tokens=args.max_tokens)
+        rows = args.gate.rows
     else:
-        raise ValueError(f"unknown engine stage {stage!r}")
-    folder = Path(args["store"]) / stage / key
-    return {"stage": stage, "key": key, "folder": str(folder),
-            "shards_dir": str(folder / f"shards-{args['shard_rows']}"),
-            "shards": -(-rows // args["shard_rows"]), "complete": (folder / "_SUCCESS.json").exists(), "engine": fp}
+        raise ValueError(f"unknown engine stage {stage!r} (or reason without gate and max_tokens)")
+    folder = Path(args.store) / stage / key
+    return StagePlan(stage=stage, key=key, folder=str(folder), shards_dir=str(folder / f"shards-{args.shard_rows}"),
+                     shards=-(-rows // args.shard_rows), complete=(folder / "_SUCCESS.json").exists(), engine=fp)
 
 
-def _fast_pass_key(bundle: dict[str, Any], fp: dict[str, Any]) -> str:
-    return stage_key("fast_pass", params={"mode": "label_slot"}, inputs={"bundle": bundle["sha256"]},
-                     engine=audited_fingerprint(fp))
+def _fast_pass_key(*, bundle: BundleSummary, engine: EngineSpec, engine_fp: dict[str, Any] | None = None,
+                   **_: object) -> str:
+    return stage_key("fast_pass", params={"mode": "label_slot"}, inputs={"bundle": bundle.sha256},
+                     engine=audited_fingerprint(engine_fp or engine_fingerprint(engine)))
 
 
-def _reason_key(bundle: dict[str, Any], gate: dict[str, Any], fp: dict[str, Any], max_tokens: int) -> str:
-    return stage_key("reason", params={"max_tokens": max_tokens},
-                     inputs={"bundle": bundle["sha256"], "gate": gate["sha256"]}, engine=fp)
+def _reason_key(*, bundle: BundleSummary, gate: GateSummary, engine: EngineSpec, max_tokens: int,
+                engine_fp: dict[str, Any] | None = None, **_: object) -> str:
+    return stage_key("reason", params={"max_tokens": max_tokens}, inputs={"bundle": bundle.sha256, "gate": gate.sha256},
+                     engine=engine_fp or engine_fingerprint(engine))
 
 
-def fast_pass_stage(bundle: dict[str, Any], engine: EngineSpec, store: LocalStore, *, shard_rows: int = 32,
-                    worker: int = 0, workers: int = 1, progress: Progress | None = None,
-                    engine_fp: dict[str, Any] | None = None, claim: bool = False) -> dict[str, Any]:
-    """Label-slot readout of every row, sharded; `capture.parquet` is the merge of the shards.
+def _sharded(stage: Literal["fast_pass", "reason"], out: StageDir, rows: list[CaptureRow],
+             read: Callable[[Sequence[CaptureRow]], pl.DataFrame],
+             failed: Callable[[Sequence[CaptureRow], str], pl.DataFrame],
+             *, engine: EngineSpec, shard_rows: int, worker: int, workers: int, progress: Progress | None,
+             claim: bool) -> tuple[Path, ShardStats] | PartialSummary:
+    """The shards of an engine stage, each read in one engine call (`read`; a batch that keeps failing
+    is split, and its rows that still fail become `failed` rows); a `PartialSummary` when other
+    processes still compute some shards."""
+    def compute(chunk: Sequence[CaptureRow]) -> pl.DataFrame:
+        CALLS[stage] += 1
+        return compute_resilient(chunk, read, failed)
 
-    `engine_fp` overrides the local fingerprint when the shards were computed on another machine;
-    `claim`: this worker's shards are shared with other processes (`run_sharded`).
-    """
-    engine_fp = engine_fp or fingerprint(engine)
-    key = _fast_pass_key(bundle, engine_fp)
-    sd = store.stage("fast_pass", key)
-    if sd.complete:
-        return sd.summary()
+    shards = out.path / f"shards-{shard_rows}"
+    stats = run_sharded(rows, shard_rows=shard_rows, folder=shards, compute=compute, worker=worker, workers=workers,
+                        on_shard=(lambda d, t: progress(stage, d, t)) if progress else None,
+                        prepare=lambda: get_engine(engine), claim=claim)
+    if (workers > 1 or claim) and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
+        return partial_summary(stage, out.key, stats)
+    return shards, stats
+
+
+def _shard_fields(stats: ShardStats) -> ShardFields:
+    return {"shards": stats.shards, "computed_shards": stats.computed, "reused_shards": stats.reused,
+            "compute_seconds": stats.compute_seconds, "computed_rows": stats.computed_rows}
+
+
+class ShardFields(TypedDict):
+    """The shard counters both engine stages' summaries carry."""
+
+    shards: int
+    computed_shards: list[int]
+    reused_shards: list[int]
+    compute_seconds: float
+    computed_rows: int
+
+
+def _fast_pass(out: StageDir, store: LocalStore, *, bundle: BundleSummary, engine: EngineSpec, shard_rows: int = 32,
+               worker: int = 0, workers: int = 1, progress: Progress | None = None,
+               engine_fp: dict[str, Any] | None = None, claim: bool = False) -> FastPassSummary | PartialSummary:
     rows = _as_rows(_bundle_rows(bundle, store))
     pool = fewshot_pool(bundle, store, engine)
 
-    def readout(batch: list[SimpleRow]) -> pl.DataFrame:
+    def readout(batch: Sequence[CaptureRow]) -> pl.DataFrame:
         return readouts_frame(read_with_fallback(get_engine(engine), batch, render=engine.render, fewshot=pool))
 
-    def compute(chunk: list[SimpleRow]) -> pl.DataFrame:
-        CALLS["fast_pass"] += 1
-        return compute_resilient(chunk, readout, lambda rows, why: readouts_frame(
-            [Readout(r.run_id, None, None, None, ReadoutMode.LABEL_SLOT, why) for r in rows]))
+    def unread(rows: Sequence[CaptureRow], why: str) -> pl.DataFrame:
+        return readouts_frame([Readout(r.run_id, None, None, None, ReadoutMode.LABEL_SLOT, why) for r in rows])
 
-    shards = sd.path / f"shards-{shard_rows}"
-    stats = run_sharded(rows, shard_rows=shard_rows, folder=shards, compute=compute, worker=worker, workers=workers,
-                        on_shard=(lambda d, t: progress("fast_pass", d, t)) if progress else None,
-                        prepare=lambda: get_engine(engine), claim=claim)
-    if (workers > 1 or claim) and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
-        return partial_summary("fast_pass", key, stats)
-    frame = merge_shards(shards, stats.shards, sd.path / "capture.parquet")
-    return sd.finish({"stage": "fast_pass", "key": key, "capture": str(sd.path / "capture.parquet"),
-                      "sha256": sha256_file(sd.path / "capture.parquet"), "rows": frame.height,
-                      "shard_rows": shard_rows, "shards": stats.shards, "computed_shards": stats.computed,
-                      "reused_shards": stats.reused, "compute_seconds": stats.compute_seconds,
-                      "computed_rows": stats.computed_rows,
-                      **fast_pass_error_counters(frame), "engine": engine_fp})
+    done = _sharded("fast_pass", out, rows, readout, unread, engine=engine, shard_rows=shard_rows, worker=worker,
+                    workers=workers, progress=progress, claim=claim)
+    if isinstance(done, PartialSummary):
+        return done
+    shards, stats = done
+    merged = out.path / "capture.parquet"
+    frame = merge_shards(shards, stats.shards, merged)
+    return FastPassSummary(key=out.key, capture=str(merged), sha256=sha256_file(merged), rows=frame.height,
+                           shard_rows=shard_rows, **_shard_fields(stats), **fast_pass_error_counters(frame),
+                           engine=engine_fp or engine_fingerprint(engine))
 
 
-def read_with_fallback(eng: Any, rows: list[SimpleRow], **render: Any) -> list[Readout]:
+fast_pass_stage = CachedStage("fast_pass", FastPassSummary, key=_fast_pass_key, body=_fast_pass)
+"""Label-slot readout of every row, sharded; `capture.parquet` is the merge of the shards.
+
+`fast_pass_stage.run(store, bundle=..., engine=..., shard_rows=..., [worker, workers, claim, progress,
+engine_fp])`: `engine_fp` overrides the local fingerprint when the shards were computed on another
+machine; with `claim` or several `workers` a process may return a `PartialSummary` (`run_sharded`)."""
+
+
+def read_with_fallback(eng: Any, rows: Sequence[CaptureRow], **render: Any) -> list[Readout]:
     """Label-slot readout; a row whose labels are not single tokens is read again through the
     fallback path, the options' continuation log-likelihoods (its `label_mass` stays null).
     `render` goes to `capture.fast_pass` unchanged."""
@@ -171,7 +210,7 @@ def read_with_fallback(eng: Any, rows: list[SimpleRow], **render: Any) -> list[R
     return readouts
 
 
-def fast_pass_error_counters(frame: pl.DataFrame) -> dict[str, int]:
+def fast_pass_error_counters(frame: pl.DataFrame) -> FastPassErrors:
     """Disjoint counters of a capture: context refusals, batch errors, other readout errors, and
     key fallbacks (rows read, but through the continuation fallback: logprobs without label mass)."""
     refusal = pl.col("refusal")
@@ -182,7 +221,7 @@ def fast_pass_error_counters(frame: pl.DataFrame) -> dict[str, int]:
             "key_fallbacks": frame.filter(pl.col("logprobs").is_not_null() & pl.col("label_mass").is_null()).height}
 
 
-def reason_error_counters(frame: pl.DataFrame) -> dict[str, int]:
+def reason_error_counters(frame: pl.DataFrame) -> ReasonErrors:
     """Disjoint counters of the reason stage: rationale prompts refused for context, batch errors,
     and mechanism failures (a rationale was written but could not be re-read)."""
     batch = pl.col("refusal").str.starts_with(BATCH_ERROR).fill_null(False)
@@ -192,7 +231,7 @@ def reason_error_counters(frame: pl.DataFrame) -> dict[str, int]:
                                                & pl.col("post_logprobs").is_null() & ~batch).height}
 
 
-def failed_reason_frame(rows: list[SimpleRow], why: str) -> pl.DataFrame:
+def failed_reason_frame(rows: Sequence[CaptureRow], why: str) -> pl.DataFrame:
     """Rows whose batch failed on its own: no rationale, no re-read, finish reason `error`."""
     return pl.DataFrame({"run_id": [r.run_id for r in rows], "rationale": [""] * len(rows),
                          "token_ids": [[] for _ in rows], "finish_reason": ["error"] * len(rows),
@@ -211,46 +250,34 @@ def reason_frame(gens: list[Generation], posts: list[Readout]) -> pl.DataFrame:
         schema=REASON_SCHEMA)
 
 
-def reason_stage(bundle: dict[str, Any], gate: dict[str, Any], engine: EngineSpec, store: LocalStore, *,
-                 max_tokens: int, shard_rows: int = 8, worker: int = 0,
-                 workers: int = 1, progress: Progress | None = None,
-                 engine_fp: dict[str, Any] | None = None, claim: bool = False) -> dict[str, Any]:
-    """A greedy rationale for each gated row, then the options re-read after it (post-thought readout)."""
-    engine_fp = engine_fp or fingerprint(engine)
-    key = _reason_key(bundle, gate, engine_fp, max_tokens)
-    sd = store.stage("reason", key)
-    if sd.complete:
-        return sd.summary()
-    gated = pl.read_parquet(gate["gated"])["run_id"]
+def _reason(out: StageDir, store: LocalStore, *, bundle: BundleSummary, gate: GateSummary, engine: EngineSpec,
+            max_tokens: int, shard_rows: int = 8, worker: int = 0, workers: int = 1, progress: Progress | None = None,
+            engine_fp: dict[str, Any] | None = None, claim: bool = False) -> ReasonSummary | PartialSummary:
+    gated = pl.read_parquet(gate.gated)["run_id"]
     rows = _as_rows(_bundle_rows(bundle, store).join(gated.to_frame(), on="run_id", how="semi", maintain_order="left"))
 
-    def think(batch: list[SimpleRow]) -> pl.DataFrame:
+    def think(batch: Sequence[CaptureRow]) -> pl.DataFrame:
         eng = get_engine(engine)
         gens = reason(eng, batch, max_tokens=max_tokens, render=engine.render)
         return reason_frame(gens, reread(eng, batch, gens, render=engine.render))
 
-    def compute(chunk: list[SimpleRow]) -> pl.DataFrame:
-        CALLS["reason"] += 1
-        return compute_resilient(chunk, think, failed_reason_frame)
-
-    shards = sd.path / f"shards-{shard_rows}"
-    stats = run_sharded(rows, shard_rows=shard_rows, folder=shards, compute=compute, worker=worker, workers=workers,
-                        on_shard=(lambda d, t: progress("reason", d, t)) if progress else None,
-                        prepare=lambda: get_engine(engine), claim=claim)
-    if (workers > 1 or claim) and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
-        return partial_summary("reason", key, stats)
-    out = sd.path / "reasoned.parquet"
-    frame = merge_shards(shards, stats.shards, out) if stats.shards else _empty_reason(out)
+    done = _sharded("reason", out, rows, think, failed_reason_frame, engine=engine, shard_rows=shard_rows,
+                    worker=worker, workers=workers, progress=progress, claim=claim)
+    if isinstance(done, PartialSummary):
+        return done
+    shards, stats = done
+    merged = out.path / "reasoned.parquet"
+    frame = merge_shards(shards, stats.shards, merged) if stats.shards else _empty_reason(merged)
     lengths = [len(t) for t in frame["token_ids"].to_list()]
-    return sd.finish({"stage": "reason", "key": key, "reasoned": str(out), "sha256": sha256_file(out),
-                      "rows": frame.height, "shards": stats.shards, "computed_shards": stats.computed,
-                      "reused_shards": stats.reused, "compute_seconds": stats.compute_seconds,
-                      "computed_rows": stats.computed_rows,
-                      **reason_error_counters(frame),
-                      "rationale_tokens": {"mean": sum(lengths) / len(lengths) if lengths else 0.0,
-                                           "max": max(lengths, default=0),
-                                           "hit_max_tokens": frame.filter(pl.col("finish_reason") == "length").height},
-                      "engine": engine_fp})
+    tokens = RationaleTokens(mean=sum(lengths) / len(lengths) if lengths else 0.0, max=max(lengths, default=0),
+                             hit_max_tokens=frame.filter(pl.col("finish_reason") == "length").height)
+    return ReasonSummary(key=out.key, reasoned=str(merged), sha256=sha256_file(merged), rows=frame.height,
+                         **_shard_fields(stats), **reason_error_counters(frame), rationale_tokens=tokens,
+                         engine=engine_fp or engine_fingerprint(engine))
+
+
+reason_stage = CachedStage("reason", ReasonSummary, key=_reason_key, body=_reason)
+"""A greedy rationale for each gated row, then the options re-read after it (post-thought readout)."""
 
 
 def _empty_reason(out: Path) -> pl.DataFrame:

@@ -10,27 +10,36 @@ so nothing is recomputed, and the merged capture is the same bytes as a one-work
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from jex.tasks.capture.engine_pool import EngineSpec
+from jex.tasks.records import EngineStageArgs, FastPassSummary, PartialSummary, ReasonSummary, Record
 from jex.tasks.store import LocalStore
 
 
-def run_workers(stage: str, args: dict[str, Any], *, workers: int, devices: list[str] | None = None,
-                timeout: float | None = None) -> dict[str, Any]:
-    """Run `stage` ('fast_pass' or 'reason') on `workers` processes, then merge; returns the stage summary.
+class WorkerReport(Record):
+    """What one data-parallel worker process printed: its engine start, compute time and shards."""
+
+    worker: int
+    engine_start_s: float
+    compute_s: float
+    computed_shards: list[int]
+    device: str | None
+
+
+def run_workers(stage: str, args: EngineStageArgs, *, workers: int, devices: list[str] | None = None,
+                timeout: float | None = None) -> tuple[FastPassSummary | ReasonSummary, list[WorkerReport]]:
+    """Run `stage` ('fast_pass' or 'reason') on `workers` processes, then merge; returns the stage
+    summary and each worker's report.
 
     `devices[i]` becomes worker i's CUDA_VISIBLE_DEVICES (None: inherit). Raises if any worker fails.
     """
-    spec_file = Path(args["store"]) / f".workers-{stage}-{os.getpid()}.json"
+    spec_file = Path(args.store) / f".workers-{stage}-{os.getpid()}.json"
     spec_file.parent.mkdir(parents=True, exist_ok=True)
-    spec_file.write_text(json.dumps(args, default=str))
+    spec_file.write_text(args.model_dump_json())
     procs = []
     for w in range(workers):
         env = dict(os.environ)
@@ -43,38 +52,41 @@ def run_workers(stage: str, args: dict[str, Any], *, workers: int, devices: list
         out, _ = p.communicate(timeout=timeout)
         if p.returncode != 0:
             raise RuntimeError(f"{stage} worker {w} exited {p.returncode}")
-        reports.append(json.loads(out.strip().splitlines()[-1]))
+        reports.append(WorkerReport.model_validate_json(out.strip().splitlines()[-1]))
     summary = stage_call(stage, args, worker=0, workers=1)
     spec_file.unlink(missing_ok=True)
-    return {**summary, "workers": reports}
+    if isinstance(summary, PartialSummary):
+        raise RuntimeError(f"{stage}: shards missing after every worker finished")
+    return summary, reports
 
 
-def stage_call(stage: str, args: dict[str, Any], *, worker: int, workers: int, claim: bool = False) -> dict[str, Any]:
+def stage_call(stage: str, args: EngineStageArgs, *, worker: int, workers: int,
+               claim: bool = False) -> FastPassSummary | ReasonSummary | PartialSummary:
+    """Compute (this worker's share of) an engine stage in this process."""
     from jex.tasks.capture.stages import fast_pass_stage, reason_stage
 
-    engine = EngineSpec.model_validate(args["engine"])
-    store = LocalStore(args["store"])
+    store = LocalStore(args.store)
+    common = {"bundle": args.bundle, "engine": args.engine, "shard_rows": args.shard_rows, "worker": worker,
+              "workers": workers, "claim": claim}
     if stage == "fast_pass":
-        return fast_pass_stage(args["bundle"], engine, store, shard_rows=args["shard_rows"], worker=worker,
-                               workers=workers, claim=claim)
+        return fast_pass_stage.run(store, **common)
     if stage == "reason":
-        return reason_stage(args["bundle"], args["gate"], engine, store, max_tokens=args["max_tokens"],
-                            shard_rows=args["shard_rows"], worker=worker, workers=workers, claim=claim)
+        return reason_stage.run(store, gate=args.gate, max_tokens=args.max_tokens, **common)
     raise ValueError(f"unknown stage {stage!r}")
 
 
 def _main(stage: str, spec_file: str, worker: int, workers: int) -> None:
     from jex.tasks.capture.engine_pool import get_engine
 
-    args = json.loads(Path(spec_file).read_text())
+    args = EngineStageArgs.model_validate_json(Path(spec_file).read_text())
     t0 = time.perf_counter()
-    get_engine(EngineSpec.model_validate(args["engine"]))
+    get_engine(args.engine)
     started = time.perf_counter()
     summary = stage_call(stage, args, worker=worker, workers=workers)
     done = time.perf_counter()
-    print(json.dumps({"worker": worker, "engine_start_s": started - t0, "compute_s": done - started,
-                      "computed_shards": summary.get("computed_shards", []),
-                      "device": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+    print(WorkerReport(worker=worker, engine_start_s=started - t0, compute_s=done - started,
+                       computed_shards=summary.computed_shards,
+                       device=os.environ.get("CUDA_VISIBLE_DEVICES")).model_dump_json())
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ Every error is an `InputError` naming the arms file, the arm and the field.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import tomllib
 from pathlib import Path
@@ -33,6 +32,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jex.errors import InputError
+from jex.fileio import sha256_bytes
+from jex.settings import BOOTSTRAP_SEED
 from jex.tasks.capture.engine_pool import EngineSpec, RenderSpec
 
 ArmKind = Literal["arm", "placebo", "twin", "sweep"]
@@ -51,8 +52,8 @@ ARM_KEYS = {"name", "kind", "hypothesis", "reopen_when", "placebo", "parameter",
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
-class GateSettings(BaseModel):
-    """The pre-registered gate: written and hashed before any arm result is read."""
+class ExperimentGateSettings(BaseModel):
+    """An experiment's pre-registered gate: written and hashed before any arm result is read."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     metric: str = Field("full", description="full, or a leg name: the index the gate judges")
@@ -62,7 +63,7 @@ class GateSettings(BaseModel):
     catalog_tolerance: float = Field(5.0, ge=0, description="No catalog's skill may drop more than this "
                                                             "(index points, point estimate)")
     draws: int = Field(2000, ge=10, description="Paired clustered bootstrap draws")
-    seed: int = 20260929
+    seed: int = BOOTSTRAP_SEED
     permutations: int = Field(2000, ge=10, description="Paired sign-flip permutations of question clusters")
 
 
@@ -103,7 +104,7 @@ class ArmsFile(BaseModel):
     sha256: str
     name: str = "experiment"
     base: ArmDecl
-    gate: GateSettings
+    gate: ExperimentGateSettings
     arms: tuple[ArmDecl, ...]
 
     def arm(self, name: str) -> ArmDecl:
@@ -216,7 +217,7 @@ def parse_arms(text: str, *, path: str = "arms.toml") -> ArmsFile:
         _check_kind(decl, path)
         arms.append(decl)
     try:
-        gate = GateSettings.model_validate(doc.get("gate", {}))
+        gate = ExperimentGateSettings.model_validate(doc.get("gate", {}))
     except ValidationError as e:
         first = e.errors()[0]
         raise InputError(first["msg"], file=path, field="gate." + ".".join(str(p) for p in first["loc"])) from None
@@ -229,7 +230,7 @@ def parse_arms(text: str, *, path: str = "arms.toml") -> ArmsFile:
     for a in arms:
         if a.placebo is not None and a.placebo not in placebos:
             raise _err(path, a.name, "placebo", f"'{a.placebo}' is not a placebo or twin arm ({placebos})")
-    return ArmsFile(path=path, sha256=hashlib.sha256(text.encode()).hexdigest(), name=doc.get("name", "experiment"),
+    return ArmsFile(path=path, sha256=sha256_bytes(text.encode()), name=doc.get("name", "experiment"),
                     base=base, gate=gate, arms=tuple(arms))
 
 

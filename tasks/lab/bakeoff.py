@@ -18,16 +18,88 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from jex.engine.types import GenerateRequest
 from jex.engine.vllm_engine import NGRAM
+from jex.fileio import read_json
 
 TOPICS = ["a lighthouse keeper", "a failed rocket launch", "the history of a small bakery", "a chess endgame",
           "a river delta in flood", "a bug in a compiler", "a winter expedition", "the economics of a ferry"]
 FACTS = ["The reading at {n} was {m} units.", "Step {n} took {m} seconds longer than planned.",
          "Entry {n}: the count rose to {m}.", "At {n} o'clock the level was {m} and still falling.",
          "Observer {n} reported {m} anomalies."]
+
+
+class LadderRung(TypedDict):
+    """One batch size of an arm's ladder, as generated: token ids per repeat and per prompt."""
+
+    runs: list[list[list[int]]]  # (repeat, prompt, step)
+    seconds: list[float]  # per repeat
+    tok_s: float  # tokens / fastest repeat
+    tokens: int
+
+
+class FirstDivergence(TypedDict):
+    prompt: int
+    step: int
+
+
+class RungComparison(TypedDict):
+    """One rung against the arm's batch-1 run (repeat 0): `arm-*.json` and, less token_ids, bakeoff.json."""
+
+    mismatches: int
+    divergent_prompts: int
+    first_divergence: FirstDivergence | None
+    run_to_run_identical: bool
+    tok_s: float
+    tokens: int
+    seconds: list[float]
+    token_ids: list[list[int]]
+
+
+class ArmResult(TypedDict, total=False):
+    """One arm's `arm-*.json` (or, when its process failed, only `error` and empty rungs)."""
+
+    arm: str
+    rungs: dict[str, RungComparison]  # by batch size (as text)
+    provenance: dict[str, Any]
+    prompt_tokens: list[int]
+    wall_seconds: float
+    error: str
+
+
+class SpeculationRung(TypedDict):
+    tokens_identical: int
+    tokens: int
+    prompts_identical: int
+    prompts: int
+    tok_s: float
+    base_tok_s: float
+    speedup: float
+
+
+class Speculation(TypedDict):
+    """A speculative arm against its audited base arm, rung by rung."""
+
+    base: str
+    rungs: dict[str, SpeculationRung]
+    exact: bool
+
+
+class BakeoffResult(TypedDict):
+    """What `run_bakeoff` returns (`bakeoff.json` holds it with the token ids left out)."""
+
+    engine: str
+    prompts: int
+    tokens: int
+    ladder: list[int]
+    repeats: int
+    arms: dict[str, ArmResult]
+    tax: dict[str, float]  # by batch: control tok/s / invariant tok/s
+    speculation: dict[str, Speculation]
+    errors: dict[str, str]
+    verdict: str
 
 
 def divergence_prompts(n: int = 32, seed: int = 0) -> list[str]:
@@ -43,15 +115,17 @@ def divergence_prompts(n: int = 32, seed: int = 0) -> list[str]:
     return out
 
 
-def run_ladder(engine: Any, prompts: list[str], *, ladder: list[int], repeats: int, tokens: int) -> dict[str, Any]:
+def run_ladder(engine: Any, prompts: list[str], *, ladder: list[int], repeats: int,
+               tokens: int) -> dict[str, LadderRung]:
     """Generate at every rung; returns token ids per repeat and throughput per rung."""
     requests = [GenerateRequest(f"p{i:03d}", engine.chat_prompt(p), tokens, ignore_eos=True)
                 for i, p in enumerate(prompts)]
     engine.generate(requests[:1])  # warm-up outside the timings
-    rungs: dict[str, Any] = {}
+    rungs: dict[str, LadderRung] = {}
     for batch in ladder:
         engine.batch_size = batch
-        runs, seconds = [], []
+        runs: list[list[list[int]]] = []
+        seconds: list[float] = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             gens = engine.generate(requests)
@@ -62,12 +136,13 @@ def run_ladder(engine: Any, prompts: list[str], *, ladder: list[int], repeats: i
     return rungs
 
 
-def compare(rungs: dict[str, Any]) -> dict[str, Any]:
+def compare(rungs: dict[str, LadderRung]) -> dict[str, RungComparison]:
     """Mismatches of every rung and repeat against batch 1, repeat 0."""
     ref = rungs["1"]["runs"][0]
-    out: dict[str, Any] = {}
+    out: dict[str, RungComparison] = {}
     for batch, rung in rungs.items():
-        mismatches, first, divergent = 0, None, 0
+        mismatches, divergent = 0, 0
+        first: FirstDivergence | None = None
         for p, (a, b) in enumerate(zip(ref, rung["runs"][0], strict=True)):
             diff = [s for s in range(max(len(a), len(b))) if s >= len(a) or s >= len(b) or a[s] != b[s]]
             mismatches += len(diff)
@@ -82,7 +157,8 @@ def compare(rungs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def verdict(arms: dict[str, dict[str, Any]], invariant_arms: list[str], control_arms: list[str]) -> str:
+def verdict(arms: dict[str, ArmResult], invariant_arms: list[str], control_arms: list[str]) -> str:
+    """The bake-off's one-line conclusion; a quiet control arm makes it UNDERPOWERED, never INVARIANT."""
     def total(arm: str) -> int:
         return sum(r["mismatches"] for r in arms[arm]["rungs"].values())
 
@@ -99,7 +175,7 @@ def verdict(arms: dict[str, dict[str, Any]], invariant_arms: list[str], control_
     return "INVARIANT: 0 mismatches at every rung and run to run, while the control arm diverged"
 
 
-def markdown(result: dict[str, Any]) -> str:
+def markdown(result: BakeoffResult) -> str:
     lines = [f"# Bake-off ({result['engine']})", "", f"**{result['verdict']}**", "",
              f"{result['prompts']} prompts x {result['tokens']} tokens, ladder {result['ladder']}, "
              f"{result['repeats']} repeats.", "",
@@ -124,7 +200,7 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def plot(result: BakeoffResult, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,7 +222,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 # --- one arm, in its own process -----------------------------------------------------------------
 
-ARMS = {
+ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     # name: (engine kind, settings)
     "hf-bi": ("hf", {"batch_invariant": True}),
     "hf-bi-ngram": ("hf", {"batch_invariant": True, "speculative": NGRAM}),
@@ -161,13 +237,13 @@ SPECULATIVE_BASE = {"hf-bi-ngram": "hf-bi", "vllm-bi-ngram": "vllm-bi"}
 """Each speculative arm and the audited arm its tokens must equal, rung by rung."""
 
 
-def speculation(arms: dict[str, Any]) -> dict[str, Any]:
+def speculation(arms: dict[str, ArmResult]) -> dict[str, Speculation]:
     """Per speculative arm and rung: tokens identical to its audited base arm (count), speed-up."""
-    out: dict[str, Any] = {}
+    out: dict[str, Speculation] = {}
     for arm, base in SPECULATIVE_BASE.items():
         if arm not in arms or base not in arms:
             continue
-        rungs = {}
+        rungs: dict[str, SpeculationRung] = {}
         for batch, r in arms[arm]["rungs"].items():
             b = arms[base]["rungs"].get(batch)
             if b is None:
@@ -183,7 +259,9 @@ def speculation(arms: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def make_engine(arm: str, model: str | None, max_num_seqs: int, device: str) -> Any:
+def arm_engine(arm: str, model: str | None, max_num_seqs: int, device: str) -> Any:
+    """The engine of one bake-off arm (its kind and profile from `ARMS`); campaigns build theirs with
+    `jex.engine.factory.make_engine`."""
     kind, settings = ARMS[arm]
     if kind == "hf":
         from jex.engine.hf import HFEngine
@@ -191,51 +269,40 @@ def make_engine(arm: str, model: str | None, max_num_seqs: int, device: str) -> 
         return HFEngine(model, device=device, **settings)
     from jex.engine.vllm_engine import VLLMEngine, VLLMProfile
 
-    return VLLMEngine(model, VLLMProfile(max_num_seqs=max_num_seqs, **settings))
+    # vLLM needs a model path: a missing --model fails in VLLMEngine (Path(None)) as it always has
+    return VLLMEngine(cast(str, model), VLLMProfile(max_num_seqs=max_num_seqs, **settings))
 
 
 def _arm_main(args: argparse.Namespace) -> None:
-    engine = make_engine(args.arm, args.model, args.max_num_seqs, args.device)
+    engine = arm_engine(args.arm, args.model, args.max_num_seqs, args.device)
     prompts = divergence_prompts(args.prompts, args.seed)
     rungs = run_ladder(engine, prompts, ladder=args.ladder, repeats=args.repeats, tokens=args.tokens)
-    out = {"arm": args.arm, "rungs": compare(rungs), "provenance": engine.provenance(),
+    out: ArmResult = {"arm": args.arm, "rungs": compare(rungs), "provenance": engine.provenance(),
            "prompt_tokens": [len(engine.encode(engine.chat_prompt(p))) for p in prompts]}
     Path(args.out).write_text(json.dumps(out, default=str))
 
 
 def run_bakeoff(arms: list[str], *, model: str | None, prompts: int = 32, tokens: int = 256,
                 ladder: list[int] | None = None, repeats: int = 2, max_num_seqs: int = 32, device: str = "cpu",
-                out_dir: Path, seed: int = 0) -> dict[str, Any]:
+                out_dir: Path, seed: int = 0) -> BakeoffResult:
     """Run each arm in a fresh process, then compare; writes bakeoff.json, bakeoff.md, bakeoff.png."""
     ladder = ladder or [1, 8, 16, 32]
     out_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {}
-    for arm in arms:
-        if arm not in ARMS:
-            raise ValueError(f"unknown arm {arm!r}; known: {sorted(ARMS)}")
-        target = out_dir / f"arm-{arm}.json"
-        cmd = [sys.executable, "-m", "jex.tasks.lab.bakeoff", "arm", arm, "--prompts", str(prompts), "--tokens",
-               str(tokens), "--ladder", ",".join(map(str, ladder)), "--repeats", str(repeats), "--max-num-seqs",
-               str(max_num_seqs), "--device", device, "--seed", str(seed), "--out", str(target)]
-        if model:
-            cmd += ["--model", model]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=os.environ.copy())
-        if proc.returncode != 0:
-            results[arm] = {"error": f"arm process exited {proc.returncode}", "rungs": {}}
-            continue
-        results[arm] = json.loads(target.read_text())
-        results[arm]["wall_seconds"] = time.perf_counter() - t0
+    flags = ["--prompts", str(prompts), "--tokens", str(tokens), "--ladder", ",".join(map(str, ladder)),
+             "--repeats", str(repeats), "--max-num-seqs", str(max_num_seqs), "--device", device, "--seed", str(seed),
+             *(["--model", model] if model else [])]
+    results = {arm: _run_arm(arm, flags, out_dir / f"arm-{arm}.json") for arm in arms}
     ok = {a: r for a, r in results.items() if "error" not in r}
     inv = [a for a in arms if a in INVARIANT_ARMS]
     ctl = [a for a in arms if a not in INVARIANT_ARMS]
     tax: dict[str, float] = {}
     if inv and ctl and inv[0] in ok and ctl[0] in ok:
         tax = {b: ok[ctl[0]]["rungs"][b]["tok_s"] / ok[inv[0]]["rungs"][b]["tok_s"] for b in ok[inv[0]]["rungs"]}
-    result = {"engine": ARMS[arms[0]][0], "prompts": prompts, "tokens": tokens, "ladder": ladder, "repeats": repeats,
-              "arms": results, "tax": tax, "speculation": speculation(ok),
-              "errors": {a: r["error"] for a, r in results.items() if "error" in r},
-              "verdict": verdict(ok, inv, ctl) if ok else "NO RESULT: every arm failed"}
+    result: BakeoffResult = {
+        "engine": ARMS[arms[0]][0], "prompts": prompts, "tokens": tokens, "ladder": ladder, "repeats": repeats,
+        "arms": results, "tax": tax, "speculation": speculation(ok),
+        "errors": {a: r["error"] for a, r in results.items() if "error" in r},
+        "verdict": verdict(ok, inv, ctl) if ok else "NO RESULT: every arm failed"}
     slim = {**result, "arms": {a: {**r, "rungs": {b: {k: v for k, v in x.items() if k != "token_ids"}
                                                   for b, x in r.get("rungs", {}).items()}}
                                for a, r in results.items()}}  # the token ids stay in arm-*.json
@@ -243,6 +310,20 @@ def run_bakeoff(arms: list[str], *, model: str | None, prompts: int = 32, tokens
     (out_dir / "bakeoff.md").write_text(markdown({**result, "arms": ok}))
     if ok:
         plot({**result, "arms": ok}, out_dir / "bakeoff.png")
+    return result
+
+
+def _run_arm(arm: str, flags: list[str], target: Path) -> ArmResult:
+    """One arm in a fresh process (`python -m jex.tasks.lab.bakeoff arm ...`) writing `target`."""
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; known: {sorted(ARMS)}")
+    cmd = [sys.executable, "-m", "jex.tasks.lab.bakeoff", "arm", arm, *flags, "--out", str(target)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=os.environ.copy())
+    if proc.returncode != 0:
+        return {"error": f"arm process exited {proc.returncode}", "rungs": {}}
+    result: ArmResult = read_json(target)
+    result["wall_seconds"] = time.perf_counter() - t0
     return result
 
 

@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jex.engine.render import DEFAULT_RENDER, RenderSpec
 from jex.engine.types import NextTokenRequest, ReadoutMode, ReadoutRequest
-from jex.tasks.capture.engine_calls import SimpleRow, reason, reason_prompts
+from jex.numerics import argmax
+from jex.tasks.capture.engine_calls import CaptureRow, as_row, reason, reason_prompts
 
 
 class CheckpointStats(BaseModel):
@@ -60,13 +61,7 @@ class ProbeResult(BaseModel):
     tokens_saved_at_first_match: int | None
 
 
-def _choice(logprobs: Sequence[float] | None) -> int | None:
-    if logprobs is None:
-        return None
-    return max(range(len(logprobs)), key=lambda i: (logprobs[i], -i))
-
-
-def probe_rows(engine: Any, rows: Sequence[SimpleRow], *, every: int, max_tokens: int,
+def probe_rows(engine: Any, rows: Sequence[CaptureRow], *, every: int, max_tokens: int,
                render: RenderSpec = DEFAULT_RENDER) -> ProbeResult:
     """Generate each row's rationale, then read the free gate and the answer at every checkpoint."""
     if every < 1:
@@ -89,7 +84,7 @@ def probe_rows(engine: Any, rows: Sequence[SimpleRow], *, every: int, max_tokens
     keys = list(cuts)
     readouts = engine.readout([ReadoutRequest(f"{rows[i].run_id}@{k}", cuts[(i, k)], tuple(rows[i].labels),
                                               tuple(rows[i].options)) for i, k in keys], ReadoutMode.LABEL_SLOT)
-    answer = {key: _choice(r.logprobs) for key, r in zip(keys, readouts, strict=True)}
+    answer = {key: argmax(r.logprobs) for key, r in zip(keys, readouts, strict=True)}
     inside = [(i, m) for i, g in enumerate(gens) for m in marks if m < len(g.token_ids)]
     stats = engine.next_token([NextTokenRequest(f"{rows[i].run_id}@{m}", prompts[i], tuple(gens[i].token_ids[:m]),
                                                 (eos,)) for i, m in inside])
@@ -97,7 +92,7 @@ def probe_rows(engine: Any, rows: Sequence[SimpleRow], *, every: int, max_tokens
     return _summarise(engine, rows, gens, answer, marks, inside, fired, every=every, max_tokens=max_tokens)
 
 
-def _summarise(engine: Any, rows: Sequence[SimpleRow], gens: Sequence[Any], answer: dict[tuple[int, int], int | None],
+def _summarise(engine: Any, rows: Sequence[CaptureRow], gens: Sequence[Any], answer: dict[tuple[int, int], int | None],
                marks: list[int], inside: list[tuple[int, int]], fired: set[tuple[int, int]], *, every: int,
                max_tokens: int) -> ProbeResult:
     n = len(rows)
@@ -165,8 +160,8 @@ def plot(result: ProbeResult, path: Path) -> None:
     plt.close(fig)
 
 
-def pick_gated(engine: Any, rows: Sequence[SimpleRow], n: int, *, render: RenderSpec = DEFAULT_RENDER,
-               pool: int | None = None) -> list[SimpleRow]:
+def pick_gated(engine: Any, rows: Sequence[CaptureRow], n: int, *, render: RenderSpec = DEFAULT_RENDER,
+               pool: int | None = None) -> list[CaptureRow]:
     """The `n` rows the coverage gate would send to reasoning first: the smallest fast-pass margins
     among a pool of rows taken evenly from each catalog (default pool 4n; the whole suite if smaller)."""
     import polars as pl
@@ -175,10 +170,10 @@ def pick_gated(engine: Any, rows: Sequence[SimpleRow], n: int, *, render: Render
     from jex.tasks.probabilities.coverage_gate import coverage_gate
 
     size = min(len(rows), pool or 4 * n)
-    by_catalog: dict[str | None, list[SimpleRow]] = {}
+    by_catalog: dict[str | None, list[CaptureRow]] = {}
     for r in rows:
         by_catalog.setdefault(r.catalog, []).append(r)
-    candidates: list[SimpleRow] = []
+    candidates: list[CaptureRow] = []
     while len(candidates) < size:  # one row of each catalog in turn, in suite order
         for queue in by_catalog.values():
             if queue and len(candidates) < size:
@@ -192,17 +187,15 @@ def pick_gated(engine: Any, rows: Sequence[SimpleRow], n: int, *, render: Render
     return [index[i] for i in gated]
 
 
-def suite_rows(source: str | Path, workdir: Path) -> list[SimpleRow]:
+def suite_rows(source: str | Path, workdir: Path) -> list[CaptureRow]:
     """Rows of a suite folder or a bundle file (extracted under `workdir`)."""
     source = Path(source)
     if source.is_dir():
         from jex.suite import iter_rows
 
-        return [SimpleRow(r.run_id, r.prompt, tuple(r.labels), tuple(r.options), r.gold, r.catalog, r.question_id)
-                for r in iter_rows(source)]
+        return [as_row(r.model_dump()) for r in iter_rows(source)]
     from jex.tasks.capture.bundle import open_bundle
 
     frame = open_bundle(source, workdir / "bundle").rows(["run_id", "catalog", "question_id", "prompt", "options",
                                                           "labels", "gold"])
-    return [SimpleRow(r["run_id"], r["prompt"], tuple(r["labels"]), tuple(r["options"]), r["gold"], r["catalog"],
-                      r["question_id"]) for r in frame.iter_rows(named=True)]
+    return [as_row(r) for r in frame.iter_rows(named=True)]

@@ -7,24 +7,142 @@ Nothing here runs an engine: it reads finished run folders (predictions, provena
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import polars as pl
 
 from jex.errors import InputError
-from jex.fileio import canonical_json, write_json, write_text
-from jex.tasks.lab.arms import ArmsFile, GateSettings
-from jex.tasks.lab.experiment_stats import ArmStats, Delta, versus
+from jex.fileio import canonical_json, read_json, write_json, write_text
+from jex.tasks.lab.arms import ArmsFile, ExperimentGateSettings
+from jex.tasks.lab.experiment_stats import ArmStats, Delta, DeltaJson, OofChoice, versus
+from jex.tasks.scoring.inputs import SuiteTable
 
 
-def register_gate(arms: ArmsFile, out: Path) -> str:
+class ParquetDifference(TypedDict):
+    """Where two Parquet files first differ (row and column None when the shapes or metadata differ)."""
+
+    row: int | None
+    run_id: str | None
+    column: str | None
+    detail: str
+
+
+class ArtifactDifference(ParquetDifference):
+    artifact: str  # fast_pass | reason | predictions
+
+
+class TwinAudit(TypedDict):
+    """A twin run against the base, byte for byte (the flow adds the twin's `store`)."""
+
+    identical: bool
+    first_difference: ArtifactDifference | None
+    sha256: dict[str, list[str]]  # stage -> [base, twin]
+    folders: dict[str, list[str]]  # stage -> [base key, twin key]
+    store: NotRequired[str]
+
+
+class _ArmEntryCore(TypedDict):
+    kind: str
+    delta: float
+    ci: list[float]
+    p: float
+    vs_placebo: DeltaJson | None
+    verdict: str
+    checks: dict[str, bool]
+    index: float
+    full: DeltaJson
+    wall_ratio: float
+    token_ratio: float
+    legs: dict[str, DeltaJson]
+    catalogs: dict[str, DeltaJson]
+    run: str
+    engine_calls: dict[str, int]
+    sub_run_wall_s: float
+
+
+class ArmEntry(_ArmEntryCore, total=False):
+    """One arm of `experiment.json` (the output contract in docs/experiments.md)."""
+
+    placebo_delta: float
+    sweep: str
+    value: Any
+
+
+class SweepPoint(TypedDict):
+    value: Any
+    name: str
+    delta: float
+    ci: list[float]
+    verdict: str
+
+
+class SweepDoc(TypedDict):
+    parameter: str | None
+    points: list[SweepPoint]
+    oof: OofChoice
+    plot: str  # the plot's file name in the experiment folder
+
+
+class PanelSpec(TypedDict):
+    """The panel an experiment ran on: each catalog's share of the full weight, and the share asserted."""
+
+    shares: Mapping[str, float]
+    asserted_share: float | None
+
+
+class PanelArm(TypedDict):
+    panel_delta: float
+    panel_ci: list[float]
+    projected: DeltaJson
+
+
+class PanelDoc(TypedDict):
+    catalogs: list[str]
+    share: float
+    asserted_share: float | None
+    shares: dict[str, float]
+    arms: dict[str, PanelArm]
+
+
+class ExperimentDoc(TypedDict):
+    """`experiment.json`."""
+
+    name: str
+    base: dict[str, Any]  # index, run, engine_calls, wall_s
+    gate: dict[str, Any]  # settings_sha256 and the registered gate settings
+    arms: dict[str, ArmEntry]
+    twin: dict[str, TwinAudit]
+    sweeps: dict[str, SweepDoc]
+    panel: NotRequired[PanelDoc]
+    provenance: dict[str, Any]
+
+
+class LedgerEntry(TypedDict, total=False):
+    """One `[[decisions]]` entry of `ledger.toml` (a NaN placebo effect is left out)."""
+
+    arm: str
+    experiment: str
+    kind: str
+    verdict: str
+    metric: str
+    effect: float
+    ci: list[float]
+    p: float
+    placebo: str
+    placebo_effect: float
+    vs_placebo_ci: list[float]
+    gate_sha256: str
+    date: str
+    reopen_when: str
+
+
+def register_experiment_gate(arms: ArmsFile, out: Path) -> str:
     """Write `gate-settings.json` (the gate and every arm as declared) before any arm runs; its sha256.
 
     Re-running the same experiment registers the same bytes; a changed gate or arm list is refused
@@ -37,8 +155,7 @@ def register_gate(arms: ArmsFile, out: Path) -> str:
     if path.exists() and path.read_text() != text:
         raise InputError("this folder holds an experiment registered with other gate settings or arms; "
                          "write the new experiment to another folder", file=str(path))
-    write_json(path, doc)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return write_json(path, doc)
 
 
 @dataclass(frozen=True)
@@ -61,8 +178,8 @@ def predictions(run_dir: Path) -> pl.DataFrame:
 
 def stage_summaries(run_dir: Path) -> dict[str, Any]:
     """The stage summaries a run used (`stages.json` names the folders; `_SUCCESS.json` holds them)."""
-    stages = json.loads((run_dir / "stages.json").read_text())
-    return {k: json.loads((Path(v["folder"]) / "_SUCCESS.json").read_text()) for k, v in stages.items()}
+    stages = read_json(run_dir / "stages.json")
+    return {k: read_json(Path(v["folder"]) / "_SUCCESS.json") for k, v in stages.items()}
 
 
 def engine_cost(run_dir: Path) -> tuple[float, float]:
@@ -72,7 +189,7 @@ def engine_cost(run_dir: Path) -> tuple[float, float]:
     return seconds, float(s["reason"].get("rationale_tokens", {}).get("mean") or 0.0)
 
 
-def verdict(stats: ArmStats, vs_placebo: Delta | None, gate: GateSettings) -> tuple[str, dict[str, bool]]:
+def verdict(stats: ArmStats, vs_placebo: Delta | None, gate: ExperimentGateSettings) -> tuple[str, dict[str, bool]]:
     """GO only when every pre-registered check passes (the checks come back with the verdict)."""
     worst = min(d.delta for d in stats.catalogs.values())
     checks = {"ci_above_min_effect": stats.metric.ci[0] > gate.min_effect,
@@ -82,7 +199,7 @@ def verdict(stats: ArmStats, vs_placebo: Delta | None, gate: GateSettings) -> tu
     return ("GO" if all(checks.values()) else "NO-GO"), checks
 
 
-def first_difference(a: Path, b: Path) -> dict[str, Any] | None:
+def first_difference(a: Path, b: Path) -> ParquetDifference | None:
     """None when two Parquet files hold equal bytes; else the first differing row and column."""
     if a.read_bytes() == b.read_bytes():
         return None
@@ -98,20 +215,24 @@ def first_difference(a: Path, b: Path) -> dict[str, Any] | None:
     return {"row": None, "run_id": None, "column": None, "detail": "same values, different bytes (metadata)"}
 
 
-def twin_audit(base_dir: Path, twin_dir: Path) -> dict[str, Any]:
+def twin_audit(base_dir: Path, twin_dir: Path) -> TwinAudit:
     """Compare the twin's capture, rationales and predictions with the base's, byte for byte."""
     b, t = stage_summaries(base_dir), stage_summaries(twin_dir)
     files = {"fast_pass": (Path(b["fast_pass"]["capture"]), Path(t["fast_pass"]["capture"])),
              "reason": (Path(b["reason"]["reasoned"]), Path(t["reason"]["reasoned"])),
              "predictions": (base_dir / "predictions.parquet", twin_dir / "predictions.parquet")}
     diffs = {k: first_difference(x, y) for k, (x, y) in files.items()}
-    first = next(({"artifact": k, **v} for k, v in diffs.items() if v is not None), None)
+    first: ArtifactDifference | None = None
+    for k, v in diffs.items():
+        if v is not None:
+            first = {"artifact": k, **v}
+            break
     return {"identical": first is None, "first_difference": first,
             "sha256": {k: [b[k]["sha256"], t[k]["sha256"]] for k in ("fast_pass", "reason")},
             "folders": {k: [b[k]["key"], t[k]["key"]] for k in ("fast_pass", "reason")}}
 
 
-def forest_plot(arms: Mapping[str, Mapping[str, Any]], placebo: Mapping[str, Any] | None, path: Path,
+def forest_plot(arms: Mapping[str, ArmEntry], placebo: ArmEntry | None, path: Path,
                 metric: str) -> None:
     """Each arm's delta with its 95% CI; the gate's placebo interval as a shaded band."""
     import matplotlib
@@ -140,7 +261,7 @@ def forest_plot(arms: Mapping[str, Mapping[str, Any]], placebo: Mapping[str, Any
     plt.close(fig)
 
 
-def sweep_plot(name: str, parameter: str, points: list[dict[str, Any]], oof: Mapping[str, Any], path: Path) -> None:
+def sweep_plot(name: str, parameter: str, points: list[SweepPoint], oof: OofChoice, path: Path) -> None:
     """Index delta and CI against the swept parameter, with the out-of-fold choice marked."""
     import matplotlib
 
@@ -167,7 +288,7 @@ def _ci(ci: list[float] | tuple[float, float]) -> str:
     return f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
 
 
-def render_report(doc: dict[str, Any]) -> str:
+def render_report(doc: ExperimentDoc) -> str:
     """`report.md`: the gate and its hash, the arms table, the twin audit, sweeps, panel projection."""
     g = doc["gate"]
     lines = [f"# Experiment: {doc['name']}", "",
@@ -199,6 +320,7 @@ def render_report(doc: dict[str, Any]) -> str:
                              f"engine stages ran in a fresh process, store `{audit['store']}`)")
             else:
                 f = audit["first_difference"]
+                assert f is not None  # not identical: twin_audit recorded the first difference
                 lines.append(f"- {name}: **DIFFERENT**: first difference in {f['artifact']}, row {f['row']} "
                              f"(run_id {f['run_id']}), column {f['column']}: {f['detail']}")
     for name, s in doc.get("sweeps", {}).items():
@@ -230,7 +352,7 @@ def _toml_value(v: Any) -> str:
     return json.dumps(str(v))  # a JSON string is a valid TOML basic string
 
 
-def append_ledger(path: Path, doc: dict[str, Any], reopen: Mapping[str, str], *, date: str | None = None) -> int:
+def append_ledger(path: Path, doc: ExperimentDoc, reopen: Mapping[str, str], *, date: str | None = None) -> int:
     """Append one `[[decisions]]` entry per decided arm (GO / NO-GO) not yet in the ledger for this
     gate hash; the file is only ever appended to (one write, then fsync). Returns entries added."""
     seen = set()
@@ -243,12 +365,12 @@ def append_ledger(path: Path, doc: dict[str, Any], reopen: Mapping[str, str], *,
         if a["verdict"] not in ("GO", "NO-GO") or (name, doc["gate"]["settings_sha256"]) in seen:
             continue
         vp = a["vs_placebo"]
-        entry = {"arm": name, "experiment": doc["name"], "kind": a["kind"], "verdict": a["verdict"],
+        entry: LedgerEntry = {"arm": name, "experiment": doc["name"], "kind": a["kind"], "verdict": a["verdict"],
                  "metric": doc["gate"]["metric"], "effect": a["delta"], "ci": a["ci"], "p": a["p"],
                  "placebo": doc["gate"]["placebo"] or "", "placebo_effect": a.get("placebo_delta", float("nan")),
                  "vs_placebo_ci": vp["ci"] if vp else [], "gate_sha256": doc["gate"]["settings_sha256"],
                  "date": date, "reopen_when": reopen.get(name.split("@")[0], "") or "not given"}
-        entry = {k: v for k, v in entry.items() if not (isinstance(v, float) and v != v)}
+        entry = {k: v for k, v in entry.items() if not (isinstance(v, float) and v != v)}  # type: ignore[assignment]
         blocks.append("[[decisions]]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in entry.items()))
     if blocks:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -260,7 +382,8 @@ def append_ledger(path: Path, doc: dict[str, Any], reopen: Mapping[str, str], *,
     return len(blocks)
 
 
-def read_ledger(path: Path) -> list[dict[str, Any]]:
+def read_ledger(path: Path) -> list[LedgerEntry]:
+    """The ledger's decisions, oldest first; an InputError when there is none or it is not TOML."""
     if not path.exists():
         raise InputError("no ledger.toml here: run `jex experiment run` with -o this folder first", file=str(path))
     try:
@@ -269,7 +392,8 @@ def read_ledger(path: Path) -> list[dict[str, Any]]:
         raise InputError(f"not valid TOML: {e}", file=str(path)) from None
 
 
-def format_ledger(entries: list[dict[str, Any]]) -> str:
+def format_ledger(entries: list[LedgerEntry]) -> str:
+    """One line per decision: date, arm, verdict, effect and CI, placebo effect, gate hash, reopen-when."""
     lines = [f"{'date':<21} {'arm':<22} {'verdict':<6} {'effect':>8}  {'95% CI':<20} {'placebo':>8}  "
              "gate   reopen when"]
     for e in entries:
@@ -281,28 +405,32 @@ def format_ledger(entries: list[dict[str, Any]]) -> str:
 
 
 def arm_entry(run: ArmRun, stats: ArmStats, vs: Delta | None, verdict_: str, checks: dict[str, bool],
-              base_cost: tuple[float, float], placebo_delta: float | None) -> dict[str, Any]:
+              base_cost: tuple[float, float], placebo_delta: float | None) -> ArmEntry:
     """One arm of `experiment.json` (the output contract in docs/experiments.md)."""
     seconds, tokens = engine_cost(run.run_dir)
-    return {"kind": run.kind, "delta": stats.metric.delta, "ci": list(stats.metric.ci), "p": stats.p,
-            "vs_placebo": vs.to_json() if vs else None, "verdict": verdict_, "checks": checks,
-            "index": stats.index, "full": stats.full.to_json(),
-            "wall_ratio": seconds / base_cost[0] if base_cost[0] else float("nan"),
-            "token_ratio": tokens / base_cost[1] if base_cost[1] else float("nan"),
-            "legs": {k: v.to_json() for k, v in stats.legs.items()},
-            "catalogs": {k: v.to_json() for k, v in stats.catalogs.items()},
-            "run": str(run.run_dir), "engine_calls": run.engine_calls, "sub_run_wall_s": run.wall_s,
-            **({"placebo_delta": placebo_delta} if placebo_delta is not None else {}),
-            **({"sweep": run.sweep, "value": run.value} if run.sweep else {})}
+    entry: ArmEntry = {"kind": run.kind, "delta": stats.metric.delta, "ci": list(stats.metric.ci), "p": stats.p,
+                       "vs_placebo": vs.to_json() if vs else None, "verdict": verdict_, "checks": checks,
+                       "index": stats.index, "full": stats.full.to_json(),
+                       "wall_ratio": seconds / base_cost[0] if base_cost[0] else float("nan"),
+                       "token_ratio": tokens / base_cost[1] if base_cost[1] else float("nan"),
+                       "legs": {k: v.to_json() for k, v in stats.legs.items()},
+                       "catalogs": {k: v.to_json() for k, v in stats.catalogs.items()},
+                       "run": str(run.run_dir), "engine_calls": run.engine_calls, "sub_run_wall_s": run.wall_s}
+    if placebo_delta is not None:
+        entry["placebo_delta"] = placebo_delta
+    if run.sweep:
+        entry["sweep"] = run.sweep
+        entry["value"] = run.value
+    return entry
 
 
 def analyse(arms: ArmsFile, *, base: ArmRun, runs: list[ArmRun], gate_sha256: str, out: Path,
-            twins: Mapping[str, dict[str, Any]] | None = None, panel: Mapping[str, Any] | None = None,
-            settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+            twins: Mapping[str, TwinAudit] | None = None, panel: PanelSpec | None = None,
+            settings: Mapping[str, Any] | None = None) -> ExperimentDoc:
     """Paired statistics, verdicts, sweeps and panel projection of finished sub-runs; writes
     `experiment.json`, `report.md`, `forest.png` and one `sweep-NAME.png` per sweep. Returns the doc."""
     from jex.provenance import provenance
-    from jex.tasks.lab.experiment_stats import oof_choice, paired_arms, project, row_contributions
+    from jex.tasks.lab.experiment_stats import paired_arms
     from jex.tasks.scoring.inputs import load_suite_table
 
     gate = arms.gate
@@ -312,51 +440,77 @@ def analyse(arms: ArmsFile, *, base: ArmRun, runs: list[ArmRun], gate_sha256: st
     base_index, stats = paired_arms(table.rows, table.spec, base_preds,
                                     {r.name: predictions(r.run_dir) for r in runs}, metric=gate.metric,
                                     draws=gate.draws, seed=gate.seed, permutations=gate.permutations)
-    base_cost = engine_cost(base.run_dir)
-    entries: dict[str, Any] = {}
-    for r in runs:
-        decl = arms.arm(r.sweep or r.name)
-        placebo = arms.placebo_of(decl) if r.kind in ("arm", "sweep") else None
-        vs = versus(stats[r.name], stats[placebo]) if placebo else None
-        if r.kind in ("arm", "sweep"):
-            v, checks = verdict(stats[r.name], vs, gate)
-        elif r.kind == "placebo":
-            v, checks = "placebo", {}
-        else:
-            v, checks = ("identical" if (twins or {})[r.name]["identical"] else "DIFFERENT"), {}
-        entries[r.name] = arm_entry(r, stats[r.name], vs, v, checks, base_cost,
-                                    stats[placebo].metric.delta if placebo else None)
-    doc: dict[str, Any] = {"name": arms.name, "base": {"index": base_index, "run": str(base.run_dir),
-                                                       "engine_calls": base.engine_calls, "wall_s": base.wall_s},
-                           "gate": {"settings_sha256": gate_sha256, **gate.model_dump(mode="json")},
-                           "arms": entries, "twin": dict(twins or {})}
-    sweeps = {}
-    for decl in (a for a in arms.arms if a.kind == "sweep"):
-        points = [r for r in runs if r.sweep == decl.name]
-        contrib = {r.value: row_contributions(table.rows, table.spec, predictions(r.run_dir), metric=gate.metric)
-                   for r in points}
-        oof = oof_choice(row_contributions(table.rows, table.spec, base_preds, metric=gate.metric), contrib,
-                         folds=min(5, table.rows["question_id"].n_unique()))
-        rows = [{"value": r.value, "name": r.name, "delta": entries[r.name]["delta"], "ci": entries[r.name]["ci"],
-                 "verdict": entries[r.name]["verdict"]} for r in points]
-        plot = f"sweep-{decl.name}.png"
-        sweep_plot(decl.name, decl.parameter or "", rows, oof, out / plot)
-        sweeps[decl.name] = {"parameter": decl.parameter, "points": rows, "oof": oof, "plot": plot}
-    doc["sweeps"] = sweeps
+    entries = _arm_entries(arms, runs, stats, twins or {}, engine_cost(base.run_dir))
+    doc: ExperimentDoc = {
+        "name": arms.name, "base": {"index": base_index, "run": str(base.run_dir), "engine_calls": base.engine_calls,
+                                    "wall_s": base.wall_s},
+        "gate": {"settings_sha256": gate_sha256, **gate.model_dump(mode="json")},
+        "arms": entries, "twin": dict(twins or {}),
+        "sweeps": _sweeps(arms, runs, entries, table, base_preds, out),
+        "provenance": {}}
     if panel:
-        shares = panel["shares"]
-        doc["panel"] = {"catalogs": list(shares), "share": sum(shares.values()),
-                        "asserted_share": panel.get("asserted_share"), "shares": dict(shares),
-                        "arms": {n: {"panel_delta": st.full.delta, "panel_ci": list(st.full.ci),
-                                     "projected": project(st, shares).to_json()} for n, st in stats.items()}}
+        doc["panel"] = _panel(panel, stats)
     doc["provenance"] = provenance(inputs={"arms_file": arms.sha256, "bundle": bundle["sha256"]},
                                    settings=dict(settings or {}), gate_sha256=gate_sha256)
     placebo_entry = entries.get(gate.placebo) if gate.placebo else None
-    forest_plot({n: e for n, e in entries.items()}, placebo_entry, out / "forest.png", gate.metric)
+    forest_plot(entries, placebo_entry, out / "forest.png", gate.metric)
     write_json(out / "experiment.json", doc)
     write_text(out / "report.md", render_report(doc))
     return doc
 
 
+def _arm_entries(arms: ArmsFile, runs: list[ArmRun], stats: Mapping[str, ArmStats],
+                 twins: Mapping[str, TwinAudit], base_cost: tuple[float, float]) -> dict[str, ArmEntry]:
+    """Each sub-run's entry: arms and sweep points get the gate's verdict (against their placebo),
+    placebos are marked, twins say whether they were byte-identical."""
+    entries: dict[str, ArmEntry] = {}
+    for r in runs:
+        decl = arms.arm(r.sweep or r.name)
+        placebo = arms.placebo_of(decl) if r.kind in ("arm", "sweep") else None
+        vs = versus(stats[r.name], stats[placebo]) if placebo else None
+        if r.kind in ("arm", "sweep"):
+            v, checks = verdict(stats[r.name], vs, arms.gate)
+        elif r.kind == "placebo":
+            v, checks = "placebo", {}
+        else:
+            v, checks = ("identical" if twins[r.name]["identical"] else "DIFFERENT"), {}
+        entries[r.name] = arm_entry(r, stats[r.name], vs, v, checks, base_cost,
+                                    stats[placebo].metric.delta if placebo else None)
+    return entries
+
+
+def _sweeps(arms: ArmsFile, runs: list[ArmRun], entries: Mapping[str, ArmEntry], table: SuiteTable,
+            base_preds: pl.DataFrame, out: Path) -> dict[str, SweepDoc]:
+    """Per declared sweep: its points, the out-of-fold choice of its value, and its plot (written)."""
+    from jex.tasks.lab.experiment_stats import oof_choice, row_contributions
+
+    metric = arms.gate.metric
+    sweeps: dict[str, SweepDoc] = {}
+    for decl in (a for a in arms.arms if a.kind == "sweep"):
+        points = [r for r in runs if r.sweep == decl.name]
+        contrib = {r.value: row_contributions(table.rows, table.spec, predictions(r.run_dir), metric=metric)
+                   for r in points}
+        oof = oof_choice(row_contributions(table.rows, table.spec, base_preds, metric=metric), contrib,
+                         folds=min(5, table.rows["question_id"].n_unique()))
+        rows: list[SweepPoint] = [{"value": r.value, "name": r.name, "delta": entries[r.name]["delta"],
+                                   "ci": entries[r.name]["ci"], "verdict": entries[r.name]["verdict"]}
+                                  for r in points]
+        plot = f"sweep-{decl.name}.png"
+        sweep_plot(decl.name, decl.parameter or "", rows, oof, out / plot)
+        sweeps[decl.name] = {"parameter": decl.parameter, "points": rows, "oof": oof, "plot": plot}
+    return sweeps
+
+
+def _panel(panel: PanelSpec, stats: Mapping[str, ArmStats]) -> PanelDoc:
+    """Each arm's panel-scale delta and its projection onto the full index."""
+    from jex.tasks.lab.experiment_stats import project
+
+    shares = panel["shares"]
+    return {"catalogs": list(shares), "share": sum(shares.values()), "asserted_share": panel.get("asserted_share"),
+            "shares": dict(shares),
+            "arms": {n: {"panel_delta": st.full.delta, "panel_ci": list(st.full.ci),
+                         "projected": project(st, shares).to_json()} for n, st in stats.items()}}
+
+
 __all__ = ["ArmRun", "analyse", "append_ledger", "arm_entry", "first_difference", "forest_plot", "format_ledger",
-           "read_ledger", "register_gate", "render_report", "sweep_plot", "twin_audit", "verdict", "versus"]
+           "read_ledger", "register_experiment_gate", "render_report", "sweep_plot", "twin_audit", "verdict", "versus"]

@@ -19,17 +19,41 @@ paired design); p = (1 + #{|perm| >= |obs|}) / (1 + permutations), two-sided.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import polars as pl
 
-from jex.tasks.scoring.bootstrap_ci import ClusterLayout, interval, resampled_accuracy, statistics_per_draw
+from jex.numerics import named_rng, question_folds
+from jex.settings import BOOTSTRAP_DRAWS, BOOTSTRAP_SEED
+from jex.tasks.scoring.bootstrap_ci import (
+    ClusterLayout,
+    DrawStatistics,
+    interval,
+    resampled_accuracy,
+    statistics_per_draw,
+)
 from jex.tasks.scoring.index import BEST, catalog_chances, score_predictions, scored_frame
 from jex.tasks.scoring.inputs import ScoreSpec
+
+
+class DeltaJson(TypedDict):
+    """A delta as `experiment.json` writes it."""
+
+    delta: float
+    ci: list[float]
+
+
+class OofChoice(TypedDict):
+    """A sweep's out-of-fold choice (see `oof_choice`)."""
+
+    choice: Any  # the grid value chosen most often
+    fold_choices: list[Any]
+    oof_delta: float
+    in_sample_best: Any
+    folds: int
 
 
 @dataclass(frozen=True)
@@ -39,7 +63,7 @@ class Delta:
     delta: float
     ci: tuple[float, float]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> DeltaJson:
         return {"delta": self.delta, "ci": list(self.ci)}
 
 
@@ -55,6 +79,12 @@ class ArmStats:
     index: float
     draws: dict[str, np.ndarray] = field(repr=False, compare=False)
     """Per-draw deltas: 'metric', 'full', and 'cat:ID' for each catalog (pairing with other arms)."""
+
+
+def _ci(samples: np.ndarray) -> tuple[float, float]:
+    """`interval` as the (low, high) pair a `Delta` holds."""
+    lo, hi = interval(samples)
+    return lo, hi
 
 
 def metric_weights(spec: ScoreSpec, chance: Mapping[str, float], metric: str = "full") -> dict[str, float]:
@@ -73,7 +103,7 @@ def metric_weights(spec: ScoreSpec, chance: Mapping[str, float], metric: str = "
     return out
 
 
-def _metric_of(stats: dict[str, Any], metric: str) -> np.ndarray:
+def _metric_of(stats: DrawStatistics, metric: str) -> np.ndarray:
     return stats["full"] if metric == "full" else stats["legs"][metric]
 
 
@@ -97,11 +127,11 @@ def permutation_p(diffs: np.ndarray, *, permutations: int, rng: np.random.Genera
 
 def arm_rng(seed: int, name: str) -> np.random.Generator:
     """The permutation generator of one arm: (seed, crc32(arm name))."""
-    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+    return named_rng(seed, name)
 
 
 def paired_arms(rows: pl.DataFrame, spec: ScoreSpec, base: pl.DataFrame, arms: Mapping[str, pl.DataFrame], *,
-                metric: str = "full", draws: int = 2000, seed: int = 20260929,
+                metric: str = "full", draws: int = BOOTSTRAP_DRAWS, seed: int = BOOTSTRAP_SEED,
                 permutations: int = 2000) -> tuple[float, dict[str, ArmStats]]:
     """The base's index and every arm's paired statistics against it (one shared set of draws).
 
@@ -129,24 +159,23 @@ def paired_arms(rows: pl.DataFrame, spec: ScoreSpec, base: pl.DataFrame, arms: M
         d_full = a["full"] - b["full"]
         point_metric = ap.full - bp.full if metric == "full" else ap.legs[metric]["index"] - bp.legs[metric]["index"]
         legs = {leg: Delta(ap.legs[leg]["index"] - bp.legs[leg]["index"],
-                           tuple(interval(a["legs"][leg] - b["legs"][leg]))) for leg in spec.legs}
+                           _ci(a["legs"][leg] - b["legs"][leg])) for leg in spec.legs}
         cats, cat_draws = {}, {}
         for c in spec.catalogs:
             d = 100.0 * (a["catalogs"][c.id] - b["catalogs"][c.id])
             cat_draws[f"cat:{c.id}"] = d
-            cats[c.id] = Delta(100.0 * (ap.catalogs[c.id].skill - bp.catalogs[c.id].skill), tuple(interval(d)))
+            cats[c.id] = Delta(100.0 * (ap.catalogs[c.id].skill - bp.catalogs[c.id].skill), _ci(d))
         diffs = cluster_differences(layout, sums["__base__"], sums[name], weights)
         p = permutation_p(diffs, permutations=permutations, rng=arm_rng(seed, name))
-        out[name] = ArmStats(metric=Delta(point_metric, tuple(interval(d_metric))),
-                             full=Delta(ap.full - bp.full, tuple(interval(d_full))), p=p, legs=legs, catalogs=cats,
+        out[name] = ArmStats(metric=Delta(point_metric, _ci(d_metric)),
+                             full=Delta(ap.full - bp.full, _ci(d_full)), p=p, legs=legs, catalogs=cats,
                              index=ap.full, draws={"metric": d_metric, "full": d_full, **cat_draws})
     return bp.full, out
 
 
 def versus(arm: ArmStats, placebo: ArmStats) -> Delta:
     """The arm's metric delta minus the placebo's, with its paired interval (same draws)."""
-    return Delta(arm.metric.delta - placebo.metric.delta, tuple(interval(arm.draws["metric"]
-                                                                          - placebo.draws["metric"])))
+    return Delta(arm.metric.delta - placebo.metric.delta, _ci(arm.draws["metric"] - placebo.draws["metric"]))
 
 
 def row_contributions(rows: pl.DataFrame, spec: ScoreSpec, predictions: pl.DataFrame, *,
@@ -160,7 +189,7 @@ def row_contributions(rows: pl.DataFrame, spec: ScoreSpec, predictions: pl.DataF
     return frame.select("run_id", "question_id", "catalog", contribution=scale * pl.col("value"))
 
 
-def oof_choice(base: pl.DataFrame, points: Mapping[Any, pl.DataFrame], *, folds: int = 5) -> dict[str, Any]:
+def oof_choice(base: pl.DataFrame, points: Mapping[Any, pl.DataFrame], *, folds: int = 5) -> OofChoice:
     """Out-of-fold choice of a sweep's grid value.
 
     `base` and each grid point: `row_contributions` frames. Questions are split into folds by
@@ -169,7 +198,7 @@ def oof_choice(base: pl.DataFrame, points: Mapping[Any, pl.DataFrame], *, folds:
     the per-fold choices, the out-of-fold delta (sum of held-out deltas) and the in-sample best.
     """
     grid = list(points)
-    fold = np.array([zlib.crc32(q.encode()) % folds for q in base["question_id"].to_list()])
+    fold = question_folds(base["question_id"].to_list(), folds)
     base_c = base["contribution"].to_numpy()
     deltas = np.stack([points[g]["contribution"].to_numpy() - base_c for g in grid])  # (grid, rows)
     chosen, oof = [], 0.0
@@ -205,4 +234,4 @@ def project(arm: ArmStats, shares: Mapping[str, float]) -> Delta:
     points), other catalogs unchanged; its interval from the same draws."""
     point = sum(s * arm.catalogs[c].delta for c, s in shares.items())
     draws = sum(s * arm.draws[f"cat:{c}"] for c, s in shares.items())
-    return Delta(float(point), tuple(interval(np.asarray(draws))))
+    return Delta(float(point), _ci(np.asarray(draws)))

@@ -19,20 +19,20 @@ Everything here reads a finished run folder (predictions + the bundle's rows) an
 
 from __future__ import annotations
 
-import hashlib
 import json
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import polars as pl
 
 from jex.errors import InputError
-from jex.fileio import canonical_json, write_json
+from jex.fileio import read_json, write_json
+from jex.numerics import logit, named_rng, question_folds
 from jex.overlays.apply import apply_overlays, no_degrade_check, reversibility_check
-from jex.overlays.rules import IsotonicShrink, OverlayRuleBase, logit
+from jex.overlays.rules import IsotonicShrink, OverlayRuleBase
+from jex.settings import BOOTSTRAP_SEED
 from jex.tasks.scoring.bootstrap_ci import paired_bootstrap_ci
 from jex.tasks.scoring.index import catalog_chances, score_predictions, scored_frame
 from jex.tasks.scoring.inputs import ScoreSpec, load_suite_table
@@ -51,7 +51,7 @@ class Capture:
 
 def load_capture(run_dir: str | Path) -> Capture:
     run_dir = Path(run_dir)
-    prov = json.loads((run_dir / "provenance.json").read_text())
+    prov = read_json(run_dir / "provenance.json")
     table = load_suite_table(Path(prov["stages"]["bundle"]["folder"]) / "bundle.tar.gz")
     preds = pl.read_parquet(run_dir / "predictions.parquet")
     base = table.rows.join(preds, on="run_id", how="left", maintain_order="left")
@@ -63,7 +63,7 @@ def _oof_positional(frame: pl.DataFrame, index: int, folds: int = 5) -> tuple[np
     z = logit(np.array([ps[index] if ps is not None and index < len(ps) else np.nan
                         for ps in frame["probs"].to_list()]))
     gold, base = frame["gold"].to_numpy(), frame["choice"].to_numpy()
-    fold = np.array([zlib.crc32(q.encode()) % folds for q in frame["question_id"].to_list()])
+    fold = question_folds(frame["question_id"].to_list(), folds)
 
     def best_tau(mask: np.ndarray) -> float:
         grid = np.unique(np.nanquantile(z[mask], np.linspace(0, 1, 41))) if mask.any() else np.array([np.inf])
@@ -81,17 +81,105 @@ def _oof_positional(frame: pl.DataFrame, index: int, folds: int = 5) -> tuple[np
     return out, best_tau(np.ones(len(z), dtype=bool))
 
 
-def mine(capture: Capture, *, folds: int = 5) -> dict[str, Any]:
+class CatalogPositions(TypedDict):
+    gold_position: list[int]  # rows per gold option index
+    predicted_position: list[int]  # rows per chosen option index (no choice: not counted)
+    acc: float
+
+
+class _CandidateCore(TypedDict):
+    catalog: str
+    kind: str  # positional-threshold | isotonic-shrink
+    oof_gain_full: float
+    projection_class: str
+
+
+class Candidate(_CandidateCore, total=False):
+    """A mined rule with its out-of-fold gain and the parameters its kind takes."""
+
+    label_index: int
+    tau: float
+    gold_share_at_index: float
+    positive_index: int
+    shrink: float
+    folds: int
+
+
+class MiningDoc(TypedDict):
+    """`mining.json`."""
+
+    base_full: float
+    catalogs: dict[str, CatalogPositions]
+    candidates: list[Candidate]  # best first
+
+
+class _GateChecks(TypedDict):
+    gain_full: float
+    ci_full: list[float]
+    checks: dict[str, bool]
+    passed: bool
+
+
+class RuleVerdict(_GateChecks):
+    """One rule through the gate: out-of-fold numbers (what decides), in-sample ones beside them."""
+
+    rule: dict[str, Any]  # the rule's parameters (`OverlayRuleBase.record`)
+    fold_taus: list[Any]
+    target_acc_gain: float
+    permutation_p: float
+    no_degrade_error: str | None
+    in_sample: _GateChecks
+
+
+class GateDoc(TypedDict):
+    """`gate.json`."""
+
+    settings: dict[str, Any]
+    settings_sha256: str
+    results: list[RuleVerdict]
+    passed: list[str]  # rule ids
+
+
+class LadderStep(TypedDict, total=False):
+    step: str
+    rule: str
+    target: str
+    full: float
+
+
+class LeaveOneOut(TypedDict):
+    variant: str
+    full: float
+
+
+class LadderDoc(TypedDict):
+    """`ladder.json`."""
+
+    base_full: float
+    steps: list[LadderStep]
+    leave_one_out: list[LeaveOneOut]
+    applied: Any
+    catalogs_moved: list[str]
+    catalogs_identical: int
+
+
+def _rate(hits: pl.Series) -> float:
+    """The mean of a boolean Series (polars types `mean()` as any scalar)."""
+    return cast(float, hits.mean())
+
+
+def mine(capture: Capture, *, folds: int = 5) -> MiningDoc:
     """Candidates per catalog with their out-of-fold gain, best first."""
-    report, candidates = {}, []
+    report: dict[str, CatalogPositions] = {}
+    candidates: list[Candidate] = []
     base_full = capture.full(capture.base["choice"])
     for c in capture.spec.catalogs:
         f = capture.base.filter(pl.col("catalog") == c.id)
-        k = int(f["n_options"].max())
+        k = int(cast(int, f["n_options"].max()))
         gold_pos = np.bincount(f["gold"].to_numpy(), minlength=k)
         pred_pos = np.bincount(f["choice"].fill_null(-1).to_numpy() + 1, minlength=k + 1)[1:]
         report[c.id] = {"gold_position": gold_pos.tolist(), "predicted_position": pred_pos.tolist(),
-                        "acc": float((f["choice"] == f["gold"]).mean())}
+                        "acc": float(_rate(f["choice"] == f["gold"]))}
         for index in range(k):
             oof, tau = _oof_positional(f, index, folds)
             if not np.isfinite(tau):
@@ -114,7 +202,7 @@ def mine(capture: Capture, *, folds: int = 5) -> dict[str, Any]:
     return {"base_full": base_full, "catalogs": report, "candidates": candidates}
 
 
-def candidate_rules_toml(candidates: list[dict[str, Any]], top: int = 5) -> str:
+def candidate_rules_toml(candidates: list[Candidate], top: int = 5) -> str:
     """A rule file for the best candidates (disabled: a person enables what the gate passed)."""
     out = []
     for i, c in enumerate(candidates[:top]):
@@ -127,19 +215,20 @@ def candidate_rules_toml(candidates: list[dict[str, Any]], top: int = 5) -> str:
 
 
 @dataclass(frozen=True)
-class GateSettings:
+class OverlayGateSettings:
+    """The overlay lab's pre-registered gate (an overlay rule must pass it to be applied); not the
+    campaign's coverage gate, nor an experiment's gate (`tasks/lab/arms.py`)."""
+
     alpha: float = 0.05
     draws: int = 2000
-    seed: int = 20260929
+    seed: int = BOOTSTRAP_SEED
     permutations: int = 200
     folds: int = 5
     """Question-grouped folds (crc32(question_id) % folds, as calibration) for the out-of-fold refit."""
 
     def register(self, path: Path) -> str:
         """Write the settings before any candidate is scored; returns their sha256."""
-        text = canonical_json(asdict(self))
-        write_json(path, asdict(self))
-        return hashlib.sha256(text.encode()).hexdigest()
+        return write_json(path, asdict(self))
 
 
 def _permuted(frame: pl.DataFrame, rng: np.random.Generator) -> pl.DataFrame:
@@ -147,7 +236,9 @@ def _permuted(frame: pl.DataFrame, rng: np.random.Generator) -> pl.DataFrame:
     for ps, g, ch in zip(frame["probs"].to_list(), frame["gold"].to_list(), frame["choice"].to_list(), strict=True):
         k = len(ps) if ps is not None else 0
         if k == 0:
-            probs.append(ps), gold.append(g), choice.append(ch)
+            probs.append(ps)
+            gold.append(g)
+            choice.append(ch)
             continue
         perm = rng.permutation(k)  # new position i shows old option perm[i]
         inv = np.argsort(perm)
@@ -169,7 +260,7 @@ def out_of_fold_choices(rule: OverlayRuleBase, frame: pl.DataFrame, folds: int) 
     if rule.fits_out_of_fold:
         choices[is_target] = rule.decide(target).to_numpy()
         return choices, []
-    fold = np.array([zlib.crc32(q.encode()) % folds for q in target["question_id"].to_list()])
+    fold = question_folds(target["question_id"].to_list(), folds)
     decided = target["choice"].to_numpy().copy()
     fitted = []
     for k in range(folds):
@@ -192,7 +283,7 @@ def _choice_rules_only(rules: list[OverlayRuleBase], what: str) -> None:
                              "catalog)", field="kind")
 
 
-def gate_rule(capture: Capture, rule: OverlayRuleBase, settings: GateSettings) -> dict[str, Any]:
+def overlay_gate_rule(capture: Capture, rule: OverlayRuleBase, settings: OverlayGateSettings) -> RuleVerdict:
     """One rule through the gate. The interval is of the out-of-fold decisions (`out_of_fold_choices`),
     so a rule cannot pass on its own fit; the in-sample numbers are recorded beside them."""
     _choice_rules_only([rule], "the gate")
@@ -214,12 +305,12 @@ def gate_rule(capture: Capture, rule: OverlayRuleBase, settings: GateSettings) -
     ci = paired_bootstrap_ci(frame_a, frame_oof, capture.spec, chance, draws=settings.draws, seed=settings.seed)
     base_full = capture.full(base["choice"])
     target = base.filter(pl.col("catalog") == rule.target)
-    obs = float((rule.decide(target) == target["gold"]).mean() - (target["choice"] == target["gold"]).mean())
-    rng = np.random.default_rng([settings.seed, zlib.crc32(rule.id.encode())])
+    obs = float(_rate(rule.decide(target) == target["gold"]) - _rate(target["choice"] == target["gold"]))
+    rng = named_rng(settings.seed, rule.id)
     null = []
     for _ in range(settings.permutations):
         t = _permuted(target, rng)
-        null.append(float((rule.decide(t) == t["gold"]).mean() - (t["choice"] == t["gold"]).mean()))
+        null.append(float(_rate(rule.decide(t) == t["gold"]) - _rate(t["choice"] == t["gold"])))
     p = (1 + sum(g >= obs for g in null)) / (1 + settings.permutations)
     perm_ok = p < settings.alpha
     checks = {"ci_above_zero": ci["full"][0] > 0, "permutation_p_below_alpha": perm_ok, "no_degrade": degrade is None}
@@ -232,17 +323,18 @@ def gate_rule(capture: Capture, rule: OverlayRuleBase, settings: GateSettings) -
                           "passed": all(in_checks.values())}}
 
 
-def gate(capture: Capture, rules: list[OverlayRuleBase], settings: GateSettings, out_dir: Path) -> dict[str, Any]:
+def overlay_gate(capture: Capture, rules: list[OverlayRuleBase], settings: OverlayGateSettings,
+                 out_dir: Path) -> GateDoc:
     """Register the settings, then score each rule; writes gate-settings.json and gate.json."""
     sha = settings.register(out_dir / "gate-settings.json")
-    results = [gate_rule(capture, r, settings) for r in rules]
-    doc = {"settings": asdict(settings), "settings_sha256": sha, "results": results,
+    results = [overlay_gate_rule(capture, r, settings) for r in rules]
+    doc: GateDoc = {"settings": asdict(settings), "settings_sha256": sha, "results": results,
            "passed": [r["rule"]["id"] for r in results if r["passed"]]}
     write_json(out_dir / "gate.json", doc)
     return doc
 
 
-def ladder(capture: Capture, rules: list[OverlayRuleBase]) -> dict[str, Any]:
+def ladder(capture: Capture, rules: list[OverlayRuleBase]) -> LadderDoc:
     """Base, each step in declared order, every leave-one-out; reversibility and no-degrade asserted."""
     _choice_rules_only(rules, "the ladder")
     base = capture.base.with_columns(stage=pl.lit("base"))
@@ -251,15 +343,17 @@ def ladder(capture: Capture, rules: list[OverlayRuleBase]) -> dict[str, Any]:
     base_full = capture.full(base["choice"])
     if capture.full(off["choice"]) != base_full:
         raise AssertionError("all flags off must give the base score bit-exactly")
-    steps, current = [{"step": "base", "full": base_full}], []
+    steps: list[LadderStep] = [{"step": "base", "full": base_full}]
+    current: list[OverlayRuleBase] = []
     for r in rules:
         current.append(r)
         frame, _ = apply_overlays(base, current)
         steps.append({"step": f"+{r.id}", "rule": r.id, "target": r.target, "full": capture.full(frame["choice"])})
     frame, applied = apply_overlays(base, rules)
     no_degrade_check(base, frame, targets={r.target for r in rules})
-    loo = [{"variant": f"no {r.id}", "full": capture.full(apply_overlays(base, [x for x in rules if x is not r])[0]
-                                                          ["choice"])} for r in rules]
+    loo: list[LeaveOneOut] = [
+        {"variant": f"no {r.id}", "full": capture.full(apply_overlays(base, [x for x in rules if x is not r])[0]
+                                                        ["choice"])} for r in rules]
     moved = sorted(set(frame.filter(pl.col("choice").ne_missing(base["choice"]))["catalog"].to_list()))
     return {"base_full": base_full, "steps": steps, "leave_one_out": loo, "applied": applied,
             "catalogs_moved": moved, "catalogs_identical": len(capture.spec.catalogs) - len(moved)}
@@ -274,7 +368,8 @@ CLASS_SENTENCES = {
 }
 
 
-def disclosure(ladder_doc: dict[str, Any], rules: list[OverlayRuleBase]) -> str:
+def disclosure(ladder_doc: LadderDoc, rules: list[OverlayRuleBase]) -> str:
+    """The disclosure sheet: each overlay's class, target, rule and gain; the ladder and leave-one-outs."""
     gains = {s["rule"]: s["full"] - prev["full"] for prev, s in zip(ladder_doc["steps"], ladder_doc["steps"][1:],
                                                                      strict=False)}
     lines = ["# Overlay disclosure sheet", "",

@@ -15,7 +15,7 @@ from typing import Any
 
 from jex.errors import InputError
 from jex.fileio import atomic_open, write_text
-from jex.suite import Row, SuiteManifest, iter_fewshot_rows, iter_rows, load_manifest
+from jex.suite import SuiteManifest, SuiteRow, iter_fewshot_rows, iter_rows, load_manifest
 
 FIELDS = ("run_id", "catalog", "question_id", "prompt", "options", "labels", "gold")
 
@@ -30,7 +30,7 @@ def _toml(v: Any) -> str:
     return json.dumps(str(v))
 
 
-def _write_rows(path: Path, rows: Iterable[Row]) -> None:
+def _write_rows(path: Path, rows: Iterable[SuiteRow]) -> None:
     with atomic_open(path) as f:
         for r in rows:
             f.write(json.dumps(r.model_dump(exclude_none=True), sort_keys=True) + "\n")
@@ -56,17 +56,17 @@ def _panel_of_folder(source: Path, dest: Path, catalogs: Sequence[str], *, from_
                          field="panel_catalogs")
     keep = [c for c in manifest.catalogs if c.id in catalogs]
     legs = {c.leg: manifest.legs[c.leg] for c in keep}
-    rows: dict[str, list[Row]] = {c.id: [] for c in keep}
-    shots: dict[str, list[Row]] = {c.id: [] for c in keep}
+    rows: dict[str, list[SuiteRow]] = {c.id: [] for c in keep}
+    shots: dict[str, list[SuiteRow]] = {c.id: [] for c in keep}
     if from_bundle:
         import polars as pl
 
         for folder, into in (("rows", rows), ("fewshot", shots)):
             shards = sorted((source / folder).glob("shard-*.parquet"))
             frame = pl.read_parquet(shards) if shards else None
-            for r in frame.select(*FIELDS).iter_rows(named=True) if frame is not None else ():
-                if r["catalog"] in into:
-                    into[r["catalog"]].append(Row(**r))
+            for rec in frame.select(*FIELDS).iter_rows(named=True) if frame is not None else ():
+                if rec["catalog"] in into:
+                    into[rec["catalog"]].append(SuiteRow(**rec))
     else:
         for r in iter_rows(source, manifest):
             if r.catalog in rows:

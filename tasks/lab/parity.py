@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import polars as pl
@@ -26,18 +26,84 @@ from jex.suite import read_row_file
 from jex.tasks.capture.engine_calls import RowLike, fast_pass, margin, reason, reread
 
 
-def compare_readouts(a: Sequence[Readout], b: Sequence[Readout], gold: dict[str, int] | None = None) -> dict[str, Any]:
+class FlipRow(TypedDict):
+    """A row whose argmax differs between the two sides, with both margins (log-odds)."""
+
+    run_id: str
+    choice_a: int | None
+    choice_b: int | None
+    gold: int | None
+    margin_a: float | None
+    margin_b: float | None
+
+
+class _ReadoutCounts(TypedDict):
+    common: int  # rows both sides read
+    refused: int
+
+
+class ReadoutParity(_ReadoutCounts, total=False):
+    """Readout parity; with no common row only the counts."""
+
+    argmax_agreement: float
+    agree: int
+    flips: int
+    mean_abs_dp: float
+    p95_abs_dp: float
+    max_abs_dp: float
+    flip_pre_margin_median: float | None
+    flip_pre_margin_max: float | None
+    flip_rows: list[FlipRow]  # the first 200
+
+
+class ReasonedMismatch(TypedDict):
+    run_id: str
+    choice_a: int | None
+    choice_b: int | None
+    gold: int | None
+    pre_choice: int | None
+    pre_margin: float | None
+    post_margin_a: float | None
+    post_margin_b: float | None
+
+
+class ReasonedParity(TypedDict):
+    """Choice parity after each engine's own rationale."""
+
+    rows: int
+    choice_agreement: float | None
+    mismatches: list[ReasonedMismatch]
+    identical_rationales: int
+
+
+class _ParityCore(TypedDict):
+    readout: ReadoutParity
+    timings: dict[str, float]
+    accuracy_a: float | None
+    accuracy_b: float | None
+
+
+class ParityResult(_ParityCore, total=False):
+    """`parity.json`: readout parity, timings, both accuracies, [choice parity], [provenance of A and B]."""
+
+    reasoned: ReasonedParity
+    provenance: dict[str, Any]
+
+
+def compare_readouts(a: Sequence[Readout], b: Sequence[Readout],
+                     gold: dict[str, int] | None = None) -> ReadoutParity:
+    """Argmax agreement, |dp| statistics and flips over the rows both sides read."""
     pairs = [(x, y) for x, y in zip(a, b, strict=True) if x.logprobs is not None and y.logprobs is not None]
     refused = len(a) - len(pairs)
     if not pairs:
         return {"common": 0, "refused": refused}
-    dp = np.array([abs(math.exp(p) - math.exp(q)) for x, y in pairs for p, q in zip(x.logprobs, y.logprobs,
-                                                                                     strict=True)])
-    flips = [{"run_id": x.run_id, "choice_a": x.choice, "choice_b": y.choice,
+    dp = np.array([abs(math.exp(p) - math.exp(q)) for x, y in pairs  # both read: logprobs not None
+                   for p, q in zip(cast(Sequence[float], x.logprobs), cast(Sequence[float], y.logprobs), strict=True)])
+    flips: list[FlipRow] = [{"run_id": x.run_id, "choice_a": x.choice, "choice_b": y.choice,
               "gold": (gold or {}).get(x.run_id), "margin_a": margin(x.logprobs), "margin_b": margin(y.logprobs)}
              for x, y in pairs if x.choice != y.choice]
     agree = len(pairs) - len(flips)
-    margins = [f["margin_a"] for f in flips]
+    margins = cast(list[float], [f["margin_a"] for f in flips])  # a flip has two options read: margins set
     return {"common": len(pairs), "refused": refused, "argmax_agreement": agree / len(pairs), "agree": agree,
             "flips": len(flips), "mean_abs_dp": float(dp.mean()), "p95_abs_dp": float(np.percentile(dp, 95)),
             "max_abs_dp": float(dp.max()), "flip_pre_margin_median": float(np.median(margins)) if margins else None,
@@ -46,8 +112,9 @@ def compare_readouts(a: Sequence[Readout], b: Sequence[Readout], gold: dict[str,
 
 def compare_reasoned(rows: Sequence[RowLike], gen_a: Sequence[Generation], gen_b: Sequence[Generation],
                      post_a: Sequence[Readout], post_b: Sequence[Readout], pre_a: Sequence[Readout],
-                     gold: dict[str, int] | None = None) -> dict[str, Any]:
-    mismatches = []
+                     gold: dict[str, int] | None = None) -> ReasonedParity:
+    """Choice agreement after each side's rationale; every mismatch with both choices and margins."""
+    mismatches: list[ReasonedMismatch] = []
     same_tokens = 0
     for r, ga, gb, pa, pb, pre in zip(rows, gen_a, gen_b, post_a, post_b, pre_a, strict=True):
         same_tokens += ga.token_ids == gb.token_ids
@@ -62,7 +129,7 @@ def compare_reasoned(rows: Sequence[RowLike], gen_a: Sequence[Generation], gen_b
 
 
 def run_parity(engine_a: Any, engine_b: Any, rows: Sequence[RowLike], *, reason_rows: int = 0,
-               max_tokens: int = 96) -> dict[str, Any]:
+               max_tokens: int = 96) -> ParityResult:
     """Fast-pass parity on `rows`; generation parity on the first `reason_rows` of them."""
     gold = {r.run_id: r.gold for r in rows if getattr(r, "gold", None) is not None}  # type: ignore[attr-defined]
     timings: dict[str, float] = {}
@@ -77,9 +144,9 @@ def run_parity(engine_a: Any, engine_b: Any, rows: Sequence[RowLike], *, reason_
             captures[f"gen_{name}"] = reason(eng, sub, max_tokens=max_tokens)
             captures[f"post_{name}"] = reread(eng, sub, captures[f"gen_{name}"])
             timings[f"reason_seconds_{name}"] = time.perf_counter() - t0
-    out: dict[str, Any] = {"readout": compare_readouts(captures["pre_a"], captures["pre_b"], gold),
-                           "timings": timings,
-                           "accuracy_a": _acc(captures["pre_a"], gold), "accuracy_b": _acc(captures["pre_b"], gold)}
+    out: ParityResult = {"readout": compare_readouts(captures["pre_a"], captures["pre_b"], gold),
+                         "timings": timings,
+                         "accuracy_a": _acc(captures["pre_a"], gold), "accuracy_b": _acc(captures["pre_b"], gold)}
     if reason_rows:
         sub = list(rows[:reason_rows])
         out["reasoned"] = compare_reasoned(sub, captures["gen_a"], captures["gen_b"], captures["post_a"],
@@ -88,7 +155,7 @@ def run_parity(engine_a: Any, engine_b: Any, rows: Sequence[RowLike], *, reason_
 
 
 def parity_of_kinds(kind_a: str, kind_b: str, rows: Sequence[RowLike], *, model: str | None, device: str,
-                    batch_size: int, reason_rows: int = 0, max_tokens: int = 96) -> dict[str, Any]:
+                    batch_size: int, reason_rows: int = 0, max_tokens: int = 96) -> ParityResult:
     """`run_parity` on two engines built from their kinds, with both engines' provenance."""
     from jex.engine.factory import make_engine
 
@@ -130,7 +197,7 @@ def capture_readouts(path: str | Path, run_ids: Sequence[str]) -> list[Readout]:
     return out
 
 
-def parity_with_capture(engine: Any, capture: str | Path, rows: Sequence[RowLike]) -> dict[str, Any]:
+def parity_with_capture(engine: Any, capture: str | Path, rows: Sequence[RowLike]) -> ParityResult:
     """Readout parity of a live engine (A) against a stored capture (B) on `rows`: the metrics of
     `run_parity`, with no second engine."""
     gold = {r.run_id: r.gold for r in rows if getattr(r, "gold", None) is not None}  # type: ignore[attr-defined]
@@ -145,7 +212,7 @@ def parity_with_capture(engine: Any, capture: str | Path, rows: Sequence[RowLike
 
 
 def capture_parity_files(suite: str | Path, capture: str | Path, out: str | Path, *, kind: str, model: str | None,
-                         device: str, batch_size: int, rows: int = 0) -> dict[str, Any]:
+                         device: str, batch_size: int, rows: int = 0) -> ParityResult:
     """`jex parity --reference CAPTURE`: engine `kind` live against the capture; parity.json + parity.md."""
     from jex.engine.factory import make_engine
     from jex.fileio import write_json, write_text
@@ -165,7 +232,7 @@ def _acc(readouts: Sequence[Readout], gold: dict[str, int]) -> float | None:
     return sum(r.choice == gold[r.run_id] for r in scored) / len(scored) if scored else None
 
 
-def markdown(result: dict[str, Any], names: tuple[str, str]) -> str:
+def markdown(result: ParityResult, names: tuple[str, str]) -> str:
     r = result["readout"]
     lines = [f"# Parity: {names[0]} vs {names[1]}", "", "| metric | value |", "|---|---|",
              f"| common rows | {r['common']} (refused {r['refused']}) |",

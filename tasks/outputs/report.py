@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jex.tasks.records import FastPassSummary, FinishedCampaign, GateSummary, ReasonSummary
 from jex.tasks.scoring.reference_audit import audit_markdown
 from jex.tasks.scoring.score import catalog_table
+
+MachinesDoc = dict[str, Any]
+"""`machines.json` of a run with machines, as `flows/fleet.py` reports it (the flows room's JSON)."""
 
 
 def skill_plot(baseline: dict[str, Any], policy: dict[str, Any], path: Path) -> None:
@@ -56,20 +61,46 @@ def _f(x: Any, nd: int = 4) -> str:
     return "-" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
-def render_report(*, name: str, policy: dict[str, Any], baseline: dict[str, Any], fold: dict[str, Any],
-                  calibration: dict[str, Any], fast: dict[str, Any], reason: dict[str, Any], gate: dict[str, Any],
-                  overlays: list[dict[str, Any]], timings: dict[str, float], engine: dict[str, Any],
-                  machines: dict[str, Any] | None = None) -> str:
-    o = fold["overall"]
+@dataclass(frozen=True)
+class RunDocs:
+    """A finished run's JSON documents, as the stages wrote them."""
+
+    policy: dict[str, Any]
+    """score.json"""
+    baseline: dict[str, Any]
+    """baseline_score.json: the fast pass alone"""
+    fold: dict[str, Any]
+    """fold.json: dry-run counters and every error counter"""
+    calibration: dict[str, Any]
+    """calibration.json"""
+
+
+def render_report(name: str, docs: RunDocs, s: FinishedCampaign, timings: dict[str, float],
+                  machines: MachinesDoc | None = None) -> str:
+    """`report.md` of a finished run."""
+    lines = [f"# Campaign report: {name}", "", *_headline(docs, s.fast_pass.engine), *_fold_section(docs.fold, s.gate),
+             *_score_section(docs.policy), *_calibration_section(docs.calibration), "## Overlays", ""]
+    applied = [f"- `{a['id']}` on `{a['target']}`: {a['changed']} choices changed" for a in s.overlay.applied]
+    lines += applied or ["None applied."]
+    lines += _stages_section(s, timings, machines)
+    lines += machines_section(machines)
+    return "\n".join(lines) + "\n"
+
+
+def _headline(docs: RunDocs, engine: dict[str, Any]) -> list[str]:
+    policy, baseline = docs.policy, docs.baseline
     lo, hi = policy["ci"]
-    dlo, dhi = fold["delta_full_ci"]
-    lines = [f"# Campaign report: {name}", "",
-             f"**Full index {policy['full']:.2f}** (95% CI {lo:.2f} to {hi:.2f}) against the fast-pass baseline "
-             f"{baseline['full']:.2f}: delta {policy['full'] - baseline['full']:+.2f} with fold, calibration and "
-             f"overlays; the fold alone has a paired 95% CI of {dlo:+.2f} to {dhi:+.2f}.", "",
-             f"Engine: `{engine.get('kind')}`, weights sha256 `{str(engine.get('weights_sha256'))[:16]}…`, "
-             f"renderer `{engine.get('renderer', {}).get('version')}`.", "",
-             "## Fold (dry-run counters)", "", "| counter | value |", "|---|---:|"]
+    dlo, dhi = docs.fold["delta_full_ci"]
+    return [f"**Full index {policy['full']:.2f}** (95% CI {lo:.2f} to {hi:.2f}) against the fast-pass baseline "
+            f"{baseline['full']:.2f}: delta {policy['full'] - baseline['full']:+.2f} with fold, calibration and "
+            f"overlays; the fold alone has a paired 95% CI of {dlo:+.2f} to {dhi:+.2f}.", "",
+            f"Engine: `{engine.get('kind')}`, weights sha256 `{str(engine.get('weights_sha256'))[:16]}…`, "
+            f"renderer `{engine.get('renderer', {}).get('version')}`.", ""]
+
+
+def _fold_section(fold: dict[str, Any], gate: GateSummary) -> list[str]:
+    o = fold["overall"]
+    lines = ["## Fold (dry-run counters)", "", "| counter | value |", "|---|---:|"]
     for k in ("panel_rows", "gated", "reasoned", "folded", "fold_missing", "fixed", "flipped", "gated_wrong_before",
               "fix_rate", "baseline_acc", "policy_acc"):
         lines.append(f"| {k} | {_f(o.get(k))} |")
@@ -78,7 +109,7 @@ def render_report(*, name: str, policy: dict[str, Any], baseline: dict[str, Any]
     rt = fold["rationale_tokens"]
     lines += [f"| rationale tokens (mean / max / hit max_tokens) | {rt['mean']:.1f} / {rt['max']} / "
               f"{rt['hit_max_tokens']} |", f"| fold rule | {fold['rule']['rule']} (w = {fold['rule']['weight']}) |",
-              f"| coverage | {gate['coverage']} ({gate['rows']} rows gated) |", "",
+              f"| coverage | {gate.coverage} ({gate.rows} rows gated) |", "",
               "| catalog | n | gated | fixed | flipped | fix rate | baseline acc | policy acc | delta skill | 95% CI |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c, v in fold["catalogs"].items():
@@ -87,39 +118,45 @@ def render_report(*, name: str, policy: dict[str, Any], baseline: dict[str, Any]
                      f"{_f(v['fix_rate'], 3)} "
                      f"| {_f(v['baseline_acc'], 3)} | {_f(v['policy_acc'], 3)} | {v['delta_skill']:+.4f} | "
                      f"{ci[0]:+.3f} to {ci[1]:+.3f} |")
-    lines += error_rows_section(fold)
-    lines += ["", "## Score", "", "| leg | index | 95% CI | raw |", "|---|---:|---|---:|"]
+    return lines + error_rows_section(fold)
+
+
+def _score_section(policy: dict[str, Any]) -> list[str]:
+    lines = ["", "## Score", "", "| leg | index | 95% CI | raw |", "|---|---:|---|---:|"]
     for leg, v in policy["legs"].items():
         lines.append(f"| {leg} | {v['index']:.2f} | {v['ci'][0]:.2f} to {v['ci'][1]:.2f} | {v['raw']:.2f} |")
     lines += catalog_table(policy)
     if policy.get("reference_audit"):
         lines += audit_markdown(policy["reference_audit"])
-    lines += ["", "![per-catalog skill](skill.png)", "", "## Calibration", "",
-              f"Temperature scaling out-of-fold by question ({len(calibration['folds'])} folds; T = "
-              + ", ".join(f"{t['temperature']:.3f}" for t in calibration["folds"])
-              + f"). NLL {calibration['nll_before']:.4f} -> {calibration['nll_after']:.4f}; ECE "
-              f"{calibration['reliability_before']['ece']:.4f} -> {calibration['reliability_after']['ece']:.4f}; "
-              f"choices changed: {calibration['argmax_changed']} "
-              f"(ties made by rounding, choice kept: {calibration.get('rounding_ties', 0)}).", "",
-              "![reliability](reliability.png)", "",
-              "## Overlays", ""]
-    applied = [f"- `{a['id']}` on `{a['target']}`: {a['changed']} choices changed" for a in overlays]
-    lines += applied or ["None applied."]
+    return lines + ["", "![per-catalog skill](skill.png)", ""]
+
+
+def _calibration_section(calibration: dict[str, Any]) -> list[str]:
+    return ["## Calibration", "",
+            f"Temperature scaling out-of-fold by question ({len(calibration['folds'])} folds; T = "
+            + ", ".join(f"{t['temperature']:.3f}" for t in calibration["folds"])
+            + f"). NLL {calibration['nll_before']:.4f} -> {calibration['nll_after']:.4f}; ECE "
+            f"{calibration['reliability_before']['ece']:.4f} -> {calibration['reliability_after']['ece']:.4f}; "
+            f"choices changed: {calibration['argmax_changed']} "
+            f"(ties made by rounding, choice kept: {calibration.get('rounding_ties', 0)}).", "",
+            "![reliability](reliability.png)", ""]
+
+
+def _stages_section(s: FinishedCampaign, timings: dict[str, float], machines: MachinesDoc | None) -> list[str]:
     on_machines: dict[str, int] = {}
     for m in (machines or {}).get("machines", []):
         for j in m["jobs"]:
             on_machines[j["job"]] = on_machines.get(j["job"], 0) + len(j["artifacts"])
-    lines += ["", "## Stages", "", "| stage | seconds | shards computed here | shards computed on machines | "
-              "shards reused |", "|---|---:|---:|---:|---:|"]
-    shard_info = {"fast_pass": fast, "reason": reason}
+    lines = ["", "## Stages", "", "| stage | seconds | shards computed here | shards computed on machines | "
+             "shards reused |", "|---|---:|---:|---:|---:|"]
+    sharded: dict[str, FastPassSummary | ReasonSummary] = {"fast_pass": s.fast_pass, "reason": s.reason}
     for stage, secs in timings.items():
-        s = shard_info.get(stage, {})
-        remote = on_machines.get(stage, 0) if s else None
-        reused = len(s.get("reused_shards", [])) - (remote or 0) if s else None
-        lines.append(f"| {stage} | {secs:.2f} | {len(s.get('computed_shards', [])) if s else '-'} | "
+        summary = sharded.get(stage)
+        remote = on_machines.get(stage, 0) if summary else None
+        reused = len(summary.reused_shards) - (remote or 0) if summary else None
+        lines.append(f"| {stage} | {secs:.2f} | {len(summary.computed_shards) if summary else '-'} | "
                      f"{'-' if remote is None else remote} | {'-' if reused is None else reused} |")
-    lines += machines_section(machines)
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def error_rows_section(fold: dict[str, Any]) -> list[str]:
@@ -133,7 +170,7 @@ def error_rows_section(fold: dict[str, Any]) -> list[str]:
     return lines
 
 
-def machines_section(machines: dict[str, Any] | None) -> list[str]:
+def machines_section(machines: MachinesDoc | None) -> list[str]:
     """Each machine's life, cost and end, the golden replays, and the campaign's running total."""
     if machines is None:
         return ["", "## Machines", "", "Engine stages ran in the orchestrator's process (provider `inprocess`)."]

@@ -6,34 +6,35 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from jex.fileio import write_json, write_text
+from jex.fileio import read_json, write_json, write_text
 from jex.provenance import provenance
-from jex.tasks.cpu_stages import read_json
-from jex.tasks.outputs.report import reliability_plot, render_report, skill_plot
+from jex.tasks.outputs.report import MachinesDoc, RunDocs, reliability_plot, render_report, skill_plot
 from jex.tasks.outputs.samples import write_samples
+from jex.tasks.records import CampaignSummaries
 
 
-def write_run_folder(run_dir: Path, s: dict[str, Any], spec: dict[str, Any], timings: dict[str, float],
-                     machines: dict[str, Any] | None = None) -> str:
-    """predictions.parquet, samples.parquet, score.json, fold.json, report.md, plots and provenance.json."""
+def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: dict[str, Any], timings: dict[str, float],
+                     machines: MachinesDoc | None = None) -> str:
+    """predictions.parquet, samples.parquet, score.json, fold.json, report.md, plots and provenance.json.
+    `spec`: the campaign's spec as JSON (`campaign.json`); `machines`: its machines report, if any."""
+    s = summaries.finished()
     run_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(s["overlay"]["predictions"], run_dir / "predictions.parquet")
+    shutil.copyfile(s.overlay.predictions, run_dir / "predictions.parquet")
     write_samples(run_dir, s, spec, prompts=spec.get("samples_prompts", "full"))
-    policy, baseline = read_json(s["score"]["score_json"]), read_json(s["score"]["baseline_json"])
-    fold, calibration = read_json(s["fold"]["fold_json"]), read_json(s["calibrate"]["calibration_json"])
-    prov = provenance(inputs={"bundle": s["bundle"]["sha256"], "fast_pass": s["fast_pass"]["sha256"],
-                              "reason": s["reason"]["sha256"], "predictions": s["overlay"]["sha256"]},
-                      settings=spec, engine=s["fast_pass"]["engine"],
-                      stages={k: {"key": v.get("key"), "folder": v.get("folder")} for k, v in s.items()})
+    policy, baseline = read_json(s.score.score_json), read_json(s.score.baseline_json)
+    fold, calibration = read_json(s.fold.fold_json), read_json(s.calibrate.calibration_json)
+    prov = provenance(inputs={"bundle": s.bundle.sha256, "fast_pass": s.fast_pass.sha256,
+                              "reason": s.reason.sha256, "predictions": s.overlay.sha256},
+                      settings=spec, engine=s.fast_pass.engine,
+                      stages={k: {"key": v.key, "folder": v.folder} for k, v in summaries.done().items()})
     policy["provenance"] = prov
     write_json(run_dir / "score.json", policy)
     write_json(run_dir / "fold.json", fold)
     write_json(run_dir / "provenance.json", prov)
     skill_plot(baseline, policy, run_dir / "skill.png")
     reliability_plot(calibration, run_dir / "reliability.png")
-    report = render_report(name=spec["name"], policy=policy, baseline=baseline, fold=fold, calibration=calibration,
-                           fast=s["fast_pass"], reason=s["reason"], gate=s["gate"], overlays=s["overlay"]["applied"],
-                           timings=timings, engine=s["fast_pass"]["engine"], machines=machines)
+    report = render_report(spec["name"], RunDocs(policy=policy, baseline=baseline, fold=fold, calibration=calibration),
+                           s, timings, machines)
     if (run_dir / "spec_proof.json").exists():  # a speculative profile: its exactness proof on this run
         from jex.tasks.capture.spec_proof import ExactnessProof, proof_section
 

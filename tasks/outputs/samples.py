@@ -29,8 +29,6 @@ Columns (`SAMPLES_SCHEMA`):
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +37,9 @@ from typing import Any, Literal
 import polars as pl
 
 from jex.errors import InputError
+from jex.fileio import sha256_bytes, sha256_json
+from jex.tasks.records import BundleSummary, FinishedCampaign
+from jex.tasks.store import LocalStore
 
 SAMPLES_VERSION = "jex-samples/1"
 SAMPLES_FILE = "samples.parquet"
@@ -71,7 +72,7 @@ class RenderedPrompts:
 class StageArtifacts:
     """Paths of the stage outputs a samples record is read from (all from the stage summaries)."""
 
-    bundle: dict[str, Any]
+    bundle: BundleSummary
     capture: Path
     gated: Path
     reasoned: Path
@@ -79,14 +80,14 @@ class StageArtifacts:
     predictions: Path
 
     @classmethod
-    def from_summaries(cls, s: dict[str, Any]) -> StageArtifacts:
-        return cls(bundle=s["bundle"], capture=Path(s["fast_pass"]["capture"]), gated=Path(s["gate"]["gated"]),
-                   reasoned=Path(s["reason"]["reasoned"]), folded=Path(s["fold"]["folded"]),
-                   predictions=Path(s["overlay"]["predictions"]))
+    def from_summaries(cls, s: FinishedCampaign) -> StageArtifacts:
+        return cls(bundle=s.bundle, capture=Path(s.fast_pass.capture), gated=Path(s.gate.gated),
+                   reasoned=Path(s.reason.reasoned), folded=Path(s.fold.folded),
+                   predictions=Path(s.overlay.predictions))
 
 
 def sha256_text(text: str | None) -> str | None:
-    return None if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return None if text is None else sha256_bytes(text.encode("utf-8"))
 
 
 def build_samples(rows: pl.DataFrame, *, capture: pl.DataFrame, gated: pl.DataFrame, reasoned: pl.DataFrame,
@@ -175,14 +176,14 @@ def campaign_prompts(art: StageArtifacts, engine_spec: Any, store: Any, rows: Se
                           gated=gated)
 
 
-def write_samples(run_dir: Path, summaries: dict[str, Any], spec: dict[str, Any], *,
+def write_samples(run_dir: Path, summaries: FinishedCampaign, spec: dict[str, Any], *,
                   prompts: PromptMode = "full") -> Path:
     """`samples.parquet` of a finished campaign (`summaries`: the flow's stage summaries; `spec`: its
     CampaignSpec as JSON). With `prompts="sha256"` the texts go to the store and the run keeps hashes."""
     from jex.tasks.capture.engine_pool import EngineSpec
     from jex.tasks.capture.stages import _as_rows, _bundle_rows
     from jex.tasks.cpu_stages import _suite
-    from jex.tasks.store import LocalStore, write_parquet
+    from jex.tasks.store import write_parquet
 
     art = StageArtifacts.from_summaries(summaries)
     store = LocalStore(spec["store"])
@@ -194,7 +195,7 @@ def write_samples(run_dir: Path, summaries: dict[str, Any], spec: dict[str, Any]
     rendered = campaign_prompts(art, engine_spec, store, _as_rows(bundle_rows), set(gated["run_id"].to_list()))
     ref = None
     if prompts == "sha256" and rendered.missing is None:
-        ref = str(store_prompts(store.root, art.bundle["sha256"], engine_spec, rendered))
+        ref = str(store_prompts(store.root, art.bundle.sha256, engine_spec, rendered))
     catalogs = _suite(art.bundle).spec.catalogs
     excluded = {rid for c in catalogs for rid in c.exclusions}
     frame = build_samples(bundle_rows, capture=pl.read_parquet(art.capture), gated=gated,
@@ -206,11 +207,11 @@ def write_samples(run_dir: Path, summaries: dict[str, Any], spec: dict[str, Any]
     return out
 
 
-def bundle_metadata(bundle: dict[str, Any], store: Any) -> pl.DataFrame:
+def bundle_metadata(bundle: BundleSummary, store: LocalStore) -> pl.DataFrame:
     """run_id and the row's metadata (JSON text) from the bundle."""
     from jex.tasks.capture.bundle import open_bundle
 
-    opened = open_bundle(bundle["bundle"], store.root / "bundle" / bundle["key"] / "extracted")
+    opened = open_bundle(bundle.bundle, store.root / "bundle" / bundle.key / "extracted")
     return opened.rows(["run_id", "metadata"])
 
 
@@ -220,8 +221,7 @@ def store_prompts(root: Path, bundle_sha256: str, engine_spec: Any, rendered: Re
     from jex.tasks.store import write_parquet
 
     weights = weights_sha256(resolve_model(engine_spec.model, Path(engine_spec.cache_dir)).path)
-    key = hashlib.sha256(json.dumps({"bundle": bundle_sha256, "render": engine_spec.render.fingerprint(),
-                                     "weights": weights}, sort_keys=True).encode()).hexdigest()[:32]
+    key = sha256_json({"bundle": bundle_sha256, "render": engine_spec.render.digest(), "weights": weights})[:32]
     path = root / "prompts" / key / "prompts.parquet"
     if not path.exists():
         ids = list(rendered.question)

@@ -10,11 +10,12 @@ counted, not a change: `choice_reversals`).
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Any
 
 import numpy as np
 import polars as pl
+
+from jex.numerics import argmax, question_folds
 
 LOG_T_RANGE = (math.log(0.05), math.log(20.0))
 
@@ -77,7 +78,7 @@ def choice_reversals(before: list[list[float]], after: list[list[float]]) -> tup
     tie is not a changed choice, and the stages keep the choice made before calibration."""
     reversed_, tied = 0, 0
     for x, y in zip(before, after, strict=True):
-        pick = max(range(len(x)), key=lambda i, x=x: (x[i], -i))
+        pick = argmax(x)
         top = max(y)
         if y[pick] < top:
             reversed_ += 1
@@ -91,7 +92,7 @@ def calibrate(frame: pl.DataFrame, *, folds: int = 5) -> tuple[pl.DataFrame, dic
     lp_list = frame["folded_logprobs"].to_list()
     lp = _padded(lp_list)
     gold = frame["gold"].to_numpy()
-    fold_of = np.array([zlib.crc32(q.encode()) % folds for q in frame["question_id"].to_list()])
+    fold_of = question_folds(frame["question_id"].to_list(), folds)
     out = np.empty_like(lp)
     temps = []
     for k in range(folds):

@@ -7,18 +7,19 @@ import math
 import numpy as np
 import polars as pl
 
+from jex.numerics import logit
+
 
 def margins(logprobs: pl.Series) -> pl.Series:
     """Top-1 minus top-2 log-odds per row (null where the readout was refused)."""
-    out = []
+    out: list[float | None] = []
     for lp in logprobs.to_list():
         if lp is None or len(lp) < 2:
             out.append(None)
             continue
         p = np.sort(np.exp(np.asarray(lp, dtype=np.float64)))[::-1]
-        top = np.clip(p[:2], 1e-300, 1 - 1e-16)
-        logit = np.log(top) - np.log1p(-top)
-        out.append(float(logit[0] - logit[1]))
+        z = logit(p[:2])
+        out.append(float(z[0] - z[1]))
     return pl.Series("margin", out, dtype=pl.Float64)
 
 
@@ -38,7 +39,7 @@ def coverage_gate(panel: pl.DataFrame, *, coverage: float, per_catalog_cap: floa
         return ordered.head(target)
     caps = {c: math.floor(per_catalog_cap * n + 0.5) for c, n in panel.group_by("catalog").len().iter_rows()}
     taken: dict[str, int] = {}
-    keep = []
+    keep: list[int] = []
     for i, cat in enumerate(ordered["catalog"].to_list()):
         if len(keep) == target:
             break

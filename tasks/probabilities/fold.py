@@ -15,18 +15,13 @@ from typing import Any, Literal
 import polars as pl
 
 from jex.errors import JexError
+from jex.numerics import argmax
+from jex.tasks.records import FastPassErrors, ReasonErrors
 from jex.tasks.scoring.bootstrap_ci import paired_bootstrap_ci
 from jex.tasks.scoring.index import catalog_chances, scored_frame, skill_of
 from jex.tasks.scoring.inputs import ScoreSpec
 
 FoldRule = Literal["replace", "mix"]
-
-
-def argmax(lp: list[float] | None) -> int | None:
-    """Choice of a readout: the highest log-prob, ties to the lowest index."""
-    if lp is None:
-        return None
-    return max(range(len(lp)), key=lambda i: (lp[i], -i))
 
 
 def fold_logprobs(fast: list[float], post: list[float], *, rule: FoldRule, weight: float) -> list[float]:
@@ -112,7 +107,7 @@ ERROR_COUNTERS = ("context_refusals", "readout_errors", "unmatched_rows", "key_f
                   "mechanism_failures")
 
 
-def error_counters(fast: dict[str, Any], reason: dict[str, Any], unmatched: int) -> dict[str, int]:
+def error_counters(fast: FastPassErrors, reason: ReasonErrors, unmatched: int) -> dict[str, int]:
     """Every error of the capture, disjoint per stage (see `docs/stages.md`); all zero on a clean run.
 
     context_refusals: prompts that do not fit (fast pass, rationale prompts); readout_errors: fast-pass

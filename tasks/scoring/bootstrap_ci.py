@@ -11,19 +11,20 @@ a catalog leaves the other catalogs' draws unchanged. Draws are made in fixed ch
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict, cast
 
 import numpy as np
 import polars as pl
 
+from jex.numerics import named_rng
+from jex.settings import BOOTSTRAP_SEED
 from jex.tasks.scoring.index import BEST, aggregate, skill_of
 from jex.tasks.scoring.inputs import ScoreSpec
 
 DRAW_CHUNK = 128
 DEFAULT_DRAWS = 2000
-DEFAULT_SEED = 20260929
+DEFAULT_SEED = BOOTSTRAP_SEED
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,6 @@ class ClusterLayout:
         return out
 
 
-def _rng(seed: int, catalog_id: str) -> np.random.Generator:
-    return np.random.default_rng([seed, zlib.crc32(catalog_id.encode())])
-
-
 def resampled_accuracy(layout: ClusterLayout, correct: list[list[np.ndarray]], *, draws: int,
                        seed: int) -> list[dict[str, np.ndarray]]:
     """Mean per draw (accuracy, or the kind's value) for each prediction set in `correct` (sets x
@@ -82,7 +79,7 @@ def resampled_accuracy(layout: ClusterLayout, correct: list[list[np.ndarray]], *
     for k, cid in enumerate(layout.catalogs):
         sizes = layout.sizes[k]
         nc = len(sizes)
-        rng = _rng(seed, cid)
+        rng = named_rng(seed, cid)
         num = np.empty((len(correct), draws))
         den = np.empty(draws)
         sums = [per_set[k] for per_set in correct]
@@ -112,14 +109,30 @@ def _packed(sizes: np.ndarray, sums: list[np.ndarray]) -> list[np.ndarray] | Non
     return [(sizes.astype(np.int64) << 32) | v.astype(np.int64) for v in sums]
 
 
-def statistics_per_draw(spec: ScoreSpec, acc: dict[str, np.ndarray], chance: dict[str, float]) -> dict[str, Any]:
+class DrawStatistics(TypedDict):
+    """Per-draw arrays, shape (draws,): the full index, each leg's index, each catalog's skill."""
+
+    full: np.ndarray
+    legs: dict[str, np.ndarray]
+    catalogs: dict[str, np.ndarray]
+
+
+class Intervals(TypedDict):
+    """95% percentile intervals [low, high] of the full index, each leg and each catalog's skill."""
+
+    full: list[float]
+    legs: dict[str, list[float]]
+    catalogs: dict[str, list[float]]
+
+
+def statistics_per_draw(spec: ScoreSpec, acc: dict[str, np.ndarray], chance: dict[str, float]) -> DrawStatistics:
     """Vectorised over draws: catalog skill, leg index and full index arrays."""
     skill = {c.id: skill_of(acc[c.id], chance[c.id], BEST[c.scoring]) for c in spec.catalogs}
     legs: dict[str, np.ndarray] = {}
     for leg in spec.legs:
         cats = [c for c in spec.catalogs if c.leg == leg]
         legs[leg] = 100.0 * sum(c.weight * skill[c.id] for c in cats) / sum(c.weight for c in cats)
-    full = sum(w * legs[leg] for leg, w in spec.legs.items()) / sum(spec.legs.values())
+    full = cast(np.ndarray, sum(w * legs[leg] for leg, w in spec.legs.items()) / sum(spec.legs.values()))
     return {"full": full, "legs": legs, "catalogs": skill}
 
 
@@ -128,14 +141,14 @@ def interval(samples: np.ndarray, level: float = 0.95) -> list[float]:
     return [float(lo), float(hi)]
 
 
-def intervals(stats: dict[str, Any]) -> dict[str, Any]:
+def intervals(stats: DrawStatistics) -> Intervals:
     return {"full": interval(stats["full"]),
             "legs": {k: interval(v) for k, v in stats["legs"].items()},
             "catalogs": {k: interval(v) for k, v in stats["catalogs"].items()}}
 
 
 def bootstrap_ci(frame: pl.DataFrame, spec: ScoreSpec, chance: dict[str, float], *, draws: int = DEFAULT_DRAWS,
-                 seed: int = DEFAULT_SEED) -> dict[str, Any]:
+                 seed: int = DEFAULT_SEED) -> Intervals:
     """95% intervals of full, each leg and each catalog skill; `frame` from `scoring.scored_frame`."""
     layout = ClusterLayout.from_frame(frame, spec)
     (acc,) = resampled_accuracy(layout, [layout.per_cluster_values(frame, spec)], draws=draws, seed=seed)
@@ -143,7 +156,7 @@ def bootstrap_ci(frame: pl.DataFrame, spec: ScoreSpec, chance: dict[str, float],
 
 
 def paired_bootstrap_ci(baseline: pl.DataFrame, policy: pl.DataFrame, spec: ScoreSpec, chance: dict[str, float],
-                        *, draws: int = DEFAULT_DRAWS, seed: int = DEFAULT_SEED) -> dict[str, Any]:
+                        *, draws: int = DEFAULT_DRAWS, seed: int = DEFAULT_SEED) -> Intervals:
     """Intervals of policy minus baseline under the same draws; both frames hold the same rows."""
     if baseline["run_id"].to_list() != policy["run_id"].to_list():
         raise ValueError("paired bootstrap needs both prediction sets over the same rows in the same order")
@@ -151,7 +164,7 @@ def paired_bootstrap_ci(baseline: pl.DataFrame, policy: pl.DataFrame, spec: Scor
     acc_a, acc_b = resampled_accuracy(layout, [layout.per_cluster_values(baseline, spec),
                                                layout.per_cluster_values(policy, spec)], draws=draws, seed=seed)
     a, b = statistics_per_draw(spec, acc_a, chance), statistics_per_draw(spec, acc_b, chance)
-    diff = {"full": b["full"] - a["full"],
+    diff: DrawStatistics = {"full": b["full"] - a["full"],
             "legs": {k: b["legs"][k] - a["legs"][k] for k in a["legs"]},
             "catalogs": {k: b["catalogs"][k] - a["catalogs"][k] for k in a["catalogs"]}}
     return intervals(diff)
@@ -164,7 +177,7 @@ def bootstrap_loop(frame: pl.DataFrame, spec: ScoreSpec, chance: dict[str, float
     correct = layout.per_cluster_values(frame, spec)
     picks: dict[str, list[list[int]]] = {}
     for k, cid in enumerate(layout.catalogs):
-        rng, nc = _rng(seed, cid), len(layout.sizes[k])
+        rng, nc = named_rng(seed, cid), len(layout.sizes[k])
         picks[cid] = []
         for start in range(0, draws, DRAW_CHUNK):
             picks[cid].extend(rng.integers(0, nc, size=(min(DRAW_CHUNK, draws - start), nc)).tolist())

@@ -9,14 +9,14 @@ import math
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import polars as pl
 
 from jex.errors import InputError
 from jex.fileio import sha256_file
 from jex.suite import iter_rows, load_manifest, read_row_file
-from jex.tasks.capture.bundle import open_bundle
+from jex.tasks.capture.bundle import PolarsType, open_bundle
 
 SCORING_COLUMNS = ["run_id", "catalog", "question_id", "gold", "n_options"]
 
@@ -90,10 +90,18 @@ def load_suite_table(source: str | Path) -> SuiteTable:
                       {f"suite/{p.relative_to(source).as_posix()}": sha256_file(p) for p in files})
 
 
-PREDICTION_SCHEMA = {"run_id": pl.String, "choice": pl.Int32, "probs": pl.List(pl.Float64), "abstain": pl.Boolean}
+PREDICTION_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "choice": pl.Int32, "probs": pl.List(pl.Float64),
+                                           "abstain": pl.Boolean}
 
 
-def _check_probs(probs: Any, k: int, where: dict[str, Any]) -> list[float] | None:
+class _Where(TypedDict):
+    """Where a prediction is, as `InputError` takes it."""
+
+    file: str
+    row: int
+
+
+def _check_probs(probs: Any, k: int, where: _Where) -> list[float] | None:
     """`probs`: null or one probability per option, each in [0, 1], summing to 1 within 1e-6."""
     if probs is None:
         return None
@@ -123,7 +131,7 @@ def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
     abstain: list[bool | None] = []
     seen: set[str] = set()
     for line, rec in read_row_file(path):
-        where = {"file": str(path), "row": line}
+        where: _Where = {"file": str(path), "row": line}
         if not isinstance(rec, dict):
             raise InputError("a prediction must be an object with run_id and choice", **where)
         if "run_id" not in rec:

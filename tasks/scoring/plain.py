@@ -7,10 +7,64 @@ difference, so an implementation slip in either one cannot reach a report.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
+from typing import Any, TypedDict
 
 FLOOR = 1e-15
+
+
+class PlainCatalog(TypedDict):
+    """A catalog as the plain scorer reads it (the manifest's fields, nothing derived)."""
+
+    id: str
+    leg: str
+    weight: float
+    chance: float | None
+    exclusions: Collection[str]
+    scoring: str
+    secondary: Sequence[str]
+
+
+class PlainCatalogScore(TypedDict):
+    n: int
+    correct: int
+    unsupported: int
+    acc: float
+    chance: float
+    skill: float
+    weight: float
+    leg: str
+    kind: str
+    value: float
+    abstained: int
+
+
+class PlainLegScore(TypedDict):
+    index: float
+    raw: float
+
+
+class PlainScore(TypedDict):
+    """The same JSON shape as `Score.to_json()`, so the two can be compared key by key."""
+
+    full: float
+    full_raw: float
+    legs: dict[str, PlainLegScore]
+    catalogs: dict[str, PlainCatalogScore]
+
+
+@dataclass
+class _Tally:
+    """What one catalog's rows add up to while the loop runs."""
+
+    n: int = 0
+    correct: int = 0
+    unsupported: int = 0
+    abstained: int = 0
+    options: dict[int, int] = field(default_factory=dict)  # rows per number of options, for chance
+    terms: list[float] = field(default_factory=list)  # per-row (brier: per-option) terms of the value
 
 
 def _chance(kind: str, given: float | None, options: dict[int, int], n: int) -> float:
@@ -23,67 +77,76 @@ def _chance(kind: str, given: float | None, options: dict[int, int], n: int) -> 
     return given if given is not None else float(inv / n)
 
 
-def plain_score(rows: list[dict[str, Any]], choices: dict[str, int | None], legs: dict[str, float],
-                catalogs: list[dict[str, Any]], probs: dict[str, list[float] | None] | None = None,
-                abstain: dict[str, bool | None] | None = None) -> dict[str, Any]:
-    """rows: dicts with run_id, catalog, gold, n_options; choices, probs, abstain: by run_id (a run_id
-    absent is no prediction); catalogs: id, leg, weight, chance, exclusions, scoring, secondary."""
-    probs, abstain = probs or {}, abstain or {}
-    tally = {c["id"]: {"n": 0, "correct": 0, "unsupported": 0, "abstained": 0, "options": {},
-                       "terms": []} for c in catalogs}
+def _value_terms(kind: str, p: list[float] | None, gold: int, k: int) -> list[float]:
+    """The row's terms of a probability kind's value; no prediction is the uniform forecast 1/k."""
+    if p is None:
+        p = [1.0 / k] * k
+    if kind == "calibrated_accuracy":
+        return [p[gold]]
+    if kind == "log_loss":
+        return [-math.log(max(p[gold], FLOOR))]
+    diffs = [q - (1.0 if i == gold else 0.0) for i, q in enumerate(p)]  # brier
+    return [d * d for d in diffs]
+
+
+def _tally_rows(rows: Iterable[Mapping[str, Any]], catalogs: Sequence[PlainCatalog],
+                choices: Mapping[str, int | None], probs: Mapping[str, list[float] | None],
+                abstain: Mapping[str, bool | None]) -> dict[str, _Tally]:
+    """One pass over the rows: counts, correct choices, unsupported and abstained rows, value terms."""
+    tally = {c["id"]: _Tally() for c in catalogs}
     kinds = {c["id"]: c["scoring"] for c in catalogs}
     may_abstain = {c["id"] for c in catalogs if "abstain" in c["secondary"]}
     excluded = {rid for c in catalogs for rid in c["exclusions"]}
     for row in rows:
-        if row["run_id"] in excluded:
+        rid = row["run_id"]
+        if rid in excluded:
             continue
         cat, k, gold = row["catalog"], row["n_options"], row["gold"]
         t = tally[cat]
-        t["n"] += 1
-        t["options"][k] = t["options"].get(k, 0) + 1  # rows per number of options, for chance
-        rid = row["run_id"]
+        t.n += 1
+        t.options[k] = t.options.get(k, 0) + 1
         choice, p = choices.get(rid), probs.get(rid)
         if abstain.get(rid) and cat in may_abstain:
-            t["abstained"] += 1
+            t.abstained += 1
             choice = p = None
         if choice is not None and choice == gold:
-            t["correct"] += 1
+            t.correct += 1
         kind = kinds[cat]
         if (choice if kind == "accuracy" else p) is None:
-            t["unsupported"] += 1
-        if kind == "accuracy":
-            continue
-        if p is None:
-            p = [1.0 / k] * k
-        if kind == "calibrated_accuracy":
-            t["terms"].append(p[gold])
-        elif kind == "log_loss":
-            t["terms"].append(-math.log(max(p[gold], FLOOR)))
-        else:  # brier
-            for i, q in enumerate(p):
-                d = q - (1.0 if i == gold else 0.0)
-                t["terms"].append(d * d)
-    out_cats: dict[str, dict[str, Any]] = {}
-    for c in catalogs:
-        t, kind = tally[c["id"]], c["scoring"]
-        acc = t["correct"] / t["n"]
-        value = acc if kind == "accuracy" else math.fsum(t["terms"]) / t["n"]
-        chance = _chance(kind, c["chance"], t["options"], t["n"])
-        best = 0.0 if kind in ("brier", "log_loss") else 1.0
-        out_cats[c["id"]] = {"n": t["n"], "correct": t["correct"], "unsupported": t["unsupported"], "acc": acc,
-                             "chance": chance, "skill": (value - chance) / (best - chance),
-                             "weight": c["weight"], "leg": c["leg"], "kind": kind, "value": value,
-                             "abstained": t["abstained"]}
-    out_legs: dict[str, dict[str, float]] = {}
-    for leg in legs:
-        members = [c for c in catalogs if c["leg"] == leg]
-        weights = math.fsum(c["weight"] for c in members)
-        index_terms, raw_terms = [], []
-        for c in members:
-            index_terms.append(c["weight"] * out_cats[c["id"]]["skill"])
-            raw_terms.append(c["weight"] * out_cats[c["id"]]["acc"])
-        out_legs[leg] = {"index": 100.0 * math.fsum(index_terms) / weights,
-                         "raw": 100.0 * math.fsum(raw_terms) / weights}
+            t.unsupported += 1
+        if kind != "accuracy":
+            t.terms.extend(_value_terms(kind, p, gold, k))
+    return tally
+
+
+def _catalog_score(c: PlainCatalog, t: _Tally) -> PlainCatalogScore:
+    """value, chance and skill of one catalog from its tally."""
+    kind = c["scoring"]
+    acc = t.correct / t.n
+    value = acc if kind == "accuracy" else math.fsum(t.terms) / t.n
+    chance = _chance(kind, c["chance"], t.options, t.n)
+    best = 0.0 if kind in ("brier", "log_loss") else 1.0
+    return {"n": t.n, "correct": t.correct, "unsupported": t.unsupported, "acc": acc, "chance": chance,
+            "skill": (value - chance) / (best - chance), "weight": c["weight"], "leg": c["leg"], "kind": kind,
+            "value": value, "abstained": t.abstained}
+
+
+def _leg_score(members: Sequence[PlainCatalog], scores: Mapping[str, PlainCatalogScore]) -> PlainLegScore:
+    """100 x the weighted mean of the members' skill (index) and accuracy (raw)."""
+    weights = math.fsum(c["weight"] for c in members)
+    index_terms = [c["weight"] * scores[c["id"]]["skill"] for c in members]
+    raw_terms = [c["weight"] * scores[c["id"]]["acc"] for c in members]
+    return {"index": 100.0 * math.fsum(index_terms) / weights, "raw": 100.0 * math.fsum(raw_terms) / weights}
+
+
+def plain_score(rows: Iterable[Mapping[str, Any]], choices: Mapping[str, int | None], legs: Mapping[str, float],
+                catalogs: Sequence[PlainCatalog], probs: Mapping[str, list[float] | None] | None = None,
+                abstain: Mapping[str, bool | None] | None = None) -> PlainScore:
+    """rows: dicts with run_id, catalog, gold, n_options; choices, probs, abstain: by run_id (a run_id
+    absent is no prediction); catalogs: id, leg, weight, chance, exclusions, scoring, secondary."""
+    tally = _tally_rows(rows, catalogs, choices, probs or {}, abstain or {})
+    out_cats = {c["id"]: _catalog_score(c, tally[c["id"]]) for c in catalogs}
+    out_legs = {leg: _leg_score([c for c in catalogs if c["leg"] == leg], out_cats) for leg in legs}
     total = math.fsum(legs.values())
     full = math.fsum(legs[leg] * out_legs[leg]["index"] for leg in legs) / total
     full_raw = math.fsum(legs[leg] * out_legs[leg]["raw"] for leg in legs) / total

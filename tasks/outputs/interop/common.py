@@ -28,11 +28,13 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import polars as pl
+from pydantic import BaseModel, ConfigDict, Field
 
 from jex.errors import InputError
+from jex.fileio import read_json
 
 MapMode = Literal["auto", "doc_id", "id", "content"]
 LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -65,13 +67,88 @@ class SuiteRows:
     rows: pl.DataFrame  # run_id, catalog, question_id, prompt, options, labels, gold, metadata (JSON text)
 
 
+class TaskAgreement(BaseModel):
+    """One lm-eval task in `import.json`: its documents, and the accuracy lm-eval reported for them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    documents: int
+    lm_eval_results_acc: float | None = Field(description="`acc,none` of the results file, if any")
+    lm_eval_samples_acc: float | None = Field(description="mean per-document `acc` of the samples files, if any")
+
+
+class ImportRecord(BaseModel):
+    """Where imported decisions came from: `import.json` (with the mapping) and the score's settings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    tool: str = Field(alias="from", description="The tool whose outputs were read: lm-eval | inspect")
+    source: str = Field(description="The file or folder read")
+    task: str | None = Field(None, description="The Inspect log's task")
+    model: str | None = Field(None, description="The Inspect log's model")
+    suite: str = Field(description="The suite folder, or 'made from the ...' when none was given")
+    files: dict[str, str] = Field(description="sha256 of every file read")
+
+
 @dataclass(frozen=True)
 class MappedPredictions:
+    """The tool's decisions keyed by suite run_id (in document order), and how each task was mapped."""
+
     run_ids: list[str]
     choices: list[int | None]
     probs: list[list[float] | None]
     mode: dict[str, str]  # task -> mode used
-    tasks: dict[str, dict[str, Any]] = field(default_factory=dict)  # per task: docs, reported / jex accuracy
+    tasks: dict[str, TaskAgreement] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _RowIds:
+    """What a suite row's metadata says about its identity in another tool."""
+
+    task: Any  # the tool's task, or None
+    doc_id: Any  # the tool's document id, or None
+    has_doc_id: bool
+    declared: Any  # metadata[id_field], or None
+    has_declared: bool
+
+
+@dataclass(frozen=True)
+class RunToExport:
+    """A finished run folder as the exporters read it."""
+
+    run_dir: Path
+    samples: pl.DataFrame  # samples.parquet
+    spec: dict[str, Any]  # campaign.json
+    score: dict[str, Any]  # score.json
+
+
+def read_run_to_export(run_dir: str | Path, *, as_what: str) -> RunToExport:
+    """The run's samples, campaign and score; an InputError when its prompts were not kept (they
+    become the other tool's inputs, `as_what`)."""
+    from jex.tasks.outputs.samples import read_samples
+
+    run_dir = Path(run_dir)
+    samples = read_samples(run_dir)
+    if samples["prompt"].null_count() and samples["prompt_ref"].null_count() == samples.height:
+        raise InputError(f"the run has no rendered prompts to export as {as_what} ({samples['prompt_missing'][0]})",
+                         file=str(run_dir / "samples.parquet"), field="prompt")
+    return RunToExport(run_dir, samples, read_json(run_dir / "campaign.json"), read_json(run_dir / "score.json"))
+
+
+class CatalogSummary(TypedDict):
+    """A catalog's result as the exports carry it."""
+
+    leg: str
+    n: int
+    acc: float
+    skill: float
+    ci: list[float]
+
+
+def catalog_summary(run: RunToExport) -> dict[str, CatalogSummary]:
+    """Per catalog of the run's score: leg, n, acc, skill and its interval."""
+    return {c: {"leg": v["leg"], "n": v["n"], "acc": v["acc"], "skill": v["skill"], "ci": v["ci"]}
+            for c, v in run.score["catalogs"].items()}
 
 
 def _norm(text: str) -> str:
@@ -118,81 +195,120 @@ def load_suite_rows(source: str | Path) -> SuiteRows:
     return SuiteRows(str(source), manifest.name, tuple(c.id for c in manifest.catalogs), rows)
 
 
-def _metadata(text: str | None) -> dict[str, Any]:
-    return json.loads(text) if text else {}
+def _row_ids(text: str | None, id_field: str | None) -> _RowIds:
+    meta = json.loads(text) if text else {}
+    declared = bool(id_field) and id_field in meta
+    return _RowIds(meta.get("task"), meta.get("doc_id"), "doc_id" in meta,
+                   meta[id_field] if declared else None, declared)
+
+
+@dataclass(frozen=True)
+class _SuiteRow:
+    """What mapping reads of one suite row."""
+
+    run_id: str
+    prompt: str
+    options: list[str]
+    gold: int
+    ids: _RowIds
+
+
+@dataclass(frozen=True)
+class _RowIndex:
+    """A suite's rows looked up four ways: by (task, doc_id), run_id, declared id, options hash."""
+
+    by_doc: dict[tuple[Any, Any], _SuiteRow]
+    by_run: dict[str, _SuiteRow]
+    by_declared: dict[str, _SuiteRow]
+    by_options: dict[str, list[_SuiteRow]]
+
+    @classmethod
+    def of(cls, suite: SuiteRows, id_field: str | None) -> _RowIndex:
+        rows = [_SuiteRow(r["run_id"], r["prompt"], r["options"], r["gold"], _row_ids(r["metadata"], id_field))
+                for r in suite.rows.select("run_id", "prompt", "options", "gold", "metadata").iter_rows(named=True)]
+        by_options: dict[str, list[_SuiteRow]] = {}
+        for r in rows:
+            by_options.setdefault(options_hash(r.options), []).append(r)
+        return cls(by_doc={(r.ids.task, r.ids.doc_id): r for r in rows if r.ids.has_doc_id},
+                   by_run={r.run_id: r for r in rows},
+                   by_declared={str(r.ids.declared): r for r in rows if r.ids.has_declared},
+                   by_options=by_options)
 
 
 def map_samples(samples: Sequence[ToolSample], suite: SuiteRows, *, mode: MapMode = "auto",
                 id_field: str | None = None) -> MappedPredictions:
     """Each tool document onto exactly one suite row; an InputError for the first one that cannot be."""
-    rows = suite.rows.to_dicts()
-    meta = [_metadata(r["metadata"]) for r in rows]
-    by_doc = {(m.get("task"), m.get("doc_id")): r for r, m in zip(rows, meta, strict=True) if "doc_id" in m}
-    by_run = {r["run_id"]: r for r in rows}
-    by_declared = {str(m[id_field]): r for r, m in zip(rows, meta, strict=True) if id_field and id_field in m}
-    by_options: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        by_options.setdefault(options_hash(r["options"]), []).append(r)
-    tasks = sorted({s.task for s in samples})
-    modes = {t: _pick_mode(t, [s for s in samples if s.task == t], mode, id_field, by_doc, by_run, suite)
-             for t in tasks}
+    index = _RowIndex.of(suite, id_field)
+    modes = {t: _pick_mode(t, [s for s in samples if s.task == t], mode, id_field, index, suite)
+             for t in sorted({s.task for s in samples})}
     out = MappedPredictions([], [], [], modes)
     taken: dict[str, ToolSample] = {}
     for s in samples:
-        m = modes[s.task]
-        if m == "doc_id":
-            row = by_doc.get((s.task, s.doc_id))
-            how = f"task '{s.task}', doc_id {s.doc_id}"
-        elif m == "id" or (m == "auto-id" and str(s.ids.get("id")) in by_run):
-            key = s.ids.get(id_field) if id_field else s.ids.get("id")
-            row = by_declared.get(str(key)) or by_run.get(str(key))
-            how = f"{id_field or 'id'} {key!r}"
-        else:
-            cands = [r for r in by_options.get(options_hash(s.options), []) if _norm(r["prompt"]) in _norm(s.context)]
-            longest = max((len(_norm(r["prompt"])) for r in cands), default=0)
-            cands = [r for r in cands if len(_norm(r["prompt"])) == longest]  # a question inside another: the longer
-            if len(cands) > 1:
-                ids = [r["run_id"] for r in cands][:3]
-                raise InputError(f"document matches {len(cands)} suite rows by content ({ids}); declare an id "
-                                 "field (--id-field)", file=s.file, row=s.where, field="doc")
-            row = cands[0] if cands else None
-            how = "content hash of question + options"
-        if row is None:
-            hint = "" if s.task in suite.catalogs else \
-                f"; task '{s.task}' is not a catalog of it ({list(suite.catalogs)}): samples of another task?"
-            raise InputError(f"document ({how}) matches no row of suite {suite.source} (mapping: {m}){hint}",
-                             file=s.file, row=s.where, field="doc_id" if m == "doc_id" else "doc")
-        if [_norm(o) for o in row["options"]] != [_norm(o) for o in s.options]:
-            raise InputError(f"options {list(s.options)[:4]} differ from suite row '{row['run_id']}' "
-                             f"({list(row['options'])[:4]}): samples of another task or another suite?",
-                             file=s.file, row=s.where, field="options")
-        if s.gold is not None and s.gold != row["gold"]:
-            raise InputError(f"gold {s.gold} differs from suite row '{row['run_id']}' (gold {row['gold']})",
-                             file=s.file, row=s.where, field="target")
-        if row["run_id"] in taken:
-            first = taken[row["run_id"]]
-            raise InputError(f"document maps to run_id '{row['run_id']}', as did {first.file} {first.where}",
+        row = _matching_row(s, modes[s.task], index, suite, id_field)
+        _check_match(s, row)
+        if row.run_id in taken:
+            first = taken[row.run_id]
+            raise InputError(f"document maps to run_id '{row.run_id}', as did {first.file} {first.where}",
                              file=s.file, row=s.where, field="doc_id")
-        taken[row["run_id"]] = s
-        out.run_ids.append(row["run_id"])
+        taken[row.run_id] = s
+        out.run_ids.append(row.run_id)
         out.choices.append(s.choice)
         out.probs.append(list(s.probs) if s.probs is not None else None)
     return out
 
 
+def _matching_row(s: ToolSample, m: str, index: _RowIndex, suite: SuiteRows, id_field: str | None) -> _SuiteRow:
+    """The suite row of one document under mapping mode `m`; an InputError when none or several match."""
+    if m == "doc_id":
+        row = index.by_doc.get((s.task, s.doc_id))
+        how = f"task '{s.task}', doc_id {s.doc_id}"
+    elif m == "id" or (m == "auto-id" and str(s.ids.get("id")) in index.by_run):
+        key = s.ids.get(id_field) if id_field else s.ids.get("id")
+        row = index.by_declared.get(str(key)) or index.by_run.get(str(key))
+        how = f"{id_field or 'id'} {key!r}"
+    else:
+        cands = [r for r in index.by_options.get(options_hash(s.options), [])
+                 if _norm(r.prompt) in _norm(s.context)]
+        longest = max((len(_norm(r.prompt)) for r in cands), default=0)
+        cands = [r for r in cands if len(_norm(r.prompt)) == longest]  # a question inside another: the longer
+        if len(cands) > 1:
+            ids = [r.run_id for r in cands][:3]
+            raise InputError(f"document matches {len(cands)} suite rows by content ({ids}); declare an id "
+                             "field (--id-field)", file=s.file, row=s.where, field="doc")
+        row = cands[0] if cands else None
+        how = "content hash of question + options"
+    if row is None:
+        hint = "" if s.task in suite.catalogs else \
+            f"; task '{s.task}' is not a catalog of it ({list(suite.catalogs)}): samples of another task?"
+        raise InputError(f"document ({how}) matches no row of suite {suite.source} (mapping: {m}){hint}",
+                         file=s.file, row=s.where, field="doc_id" if m == "doc_id" else "doc")
+    return row
+
+
+def _check_match(s: ToolSample, row: _SuiteRow) -> None:
+    """The document's options and gold must be the row's."""
+    if [_norm(o) for o in row.options] != [_norm(o) for o in s.options]:
+        raise InputError(f"options {list(s.options)[:4]} differ from suite row '{row.run_id}' "
+                         f"({list(row.options)[:4]}): samples of another task or another suite?",
+                         file=s.file, row=s.where, field="options")
+    if s.gold is not None and s.gold != row.gold:
+        raise InputError(f"gold {s.gold} differs from suite row '{row.run_id}' (gold {row.gold})",
+                         file=s.file, row=s.where, field="target")
+
+
 def _pick_mode(task: str, samples: list[ToolSample], mode: MapMode, id_field: str | None,
-               by_doc: dict, by_run: dict, suite: SuiteRows) -> str:
+               index: _RowIndex, suite: SuiteRows) -> str:
     if mode != "auto":
-        if mode == "doc_id" and not any(t == task for t, _ in by_doc):
+        if mode == "doc_id" and not any(t == task for t, _ in index.by_doc):
             raise InputError(f"task '{task}' has no rows with a document id in suite {suite.source} (its "
                              f"catalogs: {list(suite.catalogs)}): samples of another task?",
                              file=samples[0].file, field="task")
         return mode
-    if any(t == task for t, _ in by_doc) and all(s.doc_id is not None for s in samples):
+    if any(t == task for t, _ in index.by_doc) and all(s.doc_id is not None for s in samples):
         return "doc_id"
     if id_field:
         return "id"
-    if any(str(s.ids.get("id")) in by_run for s in samples if s.ids.get("id") is not None):
+    if any(str(s.ids.get("id")) in index.by_run for s in samples if s.ids.get("id") is not None):
         return "auto-id"  # documents whose id is a run_id map by it, the others by content
     return "content"
 
@@ -202,11 +318,6 @@ def softmax(values: Sequence[float]) -> list[float]:
     exps = [math.exp(v - top) for v in values]
     total = math.fsum(exps)
     return [e / total for e in exps]
-
-
-def argmax(values: Sequence[float]) -> int:
-    """Highest value, ties to the lowest index (numpy's argmax, as lm-eval uses it)."""
-    return max(range(len(values)), key=lambda i: (values[i], -i))
 
 
 def synthesized_suite(samples: Sequence[ToolSample], folder: Path, *, name: str) -> Path:
@@ -241,9 +352,10 @@ def _slug(name: str) -> str:
 
 
 def score_mapped(mapped: MappedPredictions, suite: str | Path, out: str | Path, *, draws: int, seed: int,
-                 record: dict[str, Any], extra: Iterable[tuple[str, Path]] = ()) -> dict[str, Any]:
+                 record: ImportRecord, extra: Iterable[tuple[str, Path]] = ()) -> dict[str, Any]:
     """Write predictions.jsonl, score.json, score.md and import.json (+ `extra` (name, path) items) into
-    `out`: everything is made in a staging folder beside it and moved in only when scoring succeeded."""
+    `out`: everything is made in a staging folder beside it and moved in only when scoring succeeded.
+    Returns the score document (`score.json`)."""
     from jex.fileio import write_json
     from jex.tasks.scoring.score import score_files
 
@@ -255,8 +367,10 @@ def score_mapped(mapped: MappedPredictions, suite: str | Path, out: str | Path, 
         with open(preds, "w", encoding="utf-8") as f:
             for rid, c, p in zip(mapped.run_ids, mapped.choices, mapped.probs, strict=True):
                 f.write(json.dumps({"run_id": rid, "choice": c, "probs": p}) + "\n")
-        doc = score_files(suite, preds, stage, draws=draws, seed=seed, settings={"import": record})
-        write_json(stage / "import.json", {**record, "mapping": mapped.mode, "tasks": mapped.tasks,
+        as_json = record.model_dump(by_alias=True, exclude_unset=True)  # keyed `from`, ...; unset fields left out
+        doc = score_files(suite, preds, stage, draws=draws, seed=seed, settings={"import": as_json})
+        write_json(stage / "import.json", {**as_json, "mapping": mapped.mode,
+                                           "tasks": {t: a.model_dump() for t, a in mapped.tasks.items()},
                                            "documents": len(mapped.run_ids)})
         for name, path in extra:
             shutil.copytree(path, stage / name) if Path(path).is_dir() else shutil.copyfile(path, stage / name)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,12 +25,17 @@ from typing import Any
 import polars as pl
 
 from jex.errors import InputError
+from jex.fileio import atomic_path, read_json
 from jex.tasks.outputs.interop.common import (
     LABELS,
+    ImportRecord,
     MapMode,
+    RunToExport,
     ToolSample,
+    catalog_summary,
     load_suite_rows,
     map_samples,
+    read_run_to_export,
     score_mapped,
     synthesized_suite,
 )
@@ -51,92 +55,97 @@ def run_suite_name(run_dir: Path) -> str:
     """The suite name of a run, from its bundle's manifest (the bundle named in stages.json)."""
     from jex.tasks.capture.bundle import open_bundle
 
-    stages = json.loads((run_dir / "stages.json").read_text())
-    bundle = json.loads((Path(stages["bundle"]["folder"]) / "_SUCCESS.json").read_text())
+    stages = read_json(run_dir / "stages.json")
+    bundle = read_json(Path(stages["bundle"]["folder"]) / "_SUCCESS.json")
     with tempfile.TemporaryDirectory(prefix="jex-inspect-") as tmp:
         return open_bundle(bundle["bundle"], tmp).suite_manifest().name
 
 
 def export_inspect(run_dir: str | Path, out: str | Path) -> Path:
     """Write `<out>/<created>_jex-<suite>_<run>.eval`; returns its path (written to a temp name first)."""
-    import inspect_ai
+    ilog = _inspect()
+    run = read_run_to_export(run_dir, as_what="Inspect inputs")
+    model = f"jex/{run.spec['engine'].get('model') or 'SmolLM2-135M-Instruct'}"
+    suite = run_suite_name(run.run_dir)
+    now = datetime.now(UTC).isoformat(timespec="seconds")
+    task_id = run.run_dir.name.rsplit("-", 1)[-1]  # the run's identity hash
+    samples = [_eval_sample(r, model) for r in run.samples.iter_rows(named=True)]
+    log = ilog.EvalLog(version=2, status="success", eval=_eval_spec(run, suite, model, now, task_id),
+                       plan=ilog.EvalPlan(name="jex", steps=[ilog.EvalPlanStep(solver=s) for s in STAGES]),
+                       results=_eval_results(run), stats=ilog.EvalStats(started_at=now, completed_at=now),
+                       samples=samples)
+    path = Path(out) / f"{now.replace(':', '-')}_jex-{_slug(suite)}_{task_id}.eval"  # Inspect's {created}_{task}_{id}
+    with atomic_path(path) as tmp:
+        ilog.write_eval_log(log, str(tmp), format="eval")
+    return path
+
+
+STAGES = ("fast_pass", "gate", "reason", "fold", "calibrate", "overlay")
+"""The campaign's stages, as the log's plan steps."""
+
+
+def _eval_sample(r: dict[str, Any], model: str) -> Any:
+    """One `samples.parquet` row as an `EvalSample`: the prompt in, the rationale and answer out, and
+    the `jex` score (none on a row the suite does not score)."""
     from inspect_ai.model import ChatMessageAssistant, ChatMessageUser, ModelOutput
     from inspect_ai.scorer import Score
 
-    ilog = _inspect()
-    from jex.tasks.outputs.samples import read_samples, resolve_prompt_ref
+    from jex.tasks.outputs.samples import resolve_prompt_ref
 
-    run_dir = Path(run_dir)
-    samples = read_samples(run_dir)
-    if samples["prompt"].null_count() and samples["prompt_ref"].null_count() == samples.height:
-        raise InputError(f"the run has no rendered prompts to export as Inspect inputs "
-                         f"({samples['prompt_missing'][0]})", file=str(run_dir / "samples.parquet"), field="prompt")
-    spec = json.loads((run_dir / "campaign.json").read_text())
-    score = json.loads((run_dir / "score.json").read_text())
-    model = f"jex/{spec['engine'].get('model') or 'SmolLM2-135M-Instruct'}"
-    suite = run_suite_name(run_dir)
-    now = datetime.now(UTC).isoformat(timespec="seconds")
-    task_id = run_dir.name.rsplit("-", 1)[-1]  # the run's identity hash
-    out_samples = []
-    for r in samples.iter_rows(named=True):
-        prompt, reason_prompt = (r["prompt"], r["reason_prompt"]) if r["prompt"] is not None else \
-            resolve_prompt_ref(r["prompt_ref"])
-        labels = r["labels"]
-        answer = labels[r["choice"]] if r["choice"] is not None else None
-        reply = (f"{(r['rationale'] or '').strip()}\n\nANSWER: {answer}" if r["gated"] else f"ANSWER: {answer}")
-        scores = {}
-        if r["scored"]:
-            scores[SCORER] = Score(
-                value="C" if r["correct"] else "I", answer=answer,
-                explanation=f"decided by {r['decided_by']}" + (" after a rationale" if r["gated"] else ""),
-                metadata={"choice": r["choice"], "probs": r["final_probs"], "fast_logprobs": r["label_logprobs"],
-                          "post_logprobs": r["post_logprobs"], "decided_by": r["decided_by"]})
-        out_samples.append(ilog.EvalSample(
-            id=r["run_id"], epoch=1, input=prompt, target=labels[r["gold"]], choices=list(r["options"]),
-            messages=[ChatMessageUser(content=reason_prompt if r["gated"] else prompt),
-                      ChatMessageAssistant(content=reply, model=model)],
-            output=ModelOutput.from_content(model=model, content=reply), scores=scores,
-            metadata={"run_id": r["run_id"], "catalog": r["catalog"], "question_id": r["question_id"],
-                      "labels": list(labels), "gated": r["gated"], "rationale_tokens": r["rationale_tokens"],
-                      "finish_reason": r["finish_reason"], "scored": r["scored"],
-                      "row_metadata": json.loads(r["metadata"]) if r["metadata"] else None}))
-    scored = samples.filter(pl.col("scored"))
+    prompt, reason_prompt = (r["prompt"], r["reason_prompt"]) if r["prompt"] is not None else \
+        resolve_prompt_ref(r["prompt_ref"])
+    labels = r["labels"]
+    answer = labels[r["choice"]] if r["choice"] is not None else None
+    reply = (f"{(r['rationale'] or '').strip()}\n\nANSWER: {answer}" if r["gated"] else f"ANSWER: {answer}")
+    scores = {}
+    if r["scored"]:
+        scores[SCORER] = Score(
+            value="C" if r["correct"] else "I", answer=answer,
+            explanation=f"decided by {r['decided_by']}" + (" after a rationale" if r["gated"] else ""),
+            metadata={"choice": r["choice"], "probs": r["final_probs"], "fast_logprobs": r["label_logprobs"],
+                      "post_logprobs": r["post_logprobs"], "decided_by": r["decided_by"]})
+    return _inspect().EvalSample(
+        id=r["run_id"], epoch=1, input=prompt, target=labels[r["gold"]], choices=list(r["options"]),
+        messages=[ChatMessageUser(content=reason_prompt if r["gated"] else prompt),
+                  ChatMessageAssistant(content=reply, model=model)],
+        output=ModelOutput.from_content(model=model, content=reply), scores=scores,
+        metadata={"run_id": r["run_id"], "catalog": r["catalog"], "question_id": r["question_id"],
+                  "labels": list(labels), "gated": r["gated"], "rationale_tokens": r["rationale_tokens"],
+                  "finish_reason": r["finish_reason"], "scored": r["scored"],
+                  "row_metadata": json.loads(r["metadata"]) if r["metadata"] else None})
+
+
+def _eval_spec(run: RunToExport, suite: str, model: str, created: str, task_id: str) -> Any:
+    """The log's header: task `jex/<suite>`, the dataset's sample ids, the campaign and provenance."""
+    import inspect_ai
+
+    ilog = _inspect()
+    return ilog.EvalSpec(created=created, task=f"jex/{suite}", task_id=task_id, run_id=run.run_dir.name,
+                         dataset=ilog.EvalDataset(name=suite, samples=run.samples.height,
+                                                  sample_ids=run.samples["run_id"].to_list()),
+                         model=model, config=ilog.EvalConfig(),
+                         packages={"inspect_ai": inspect_ai.__version__, "jex": _jex_version()},
+                         metadata={"jex": {"run": run.run_dir.name, "suite": suite, "campaign": run.spec,
+                                           "provenance": run.score.get("provenance")}})
+
+
+def _eval_results(run: RunToExport) -> Any:
+    """Accuracy and its standard error over the scored rows, and the jex index with its interval."""
+    ilog = _inspect()
+    total = run.samples.height
+    scored = run.samples.filter(pl.col("scored"))
     acc = [1.0 if c else 0.0 for c in scored["correct"].to_list()]
     mean = sum(acc) / len(acc)
     stderr = math.sqrt(sum((a - mean) ** 2 for a in acc) / (len(acc) - 1) / len(acc)) if len(acc) > 1 else 0.0
+    score = run.score
     metrics = {"accuracy": mean, "stderr": stderr, "jex_index": score["full"], "jex_index_ci_low": score["ci"][0],
                "jex_index_ci_high": score["ci"][1]}
-    log = ilog.EvalLog(
-        version=2, status="success",
-        eval=ilog.EvalSpec(created=now, task=f"jex/{suite}", task_id=task_id, run_id=run_dir.name,
-                           dataset=ilog.EvalDataset(name=suite, samples=samples.height,
-                                                    sample_ids=samples["run_id"].to_list()),
-                           model=model, config=ilog.EvalConfig(),
-                           packages={"inspect_ai": inspect_ai.__version__, "jex": _jex_version()},
-                           metadata={"jex": {"run": run_dir.name, "suite": suite, "campaign": spec,
-                                             "provenance": score.get("provenance")}}),
-        plan=ilog.EvalPlan(name="jex", steps=[ilog.EvalPlanStep(solver=s) for s in
-                                              ("fast_pass", "gate", "reason", "fold", "calibrate", "overlay")]),
-        results=ilog.EvalResults(
-            total_samples=samples.height, completed_samples=samples.height,
-            scores=[ilog.EvalScore(name=SCORER, scorer=SCORER, scored_samples=scored.height,
-                                   unscored_samples=samples.height - scored.height,
-                                   metrics={k: ilog.EvalMetric(name=k, value=v) for k, v in metrics.items()})],
-            metadata={"jex_legs": score["legs"],
-                      "jex_catalogs": {c: {k: v[k] for k in ("leg", "n", "acc", "skill", "ci")}
-                                       for c, v in score["catalogs"].items()}}),
-        stats=ilog.EvalStats(started_at=now, completed_at=now), samples=out_samples)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{now.replace(':', '-')}_jex-{_slug(suite)}_{task_id}.eval"  # Inspect's {created}_{task}_{id}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=out)
-    os.close(fd)
-    try:
-        ilog.write_eval_log(log, tmp, format="eval")
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return path
+    return ilog.EvalResults(
+        total_samples=total, completed_samples=total,
+        scores=[ilog.EvalScore(name=SCORER, scorer=SCORER, scored_samples=scored.height,
+                               unscored_samples=total - scored.height,
+                               metrics={k: ilog.EvalMetric(name=k, value=v) for k, v in metrics.items()})],
+        metadata={"jex_legs": score["legs"], "jex_catalogs": catalog_summary(run)})
 
 
 def _jex_version() -> str:
@@ -166,7 +175,7 @@ def read_inspect(source: str | Path) -> tuple[Any, list[ToolSample]]:
             continue
 
         def bad(field: str, msg: str, sid: Any = s.id) -> InputError:
-            return InputError(msg, file=str(source), row=f"sample {sid!r}", field=field)  # type: ignore[arg-type]
+            return InputError(msg, file=str(source), row=f"sample {sid!r}", field=field)
 
         if not s.choices or len(s.choices) < 2:
             raise bad("choices", "not a multiple-choice sample (no choices)")
@@ -217,8 +226,8 @@ def score_inspect(source: str | Path, out: str | Path, *, suite: str | Path | No
             raise InputError(f"the log is of task '{task}', the suite is '{rows.name}' ({suite}): a log of another "
                              "task", file=str(source), field="eval.task")
         mapped = map_samples(samples, rows, mode=mode, id_field=id_field)
-        record = {"from": "inspect", "source": str(source), "task": task, "model": log.eval.model,
-                  "suite": str(suite) if suite else "made from the samples",
-                  "files": {str(source): sha256_file(source)}}
+        record = ImportRecord(tool="inspect", source=str(source), task=task, model=log.eval.model,
+                              suite=str(suite) if suite else "made from the samples",
+                              files={str(source): sha256_file(source)})
         return score_mapped(mapped, suite_path, out, draws=draws, seed=seed, record=record,
                             extra=[] if suite else [("suite", suite_path)])

@@ -25,17 +25,23 @@ import tempfile
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import polars as pl
 
 from jex.errors import InputError
+from jex.fileio import read_json
+from jex.numerics import argmax  # ties to the first, as numpy (and so lm-eval) does
 from jex.tasks.outputs.interop.common import (
+    ImportRecord,
     MapMode,
+    RunToExport,
+    TaskAgreement,
     ToolSample,
-    argmax,
+    catalog_summary,
     load_suite_rows,
     map_samples,
+    read_run_to_export,
     score_mapped,
     softmax,
     synthesized_suite,
@@ -86,7 +92,7 @@ def read_lm_eval(source: str | Path, *, metric: str = "acc") -> LmEvalRun:
     """Every document of the samples files (filter `none`), validated line by line."""
     u = _lm_utils()
     samples_files, results_file = find_files(Path(source))
-    results = json.loads(Path(results_file).read_text()) if results_file else {}
+    results = read_json(results_file) if results_file else {}
     out: list[ToolSample] = []
     for path in samples_files:
         task = u.get_file_task_name(os.path.basename(path))
@@ -163,55 +169,17 @@ def export_lm_eval(run_dir: str | Path, out: str | Path) -> Path:
     Everything is written in a staging folder and moved into place at the end; returns the folder.
     """
     u = _lm_utils()
-    from lm_eval.api.metrics import mean, mean_stderr
-
-    from jex.fileio import canonical_json
-    from jex.tasks.outputs.samples import read_samples
-
-    run_dir = Path(run_dir)
-    samples = read_samples(run_dir)
-    spec = json.loads((run_dir / "campaign.json").read_text())
-    score = json.loads((run_dir / "score.json").read_text())
-    model = spec["engine"].get("model") or "jex-embedded-SmolLM2-135M-Instruct"
-    if samples["prompt"].null_count() and samples["prompt_ref"].null_count() == samples.height:
-        why = samples["prompt_missing"][0]
-        raise InputError(f"the run has no rendered prompts to export as lm-eval arguments ({why})",
-                         file=str(run_dir / "samples.parquet"), field="prompt")
+    run = read_run_to_export(run_dir, as_what="lm-eval arguments")
+    model = run.spec["engine"].get("model") or "jex-embedded-SmolLM2-135M-Instruct"
     stamp = datetime.now().isoformat().replace(":", "-")
     model_dir = u.sanitize_model_name(model)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=".jex-lm-eval-", dir=out))
     try:
-        results, configs, n_samples = {}, {}, {}
-        for catalog in dict.fromkeys(samples["catalog"].to_list()):
-            rows = samples.filter((pl.col("catalog") == catalog) & pl.col("scored"))
-            lines = [_export_line(r, i, catalog) for i, r in enumerate(rows.iter_rows(named=True))]
-            accs = [ln["acc"] for ln in lines]
-            with open(stage / f"samples_{catalog}_{stamp}.jsonl", "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(ln, ensure_ascii=False) + "\n" for ln in lines)
-            results[catalog] = {"name": catalog, "alias": catalog, "sample_len": len(lines), "acc,none": mean(accs),
-                                "acc_stderr,none": mean_stderr(accs) if len(accs) > 1 else "N/A"}
-            configs[catalog] = {"task": catalog, "output_type": "multiple_choice", "target_delimiter": " ",
-                                "num_fewshot": spec["engine"]["render"]["num_fewshot"],
-                                "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
-                                "metadata": {"jex_catalog": catalog, "jex_leg": score["catalogs"][catalog]["leg"]}}
-            n_samples[catalog] = {"original": samples.filter(pl.col("catalog") == catalog).height,
-                                  "effective": len(lines)}
-        doc = {"results": results, "group_subtasks": {c: [] for c in results}, "configs": configs,
-               "versions": {c: "jex" for c in results}, "n-shot": {c: configs[c]["num_fewshot"] for c in results},
-               "higher_is_better": {c: {"acc": True} for c in results}, "n-samples": n_samples,
-               "config": {"model": f"jex-{spec['engine']['kind']}", "model_args": {"pretrained": model},
-                          "batch_size": spec["engine"]["batch_size"], "device": spec["engine"]["device"]},
-               "model_name": model, "model_name_sanitized": model_dir,
-               "date": datetime.now().timestamp(),
-               "jex": {"run": run_dir.name, "full": score["full"], "ci": score["ci"], "legs": score["legs"],
-                       "catalogs": {c: {k: v[k] for k in ("leg", "n", "acc", "skill", "ci")}
-                                    for c, v in score["catalogs"].items()},
-                       "note": "acc is jex's final choice (after fold, calibration and overlays); filtered_resps "
-                               "hold the final log-probabilities of the label continuations",
-                       "provenance": score.get("provenance")}}
-        (stage / f"results_{stamp}.json").write_text(canonical_json(doc), encoding="utf-8")
+        tasks = [_write_task_samples(run, catalog, stage / f"samples_{catalog}_{stamp}.jsonl")
+                 for catalog in dict.fromkeys(run.samples["catalog"].to_list())]
+        _write_results(run, tasks, model, model_dir, stage / f"results_{stamp}.json")
         target = out / model_dir
         target.mkdir(parents=True, exist_ok=True)
         for item in sorted(stage.iterdir()):
@@ -221,14 +189,83 @@ def export_lm_eval(run_dir: str | Path, out: str | Path) -> Path:
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def _export_line(r: dict[str, Any], index: int, catalog: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _ExportedTask:
+    """One catalog written as an lm-eval task: its per-document `acc` and its size before filtering."""
+
+    catalog: str
+    accs: list[float]  # one per exported (scored) row
+    original: int  # rows of the catalog, scored or not
+
+
+def _write_task_samples(run: RunToExport, catalog: str, path: Path) -> _ExportedTask:
+    """The catalog's scored rows as one lm-eval samples file."""
+    rows = run.samples.filter((pl.col("catalog") == catalog) & pl.col("scored"))
+    lines = [_export_line(r, i, catalog) for i, r in enumerate(rows.iter_rows(named=True))]
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(ln, ensure_ascii=False) + "\n" for ln in lines)
+    return _ExportedTask(catalog, [ln["acc"] for ln in lines],
+                         run.samples.filter(pl.col("catalog") == catalog).height)
+
+
+def _write_results(run: RunToExport, tasks: list[_ExportedTask], model: str, model_dir: str, path: Path) -> None:
+    """lm-eval's results file: per task acc and its stderr, configs, counts; jex's index in a `jex` block."""
+    from lm_eval.api.metrics import mean, mean_stderr
+
+    from jex.fileio import canonical_json
+
+    spec, score = run.spec, run.score
+    results = {t.catalog: {"name": t.catalog, "alias": t.catalog, "sample_len": len(t.accs), "acc,none": mean(t.accs),
+                           "acc_stderr,none": mean_stderr(t.accs) if len(t.accs) > 1 else "N/A"} for t in tasks}
+    configs = {t.catalog: {"task": t.catalog, "output_type": "multiple_choice", "target_delimiter": " ",
+                           "num_fewshot": spec["engine"]["render"]["num_fewshot"],
+                           "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+                           "metadata": {"jex_catalog": t.catalog, "jex_leg": score["catalogs"][t.catalog]["leg"]}}
+               for t in tasks}
+    doc = {"results": results, "group_subtasks": {c: [] for c in results}, "configs": configs,
+           "versions": {c: "jex" for c in results}, "n-shot": {c: configs[c]["num_fewshot"] for c in results},
+           "higher_is_better": {c: {"acc": True} for c in results},
+           "n-samples": {t.catalog: {"original": t.original, "effective": len(t.accs)} for t in tasks},
+           "config": {"model": f"jex-{spec['engine']['kind']}", "model_args": {"pretrained": model},
+                      "batch_size": spec["engine"]["batch_size"], "device": spec["engine"]["device"]},
+           "model_name": model, "model_name_sanitized": model_dir,
+           "date": datetime.now().timestamp(),
+           "jex": {"run": run.run_dir.name, "full": score["full"], "ci": score["ci"], "legs": score["legs"],
+                   "catalogs": catalog_summary(run),
+                   "note": "acc is jex's final choice (after fold, calibration and overlays); filtered_resps "
+                           "hold the final log-probabilities of the label continuations",
+                   "provenance": score.get("provenance")}}
+    path.write_text(canonical_json(doc), encoding="utf-8")
+
+
+class LmEvalSampleLine(TypedDict):
+    """One line of an lm-eval `--log_samples` file, as lm-eval writes it, plus jex's own block."""
+
+    doc_id: int
+    doc: dict[str, Any]
+    target: str
+    arguments: dict[str, dict[str, str]]
+    resps: list[list[list[str]]]
+    filtered_resps: list[list[str]]
+    filter: str
+    metrics: list[str]
+    doc_hash: str
+    prompt_hash: str
+    target_hash: str
+    acc: float
+    jex: dict[str, Any]  # run_id, choice, probs, decided_by, gated, rationale
+
+
+def _export_line(r: dict[str, Any], index: int, catalog: str) -> LmEvalSampleLine:
+    """One scored `samples.parquet` row (`index`-th of its catalog) as an lm-eval samples line."""
     from lm_eval.utils import hash_string
 
     from jex.tasks.outputs.samples import resolve_prompt_ref
 
     meta = json.loads(r["metadata"]) if r["metadata"] else {}
     doc_id = int(meta["doc_id"]) if meta.get("task") == catalog and "doc_id" in meta else index
-    prompt = r["prompt"] if r["prompt"] is not None else resolve_prompt_ref(r["prompt_ref"])[0]
+    # every row of a prompts file has its prompt (only `reason_prompt` may be null)
+    prompt: str = r["prompt"] if r["prompt"] is not None else cast(str, resolve_prompt_ref(r["prompt_ref"])[0])
     final = r["final_probs"]  # None: the row was never read (a counted refusal): NaN, and the jex block says so
     lls = [math.log(p) if p > 0 else -math.inf for p in final] if final is not None else [math.nan] * len(r["labels"])
     doc = {"run_id": r["run_id"], "question_id": r["question_id"], "options": r["options"], "labels": r["labels"],
@@ -255,13 +292,19 @@ def score_lm_eval(source: str | Path, out: str | Path, *, suite: str | Path | No
         suite_path = Path(suite) if suite else synthesized_suite(run.samples, Path(tmp) / "suite",
                                                                  name="lm-eval documents")
         mapped = map_samples(run.samples, load_suite_rows(suite_path), mode=mode, id_field=id_field)
-        tasks = {}
-        for task in sorted({s.task for s in run.samples}):
-            docs = [s for s in run.samples if s.task == task]
-            verdicts = [s.reported_correct for s in docs if s.reported_correct is not None]
-            tasks[task] = {"documents": len(docs), "lm_eval_results_acc": run.reported.get(task),
-                           "lm_eval_samples_acc": sum(verdicts) / len(verdicts) if verdicts else None}
-        record = {"from": "lm-eval", "source": str(source), "suite": str(suite) if suite else "made from the documents",
-                  "files": {f: sha256_file(f) for f in run.files}}
-        return score_mapped(replace(mapped, tasks=tasks), suite_path, out, draws=draws, seed=seed, record=record,
-                            extra=[] if suite else [("suite", suite_path)])
+        record = ImportRecord(tool="lm-eval", source=str(source),
+                              suite=str(suite) if suite else "made from the documents",
+                              files={f: sha256_file(f) for f in run.files})
+        return score_mapped(replace(mapped, tasks=_agreement(run)), suite_path, out, draws=draws, seed=seed,
+                            record=record, extra=[] if suite else [("suite", suite_path)])
+
+
+def _agreement(run: LmEvalRun) -> dict[str, TaskAgreement]:
+    """Per task: its documents, and the accuracy lm-eval reported (results file, samples' own `acc`)."""
+    out = {}
+    for task in sorted({s.task for s in run.samples}):
+        docs = [s for s in run.samples if s.task == task]
+        verdicts = [s.reported_correct for s in docs if s.reported_correct is not None]
+        out[task] = TaskAgreement(documents=len(docs), lm_eval_results_acc=run.reported.get(task),
+                                  lm_eval_samples_acc=sum(verdicts) / len(verdicts) if verdicts else None)
+    return out

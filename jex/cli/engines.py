@@ -1,0 +1,70 @@
+"""`jex bakeoff` and `jex parity`: engines measured against each other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from jex.cli.common import connect_prefect, fail
+from jex.engine.types import EngineDeadError, EngineError
+from jex.errors import JexError
+from jex.settings import load_settings
+
+
+def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for bakeoff.json/.md/.png")],
+            arms: Annotated[str, typer.Option(help="Comma-separated arms (hf-bi, hf-bi-ngram, hf-control, vllm-bi, "
+                                                   "vllm-bi-ngram, "
+                                                   "vllm-bi-fdo, vllm-control)")] = "hf-control,hf-bi",
+            model: Annotated[str | None, typer.Option(help="Model folder (default: embedded)")] = None,
+            prompts: int = 32, tokens: int = 256, ladder: str = "1,8,16,32", repeats: int = 2,
+            max_num_seqs: int = 32, device: str = "cpu") -> None:
+    """Batch-invariance bake-off: the ladder for an invariant arm and a control arm, each in its own process."""
+    from jex.tasks.lab.bakeoff import run_bakeoff
+
+    res = run_bakeoff(arms.split(","), model=model, prompts=prompts, tokens=tokens,
+                      ladder=[int(x) for x in ladder.split(",")], repeats=repeats, max_num_seqs=max_num_seqs,
+                      device=device, out_dir=out)
+    typer.echo(res["verdict"])
+    if res["errors"]:
+        fail(JexError(f"arms failed: {res['errors']}"))
+
+
+def parity(suite: Annotated[Path, typer.Option(help="Suite folder")],
+           out: Annotated[Path, typer.Option("-o", "--out", help="Folder for parity.json and parity.md")],
+           engine_a: Annotated[str, typer.Option(help="hf | hf-batched | vllm | vllm-control")] = "hf",
+           engine_b: Annotated[str, typer.Option(help="hf | hf-batched | vllm | vllm-control")] = "hf-batched",
+           model: Annotated[str | None, typer.Option(help="Model folder (default: embedded)")] = None,
+           rows: Annotated[int, typer.Option(help="Rows to read (0 = all)")] = 0,
+           reason_rows: Annotated[int, typer.Option(help="Rows for generation parity")] = 0,
+           max_tokens: int = 96, device: str = "cpu", batch_size: int = 8,
+           reference: Annotated[Path | None, typer.Option(help="Stored capture (capture.parquet or reference "
+                                                          "rows): engine A against it, no engine B")] = None) -> None:
+    """Parity of two engines on the same rows: readout agreement, |dp|, flips; choices after a rationale."""
+    if reference is not None:
+        from jex.tasks.lab.parity import capture_parity_files
+
+        try:
+            readout = capture_parity_files(suite, reference, out, kind=engine_a, model=model, device=device,
+                                           batch_size=batch_size, rows=rows)["readout"]
+        except (JexError, ValueError, EngineError, EngineDeadError) as e:
+            fail(e)
+        typer.echo(f"argmax agreement {readout['agree']}/{readout['common']}, max |dp| {readout['max_abs_dp']:.3g} "
+                   f"-> {out}")
+        return
+    connect_prefect(load_settings())
+    from jex.flows.experiments import parity as parity_flow
+
+    try:
+        r = parity_flow(suite=str(suite), engine_a=engine_a, engine_b=engine_b, model=model, rows=rows,
+                        reason_rows=reason_rows, max_tokens=max_tokens, device=device, batch_size=batch_size,
+                        out=str(out))
+    except (JexError, ValueError, EngineError, EngineDeadError) as e:
+        fail(e)
+    typer.echo(f"argmax agreement {r['agree']}/{r['common']}, max |dp| {r['max_abs_dp']:.3g} -> {out}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bakeoff")(bakeoff)
+    app.command("parity")(parity)

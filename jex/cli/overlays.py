@@ -1,0 +1,89 @@
+"""`jex overlays mine|gate|ladder`: overlays on a finished run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from jex.cli.common import fail
+from jex.errors import JexError
+from jex.settings import load_settings
+
+overlays_app = typer.Typer(no_args_is_help=True, help="Overlays on a finished run: mine, gate, ladder.")
+
+
+@overlays_app.command("mine")
+def overlays_mine(run: Annotated[Path, typer.Argument(help="A finished run folder")],
+                  out: Annotated[Path, typer.Option("-o", "--out", help="Folder for mining.json, candidates.toml")],
+                  top: int = 5) -> None:
+    """Propose candidate rules where errors are systematic, with their out-of-fold gain."""
+    from jex.fileio import write_json, write_text
+    from jex.tasks.lab.overlay_lab import candidate_rules_toml, load_capture, mine
+
+    doc = mine(load_capture(run))
+    write_json(out / "mining.json", doc)
+    write_text(out / "candidates.toml", candidate_rules_toml(doc["candidates"], top=top))
+    for c in doc["candidates"][:top]:
+        typer.echo(f"{c['catalog']:>14} {c['kind']:<22} oof gain {c['oof_gain_full']:+.3f}")
+    typer.echo(out / "candidates.toml")
+
+
+@overlays_app.command("gate")
+def overlays_gate(run: Annotated[Path, typer.Argument(help="A finished run folder")],
+                  rules: Annotated[Path, typer.Option(help="Rule file (TOML)")],
+                  out: Annotated[Path, typer.Option("-o", "--out", help="Folder for gate-settings.json, gate.json")],
+                  alpha: float = 0.05, permutations: int = 200,
+                  draws: Annotated[int | None, typer.Option(help="Bootstrap draws (default: JEX_BOOTSTRAP_DRAWS)")]
+                  = None,
+                  seed: Annotated[int | None, typer.Option(help="Bootstrap seed (default: JEX_BOOTSTRAP_SEED)")]
+                  = None) -> None:
+    """Pre-registered gate: settings hashed first; CI above zero, permutation p < alpha, no-degrade."""
+    from jex.overlays import load_rule_file
+    from jex.tasks.lab.overlay_lab import OverlayGateSettings, load_capture, overlay_gate
+
+    settings = load_settings()
+    draws = settings.bootstrap_draws if draws is None else draws
+    seed = settings.bootstrap_seed if seed is None else seed
+    try:
+        doc = overlay_gate(load_capture(run), [r for r in load_rule_file(rules) if r.enabled],
+                           OverlayGateSettings(alpha=alpha, draws=draws, seed=seed, permutations=permutations), out)
+    except JexError as e:
+        fail(e)
+    for r in doc["results"]:
+        failed = [k for k, v in r["checks"].items() if not v]
+        typer.echo(f"{r['rule']['id']}: {'PASS' if r['passed'] else 'FAIL ' + ', '.join(failed)} "
+                   f"(gain {r['gain_full']:+.3f}, CI {r['ci_full'][0]:+.3f}..{r['ci_full'][1]:+.3f}, "
+                   f"p {r['permutation_p']:.4f})" + (f": {r['no_degrade_error']}" if r["no_degrade_error"] else ""))
+
+
+@overlays_app.command("ladder")
+def overlays_ladder(run: Annotated[Path, typer.Argument(help="A finished run folder")],
+                    rules: Annotated[Path, typer.Option(help="Rule file (TOML), applied in declared order")],
+                    out: Annotated[Path, typer.Option("-o", "--out", help="Folder for ladder.json, disclosure.md")],
+                    gate_record: Annotated[Path | None, typer.Option("--gate", help="gate.json: keep its passes")]
+                    = None) -> None:
+    """Ladder, leave-one-outs, no-degrade and reversibility checks, and the disclosure sheet."""
+    from jex.fileio import write_json, write_text
+    from jex.overlays import load_rule_file
+    from jex.tasks.lab.overlay_lab import disclosure, ladder, load_capture
+
+    chosen = [r for r in load_rule_file(rules) if r.enabled]
+    if gate_record is not None:
+        passed = set(json.loads(gate_record.read_text())["passed"])
+        chosen = [r for r in chosen if r.id in passed]
+    try:
+        doc = ladder(load_capture(run), chosen)
+    except JexError as e:
+        fail(e)
+    write_json(out / "ladder.json", doc)
+    write_text(out / "disclosure.md", disclosure(doc, chosen))
+    for s in doc["steps"]:
+        typer.echo(f"{s['step']:>24} {s['full']:.4f}")
+    typer.echo(out / "disclosure.md")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(overlays_app, name="overlays")

@@ -1,0 +1,234 @@
+"""`jex run` and `jex calibrate`: a campaign specified once, run or resumed.
+
+Every CampaignSpec field comes from settings (`jex config show`), then a `--spec campaign.toml`
+file, then the flags given (`jex.flows.campaign.campaign_spec`, the path the UI form's defaults
+take too). A flag left out is None and changes nothing, so the defaults live in one place.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from jex.cli.common import connect_prefect, fail, input_error, spec_fields
+from jex.cli.store import resume_from_s3
+from jex.errors import InputError, JexError
+from jex.settings import JexSettings, load_settings
+
+if TYPE_CHECKING:
+    from jex.engine.render import RenderSpec
+    from jex.flows.campaign import CampaignSpec
+
+CAMPAIGN_FIELD_OF_FLAG = {
+    "suite": "suite", "name": "name", "coverage": "coverage", "out": "out", "store": "store",
+    "overlays": "overlays", "shard_rows": "fast_shard_rows", "reason_shard_rows": "reason_shard_rows",
+    "reason_max_tokens": "reason_max_tokens", "spec_proof_rows": "spec_proof_rows", "reference": "reference",
+    "reference_min_agreement": "reference_min_agreement", "require_zero_errors": "require_zero_errors",
+    "engine": "engine.kind", "model": "engine.model", "device": "engine.device", "batch_size": "engine.batch_size",
+    "dtype": "engine.dtype", "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "max_model_len": "engine.max_model_len", "engine_profile": "engine.profile",
+    "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "provider": "machines.provider", "host": "machines.hosts", "workers": "machines.workers",
+    "budget_usd": "machines.budget_usd", "engine_hosts": "machines.engine_hosts",
+    "gpus_per_machine": "machines.gpus_per_machine", "engines_per_gpu": "machines.engines_per_gpu",
+}
+"""`jex run` flag -> the CampaignSpec field it sets (a dotted path into the `engine` and `machines` tables)."""
+
+SpecFile = Annotated[Path | None, typer.Option("--spec", help="Campaign TOML: any CampaignSpec field, with [engine], "
+                                                               "[engine.render] and [machines] tables; flags override")]
+Suite = Annotated[Path | None, typer.Option(help="Suite folder (default: the embedded sample)")]
+Model = Annotated[str | None, typer.Option(help="Model folder, GGUF, or Hub id org/name[@revision] (default: "
+                                                "JEX_ENGINE__MODEL, else the embedded SmolLM2)")]
+Coverage = Annotated[float | None, typer.Option(help="Share of rows gated for a rationale (default: 0.10)")]
+Out = Annotated[Path | None, typer.Option(help="Folder for run folders (default: JEX_STORE__ROOT, runs)")]
+Store = Annotated[Path | None, typer.Option(help="Artifact store (default: OUT/store)")]
+EngineKind = Annotated[str | None, typer.Option(help="hf | hf-batched | vllm | vllm-control (default: "
+                                                     "JEX_ENGINE__KIND, hf)")]
+Device = Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1 ... (default: JEX_ENGINE__DEVICE, cpu)")]
+BatchSize = Annotated[int | None, typer.Option(help="Requests per engine call (hf-batched, vllm) (default: 8)")]
+Overlays = Annotated[Path | None, typer.Option(help="Overlay rule file (TOML)")]
+Name = Annotated[str | None, typer.Option(help="Campaign name (default: sample)")]
+ShardRows = Annotated[int | None, typer.Option(help="Rows per fast-pass shard (default: 32)")]
+ReasonMaxTokens = Annotated[int | None, typer.Option(help="Rationale length limit (default: 48)")]
+Provider = Annotated[str | None, typer.Option(help="Where engine stages run: inprocess | local | ssh | ec2 | "
+                                                   "command (default: settings, 'local')")]
+Hosts = Annotated[list[str] | None, typer.Option(help="ssh provider: host (repeatable)")]
+Workers = Annotated[int | None, typer.Option(help="Machines sharing each engine stage (default: 1)")]
+BudgetUsd = Annotated[float | None, typer.Option(help="Campaign machine budget (default: settings)")]
+Resume = Annotated[Path | None, typer.Option(help="Continue the campaign of this run folder")]
+ChatTemplate = Annotated[str | None, typer.Option(help="auto (the model's; plain text if it has none) | none | "
+                                                       "a Jinja template FILE (default: auto)")]
+SystemPrompt = Annotated[str | None, typer.Option(help="System turn before every question")]
+NumFewshot = Annotated[int | None, typer.Option(help="Solved examples before each question (the catalogs' "
+                                                     "few-shot rows) (default: 0)")]
+Render = Annotated[Path | None, typer.Option(help="TOML with any RenderSpec field (question_template, "
+                                                  "reason_template, option_format, answer_slot, ...)")]
+Dtype = Annotated[str | None, typer.Option(help="Weights dtype (default: JEX_ENGINE__DTYPE, else the engine's)")]
+GpuMemory = Annotated[float | None, typer.Option(help="vLLM: share of GPU memory (default: "
+                                                      "JEX_ENGINE__GPU_MEMORY_UTILIZATION, 0.30)")]
+MaxModelLen = Annotated[int | None, typer.Option(help="vLLM: context limit (default: JEX_ENGINE__MAX_MODEL_LEN, "
+                                                      "the model's)")]
+EngineProfile = Annotated[str | None, typer.Option(help="audit | audit-ngram (n-gram speculative decoding, kept only "
+                                                        "when this run proves it token-exact) (default: audit)")]
+SpecProofRows = Annotated[int | None, typer.Option(help="Gated rows re-generated by the audited base to prove a "
+                                                        "speculative profile (default: 64)")]
+Reference = Annotated[Path | None, typer.Option(help="Reference rows (run_id, choice, probs) of an earlier run: "
+                                                     "audit this run against them")]
+ReferenceMin = Annotated[float | None, typer.Option(help="Fail below this final agreement with the reference")]
+ZeroErrors = Annotated[bool | None, typer.Option(help="Fail unless every error counter is zero (default: no)")]
+ReasonShardRows = Annotated[int | None, typer.Option(help="Rows per reason shard (default: 8)")]
+MaxNumSeqs = Annotated[int | None, typer.Option(help="vLLM: sequences per scheduler step (default: 32)")]
+MaxBatchedTokens = Annotated[int | None, typer.Option(help="vLLM: tokens per scheduler step (default: vLLM's)")]
+EngineHosts = Annotated[bool | None, typer.Option(help="One engine process per machine slot serves every job of "
+                                                       "the machine (off: each job loads its own) (default: on)")]
+GpusPerMachine = Annotated[int | None, typer.Option(help="GPUs of each machine (default: 1)")]
+EnginesPerGpu = Annotated[int | None, typer.Option(help="Engine processes per GPU, each a data-parallel worker "
+                                                        "(small models) (default: 1)")]
+
+
+def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out: Out = None, store: Store = None,
+        engine: EngineKind = None, device: Device = None, batch_size: BatchSize = None, overlays: Overlays = None,
+        name: Name = None, shard_rows: ShardRows = None, reason_max_tokens: ReasonMaxTokens = None,
+        provider: Provider = None, host: Hosts = None, workers: Workers = None, budget_usd: BudgetUsd = None,
+        resume: Resume = None, chat_template: ChatTemplate = None, system_prompt: SystemPrompt = None,
+        num_fewshot: NumFewshot = None, render: Render = None, dtype: Dtype = None,
+        gpu_memory_utilization: GpuMemory = None, max_model_len: MaxModelLen = None,
+        engine_profile: EngineProfile = None, spec_proof_rows: SpecProofRows = None, reference: Reference = None,
+        reference_min_agreement: ReferenceMin = None, require_zero_errors: ZeroErrors = None,
+        reason_shard_rows: ReasonShardRows = None, max_num_seqs: MaxNumSeqs = None,
+        max_num_batched_tokens: MaxBatchedTokens = None, engine_hosts: EngineHosts = None,
+        gpus_per_machine: GpusPerMachine = None, engines_per_gpu: EnginesPerGpu = None, spec: SpecFile = None) -> None:
+    """Run a whole campaign (embedded defaults: sample suite, SmolLM2, local Prefect, local store).
+
+    Settings first, then --spec FILE, then the flags given. The last line printed is the run folder.
+    """
+    flags = dict(locals())  # every option by name; one not given is None
+    settings = load_settings()
+    connect_prefect(settings)  # before Prefect is imported: it reads its settings once
+    from jex.engine.types import EngineDeadError, EngineError
+    from jex.flows.campaign import load_spec, run_campaign
+
+    try:
+        campaign = spec_from(settings, spec_file=spec, flags=flags)
+        if resume is not None:
+            resume_from_s3(resume)
+            resumed = load_spec(resume)
+            campaign = resumed.model_copy(update={"machines": campaign.machines}) if provider else resumed
+        check_hub_model(campaign.engine.model)
+        run_dir = run_campaign(campaign)
+    except (JexError, EngineError, EngineDeadError) as e:
+        fail(e)
+    typer.echo(run_dir)
+
+
+def spec_from(settings: JexSettings, *, spec_file: Path | None, flags: dict[str, Any]) -> CampaignSpec:
+    """The campaign of `jex run`: settings, then the --spec file, then the flags given."""
+    from pydantic import ValidationError
+
+    from jex.flows.campaign import campaign_spec
+
+    layers = []
+    try:
+        if spec_file is not None:
+            layers.append(read_spec_file(spec_file))
+            campaign_spec(settings, *layers)
+    except ValidationError as e:
+        raise input_error(e, file=spec_file) from None
+    layers.append(spec_fields(flags, CAMPAIGN_FIELD_OF_FLAG))
+    render = render_fields(flags["render"], chat_template=flags["chat_template"],
+                           system_prompt=flags["system_prompt"], num_fewshot=flags["num_fewshot"])
+    if render:
+        layers[-1].setdefault("engine", {})["render"] = render
+    try:
+        return campaign_spec(settings, *layers)
+    except ValidationError as e:
+        raise input_error(e) from None
+
+
+def read_spec_file(path: Path) -> dict[str, Any]:
+    """The fields of a campaign TOML file (any CampaignSpec field; `[engine]`, `[machines]` tables)."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read the campaign spec: {e}", file=str(path)) from None
+
+
+def render_fields(path: Path | None, *, chat_template: str | None, system_prompt: str | None,
+                  num_fewshot: int | None) -> dict[str, Any]:
+    """The RenderSpec fields of a render TOML file (any field), then of the flags given; checked, so a
+    bad file is named with its field."""
+    from pydantic import ValidationError
+
+    from jex.engine.render import RenderSpec
+
+    fields: dict[str, Any] = read_spec_file(path) if path is not None else {}
+    if chat_template is not None and chat_template not in ("auto", "none"):
+        template = Path(chat_template)
+        if not template.is_file():
+            raise InputError("--chat-template: neither auto, none nor a readable Jinja file", file=chat_template)
+        fields["chat_template"] = template.read_text(encoding="utf-8")
+    elif chat_template is not None:
+        fields["chat_template"] = chat_template
+    fields.update({k: v for k, v in (("system_prompt", system_prompt), ("num_fewshot", num_fewshot)) if v is not None})
+    try:
+        RenderSpec.model_validate(fields)
+    except ValidationError as e:
+        raise input_error(e, file=path) from None
+    return fields
+
+
+def render_spec_from(path: Path | None, *, chat_template: str = "auto", system_prompt: str | None = None,
+                     num_fewshot: int = 0) -> RenderSpec:
+    """A RenderSpec from a TOML file (any field), then the given flags ('auto' and 0 keep the file's)."""
+    from jex.engine.render import RenderSpec
+
+    return RenderSpec.model_validate(render_fields(path, chat_template=None if chat_template == "auto" else
+                                                   chat_template, system_prompt=system_prompt,
+                                                   num_fewshot=num_fewshot or None))
+
+
+def check_hub_model(model: str | None) -> None:
+    """Offline, a Hub id must be in the local cache: say so before any flow or engine starts. (Online,
+    the machine that runs the engine downloads it: the orchestrator never fetches weights it won't use.)"""
+    from huggingface_hub import constants
+
+    from jex.engine.models import HUB_ID, resolve_hub
+    from jex.engine.types import EngineDeadError
+
+    if model and constants.HF_HUB_OFFLINE and not Path(model).exists() and HUB_ID.match(model):
+        try:
+            resolve_hub(model)
+        except EngineDeadError as e:
+            raise JexError(str(e)) from None
+
+
+def calibrate(coverage: Annotated[float, typer.Option(help="Coverage gated within the sample")] = 0.30,
+              sample_every: Annotated[int, typer.Option(help="Sample ~1/k of every catalog's questions")] = 4,
+              target_rows: Annotated[int | None, typer.Option(help="Rows to project for")] = None,
+              price: Annotated[float | None, typer.Option(help="$ per GPU-hour (default: settings)")] = None,
+              budget_hours: Annotated[float | None, typer.Option(help="default: settings")] = None,
+              budget_usd: Annotated[float | None, typer.Option(help="default: settings")] = None,
+              suite: Suite = None, out: Out = None) -> None:
+    """Measure reasoning cost and fix rate on a stratified sample; project time and cost per coverage."""
+    settings = load_settings()
+    connect_prefect(settings)
+    from jex.flows.calibration import CalibrationSpec, calibration
+    from jex.flows.campaign import campaign_spec
+
+    infra = settings.infra
+    spec = CalibrationSpec(campaign=campaign_spec(settings, spec_fields({"suite": suite, "out": out},
+                                                                        CAMPAIGN_FIELD_OF_FLAG)),
+                           coverage=coverage, sample_every=sample_every, target_rows=target_rows,
+                           price_per_gpu_hour=infra.price_per_hour if price is None else price,
+                           budget_hours=infra.budget_hours if budget_hours is None else budget_hours,
+                           budget_usd=infra.budget_usd if budget_usd is None else budget_usd)
+    doc = calibration(spec)
+    typer.echo(f"recommended coverage: {doc['projection']['recommended_coverage']}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run)
+    app.command("calibrate")(calibrate)

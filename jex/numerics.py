@@ -1,0 +1,57 @@
+"""Small numerics every room uses, written once: log-odds, the tie-broken choice, question folds and
+per-name random generators. Pure functions; the results are pinned by stored predictions and scores,
+so each keeps the exact arithmetic of the copies it replaced."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterable, Sequence
+from typing import overload
+
+import numpy as np
+
+LOGIT_CLIP = (1e-300, 1 - 1e-16)
+"""Probabilities are clipped to this range before the log-odds, so 0 and 1 give finite values."""
+
+
+@overload
+def logit(p: float) -> float: ...
+@overload
+def logit(p: np.ndarray) -> np.ndarray: ...
+def logit(p: float | np.ndarray) -> float | np.ndarray:
+    """log(p / (1 - p)) with p clipped to `LOGIT_CLIP`.
+
+    A Python float goes through `math` (libm), an array through numpy. The two can differ in the last
+    bit (numpy's SIMD log), and stored outputs use each (gate margins: numpy; parity and reference
+    margins: math), so both paths stay."""
+    lo, hi = LOGIT_CLIP
+    if isinstance(p, float):
+        p = min(max(p, lo), hi)
+        return math.log(p) - math.log1p(-p)
+    p = np.clip(p, lo, hi)
+    return np.log(p) - np.log1p(-p)
+
+
+@overload
+def argmax(values: None) -> None: ...
+@overload
+def argmax(values: Sequence[float]) -> int: ...
+def argmax(values: Sequence[float] | None) -> int | None:
+    """Index of the highest value, ties to the lowest index (numpy's rule); None stays None (a refused
+    readout has no choice)."""
+    if values is None:
+        return None
+    return max(range(len(values)), key=lambda i: (values[i], -i))
+
+
+def question_folds(question_ids: Iterable[str], folds: int) -> np.ndarray:
+    """Fold of each row, crc32(question_id) % folds: rows of one question always share a fold, and the
+    assignment does not depend on row order or on the run."""
+    return np.array([zlib.crc32(q.encode()) % folds for q in question_ids])
+
+
+def named_rng(seed: int, name: str) -> np.random.Generator:
+    """A generator seeded by (seed, crc32(name)): each catalog or arm draws its own stream, so adding
+    one leaves the others' draws unchanged."""
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])

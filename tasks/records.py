@@ -1,0 +1,217 @@
+"""Typed stage summaries: what one stage hands the next, what `_SUCCESS.json` holds, what a machine's
+`jex stage run --args` reads. Small records of paths, sha256s and counters, never frames.
+
+Every summary names its stage, its cache key, the sha256 of its main artifact, and (once the stage
+is complete) its folder and the sha256 of every file in it. A summary read back from the store is
+validated, so a stage folder written by other code is refused by name, not misread.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypedDict
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jex.tasks.capture.engine_pool import EngineSpec
+
+
+class Record(BaseModel):
+    """A frozen record that refuses unknown fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class StageSummary(Record):
+    stage: str
+    key: str
+    sha256: str = Field(description="sha256 of the stage's main artifact")
+    folder: str = Field("", description="The stage folder (set when the stage is complete)")
+    files: dict[str, str] = Field(default_factory=dict, description="sha256 of every file in the folder")
+
+
+class BundleSummary(StageSummary):
+    stage: Literal["bundle"] = "bundle"
+    bundle: str = Field(description="The bundle tar.gz")
+    rows: int
+
+
+class ShardWork(Record):
+    """What one call of a sharded stage computed itself (the rest it reused or left to others)."""
+
+    computed_shards: list[int] = Field(default_factory=list)
+    compute_seconds: float = 0.0
+    computed_rows: int = 0
+
+
+class PartialSummary(ShardWork):
+    """One of several processes sharing an engine stage: its own shards; another one merges."""
+
+    stage: Literal["fast_pass", "reason"]
+    key: str
+    partial: Literal[True] = True
+
+
+class FastPassErrors(TypedDict):
+    """The fast pass's error counters, disjoint (`tasks/capture/stages.py: fast_pass_error_counters`)."""
+
+    context_refusals: int
+    batch_errors: int
+    readout_errors: int
+    key_fallbacks: int
+
+
+class ReasonErrors(TypedDict):
+    """The reason stage's error counters, disjoint (`reason_error_counters`)."""
+
+    context_refusals: int
+    batch_errors: int
+    mechanism_failures: int
+
+
+class EngineStageSummary(StageSummary, ShardWork):
+    """What both engine stages' summaries carry: rows, shards, the counters both count, the engine."""
+
+    rows: int
+    shards: int
+    reused_shards: list[int] = Field(default_factory=list)
+    context_refusals: int = 0
+    batch_errors: int = 0
+    engine: dict[str, Any] = Field(description="The engine fingerprint measured where the shards were computed")
+
+
+class FastPassSummary(EngineStageSummary):
+    stage: Literal["fast_pass"] = "fast_pass"
+    capture: str = Field(description="capture.parquet: run_id, logprobs, label_mass, refusal")
+    shard_rows: int
+    readout_errors: int = 0
+    key_fallbacks: int = 0
+
+    def errors(self) -> FastPassErrors:
+        return FastPassErrors(context_refusals=self.context_refusals, batch_errors=self.batch_errors,
+                              readout_errors=self.readout_errors, key_fallbacks=self.key_fallbacks)
+
+
+class RationaleTokens(Record):
+    mean: float
+    max: int
+    hit_max_tokens: int
+
+
+class ReasonSummary(EngineStageSummary):
+    stage: Literal["reason"] = "reason"
+    reasoned: str = Field(description="reasoned.parquet: rationale, token ids, post-thought readout")
+    mechanism_failures: int = 0
+    rationale_tokens: RationaleTokens
+
+    def errors(self) -> ReasonErrors:
+        return ReasonErrors(context_refusals=self.context_refusals, batch_errors=self.batch_errors,
+                            mechanism_failures=self.mechanism_failures)
+
+
+class GateSummary(StageSummary):
+    """The gated rows (the coverage gate's, or the speculative proof's sample of them)."""
+
+    stage: Literal["gate", "spec_proof_gate"] = "gate"
+    gated: str = Field(description="gated.parquet: the rows that get a rationale")
+    rows: int
+    coverage: float | None = None
+    panel_rows: int | None = None
+    max_margin: float | None = None
+
+
+class FoldSummary(StageSummary):
+    stage: Literal["fold"] = "fold"
+    folded: str
+    fold_json: str
+    errors: dict[str, int]
+
+
+class CalibrateSummary(StageSummary):
+    stage: Literal["calibrate"] = "calibrate"
+    calibrated: str
+    calibration_json: str
+
+
+class OverlaySummary(StageSummary):
+    stage: Literal["overlay"] = "overlay"
+    predictions: str
+    applied: list[dict[str, Any]]
+
+
+class ScoreSummary(StageSummary):
+    stage: Literal["score"] = "score"
+    score_json: str
+    baseline_json: str
+    full: float | None
+    baseline_full: float | None
+    reference_agreement: float | None = None
+    reference: bool = False
+
+
+class EngineStageArgs(Record):
+    """What an engine stage needs wherever it runs: `jex stage run --args args.json` on a machine, a
+    data-parallel worker, or an engine host's request."""
+
+    bundle: BundleSummary
+    engine: EngineSpec
+    store: str
+    shard_rows: int
+    gate: GateSummary | None = Field(None, description="reason only: the rows to reason on")
+    max_tokens: int | None = Field(None, description="reason only: rationale length limit")
+
+
+class StagePlan(Record):
+    """Where an engine stage's shards go and how many there are (computed without loading an engine)."""
+
+    stage: Literal["fast_pass", "reason"]
+    key: str
+    folder: str
+    shards_dir: str
+    shards: int
+    complete: bool
+    engine: dict[str, Any]
+
+
+SUMMARIES: dict[str, type[StageSummary]] = {
+    "bundle": BundleSummary, "fast_pass": FastPassSummary, "gate": GateSummary, "reason": ReasonSummary,
+    "spec_proof_gate": GateSummary, "spec_proof": ReasonSummary, "fold": FoldSummary,
+    "calibrate": CalibrateSummary, "overlay": OverlaySummary, "score": ScoreSummary}
+"""The summary record of each campaign stage, by stage name."""
+
+
+class CampaignSummaries(Record):
+    """The summaries of one campaign run, filled stage by stage (the flow's state)."""
+
+    model_config = ConfigDict(frozen=False, extra="forbid")
+    bundle: BundleSummary | None = None
+    fast_pass: FastPassSummary | None = None
+    gate: GateSummary | None = None
+    reason: ReasonSummary | None = None
+    spec_proof_gate: GateSummary | None = None
+    spec_proof: ReasonSummary | None = None
+    fold: FoldSummary | None = None
+    calibrate: CalibrateSummary | None = None
+    overlay: OverlaySummary | None = None
+    score: ScoreSummary | None = None
+
+    def done(self) -> dict[str, StageSummary]:
+        """The stages run so far, in campaign order."""
+        return {name: s for name in type(self).model_fields if (s := getattr(self, name)) is not None}
+
+    def finished(self) -> FinishedCampaign:
+        """The summaries of a campaign whose every stage has run (raises naming a missing one)."""
+        done = self.done()
+        return FinishedCampaign.model_validate({k: v for k, v in done.items() if k in FinishedCampaign.model_fields})
+
+
+class FinishedCampaign(Record):
+    """Every stage summary of a finished campaign (what the run folder is written from)."""
+
+    bundle: BundleSummary
+    fast_pass: FastPassSummary
+    gate: GateSummary
+    reason: ReasonSummary
+    fold: FoldSummary
+    calibrate: CalibrateSummary
+    overlay: OverlaySummary
+    score: ScoreSummary

@@ -1,0 +1,124 @@
+"""The command line: one app of command groups, `--version`, shell completion, and `jex run` taking a
+campaign from settings, then `--spec FILE`, then flags (the flow itself is not run here)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import jex.flows.campaign as campaign_module
+from jex.cli import app
+from jex.cli.run import CAMPAIGN_FIELD_OF_FLAG, run
+from jex.flows.campaign import CampaignSpec
+
+EVERY_FIELD = {
+    "name": "full", "suite": "suites/mine", "sample_rows": 36, "coverage": 0.25, "per_catalog_cap": 0.5,
+    "reason_max_tokens": 12, "spec_proof_rows": 5, "fold_rule": "replace", "fold_weight": 0.25,
+    "calibration_folds": 3, "overlays": "rules.toml", "bootstrap_draws": 50, "bootstrap_seed": 1,
+    "fast_shard_rows": 16, "reason_shard_rows": 4, "store": "s", "out": "o", "reference": "ref.parquet",
+    "require_zero_errors": True, "samples_prompts": "sha256", "reference_min_agreement": 0.9,
+    "engine": {"kind": "vllm", "profile": "audit-ngram", "model": "org/name", "device": "cuda", "batch_size": 0,
+               "max_num_seqs": 4, "max_num_batched_tokens": 512, "dtype": "bfloat16", "gpu_memory_utilization": 0.5,
+               "max_model_len": 1024, "cache_dir": "cache",
+               "render": {"system_prompt": "Be brief.", "chat_template": "none", "num_fewshot": 2}},
+    "machines": {"provider": "ssh", "hosts": ["h1", "h2"], "workers": 2, "budget_usd": 5.0, "price_per_hour": 1.5,
+                 "wall_budget_hours": 2.0, "heartbeat_timeout_s": 30.0, "golden_rows": 8, "golden_tolerance": 0.001,
+                 "concurrent": False, "engine_hosts": False, "gpus_per_machine": 2, "engines_per_gpu": 2,
+                 "fresh_processes": True},
+}
+"""A value other than the default for every CampaignSpec field (and every engine and machines field)."""
+
+
+@pytest.fixture(autouse=True)
+def no_user_settings(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    for name in [n for n in os.environ if n.startswith("JEX_")]:
+        monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def ran(monkeypatch) -> list[CampaignSpec]:
+    """The campaigns `jex run` hands to the flow (which is not run)."""
+    specs: list[CampaignSpec] = []
+    monkeypatch.setattr("jex.cli.run.connect_prefect", lambda settings: None)
+    monkeypatch.setattr(campaign_module, "run_campaign", lambda spec: specs.append(spec) or "RUN")
+    return specs
+
+
+def toml(doc: dict, table: str = "") -> str:
+    """A TOML document of scalars, lists and nested tables (JSON literals are TOML literals here)."""
+    scalars = [f"{k} = {json.dumps(v)}" for k, v in doc.items() if not isinstance(v, dict)]
+    tables = [toml(v, f"{table}{k}.") for k, v in doc.items() if isinstance(v, dict)]
+    return "\n".join(([f"[{table[:-1]}]"] if table else []) + scalars + tables) + "\n"
+
+
+def test_version_prints_the_package_version_and_commit():
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.startswith("jex 0.1.0 (commit "), result.output
+
+
+def test_shell_completion_is_offered():
+    output = CliRunner().invoke(app, ["--help"]).output
+    assert "--install-completion" in output and "--show-completion" in output
+
+
+def test_importing_the_cli_imports_no_flow_and_no_prefect():
+    """`python -m jex stage run` on a machine: no Prefect, no flows at import time."""
+    code = "import sys, jex.cli; print([m for m in sys.modules if m.startswith(('prefect', 'jex.flows'))])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_every_run_flag_sets_a_campaign_field():
+    own = {"spec", "resume", "render", "chat_template", "system_prompt", "num_fewshot"}  # files, and engine.render
+    assert set(inspect.signature(run).parameters) - own == set(CAMPAIGN_FIELD_OF_FLAG)
+    for path in CAMPAIGN_FIELD_OF_FLAG.values():
+        model = CampaignSpec
+        for part in path.split("."):
+            field = model.model_fields[part]
+            model = field.annotation
+    assert EVERY_FIELD.keys() == CampaignSpec.model_fields.keys()
+
+
+def test_flags_beat_settings(ran, monkeypatch):
+    monkeypatch.setenv("JEX_ENGINE__BATCH_SIZE", "4")
+    monkeypatch.setenv("JEX_ENGINE__DEVICE", "cuda")
+    result = CliRunner().invoke(app, ["run", "--batch-size", "2", "--out", "elsewhere"])
+    assert result.exit_code == 0, result.output
+    assert (ran[0].engine.batch_size, ran[0].engine.device, ran[0].store) == (2, "cuda", "elsewhere/store")
+
+
+def test_spec_file_round_trips_every_field(ran, tmp_path):
+    (tmp_path / "campaign.toml").write_text(toml(EVERY_FIELD))
+    result = CliRunner().invoke(app, ["run", "--spec", str(tmp_path / "campaign.toml")])
+    assert result.exit_code == 0, result.output
+    assert ran[0] == CampaignSpec.model_validate(EVERY_FIELD)
+    assert ran[0].model_dump(exclude={"engine": {"render"}}) == {
+        **EVERY_FIELD, "engine": {k: v for k, v in EVERY_FIELD["engine"].items() if k != "render"}}
+
+
+def test_flags_beat_the_spec_file(ran, tmp_path):
+    (tmp_path / "campaign.toml").write_text('coverage = 0.3\n[engine]\nbatch_size = 4\n[engine.render]\n'
+                                            'system_prompt = "x"\n')
+    result = CliRunner().invoke(app, ["run", "--spec", "campaign.toml", "--coverage", "0.2", "--num-fewshot", "1"])
+    assert result.exit_code == 0, result.output
+    assert (ran[0].coverage, ran[0].engine.batch_size, ran[0].engine.render.system_prompt,
+            ran[0].engine.render.num_fewshot) == (0.2, 4, "x", 1)
+
+
+@pytest.mark.parametrize(("text", "where"), [
+    ("coverage = 5\n", "file campaign.toml, field 'coverage'"),
+    ("[machines]\nworkerz = 2\n", "file campaign.toml, field 'machines.workerz'"),
+    ("coverage = \n", "file campaign.toml: cannot read the campaign spec"),
+], ids=["bad-value", "unknown-field", "not-toml"])
+def test_a_bad_spec_file_is_named_with_its_field(ran, tmp_path, text, where):
+    (tmp_path / "campaign.toml").write_text(text)
+    result = CliRunner().invoke(app, ["run", "--spec", "campaign.toml"])
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: {where}"), result.stderr
+    assert not ran

@@ -1,0 +1,89 @@
+"""Every setting `jex config show` prints is honoured: the engine, store and bootstrap settings are the
+campaign's defaults (`campaign_spec`), for `jex run` and the UI form alike; the Prefect API URL reaches
+the Prefect client."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from jex.flows.campaign import CampaignSpec, campaign_spec
+from jex.settings import BOOTSTRAP_SEED, EngineDefaults, load_settings
+from jex.tasks.capture.engine_pool import EngineSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+NOT_DEFAULT = {"kind": "vllm", "profile": "audit-ngram", "model": "org/name@abc", "device": "cuda:1", "batch_size": 3,
+               "max_num_seqs": 7, "max_num_batched_tokens": 4096, "dtype": "bfloat16", "gpu_memory_utilization": 0.5,
+               "max_model_len": 2048, "cache_dir": "/tmp/jex-cache"}
+"""A value other than the default for every field of EngineDefaults."""
+
+
+@pytest.fixture(autouse=True)
+def no_user_settings(monkeypatch, tmp_path):
+    """No JEX_* variable and no .env of the person running the tests."""
+    monkeypatch.chdir(tmp_path)
+    for name in [n for n in os.environ if n.startswith("JEX_")]:
+        monkeypatch.delenv(name)
+
+
+def test_default_settings_give_the_default_campaign():
+    """`jex run` with no option runs the campaign it ran before settings fed it (byte-identical outputs)."""
+    assert campaign_spec(load_settings()) == CampaignSpec()
+
+
+def test_every_engine_setting_is_a_field_of_the_campaign_engine():
+    assert set(EngineDefaults.model_fields) <= set(EngineSpec.model_fields)
+    assert set(NOT_DEFAULT) == set(EngineDefaults.model_fields)
+    assert all(NOT_DEFAULT[k] != f.default for k, f in EngineDefaults.model_fields.items())
+
+
+@pytest.mark.parametrize("field", sorted(NOT_DEFAULT))
+def test_an_engine_setting_reaches_the_campaign_engine(field, monkeypatch):
+    monkeypatch.setenv(f"JEX_ENGINE__{field.upper()}", str(NOT_DEFAULT[field]))
+    assert getattr(campaign_spec(load_settings()).engine, field) == NOT_DEFAULT[field]
+
+
+def test_store_bootstrap_and_provider_settings_reach_the_spec(monkeypatch):
+    for name, value in {"JEX_STORE__ROOT": "/data/runs", "JEX_BOOTSTRAP_DRAWS": "300", "JEX_BOOTSTRAP_SEED": "7",
+                        "JEX_INFRA__PROVIDER": "inprocess"}.items():
+        monkeypatch.setenv(name, value)
+    spec = campaign_spec(load_settings())
+    assert (spec.out, spec.store, spec.bootstrap_draws, spec.bootstrap_seed, spec.machines.provider) == (
+        "/data/runs", "/data/runs/store", 300, 7, "inprocess")
+
+
+def test_a_layer_beats_settings_and_tables_merge(monkeypatch):
+    monkeypatch.setenv("JEX_ENGINE__BATCH_SIZE", "4")
+    monkeypatch.setenv("JEX_ENGINE__DEVICE", "cuda")
+    spec = campaign_spec(load_settings(), {"engine": {"batch_size": 2}}, {"out": "elsewhere"})
+    assert (spec.engine.batch_size, spec.engine.device, spec.store) == (2, "cuda", str(Path("elsewhere/store")))
+
+
+def test_the_ui_form_defaults_come_from_settings(monkeypatch):
+    from jex.deployments.register import deployment_specs
+
+    monkeypatch.setenv("JEX_ENGINE__BATCH_SIZE", "4")
+    form = {d["name"]: d for d in deployment_specs(load_settings(), {"coverage": 0.2})}["campaign"]["parameters"]
+    assert (form["spec"]["engine"]["batch_size"], form["spec"]["coverage"]) == (4, 0.2)
+
+
+def test_the_prefect_api_url_setting_reaches_the_prefect_client(monkeypatch):
+    from jex.cli.common import connect_prefect
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"})
+    monkeypatch.setenv("JEX_PREFECT__API_URL", "http://127.0.0.1:9/api")
+    connect_prefect(load_settings())
+    assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:9/api"
+
+
+def test_the_bootstrap_seed_is_written_once():
+    """One constant in the core (jex.settings.BOOTSTRAP_SEED); every default seed refers to it."""
+    from jex.tasks.scoring.bootstrap_ci import DEFAULT_SEED
+
+    assert CampaignSpec().bootstrap_seed == DEFAULT_SEED == BOOTSTRAP_SEED
+    rooms = ("jex", "engine", "tasks", "flows", "infra", "overlays", "deployments", "bench")
+    hits = [str(p.relative_to(ROOT)) for room in rooms for p in (ROOT / room).rglob("*.py")
+            if str(BOOTSTRAP_SEED) in p.read_text()]
+    assert hits == ["jex/settings.py"]
