@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from jex.tasks.records import PartialSummary, StageSummary
@@ -48,6 +47,3 @@ class CachedStage(Generic[S]):
             return self.summary.model_validate(folder.summary())
         out = self.body(folder, store, **inputs)
         return out if isinstance(out, PartialSummary) else folder.finish(out)
-
-    def folder(self, store: LocalStore, **inputs: Any) -> Path:
-        return store.root / self.name / self.key(**inputs)

@@ -172,13 +172,6 @@ class StagePlan(Record):
     engine: dict[str, Any]
 
 
-SUMMARIES: dict[str, type[StageSummary]] = {
-    "bundle": BundleSummary, "fast_pass": FastPassSummary, "gate": GateSummary, "reason": ReasonSummary,
-    "spec_proof_gate": GateSummary, "spec_proof": ReasonSummary, "fold": FoldSummary,
-    "calibrate": CalibrateSummary, "overlay": OverlaySummary, "score": ScoreSummary}
-"""The summary record of each campaign stage, by stage name."""
-
-
 class CampaignSummaries(Record):
     """The summaries of one campaign run, filled stage by stage (the flow's state)."""
 
