@@ -9,12 +9,14 @@ configuration: wall, seconds per stage (`stages.json`), engine starts and job se
 (`machines.json`), fast-pass rows/s, reason tokens/s, machine cost, and the sha256 of the capture,
 the rationales and the predictions, so configurations can be compared byte for byte.
 
-Configurations: `hosts1` (one engine host per machine), `hosts2` (two engine processes on the GPU),
-`no-hosts` (every job loads its own engine: the behaviour before engine hosts). A configuration may
-be given twice. With `--shared-store` every run uses one store and its own suite (seed = its
-position), so nothing is cached between runs but the engine's compile cache: the second run's
-machine starts from the first one's (`compile_cache: restored` in its start records). `--first-seed`
-continues such a store in a later call (each whole 150k campaign needs most of a device call).
+Configurations: `hosts1` (one engine host per machine), `hosts2` (two engine processes on the GPU,
+starting one after the other), `hosts2-kv` (the same with a fixed 16 GiB KV cache each: the two
+engines start together, beside the golden replay), `no-hosts` (every job loads its own engine: the
+behaviour before engine hosts). A configuration may be given twice. With `--shared-store` every run
+uses one store and its own suite (seed = its position), so nothing is cached between runs but the
+engine's compile cache: the second run's machine starts from the first one's (`compile_cache:
+restored` in its start records). `--first-seed` continues such a store in a later call (each whole
+150k campaign needs most of a device call).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 CONFIGS = {"hosts1": ["--engines-per-gpu", "1"], "hosts2": ["--engines-per-gpu", "2"],
+           "hosts2-kv": ["--engines-per-gpu", "2", "--kv-cache-memory-gib", "16"],
            "no-hosts": ["--no-engine-hosts", "--engines-per-gpu", "1"]}
 
 
@@ -70,6 +73,9 @@ def run_config(config: str, name: str, a: argparse.Namespace, suite: Path, work:
                                for r in m.get("engine_start_records", [])],
             "compile_cache": [r.get("compile_cache") for m in machines["machines"]
                               for r in m.get("engine_start_records", [])],
+            "engine_start_records": [{k: r.get(k) for k in ("slot", "seconds", "queued_s", "alone", "compile_cache",
+                                                            "time")}
+                                     for m in machines["machines"] for r in m.get("engine_start_records", [])],
             "jobs_s": {j["job"]: j["seconds"] for m in machines["machines"] for j in m["jobs"]},
             "engine_compute": engine_compute(machines),
             "machine_life_s": [m["life_s"] for m in machines["machines"]],

@@ -11,6 +11,8 @@ with its process):
   `generate`, max_num_seqs 128, every prompt and every label tokenised one at a time;
 - `new`: one `generate` per shard (batch_size 0), one batch tokeniser call per shard with label ids
   computed once, max_num_seqs 512, max_num_batched_tokens 32768;
+- `new-inline`: `new` with each shard rendered and tokenised on the engine's thread just before its
+  engine call (`JEX_PREPARE_AHEAD=0`), where `new` prepares the next shard on a thread beside it;
 - `ceiling` (in the `new` process, same engine): one `generate` per label set over every row's
   pre-tokenised ids; no rendering, no tokenising, no jex.
 Rows/s counts the stage's compute after the engine is up (engine start reported separately); the
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -30,9 +33,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+NEW = {"batch_size": 0, "max_num_seqs": 512, "max_num_batched_tokens": 32768, "per_prompt_tokens": False}
 CONFIGS = {
     "before": {"batch_size": 256, "max_num_seqs": 128, "max_num_batched_tokens": None, "per_prompt_tokens": True},
-    "new": {"batch_size": 0, "max_num_seqs": 512, "max_num_batched_tokens": 32768, "per_prompt_tokens": False},
+    "new": NEW,
+    "new-inline": {**NEW, "env": {"JEX_PREPARE_AHEAD": "0"}},
 }
 
 
@@ -137,7 +142,8 @@ def main() -> None:
                    "--model", args.model, "--kind", args.kind, "--gated", str(args.gated),
                    "--max-tokens", str(args.max_tokens), "--fast-shard", str(args.fast_shard),
                    "--reason-shard", str(args.reason_shard), "--out", args.out]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            env = {**os.environ, **CONFIGS[name].get("env", {})}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode or not lines:
                 runs[name] = {"error": proc.stderr[-4000:], "returncode": proc.returncode}
@@ -150,6 +156,13 @@ def main() -> None:
         result["reasoned_identical"] = b["reason"]["reasoned_sha256"] == n["reason"]["reasoned_sha256"]
         result["fast_pass_speedup"] = n["fast_pass"]["rows_per_s"] / b["fast_pass"]["rows_per_s"]
         result["reason_speedup"] = n["reason"]["tok_per_s"] / b["reason"]["tok_per_s"]
+    if all("fast_pass" in runs.get(n, {}) for n in ("new", "new-inline")):
+        n, i = runs["new"], runs["new-inline"]
+        result["prepare_ahead"] = {
+            "capture_identical": n["fast_pass"]["capture_sha256"] == i["fast_pass"]["capture_sha256"],
+            "reasoned_identical": n["reason"]["reasoned_sha256"] == i["reason"]["reasoned_sha256"],
+            "fast_pass_speedup": n["fast_pass"]["rows_per_s"] / i["fast_pass"]["rows_per_s"],
+            "reason_speedup": n["reason"]["tok_per_s"] / i["reason"]["tok_per_s"]}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "gpu-fastpass.json").write_text(json.dumps(result, indent=1, default=str))
     summary = {k: v for k, v in result.items() if k != "runs"}

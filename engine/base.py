@@ -1,11 +1,13 @@
 """What every engine shares: the chat template, tokenisation, label tokens and request checks.
 
 Both engines tokenise prompts themselves (`add_special_tokens=False`: the chat template already
-holds the special tokens) and hand token ids to the model, so HF and vLLM read the same ids.
+holds the special tokens) and hand token ids to the model, so HF and vLLM read the same ids. A request
+may carry its ids already (`prompt_ids`, from the engine's `preparer()` on another thread).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
@@ -21,10 +23,10 @@ def package_version(name: str) -> str | None:
         return None
 
 
-class TokenizedEngine:
-    tokenizer: Any
-    max_context: int
-    continuation_reserve = 0  # tokens the engine must be able to add after a scored sequence
+class ChatTokenizer:
+    """A tokenizer and its chat template: renders and tokenises prompts, runs no model."""
+
+    tokenizer: Any  # set by the engine that loads it, or by its `preparer()`
 
     def chat_prompt(self, user_text: str) -> str:
         return self.tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
@@ -59,8 +61,29 @@ class TokenizedEngine:
             return []
         return [list(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
+
+class TokenizedEngine(ChatTokenizer):
+    max_context: int
+    continuation_reserve = 0  # tokens the engine must be able to add after a scored sequence
+
+    def preparer(self) -> ChatTokenizer:
+        """This engine's chat template with a copy of its tokenizer (the same ids): prompts rendered and
+        tokenised with it on another thread while the engine runs. A fast tokenizer must not serve two
+        threads at once, and the engine keeps using its own (vLLM detokenises outputs with it)."""
+        copied = ChatTokenizer()
+        try:
+            copied.tokenizer = copy.deepcopy(self.tokenizer)
+        except Exception as e:  # noqa: BLE001 - a wrapper that cannot be copied: share it (encode and decode
+            # only read a fast tokenizer; it is its truncation and padding settings that must not change)
+            print(f"tokenizer {type(self.tokenizer).__name__} not copied ({e}); the preparing thread shares it",
+                  flush=True)
+            return self
+        return copied
+
     def encode_prompts(self, requests: Sequence[ReadoutRequest] | Sequence[GenerateRequest]) -> list[list[int]]:
-        return self.encode_many([r.prompt for r in requests])
+        """Each request's prompt ids: the `prompt_ids` it carries, else from one batch call over the rest."""
+        fresh = iter(self.encode_many([r.prompt for r in requests if r.prompt_ids is None]))
+        return [list(r.prompt_ids) if r.prompt_ids is not None else next(fresh) for r in requests]
 
     def label_token(self, label: str) -> int | None:
         """The id of ' LABEL' if it is a single token, else None (a label slot cannot read it).

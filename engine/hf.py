@@ -159,7 +159,7 @@ class HFEngine(TokenizedEngine):
                     stop_strings=stops or None,
                     tokenizer=self.tokenizer if stops else None, temperature=None, top_p=None, top_k=None,
                     **(self.speculative if len(batch) == 1 else {}))
-            for k, (i, _) in enumerate(batch):
+            for k, (i, ids) in enumerate(batch):
                 r = requests[i]
                 new = gen[k, width:].tolist()[: r.max_tokens]
                 # drop padding after this row finished (other rows kept the batch going)
@@ -173,7 +173,7 @@ class HFEngine(TokenizedEngine):
                 if stopped:  # keep the tokens up to the one that completed the stop string
                     new = self._trim_to_stop(new, r.stop)
                 out[i] = Generation(r.run_id, text, tuple(new), FinishReason.STOP if finished else
-                                    FinishReason.LENGTH, len(self.encode(r.prompt)))
+                                    FinishReason.LENGTH, len(ids))
         return [out[i] for i in range(len(requests))]
 
     def next_token(self, requests: Sequence[NextTokenRequest]) -> list[NextTokenStats]:

@@ -48,6 +48,9 @@ class ReadoutRequest:
     """Label texts, e.g. ('A', 'B', 'C', 'D'); read as the tokens ' A', ' B', ..."""
     options: tuple[str, ...] = ()
     """Option texts, used by OPTION_CONTINUATION."""
+    prompt_ids: tuple[int, ...] | None = None
+    """The prompt's token ids under this engine's tokenizer, when already tokenised; None: the engine
+    tokenises `prompt`."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,9 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     """Generate exactly max_tokens (bake-offs compare fixed-length sequences)."""
+    prompt_ids: tuple[int, ...] | None = None
+    """The prompt's token ids under this engine's tokenizer, when already tokenised; None: the engine
+    tokenises `prompt`."""
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ class VLLMProfile:
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None  # None: vLLM's default
     gpu_memory_utilization: float = 0.30
+    kv_cache_memory_bytes: int | None = None  # None: sized by profiling the GPU's free memory
     max_model_len: int | None = None
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -115,6 +116,21 @@ class VLLMProfile:
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
+def import_vllm(profile: VLLMProfile) -> Any:
+    """vLLM's module, imported under the profile's process-wide environment (refused when this process
+    already imported it under another). Importing takes tens of seconds: a machine's engine host does
+    it before waiting for its turn to start an engine."""
+    env = profile.environment()
+    if "vllm" in sys.modules and any(os.environ.get(k) != v for k, v in env.items()):
+        raise EngineDeadError(f"vLLM was already imported in this process with other settings than {env}; "
+                              "batch invariance is process-wide: start a new process for this profile")
+    os.environ.update(env)
+    try:
+        import vllm
+    except ImportError as e:
+        raise EngineDeadError(f"vLLM is not installed (pip install 'jex[gpu]'): {e}") from e
+    return vllm
+
 
 class VLLMEngine(TokenizedEngine):
     name = "vllm"
@@ -124,16 +140,8 @@ class VLLMEngine(TokenizedEngine):
         self.profile = profile or VLLMProfile()
         self.path = Path(model)
         self.profile.check(self.path)
-        env = self.profile.environment()
-        if "vllm" in sys.modules and any(os.environ.get(k) != v for k, v in env.items()):
-            raise EngineDeadError(f"vLLM was already imported in this process with other settings than {env}; "
-                                  "batch invariance is process-wide: start a new process for this profile")
-        os.environ.update(env)
-        try:
-            import vllm
-            from vllm import LLM, SamplingParams
-        except ImportError as e:
-            raise EngineDeadError(f"vLLM is not installed (pip install 'jex[gpu]'): {e}") from e
+        vllm = import_vllm(self.profile)
+        LLM, SamplingParams = vllm.LLM, vllm.SamplingParams
         self.vllm, self.SamplingParams = vllm, SamplingParams
         kwargs: dict[str, Any] = dict(
             model=str(self.path), dtype=self.profile.dtype, tensor_parallel_size=self.profile.tensor_parallel_size,
@@ -145,6 +153,8 @@ class VLLMEngine(TokenizedEngine):
             kwargs["max_model_len"] = self.profile.max_model_len
         if self.profile.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = self.profile.max_num_batched_tokens
+        if self.profile.kv_cache_memory_bytes:
+            kwargs["kv_cache_memory_bytes"] = self.profile.kv_cache_memory_bytes
         if self.profile.cudagraph_mode:
             kwargs["compilation_config"] = {"cudagraph_mode": self.profile.cudagraph_mode}
         if self.profile.speculative_config:

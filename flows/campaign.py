@@ -79,8 +79,9 @@ class CampaignSpec(BaseModel):
     def identity(self) -> str:
         """Hash of what defines the results (not where they are written, nor on which machines)."""
         where = ("store", "out", "fast_shard_rows", "reason_shard_rows", "machines", "samples_prompts", *AUDIT_SETTINGS)
-        # a scheduler limit: under the audit profile the results do not depend on it
-        doc = self.model_dump(exclude={**dict.fromkeys(where, True), "engine": {"max_num_batched_tokens": True}})
+        # scheduler and memory limits: under the audit profile the results do not depend on them
+        limits = {"max_num_batched_tokens": True, "kv_cache_memory_gib": True}
+        doc = self.model_dump(exclude={**dict.fromkeys(where, True), "engine": limits})
         return sha256_json(doc)[:10]
 
     def run_dir(self) -> Path:

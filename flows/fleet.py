@@ -55,7 +55,10 @@ class MachinesSpec(BaseModel):
     gpus_per_machine: int = Field(1, ge=1, description="GPUs of each machine (one set of engine slots per GPU)")
     engines_per_gpu: int = Field(1, ge=1, description="Engine processes per GPU, each a data-parallel worker; more "
                                                       "than 1 pays off when one engine leaves the GPU idle (small "
-                                                      "models); their engine starts are serialised")
+                                                      "models); they start one after another unless the engine "
+                                                      "fixes its KV cache size (kv_cache_memory_gib)")
+    host_stall_s: float = Field(600.0, gt=0, description="Seconds an engine host may go without finishing a shard "
+                                                         "before its job stops it and starts a new one")
     fresh_processes: bool = Field(False, description="inprocess: compute the engine stages in fresh local processes "
                                                      "(one per worker) instead of this one (a twin audit's check)")
 
@@ -71,10 +74,11 @@ class MachinesSpec(BaseModel):
         """Engine processes per machine."""
         return self.gpus_per_machine * self.engines_per_gpu
 
-    def host_argv(self, workdir: str, engine: EngineSpec, *, all_slots: bool) -> list[str]:
+    def host_argv(self, workdir: str, engine: EngineSpec) -> list[str]:
         """The `jex stage` options that hand a job's engine work to the machine's engine hosts."""
-        argv = ["--engine-host", f"{workdir}/engines", "--host-requests", "0" if self.engine_hosts else "1"]
-        slots = self.slots if all_slots else 1
+        argv = ["--engine-host", f"{workdir}/engines", "--host-requests", "0" if self.engine_hosts else "1",
+                "--stall-s", str(self.host_stall_s)]
+        slots = self.slots
         if slots > 1:
             argv += ["--slots", str(slots)]
         if engine.device.startswith("cuda"):  # slot s sees one GPU: s // engines_per_gpu
@@ -176,7 +180,7 @@ class GpuFleet:
         cache_argv = self._compile_cache_argv(cached, files)
         job = RemoteJob("golden", ["-m", "jex", "stage", "golden", "--args", "args.json", "--rows", str(rows),
                                    "--out", "golden.parquet", "--fingerprint", "fingerprint.json",
-                                   *self.spec.host_argv(host.workdir, args.engine, all_slots=False),
+                                   *self.spec.host_argv(host.workdir, args.engine),
                                    *cache_argv],
                         ["golden.parquet", "fingerprint.json", COMPILE_CACHE], inbox, files=files)
         self._run(session, job)
@@ -238,7 +242,7 @@ class GpuFleet:
             inbox = self.store.root / ".machines" / host.id / stage
             job = RemoteJob(stage, ["-m", "jex", "stage", "run", stage, "--args", "args.json", "--worker", str(i),
                                     "--workers", str(n),
-                                    *self.spec.host_argv(host.workdir, args.engine, all_slots=True)],
+                                    *self.spec.host_argv(host.workdir, args.engine)],
                             [f"store/{stage}/{plan.key}/shards-{args.shard_rows}/shard-*.parquet"],
                             self.store.root, files=_job_files(args, inbox), strip_prefix="store/")
             self._run(session, job)  # the verified shards land in this store's stage folder

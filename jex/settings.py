@@ -38,6 +38,8 @@ class EngineDefaults(BaseModel):
                                                                         "None = vLLM's")
     dtype: str | None = Field(None, description="Weights dtype; None = the engine's (hf float32, vllm bfloat16)")
     gpu_memory_utilization: float = Field(0.30, gt=0, le=0.95, description="vLLM: share of GPU memory")
+    kv_cache_memory_gib: float | None = Field(None, gt=0, description="vLLM: KV cache size, fixed instead of "
+                                              "profiled (engines then start together); None = profiled")
     max_model_len: int | None = Field(None, ge=16, description="vLLM: context limit; None = the model's")
     cache_dir: str = Field(str(Path.home() / ".cache" / "jex"), description="Converted-model and Hub cache")
 

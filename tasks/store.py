@@ -13,6 +13,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -88,9 +89,10 @@ class ShardStats:
 
 
 def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
-                compute: Callable[[Sequence[Any]], pl.DataFrame], worker: int = 0, workers: int = 1,
+                compute: Callable[[Any], pl.DataFrame], worker: int = 0, workers: int = 1,
                 on_shard: Callable[[int, int], None] | None = None,
-                prepare: Callable[[], Any] | None = None, claim: bool = False) -> ShardStats:
+                prepare: Callable[[], Any] | None = None, claim: bool = False,
+                prepare_chunk: Callable[[Sequence[Any]], Any] | None = None, prepare_ahead: bool = True) -> ShardStats:
     """Compute `items` in shards of `shard_rows`, each written atomically as `shard-NNNNN.parquet`.
 
     Shards that exist are reused (a crashed run resumes at the first missing shard). With several
@@ -103,30 +105,79 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
     each shard goes to whoever claims it first (`.shard-NNNNN.claim`, holding the claimer's pid), so
     an engine that starts late or runs slow takes fewer shards. A claim whose process is gone is
     taken over; at worst a shard is computed twice, to the same bytes.
+
+    With `prepare_chunk`, `compute` gets `prepare_chunk(chunk)` instead of the chunk (the CPU side of a
+    shard, such as its prompts rendered and tokenised). With `prepare_ahead` one background thread
+    prepares the next shard this call computes while `compute` runs on the current one; that shard is
+    claimed before it is prepared, so a call holds at most one claim beyond the shard it computes, and
+    gives it back if it fails before reaching it. An exception from `prepare_chunk` is raised at its
+    shard's turn, as `compute` would raise it: the shards before it are written, none after it is begun.
     """
     folder.mkdir(parents=True, exist_ok=True)
     n_shards = (len(items) + shard_rows - 1) // shard_rows
-    computed, reused = [], []
+    mine = range(worker, n_shards, workers)
+    todo = iter(mine)
+    computed: list[int] = []
+    reused: list[int] = []
     seconds, rows = 0.0, 0
-    for i in range(worker, n_shards, workers):
-        path = folder / f"shard-{i:05d}.parquet"
-        if path.exists():
-            reused.append(i)
-        elif claim and not _claim(folder / f".shard-{i:05d}.claim"):
-            continue  # another process computes it
-        else:
-            if prepare is not None:
-                prepare()
-                prepare = None
-            t0 = time.perf_counter()
-            chunk = items[i * shard_rows:(i + 1) * shard_rows]
-            write_parquet(compute(chunk), path)
-            seconds += time.perf_counter() - t0
-            rows += len(chunk)
-            computed.append(i)
+
+    def chunk(i: int) -> Sequence[Any]:
+        return items[i * shard_rows:(i + 1) * shard_rows]
+
+    def progress() -> None:
         if on_shard:
-            on_shard(len(computed) + len(reused), len(range(worker, n_shards, workers)))
+            on_shard(len(computed) + len(reused), len(mine))
+
+    def next_to_compute() -> int | None:
+        """The next of this call's shards to compute (claimed with `claim`), reusing those that exist."""
+        for i in todo:
+            if (folder / f"shard-{i:05d}.parquet").exists():
+                reused.append(i)
+                progress()
+            elif not claim or _claim(_claim_path(folder, i)):
+                return i
+        return None
+
+    def compute_shard(i: int, value: Any, t0: float) -> None:
+        nonlocal seconds, rows
+        write_parquet(compute(value), folder / f"shard-{i:05d}.parquet")
+        seconds += time.perf_counter() - t0
+        rows += len(chunk(i))
+        computed.append(i)
+        progress()
+
+    current = next_to_compute()
+    if current is not None and prepare is not None:
+        prepare()
+    if prepare_chunk is None or not prepare_ahead:
+        while current is not None:
+            t0 = time.perf_counter()
+            compute_shard(current, chunk(current) if prepare_chunk is None else prepare_chunk(chunk(current)), t0)
+            current = next_to_compute()
+        return ShardStats(n_shards, computed, reused, seconds, rows)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="prepare-shard") as pool:
+        def begin(i: int | None) -> tuple[int, Future[Any]] | None:
+            return None if i is None else (i, pool.submit(prepare_chunk, chunk(i)))
+
+        ahead = None  # the next shard: claimed and being prepared, not begun
+        try:
+            t0 = time.perf_counter()
+            shard = begin(current)
+            while shard is not None:
+                value = shard[1].result()  # this shard's preparation error surfaces here
+                ahead = begin(next_to_compute())
+                compute_shard(shard[0], value, t0)
+                shard, ahead = ahead, None
+                t0 = time.perf_counter()
+        finally:
+            if ahead is not None and claim:
+                _claim_path(folder, ahead[0]).unlink(missing_ok=True)
     return ShardStats(n_shards, computed, reused, seconds, rows)
+
+
+def _claim_path(folder: Path, shard: int) -> Path:
+    return folder / f".shard-{shard:05d}.claim"
 
 
 def partial_summary(stage: Literal["fast_pass", "reason"], key: str, stats: ShardStats) -> PartialSummary:

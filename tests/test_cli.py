@@ -25,12 +25,12 @@ EVERY_FIELD = {
     "require_zero_errors": True, "samples_prompts": "sha256", "reference_min_agreement": 0.9,
     "engine": {"kind": "vllm", "profile": "audit-ngram", "model": "org/name", "device": "cuda", "batch_size": 0,
                "max_num_seqs": 4, "max_num_batched_tokens": 512, "dtype": "bfloat16", "gpu_memory_utilization": 0.5,
-               "max_model_len": 1024, "cache_dir": "cache",
+               "kv_cache_memory_gib": 6.0, "max_model_len": 1024, "cache_dir": "cache",
                "render": {"system_prompt": "Be brief.", "chat_template": "none", "num_fewshot": 2}},
     "machines": {"provider": "ssh", "hosts": ["h1", "h2"], "workers": 2, "budget_usd": 5.0, "price_per_hour": 1.5,
                  "wall_budget_hours": 2.0, "heartbeat_timeout_s": 30.0, "golden_rows": 8, "golden_tolerance": 0.001,
                  "concurrent": False, "engine_hosts": False, "gpus_per_machine": 2, "engines_per_gpu": 2,
-                 "fresh_processes": True},
+                 "host_stall_s": 90.0, "fresh_processes": True},
 }
 """A value other than the default for every CampaignSpec field (and every engine and machines field)."""
 

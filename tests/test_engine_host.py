@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 
 from jex.fileio import sha256_file
-from jex.tasks.capture.engine_host import EngineHostDied, HostRequest, read_starts, slot_dir, submit
+from jex.tasks.capture.engine_host import (
+    EngineHostDied,
+    HostPolicy,
+    HostRequest,
+    prestart,
+    read_starts,
+    slot_dir,
+    submit,
+)
 
 
 @pytest.fixture
@@ -88,7 +96,7 @@ def test_a_host_that_dies_again_fails_the_job_with_its_slot_named(engine_home, s
 
     def ask() -> None:
         try:
-            submit(engine_home, 0, request, restarts=0)
+            submit(engine_home, 0, request, policy=HostPolicy(restarts=0))
         except EngineHostDied as e:
             errors.append(str(e))
 
@@ -97,6 +105,50 @@ def test_a_host_that_dies_again_fails_the_job_with_its_slot_named(engine_home, s
     _kill_host_after_its_first_shard(engine_home, store)
     client.join(timeout=600)
     assert errors and "engine host slot 0 died during fast_pass" in errors[0]
+
+
+@pytest.mark.slow
+def test_a_host_that_stops_making_progress_is_stopped_and_replaced(engine_home, suite_dir, tmp_path):
+    """Alive but wedged (here: SIGSTOP, as a hung kernel looks from outside): no finished shard for
+    `stall_s`, so the waiting client kills it and asks a new host."""
+    store = tmp_path / "store"
+    request = _fast_pass_request(suite_dir, store)
+    replies = []
+    client = threading.Thread(target=lambda: replies.append(submit(engine_home, 0, request,
+                                                                   policy=HostPolicy(stall_s=3))))
+    client.start()
+    while not list(store.glob("fast_pass/*/shards-1/shard-*.parquet")):
+        time.sleep(0.02)
+    wedged = int((slot_dir(engine_home, 0) / "host.pgid").read_text())
+    os.kill(wedged, signal.SIGSTOP)
+    client.join(timeout=600)
+    (reply,) = replies
+    assert reply.ok and reply.host_pid != wedged
+    with pytest.raises(ProcessLookupError):
+        os.kill(wedged, 0)
+
+
+@pytest.mark.slow
+def test_prestarted_hosts_have_their_engines_up_before_the_first_request(engine_home, suite_dir, tmp_path):
+    from jex.tasks.capture.engine_pool import EngineSpec
+
+    prestart(engine_home, EngineSpec(), [0, 1])
+    deadline = time.monotonic() + 300
+    while len(read_starts(engine_home)) < 2:
+        assert time.monotonic() < deadline, "the prestarted hosts loaded no engine"
+        time.sleep(0.1)
+    reply = submit(engine_home, 1, _fast_pass_request(suite_dir, tmp_path / "store"))
+    assert reply.ok and reply.engine_starts == 1
+    assert {s.slot for s in read_starts(engine_home)} == {0, 1}
+    assert [s.pid for s in read_starts(engine_home) if s.slot == 1] == [reply.host_pid]
+
+
+def test_only_an_engine_that_profiles_the_gpu_s_memory_starts_alone():
+    from jex.tasks.capture.engine_pool import EngineSpec
+
+    assert EngineSpec(kind="vllm").starts_alone()
+    assert not EngineSpec(kind="vllm", kv_cache_memory_gib=8).starts_alone()
+    assert not EngineSpec(kind="hf").starts_alone()
 
 
 @pytest.mark.slow
@@ -133,7 +185,8 @@ def test_the_first_machine_s_compile_cache_is_restored_on_the_next_machine_of_th
     spec = MachinesSpec(provider="local", golden_rows=4)
 
     def compile_on_first_poll(session, job, polls) -> None:
-        graph = Path(session.machine.workdir) / "engines" / "vllm-cache" / "torch_compile_cache" / "g" / "graph.bin"
+        graph = (Path(session.machine.workdir) / "engines" / "slot-0" / "vllm-cache" / "torch_compile_cache" / "g"
+                 / "graph.bin")
         if job.name == "golden" and polls == 1:
             graph.parent.mkdir(parents=True, exist_ok=True)
             graph.write_bytes(b"compiled")
@@ -167,18 +220,32 @@ def test_a_restored_compile_cache_names_its_artifacts_under_its_new_folder(tmp_p
     )
 
     first, second = tmp_path / "m1" / "engines", tmp_path / "m2" / "engines"
-    backbone = first / "vllm-cache" / "torch_compile_cache" / "h" / "rank_0_0" / "backbone"
+    backbone = first / "slot-0" / "vllm-cache" / "torch_compile_cache" / "h" / "rank_0_0" / "backbone"
     backbone.mkdir(parents=True)
     (backbone / "artifact_0").write_bytes(b"compiled")
     (backbone / "vllm_compile_cache.py").write_text(repr({(1, 0): str(backbone.resolve() / "artifact_0")}))
     second.mkdir(parents=True)
-    bring_compile_cache(second, pack_compile_cache(first) or first / COMPILE_CACHE)
+    bring_compile_cache(second, pack_compile_cache(first, 0) or first / COMPILE_CACHE)
 
-    assert restore_compile_cache(second) == "restored"
-    moved = second / "vllm-cache" / "torch_compile_cache" / "h" / "rank_0_0" / "backbone"
+    assert restore_compile_cache(second, 0) == "restored"
+    moved = second / "slot-0" / "vllm-cache" / "torch_compile_cache" / "h" / "rank_0_0" / "backbone"
     index = ast.literal_eval((moved / "vllm_compile_cache.py").read_text())
     assert index == {(1, 0): str(moved.resolve() / "artifact_0")}
-    assert not (second / "vllm-cache" / ".jex-cache-root").exists()
+    assert not (second / "slot-0" / "vllm-cache" / ".jex-cache-root").exists()
+
+
+def test_a_machine_s_later_slots_start_from_the_cache_its_first_slot_compiled(tmp_path):
+    from jex.tasks.capture.engine_host import cache_dir, pack_compile_cache, restore_compile_cache
+
+    home = tmp_path / "engines"
+    graph = cache_dir(home, 0) / "torch_compile_cache" / "g" / "graph.bin"
+    graph.parent.mkdir(parents=True)
+    graph.write_bytes(b"compiled")
+    assert restore_compile_cache(home, 0) == "warm" and pack_compile_cache(home, 0) is not None
+
+    assert restore_compile_cache(home, 1) == "warm"
+    assert (cache_dir(home, 1) / "torch_compile_cache" / "g" / "graph.bin").read_bytes() == b"compiled"
+    assert restore_compile_cache(tmp_path / "other", 0) == "cold"
 
 
 def test_engine_hosts_share_shards_by_claims_and_take_over_the_claim_of_a_dead_process(tmp_path):

@@ -16,7 +16,7 @@ from jex.tasks.capture.engine_pool import EngineSpec
 ROOT = Path(__file__).resolve().parent.parent
 NOT_DEFAULT = {"kind": "vllm", "profile": "audit-ngram", "model": "org/name@abc", "device": "cuda:1", "batch_size": 3,
                "max_num_seqs": 7, "max_num_batched_tokens": 4096, "dtype": "bfloat16", "gpu_memory_utilization": 0.5,
-               "max_model_len": 2048, "cache_dir": "/tmp/jex-cache"}
+               "kv_cache_memory_gib": 6.0, "max_model_len": 2048, "cache_dir": "/tmp/jex-cache"}
 """A value other than the default for every field of EngineDefaults."""
 
 

@@ -31,6 +31,7 @@ CAMPAIGN_FIELD_OF_FLAG = {
     "dtype": "engine.dtype", "gpu_memory_utilization": "engine.gpu_memory_utilization",
     "max_model_len": "engine.max_model_len", "engine_profile": "engine.profile",
     "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "kv_cache_memory_gib": "engine.kv_cache_memory_gib", "host_stall_s": "machines.host_stall_s",
     "provider": "machines.provider", "host": "machines.hosts", "workers": "machines.workers",
     "budget_usd": "machines.budget_usd", "engine_hosts": "machines.engine_hosts",
     "gpus_per_machine": "machines.gpus_per_machine", "engines_per_gpu": "machines.engines_per_gpu",
@@ -82,6 +83,10 @@ ZeroErrors = Annotated[bool | None, typer.Option(help="Fail unless every error c
 ReasonShardRows = Annotated[int | None, typer.Option(help="Rows per reason shard (default: 8)")]
 MaxNumSeqs = Annotated[int | None, typer.Option(help="vLLM: sequences per scheduler step (default: 32)")]
 MaxBatchedTokens = Annotated[int | None, typer.Option(help="vLLM: tokens per scheduler step (default: vLLM's)")]
+KvCacheGib = Annotated[float | None, typer.Option(help="vLLM: KV cache GiB, fixed instead of profiled; engines of "
+                                                      "one machine then start together (default: profiled)")]
+HostStall = Annotated[float | None, typer.Option(help="Seconds an engine host may go without finishing a shard "
+                                                      "before its job stops and replaces it (default: 600)")]
 EngineHosts = Annotated[bool | None, typer.Option(help="One engine process per machine slot serves every job of "
                                                        "the machine (off: each job loads its own) (default: on)")]
 GpusPerMachine = Annotated[int | None, typer.Option(help="GPUs of each machine (default: 1)")]
@@ -100,7 +105,8 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
         reference_min_agreement: ReferenceMin = None, require_zero_errors: ZeroErrors = None,
         reason_shard_rows: ReasonShardRows = None, max_num_seqs: MaxNumSeqs = None,
         max_num_batched_tokens: MaxBatchedTokens = None, engine_hosts: EngineHosts = None,
-        gpus_per_machine: GpusPerMachine = None, engines_per_gpu: EnginesPerGpu = None, spec: SpecFile = None) -> None:
+        gpus_per_machine: GpusPerMachine = None, engines_per_gpu: EnginesPerGpu = None,
+        kv_cache_memory_gib: KvCacheGib = None, host_stall_s: HostStall = None, spec: SpecFile = None) -> None:
     """Run a whole campaign (embedded defaults: sample suite, SmolLM2, local Prefect, local store).
 
     Settings first, then --spec FILE, then the flags given. The last line printed is the run folder.

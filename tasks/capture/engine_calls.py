@@ -2,7 +2,9 @@
 
 Rows are anything with `run_id, prompt, labels, options` (suite `SuiteRow`s, or dicts through
 `as_row`). These functions hold no state and know nothing of Prefect: the stages, the bake-off
-and parity all call them, so they compute the same thing.
+and parity all call them, so they compute the same thing. The stages prepare a shard's requests
+(`prepared_questions`, `prepared_reasons`: rendered and tokenised) on a thread beside the engine, with
+the engine's `preparer()`, and hand them to the engine calls (`read_questions`, `ReasonCall`).
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from jex.engine.render import DEFAULT_RENDER, Example, RenderSpec, option_order
+from jex.engine.base import ChatTokenizer
+from jex.engine.render import DEFAULT_RENDER, Example, Renderer, RenderSpec, option_order
 from jex.engine.types import Engine, GenerateRequest, Generation, Readout, ReadoutMode, ReadoutRequest
 from jex.numerics import logit
 
@@ -49,6 +52,15 @@ def as_row(d: dict[str, Any]) -> CaptureRow:
                       d.get("catalog"), d.get("question_id"))
 
 
+class Renders(Protocol):
+    """What renders prompts: an engine, or its `preparer()`."""
+
+    def renderer(self, spec: RenderSpec) -> Renderer: ...
+
+
+Request = TypeVar("Request", ReadoutRequest, GenerateRequest)
+
+
 FewShotPool = Mapping[str, Sequence[CaptureRow]]
 """Solved example rows by catalog id, in the order they are used."""
 
@@ -73,7 +85,7 @@ def examples_for(row: RowLike, pool: FewShotPool | None, k: int) -> tuple[Exampl
                      f"num_fewshot is {k}")
 
 
-def question_prompts(engine: Engine, rows: Sequence[RowLike], render: RenderSpec = DEFAULT_RENDER,
+def question_prompts(engine: Renders, rows: Sequence[RowLike], render: RenderSpec = DEFAULT_RENDER,
                      fewshot: FewShotPool | None = None) -> list[ReadoutRequest]:
     """The fast-pass requests: each row rendered as `render` says, with its few-shot examples."""
     renderer = engine.renderer(render)
@@ -84,10 +96,30 @@ def question_prompts(engine: Engine, rows: Sequence[RowLike], render: RenderSpec
     return requests
 
 
+def prepared_questions(tokenizer: ChatTokenizer, rows: Sequence[RowLike], render: RenderSpec = DEFAULT_RENDER,
+                       fewshot: FewShotPool | None = None) -> list[ReadoutRequest]:
+    """`question_prompts` with their token ids (`prompt_ids`) under `tokenizer` (the engine or its
+    `preparer()`): what the engine reads without rendering or tokenising anything."""
+    return with_prompt_ids(tokenizer, question_prompts(tokenizer, rows, render, fewshot))
+
+
+def with_prompt_ids(tokenizer: ChatTokenizer, requests: Sequence[Request]) -> list[Request]:
+    """The requests carrying their prompts' token ids, from one batch call of `tokenizer`."""
+    ids = tokenizer.encode_many([r.prompt for r in requests])
+    return [dataclasses.replace(r, prompt_ids=tuple(i)) for r, i in zip(requests, ids, strict=True)]
+
+
 def fast_pass(engine: Engine, rows: Sequence[RowLike], mode: ReadoutMode = ReadoutMode.LABEL_SLOT, *,
               render: RenderSpec = DEFAULT_RENDER, fewshot: FewShotPool | None = None) -> list[Readout]:
     """One forward per row: the label-slot (or continuation) readout of the rendered question."""
-    return _restored(render, engine.readout(question_prompts(engine, rows, render, fewshot), mode))
+    return read_questions(engine, question_prompts(engine, rows, render, fewshot), mode, render=render)
+
+
+def read_questions(engine: Engine, requests: Sequence[ReadoutRequest], mode: ReadoutMode = ReadoutMode.LABEL_SLOT,
+                   *, render: RenderSpec = DEFAULT_RENDER) -> list[Readout]:
+    """The readout of questions rendered with `render` (`question_prompts`, `prepared_questions`), each
+    back in its row's own option order."""
+    return _restored(render, engine.readout(requests, mode))
 
 
 def _shown(render: RenderSpec, row: RowLike) -> Sequence[str]:
@@ -115,7 +147,7 @@ def _restored(render: RenderSpec, readouts: list[Readout]) -> list[Readout]:
     return out
 
 
-def reason_prompts(engine: Engine, rows: Sequence[RowLike], render: RenderSpec = DEFAULT_RENDER) -> list[str]:
+def reason_prompts(engine: Renders, rows: Sequence[RowLike], render: RenderSpec = DEFAULT_RENDER) -> list[str]:
     renderer = engine.renderer(render)
     return [renderer.reason(prompt=r.prompt, labels=r.labels, options=_shown(render, r)) for r in rows]
 
@@ -128,11 +160,34 @@ def reason(engine: Engine, rows: Sequence[RowLike], *, max_tokens: int, render: 
                                                                                            strict=True)])
 
 
+@dataclass(frozen=True)
+class ReasonCall:
+    """A row and its rationale request, rendered and tokenised ahead of the engine (`prepared_reasons`)."""
+
+    row: RowLike
+    request: GenerateRequest
+
+    @property
+    def run_id(self) -> str:
+        return self.row.run_id
+
+
+def prepared_reasons(tokenizer: ChatTokenizer, rows: Sequence[RowLike], *, max_tokens: int,
+                     render: RenderSpec = DEFAULT_RENDER, stop: tuple[str, ...] = ()) -> list[ReasonCall]:
+    """The requests of `reason`, with their token ids (`prompt_ids`) under `tokenizer` (the engine or its
+    `preparer()`)."""
+    prompts = reason_prompts(tokenizer, rows, render)
+    requests = with_prompt_ids(tokenizer, [GenerateRequest(r.run_id, p, max_tokens, stop)
+                                           for r, p in zip(rows, prompts, strict=True)])
+    return [ReasonCall(r, q) for r, q in zip(rows, requests, strict=True)]
+
+
 def reread(engine: Engine, rows: Sequence[RowLike], rationales: Sequence[Generation], *,
-           render: RenderSpec = DEFAULT_RENDER) -> list[Readout]:
-    """Label-slot readout with the rationale in context: the post-thought probabilities."""
+           render: RenderSpec = DEFAULT_RENDER, prompts: Sequence[str] | None = None) -> list[Readout]:
+    """Label-slot readout with the rationale in context: the post-thought probabilities. `prompts`: the
+    rows' reasoning prompts when already rendered (`ReasonCall.request`), else rendered here."""
     renderer = engine.renderer(render)
-    prompts = reason_prompts(engine, rows, render)
+    prompts = reason_prompts(engine, rows, render) if prompts is None else prompts
     requests = [ReadoutRequest(r.run_id, renderer.after_thought(p, g.text), tuple(r.labels), tuple(_shown(render, r)))
                 for r, p, g in zip(rows, prompts, rationales, strict=True)]
     return _restored(render, engine.readout(requests, ReadoutMode.LABEL_SLOT))

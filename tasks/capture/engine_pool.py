@@ -39,6 +39,8 @@ class EngineSpec(BaseModel):
     dtype: str | None = Field(None, description="Weights dtype; empty = the engine's (hf float32, vllm bfloat16 "
                                                 "under the audit profile)")
     gpu_memory_utilization: float = Field(0.30, gt=0, le=0.95, description="vLLM: share of GPU memory")
+    kv_cache_memory_gib: float | None = Field(None, gt=0, description="vLLM: KV cache size, fixed instead of "
+                                              "profiled; engines with it start together on one GPU")
     max_model_len: int | None = Field(None, ge=16, description="vLLM: context limit; empty = the model's")
     cache_dir: str = Field(str(Path.home() / ".cache" / "jex"), description="Converted-model and Hub cache")
     render: RenderSpec = Field(RenderSpec(), description="Templates, system prompt, chat template, few-shot count")
@@ -51,6 +53,12 @@ class EngineSpec(BaseModel):
         if self.profile != "audit" and self.kind not in ("hf", "vllm"):
             raise ValueError(f"profile {self.profile!r} needs an audited engine kind (hf or vllm), not {self.kind!r}")
         return self
+
+    def starts_alone(self) -> bool:
+        """Whether this engine's start must not overlap another's on the machine: vLLM sizes its KV
+        cache by profiling the GPU's free memory, which an engine starting beside it distorts (measured:
+        two starting together fail), unless the size is fixed (`kv_cache_memory_gib`)."""
+        return self.kind.startswith("vllm") and self.kv_cache_memory_gib is None
 
     def audited_base(self) -> EngineSpec:
         """The same engine under the plain audit profile (what a speculative profile is proven against)."""
@@ -119,5 +127,13 @@ def get_engine(spec: EngineSpec) -> Any:
                                     cache_dir=Path(spec.cache_dir), max_num_seqs=spec.max_num_seqs,
                                     dtype=spec.dtype, gpu_memory_utilization=spec.gpu_memory_utilization,
                                     max_model_len=spec.max_model_len, profile=spec.profile,
-                                    max_num_batched_tokens=spec.max_num_batched_tokens)
+                                    max_num_batched_tokens=spec.max_num_batched_tokens,
+                                    kv_cache_memory_gib=spec.kv_cache_memory_gib)
     return _ENGINES[key]
+
+
+def preload(spec: EngineSpec) -> None:
+    """Import the engine's libraries without starting it (`engine.factory.preload`)."""
+    from jex.engine.factory import preload as import_engine
+
+    import_engine(spec.kind)

@@ -6,18 +6,31 @@ the frames. A completed stage folder is reused as is: the engine is not even loa
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, TypeVar
 
 import polars as pl
 
-from jex.engine.types import FinishReason, Generation, Readout, ReadoutMode
+from jex.engine.base import ChatTokenizer
+from jex.engine.render import RenderSpec
+from jex.engine.types import FinishReason, Generation, Readout, ReadoutMode, ReadoutRequest
 from jex.fileio import sha256_file
 from jex.tasks.cached_stage import CachedStage
 from jex.tasks.capture.batch_errors import BATCH_ERROR, compute_resilient
 from jex.tasks.capture.bundle import PolarsType, build_bundle, open_bundle, suite_files
-from jex.tasks.capture.engine_calls import CaptureRow, FewShotPool, as_row, fast_pass, reason, reread
+from jex.tasks.capture.engine_calls import (
+    CaptureRow,
+    FewShotPool,
+    ReasonCall,
+    as_row,
+    prepared_questions,
+    prepared_reasons,
+    read_questions,
+    reread,
+)
 from jex.tasks.capture.engine_pool import CALLS, EngineSpec, audited_fingerprint, engine_fingerprint, get_engine
 from jex.tasks.keys import stage_key
 from jex.tasks.records import (
@@ -35,6 +48,11 @@ from jex.tasks.records import (
 from jex.tasks.store import LocalStore, ShardStats, StageDir, merge_shards, partial_summary, run_sharded
 
 Progress = Callable[[str, int, int], None]
+Prepared = TypeVar("Prepared")
+
+PREPARE_AHEAD_ENV = "JEX_PREPARE_AHEAD"
+"""`0`: an engine stage renders and tokenises each shard on the engine's thread, just before reading it;
+else (the default) on a thread beside the engine, one shard ahead (`run_sharded`'s `prepare_ahead`)."""
 
 READOUT_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "logprobs": pl.List(pl.Float64), "label_mass": pl.Float64,
                   "refusal": pl.String}
@@ -130,21 +148,32 @@ def _reason_key(*, bundle: BundleSummary, gate: GateSummary, engine: EngineSpec,
 
 
 def _sharded(stage: Literal["fast_pass", "reason"], out: StageDir, rows: list[CaptureRow],
-             read: Callable[[Sequence[CaptureRow]], pl.DataFrame],
-             failed: Callable[[Sequence[CaptureRow], str], pl.DataFrame],
+             prepare: Callable[[ChatTokenizer, Sequence[CaptureRow]], list[Prepared]],
+             read: Callable[[Sequence[Prepared]], pl.DataFrame],
+             failed: Callable[[Sequence[Prepared], str], pl.DataFrame],
              *, engine: EngineSpec, shard_rows: int, worker: int, workers: int, progress: Progress | None,
              claim: bool) -> tuple[Path, ShardStats] | PartialSummary:
-    """The shards of an engine stage, each read in one engine call (`read`; a batch that keeps failing
-    is split, and its rows that still fail become `failed` rows); a `PartialSummary` when other
-    processes still compute some shards."""
-    def compute(chunk: Sequence[CaptureRow]) -> pl.DataFrame:
+    """The shards of an engine stage: each rendered and tokenised (`prepare`, one shard ahead on a thread
+    beside the engine, with the engine's `preparer()`), then read in one engine call (`read`; a batch that
+    keeps failing is split, and its rows that still fail become `failed` rows); a `PartialSummary` when
+    other processes still compute some shards."""
+    ahead = os.environ.get(PREPARE_AHEAD_ENV, "1") != "0"
+
+    @functools.cache
+    def tokenizer() -> ChatTokenizer:
+        """The engine (started here, on the caller's thread), or its tokenizer copy for the preparing thread."""
+        eng = get_engine(engine)
+        return eng.preparer() if ahead else eng
+
+    def compute(prepared: Sequence[Prepared]) -> pl.DataFrame:
         CALLS[stage] += 1
-        return compute_resilient(chunk, read, failed)
+        return compute_resilient(prepared, read, failed)
 
     shards = out.path / f"shards-{shard_rows}"
     stats = run_sharded(rows, shard_rows=shard_rows, folder=shards, compute=compute, worker=worker, workers=workers,
                         on_shard=(lambda d, t: progress(stage, d, t)) if progress else None,
-                        prepare=lambda: get_engine(engine), claim=claim)
+                        prepare=tokenizer, claim=claim, prepare_chunk=lambda chunk: prepare(tokenizer(), chunk),
+                        prepare_ahead=ahead)
     if (workers > 1 or claim) and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
         return partial_summary(stage, out.key, stats)
     return shards, stats
@@ -171,14 +200,17 @@ def _fast_pass(out: StageDir, store: LocalStore, *, bundle: BundleSummary, engin
     rows = _as_rows(_bundle_rows(bundle, store))
     pool = fewshot_pool(bundle, store, engine)
 
-    def readout(batch: Sequence[CaptureRow]) -> pl.DataFrame:
-        return readouts_frame(read_with_fallback(get_engine(engine), batch, render=engine.render, fewshot=pool))
+    def questions(tokenizer: ChatTokenizer, batch: Sequence[CaptureRow]) -> list[ReadoutRequest]:
+        return prepared_questions(tokenizer, batch, engine.render, pool)
 
-    def unread(rows: Sequence[CaptureRow], why: str) -> pl.DataFrame:
-        return readouts_frame([Readout(r.run_id, None, None, None, ReadoutMode.LABEL_SLOT, why) for r in rows])
+    def readout(requests: Sequence[ReadoutRequest]) -> pl.DataFrame:
+        return readouts_frame(read_with_fallback(get_engine(engine), requests, render=engine.render))
 
-    done = _sharded("fast_pass", out, rows, readout, unread, engine=engine, shard_rows=shard_rows, worker=worker,
-                    workers=workers, progress=progress, claim=claim)
+    def unread(requests: Sequence[ReadoutRequest], why: str) -> pl.DataFrame:
+        return readouts_frame([Readout(r.run_id, None, None, None, ReadoutMode.LABEL_SLOT, why) for r in requests])
+
+    done = _sharded("fast_pass", out, rows, questions, readout, unread, engine=engine, shard_rows=shard_rows,
+                    worker=worker, workers=workers, progress=progress, claim=claim)
     if isinstance(done, PartialSummary):
         return done
     shards, stats = done
@@ -197,14 +229,14 @@ engine_fp])`: `engine_fp` overrides the local fingerprint when the shards were c
 machine; with `claim` or several `workers` a process may return a `PartialSummary` (`run_sharded`)."""
 
 
-def read_with_fallback(eng: Any, rows: Sequence[CaptureRow], **render: Any) -> list[Readout]:
-    """Label-slot readout; a row whose labels are not single tokens is read again through the
-    fallback path, the options' continuation log-likelihoods (its `label_mass` stays null).
-    `render` goes to `capture.fast_pass` unchanged."""
-    readouts = list(fast_pass(eng, rows, **render))
+def read_with_fallback(eng: Any, requests: Sequence[ReadoutRequest], *, render: RenderSpec) -> list[Readout]:
+    """Label-slot readout of the questions (`capture.prepared_questions`); a row whose labels are not
+    single tokens is read again through the fallback path, the options' continuation log-likelihoods
+    (its `label_mass` stays null)."""
+    readouts = read_questions(eng, requests, render=render)
     redo = [i for i, r in enumerate(readouts) if r.refusal is not None and r.refusal.startswith("label token")]
     if redo:
-        again = fast_pass(eng, [rows[i] for i in redo], ReadoutMode.OPTION_CONTINUATION, **render)
+        again = read_questions(eng, [requests[i] for i in redo], ReadoutMode.OPTION_CONTINUATION, render=render)
         for i, r in zip(redo, again, strict=True):
             readouts[i] = r
     return readouts
@@ -231,7 +263,7 @@ def reason_error_counters(frame: pl.DataFrame) -> ReasonErrors:
                                                & pl.col("post_logprobs").is_null() & ~batch).height}
 
 
-def failed_reason_frame(rows: Sequence[CaptureRow], why: str) -> pl.DataFrame:
+def failed_reason_frame(rows: Sequence[ReasonCall], why: str) -> pl.DataFrame:
     """Rows whose batch failed on its own: no rationale, no re-read, finish reason `error`."""
     return pl.DataFrame({"run_id": [r.run_id for r in rows], "rationale": [""] * len(rows),
                          "token_ids": [[] for _ in rows], "finish_reason": ["error"] * len(rows),
@@ -256,12 +288,16 @@ def _reason(out: StageDir, store: LocalStore, *, bundle: BundleSummary, gate: Ga
     gated = pl.read_parquet(gate.gated)["run_id"]
     rows = _as_rows(_bundle_rows(bundle, store).join(gated.to_frame(), on="run_id", how="semi", maintain_order="left"))
 
-    def think(batch: Sequence[CaptureRow]) -> pl.DataFrame:
-        eng = get_engine(engine)
-        gens = reason(eng, batch, max_tokens=max_tokens, render=engine.render)
-        return reason_frame(gens, reread(eng, batch, gens, render=engine.render))
+    def calls(tokenizer: ChatTokenizer, batch: Sequence[CaptureRow]) -> list[ReasonCall]:
+        return prepared_reasons(tokenizer, batch, max_tokens=max_tokens, render=engine.render)
 
-    done = _sharded("reason", out, rows, think, failed_reason_frame, engine=engine, shard_rows=shard_rows,
+    def think(batch: Sequence[ReasonCall]) -> pl.DataFrame:
+        eng = get_engine(engine)
+        gens = eng.generate([c.request for c in batch])
+        return reason_frame(gens, reread(eng, [c.row for c in batch], gens, render=engine.render,
+                                         prompts=[c.request.prompt for c in batch]))
+
+    done = _sharded("reason", out, rows, calls, think, failed_reason_frame, engine=engine, shard_rows=shard_rows,
                     worker=worker, workers=workers, progress=progress, claim=claim)
     if isinstance(done, PartialSummary):
         return done

@@ -15,9 +15,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jex.tasks.records import EngineStageArgs, FastPassSummary, PartialSummary, ReasonSummary, Record
 from jex.tasks.store import LocalStore
+
+if TYPE_CHECKING:
+    from jex.tasks.capture.stages import Progress
 
 
 class WorkerReport(Record):
@@ -60,14 +64,15 @@ def run_workers(stage: str, args: EngineStageArgs, *, workers: int, devices: lis
     return summary, reports
 
 
-def stage_call(stage: str, args: EngineStageArgs, *, worker: int, workers: int,
-               claim: bool = False) -> FastPassSummary | ReasonSummary | PartialSummary:
-    """Compute (this worker's share of) an engine stage in this process."""
+def stage_call(stage: str, args: EngineStageArgs, *, worker: int, workers: int, claim: bool = False,
+               progress: Progress | None = None) -> FastPassSummary | ReasonSummary | PartialSummary:
+    """Compute (this worker's share of) an engine stage in this process; `progress(stage, done,
+    total)` after each of its shards."""
     from jex.tasks.capture.stages import fast_pass_stage, reason_stage
 
     store = LocalStore(args.store)
     common = {"bundle": args.bundle, "engine": args.engine, "shard_rows": args.shard_rows, "worker": worker,
-              "workers": workers, "claim": claim}
+              "workers": workers, "claim": claim, "progress": progress}
     if stage == "fast_pass":
         return fast_pass_stage.run(store, **common)
     if stage == "reason":
