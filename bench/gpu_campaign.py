@@ -47,7 +47,7 @@ def run_config(config: str, name: str, a: argparse.Namespace, suite: Path, work:
     env = {**os.environ, "JEX_INFRA__STATE_DIR": str(work / name / "infra"),
            "JEX_INFRA__REMOTE_ROOT": str(work / name / "machines"), "PREFECT_HOME": str(work / name / "prefect")}
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True)  # not ROOT: jex from PYTHONPATH
     wall = time.perf_counter() - t0
     (work / f"{name}.log").write_text(out.stdout + out.stderr)
     if out.returncode != 0:

@@ -71,11 +71,15 @@ class TokenizedEngine(ChatTokenizer):
         tokenised with it on another thread while the engine runs. A fast tokenizer must not serve two
         threads at once, and the engine keeps using its own (vLLM detokenises outputs with it)."""
         copied = ChatTokenizer()
+        probe = ["<|im_start|>user\nWhich option? A. 12 B. café<|im_end|>"]
         try:
             copied.tokenizer = copy.deepcopy(self.tokenizer)
-        except Exception as e:  # noqa: BLE001 - a wrapper that cannot be copied: share it (encode and decode
-            # only read a fast tokenizer; it is its truncation and padding settings that must not change)
-            print(f"tokenizer {type(self.tokenizer).__name__} not copied ({e}); the preparing thread shares it",
+            works = list(copied.tokenizer(probe, add_special_tokens=False)["input_ids"]) == \
+                list(self.tokenizer(probe, add_special_tokens=False)["input_ids"])
+        except Exception:  # noqa: BLE001 - a wrapper that does not survive a copy (vLLM's cached tokenizer)
+            works = False
+        if not works:  # share it: encoding and decoding only read a fast tokenizer
+            print(f"tokenizer {type(self.tokenizer).__name__} does not copy; the preparing thread shares it",
                   flush=True)
             return self
         return copied
