@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jex.engine.hf import HFEngine  # noqa: E402
 from jex.sample_suite import write_sample_suite  # noqa: E402

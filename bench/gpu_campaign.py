@@ -29,9 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 CONFIGS = {"hosts1": ["--engines-per-gpu", "1"], "hosts2": ["--engines-per-gpu", "2"],
            "hosts2-kv": ["--engines-per-gpu", "2", "--kv-cache-memory-gib", "16"],
            "no-hosts": ["--no-engine-hosts", "--engines-per-gpu", "1"]}
@@ -47,7 +44,8 @@ def run_config(config: str, name: str, a: argparse.Namespace, suite: Path, work:
     env = {**os.environ, "JEX_INFRA__STATE_DIR": str(work / name / "infra"),
            "JEX_INFRA__REMOTE_ROOT": str(work / name / "machines"), "PREFECT_HOME": str(work / name / "prefect")}
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True)  # not ROOT: jex from PYTHONPATH
+    # cwd: not the checkout, whose bare jex/ would shadow the jex namespace on a machine without `make setup`
+    out = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     (work / f"{name}.log").write_text(out.stdout + out.stderr)
     if out.returncode != 0:

@@ -30,9 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 NEW = {"batch_size": 0, "max_num_seqs": 512, "max_num_batched_tokens": 32768, "per_prompt_tokens": False}
 CONFIGS = {
     "before": {"batch_size": 256, "max_num_seqs": 128, "max_num_batched_tokens": None, "per_prompt_tokens": True},

@@ -19,9 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()

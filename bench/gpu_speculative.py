@@ -21,8 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from jex.tasks.capture.engine_pool import EngineSpec  # noqa: E402
 
 

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from jex.infra.ledger import Ledger  # noqa: E402
 from jex.infra.machine import JobFailed, MachineSession, Policy, RemoteJob  # noqa: E402

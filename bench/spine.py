@@ -13,7 +13,6 @@ import json
 import random
 import re
 import subprocess
-import sys
 import tempfile
 import time
 import zlib
@@ -22,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from jex.sample_suite import write_sample_suite  # noqa: E402
 from jex.settings import BOOTSTRAP_SEED  # noqa: E402

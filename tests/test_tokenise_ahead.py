@@ -230,3 +230,28 @@ def test_the_reason_stage_output_has_the_same_bytes_with_and_without_preparing_a
                                        engine=EngineSpec(), max_tokens=4, shard_rows=2)
     assert reasoned[True].shards >= 2 and reasoned[True].sha256 == reasoned[False].sha256
     assert Path(reasoned[True].reasoned).read_bytes() == Path(reasoned[False].reasoned).read_bytes()
+
+
+def test_the_preparing_thread_gets_its_own_copy_of_the_tokenizer(engine):
+    prepared = engine.preparer()
+    assert prepared is not engine and prepared.tokenizer is not engine.tokenizer
+    assert prepared.encode_many(["Answer: B"]) == engine.encode_many(["Answer: B"])
+
+
+def test_a_tokenizer_that_does_not_survive_a_copy_is_shared_instead(engine):
+    """As vLLM's cached tokenizer on the H200: its deep copy could not encode."""
+    import copy
+
+    class CopiesBroken:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, *args, **kwargs):
+            return self.inner(*args, **kwargs)
+
+        def __deepcopy__(self, memo):
+            return CopiesBroken(None)
+
+    shared = copy.copy(engine)
+    shared.tokenizer = CopiesBroken(engine.tokenizer)
+    assert shared.preparer() is shared
