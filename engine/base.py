@@ -66,19 +66,28 @@ class TokenizedEngine(ChatTokenizer):
     max_context: int
     continuation_reserve = 0  # tokens the engine must be able to add after a scored sequence
 
+    def tokenizer_copy(self) -> Any:
+        """A tokenizer equal to this engine's but not shared with it (vLLM's does not survive a deep
+        copy: its engine loads one from the model folder instead)."""
+        return copy.deepcopy(self.tokenizer)
+
     def preparer(self) -> ChatTokenizer:
-        """This engine's chat template with a copy of its tokenizer (the same ids): prompts rendered and
-        tokenised with it on another thread while the engine runs. A fast tokenizer must not serve two
-        threads at once, and the engine keeps using its own (vLLM detokenises outputs with it)."""
+        """This engine's chat template and tokenizer for a thread beside the engine (prompts rendered and
+        tokenised there while the engine runs): a copy, checked to give the same ids and template, since
+        the engine keeps using its own (vLLM detokenises outputs with it). When no such copy can be
+        made the thread shares the engine's; encoding and decoding only read a fast tokenizer as long
+        as nothing turns its truncation or padding on (jex never does)."""
         copied = ChatTokenizer()
         probe = ["<|im_start|>user\nWhich option? A. 12 B. café<|im_end|>"]
         try:
-            copied.tokenizer = copy.deepcopy(self.tokenizer)
-            works = list(copied.tokenizer(probe, add_special_tokens=False)["input_ids"]) == \
-                list(self.tokenizer(probe, add_special_tokens=False)["input_ids"])
-        except Exception:  # noqa: BLE001 - a wrapper that does not survive a copy (vLLM's cached tokenizer)
+            copied.tokenizer = self.tokenizer_copy()
+            works = (list(copied.tokenizer(probe, add_special_tokens=False)["input_ids"])
+                     == list(self.tokenizer(probe, add_special_tokens=False)["input_ids"])
+                     and getattr(copied.tokenizer, "chat_template", None) == getattr(self.tokenizer, "chat_template",
+                                                                                   None))
+        except Exception:  # noqa: BLE001 - a tokenizer that does not survive a copy
             works = False
-        if not works:  # share it: encoding and decoding only read a fast tokenizer
+        if not works:
             print(f"tokenizer {type(self.tokenizer).__name__} does not copy; the preparing thread shares it",
                   flush=True)
             return self

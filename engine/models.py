@@ -109,10 +109,12 @@ def convert_gguf(gguf: Path, out: Path, dtype: str = "float32") -> Path:
     (tmp / "jex-source.json").write_text(json.dumps({"gguf": gguf.name, "gguf_sha256": _file_sha256(gguf),
                                                     "dtype": dtype}, indent=2))
     weights_sha256(tmp)
-    if out.exists():  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
+    try:
         os.replace(tmp, out)
+    except OSError:  # another process won the race (its folder is complete: it was renamed into place whole)
+        if not out.exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

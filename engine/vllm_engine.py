@@ -173,6 +173,11 @@ class VLLMEngine(TokenizedEngine):
         self.weights_sha256 = weights_sha256(self.path)
         self.calls = {"readout": 0, "generate": 0}
 
+    def tokenizer_copy(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.path))
+
     def _run(self, prompts: list[list[int]], params: Any) -> list[Any]:
         """Submit in chunks of `batch_size` (the batch shape the caller asked for), or all in one
         `generate` when it is 0: vLLM then batches under max_num_seqs / max_num_batched_tokens, and

@@ -55,8 +55,9 @@ class MachinesSpec(BaseModel):
     gpus_per_machine: int = Field(1, ge=1, description="GPUs of each machine (one set of engine slots per GPU)")
     engines_per_gpu: int = Field(1, ge=1, description="Engine processes per GPU, each a data-parallel worker; more "
                                                       "than 1 pays off when one engine leaves the GPU idle (small "
-                                                      "models); they start one after another unless the engine "
-                                                      "fixes its KV cache size (kv_cache_memory_gib)")
+                                                      "models); vLLM engines that profile their KV cache start "
+                                                      "one after another, others (kv_cache_memory_gib set, the "
+                                                      "HF engine) together")
     host_stall_s: float = Field(600.0, gt=0, description="Seconds an engine host may go without finishing a shard "
                                                          "before its job stops it and starts a new one")
     fresh_processes: bool = Field(False, description="inprocess: compute the engine stages in fresh local processes "

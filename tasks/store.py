@@ -109,8 +109,9 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
     With `prepare_chunk`, `compute` gets `prepare_chunk(chunk)` instead of the chunk (the CPU side of a
     shard, such as its prompts rendered and tokenised). With `prepare_ahead` one background thread
     prepares the next shard this call computes while `compute` runs on the current one; that shard is
-    claimed before it is prepared, so a call holds at most one claim beyond the shard it computes, and
-    gives it back if it fails before reaching it. An exception from `prepare_chunk` is raised at its
+    claimed before it is prepared, so a call holds at most one claim beyond the shard it computes (at the
+    end of a stage, the last shard may wait for a busy engine while another is free), and gives it back
+    if it fails before reaching it. An exception from `prepare_chunk` is raised at its
     shard's turn, as `compute` would raise it: the shards before it are written, none after it is begun.
     """
     folder.mkdir(parents=True, exist_ok=True)

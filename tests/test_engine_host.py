@@ -143,6 +143,41 @@ def test_prestarted_hosts_have_their_engines_up_before_the_first_request(engine_
     assert [s.pid for s in read_starts(engine_home) if s.slot == 1] == [reply.host_pid]
 
 
+def test_a_retired_host_refuses_new_clients_at_once(tmp_path):
+    """Retiring (after its last request, or a failed one) must not leave the socket accepting clients
+    whose requests would then be dropped: they find no host and start a new one."""
+    import queue
+    from multiprocessing.connection import Listener
+
+    from jex.tasks.capture.engine_host import EngineHost, _address, _authkey, _connect
+
+    home = tmp_path / "engines"
+    home.mkdir()
+    host, key = EngineHost(home, 0), _authkey(home)
+    listener = Listener(_address(home, 0), family="AF_UNIX", authkey=key)
+    pending: queue.Queue = queue.Queue()
+    acceptor = threading.Thread(target=host._accept, args=(listener, pending), daemon=True)
+    acceptor.start()
+    _connect(home, 0, key).close()
+    host._retire(listener)
+    acceptor.join(timeout=5)
+    assert not acceptor.is_alive() and _connect(home, 0, key) is None
+
+
+@pytest.mark.slow
+def test_a_host_whose_engine_fails_at_launch_exits_and_the_job_reports_the_error(engine_home, suite_dir, tmp_path):
+    from jex.tasks.capture.engine_pool import EngineSpec
+
+    broken = EngineSpec(model=str(tmp_path / "no-such-model"))
+    prestart(engine_home, broken, [0])
+    launched = int((slot_dir(engine_home, 0) / "host.pgid").read_text())
+    request = _fast_pass_request(suite_dir, tmp_path / "store")
+    request = request.model_copy(update={"args": request.args.model_copy(update={"engine": broken})})
+    reply = submit(engine_home, 0, request)
+    assert not reply.ok and "no-such-model" in reply.error and reply.host_pid != launched
+    assert read_starts(engine_home) == []
+
+
 def test_only_an_engine_that_profiles_the_gpu_s_memory_starts_alone():
     from jex.tasks.capture.engine_pool import EngineSpec
 

@@ -12,6 +12,7 @@ import typer
 
 if TYPE_CHECKING:
     from jex.tasks.capture.engine_host import HostPolicy
+    from jex.tasks.capture.engine_pool import EngineSpec
 
 stage_app = typer.Typer(no_args_is_help=True, help="Run one engine stage without Prefect (what a GPU worker runs).")
 
@@ -50,7 +51,6 @@ def stage_golden(args_file: Annotated[Path, typer.Option("--args", help="JSON: b
         HostRequest,
         absolute_args,
         bring_compile_cache,
-        prestart,
         run_request,
         take_compile_cache,
     )
@@ -64,11 +64,11 @@ def stage_golden(args_file: Annotated[Path, typer.Option("--args", help="JSON: b
     if engine_host and compile_cache_in:
         bring_compile_cache(engine_host.resolve(), compile_cache_in)
     if home and together:
-        prestart(home, request.args.engine, range(1, slots), slot_devices)
+        _prestart(home, request.args.engine, slots, slot_devices)
     run_request(request, engine_host, devices=slot_devices[:1] if slot_devices else None,
                 policy=_policy(host_requests, stall_s))
     if home and not together:
-        prestart(home, request.args.engine, range(1, slots), slot_devices)
+        _prestart(home, request.args.engine, slots, slot_devices)
     if engine_host and compile_cache_out and take_compile_cache(engine_host.resolve(), compile_cache_out):
         typer.echo(f"compile cache -> {compile_cache_out}")
     typer.echo(f"golden replay: {rows} rows -> {out}")
@@ -95,6 +95,17 @@ def stage_run(stage: Annotated[str, typer.Argument(help="fast_pass | reason")],
         fields = summary.model_dump()
         typer.echo(json.dumps({k: fields.get(k) for k in ("stage", "key", "rows", "computed_shards", "partial",
                                                            "compute_seconds", "computed_rows")}))
+
+
+def _prestart(home: Path, engine: EngineSpec, slots: int, devices: list[str] | None) -> None:
+    """Start the engines of slots 1.. (slot 0 runs the golden replay). Only a head start: a host that
+    fails to start here is started again by the first job that needs it, which then reports why."""
+    from jex.tasks.capture.engine_host import EngineHostDied, prestart
+
+    try:
+        prestart(home, engine, range(1, slots), devices)
+    except EngineHostDied as e:
+        typer.echo(f"{e}; its first job starts it again")
 
 
 def _policy(host_requests: int, stall_s: float | None) -> HostPolicy:

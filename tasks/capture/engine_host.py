@@ -5,7 +5,8 @@ under the worker protocol (heartbeat, marker, salvage) as before. Instead of loa
 themselves they hand their work to the slot's engine host, which loads each engine once and stays
 up between jobs, so a machine pays one engine start per slot instead of one per job:
 
-    python -m jex.tasks.capture.engine_host serve HOME SLOT      (started by the first client that finds none)
+    python -m jex.tasks.capture.engine_host serve HOME SLOT   (started by the golden job, or the first client
+                                                             that finds none listening)
 
 `HOME/slot-S/` holds the host's log, pid file (`host.pgid`: the machine's teardown and its watchdog
 stop it with the jobs), progress record (`progress.json`) and vLLM compile cache (`vllm-cache/`);
@@ -37,13 +38,14 @@ import queue
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -126,7 +128,7 @@ class HostProgress(BaseModel):
     slow host from a wedged one."""
 
     pid: int
-    phase: Literal["starting", "computing", "idle"]
+    phase: Literal["starting", "queued", "computing", "idle"]
     time: float
     detail: str = ""
 
@@ -170,10 +172,20 @@ def read_starts(home: Path) -> list[EngineStart]:
 
 
 @contextmanager
-def _flock(path: Path) -> Iterator[None]:
+def _flock(path: Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """An exclusive lock on `path`; while another process holds it, `on_wait()` every `POLL_S`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        if on_wait is None:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        else:
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    on_wait()
+                    time.sleep(POLL_S)
         try:
             yield
         finally:
@@ -211,11 +223,11 @@ class EngineHost:
         self.warm_at_launch = warm_at_launch
         self.pid_file = slot_dir(home, slot) / PGID
         self.starts = 0
-        self.launch_error = ""
+        self.retired = False
         self.last_request = time.monotonic()
         self.busy = False
 
-    def progress(self, phase: Literal["starting", "computing", "idle"], detail: str = "") -> None:
+    def progress(self, phase: Literal["starting", "queued", "computing", "idle"], detail: str = "") -> None:
         record = HostProgress(pid=os.getpid(), phase=phase, time=time.time(), detail=detail)
         with atomic_path(slot_dir(self.home, self.slot) / PROGRESS) as tmp:
             tmp.write_text(record.model_dump_json())
@@ -228,19 +240,21 @@ class EngineHost:
         if is_loaded(spec):
             return
         release_engines()  # one engine per host (e.g. a speculative profile, then its audited base): one GPU share
-        self.progress("starting", f"{spec.kind} engine")
+        self.progress("starting", f"importing {spec.kind}")
         preload(spec)
         alone = spec.starts_alone()
         t_queue = time.perf_counter()
-        with _flock(self.home / "engine-start.lock") if alone else nullcontext():
+        waiting = lambda: self.progress("queued", "waiting for the machine's start lock")  # noqa: E731
+        with _flock(self.home / "engine-start.lock", on_wait=waiting) if alone else nullcontext():
             queued = time.perf_counter() - t_queue
+            self.progress("starting", f"{spec.kind} engine")
             cache = restore_compile_cache(self.home, self.slot)
             t0 = time.perf_counter()
             get_engine(spec)
             rec = EngineStart(slot=self.slot, pid=os.getpid(), kind=spec.kind, seconds=time.perf_counter() - t0,
                               time=time.time(), compile_cache=cache, queued_s=queued, alone=alone)
-        if cache != "restored":  # this machine compiled (or found its own cache): offer it to the next ones
-            pack_compile_cache(self.home, self.slot)
+            if cache != "restored":  # this machine compiled (or found its own cache): offer it to the next starts
+                pack_compile_cache(self.home, self.slot)
         self.starts += 1
         with _flock(self.home / f"{STARTS}.lock"), open(self.home / STARTS, "a") as f:
             f.write(rec.model_dump_json() + "\n")
@@ -250,8 +264,6 @@ class EngineHost:
     def handle(self, request: HostRequest) -> HostReply:
         t0 = time.perf_counter()
         try:
-            if self.launch_error:
-                raise RuntimeError(f"the engine did not start at launch: {self.launch_error}")
             self.warm(request.args.engine)
             self.progress("computing", request.job)
             summary = execute(request, lambda stage, done, total: self.progress("computing",
@@ -288,29 +300,42 @@ class EngineHost:
                              engine_starts=self.starts, seconds=0.0)
         return self.handle(request)
 
-    @staticmethod
-    def _accept(listener: Listener, pending: queue.Queue[Connection]) -> None:
+    def _accept(self, listener: Listener, pending: queue.Queue[Connection]) -> None:
         """Accept (and authenticate) clients as they come, so none waits on a busy host to connect."""
-        while True:
+        while not self.retired:
             try:
                 pending.put(listener.accept())
-            except (EOFError, AuthenticationError):  # a client that failed authentication or went away
+            except (OSError, EOFError, AuthenticationError):  # a client that went away mid-handshake, or retired
                 continue
-            except OSError:  # the listener was closed
-                return
 
-    def _start_at_launch(self, spec: EngineSpec) -> None:
+    def _retire(self, listener: Listener) -> None:
+        """Stop listening now, so the next client starts a new host. `close()` alone would leave the
+        socket bound while the accept thread waits in `accept()`; `shutdown` wakes it."""
+        self.retired = True
+        sock = getattr(getattr(listener, "_listener", None), "_socket", None)
+        try:
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        listener.close()
+
+    def _start_at_launch(self, spec: EngineSpec, listener: Listener) -> bool:
+        """Load the engine before the first request; False (and this host retired) when it fails: the
+        next client starts a fresh host, which loads it again and reports the error if it fails again."""
         self.busy = True
         try:
             self.warm(spec)
             self.progress("idle", "engine up")
+            return True
         except (KeyboardInterrupt, SystemExit):
             raise
-        except BaseException as e:  # noqa: BLE001 - reported to the first request
+        except BaseException:  # noqa: BLE001 - also a Rust panic from a library
             import traceback
 
             traceback.print_exc()
-            self.launch_error = f"{type(e).__name__}: {e}"
+            self._retire(listener)
+            return False
         finally:
             self.busy, self.last_request = False, time.monotonic()
 
@@ -322,9 +347,8 @@ class EngineHost:
         threading.Thread(target=self._accept, args=(listener, pending), daemon=True).start()
         threading.Thread(target=self._idle_watch, daemon=True).start()
         print(f"engine host slot {self.slot}: serving (pid {os.getpid()})", flush=True)
-        if self.warm_at_launch is not None:
-            self._start_at_launch(self.warm_at_launch)
-        served, ok = 0, True
+        ok = self.warm_at_launch is None or self._start_at_launch(self.warm_at_launch, listener)
+        served = 0
         while ok and (not self.max_requests or served < self.max_requests):
             conn = pending.get()
             with conn:
@@ -333,13 +357,15 @@ class EngineHost:
                     reply = self._reply(conn)
                     served, ok = served + 1, reply.ok
                     if not ok or served == self.max_requests:
-                        listener.close()  # the next client starts a new host instead of finding this one
+                        self._retire(listener)
                     conn.send_bytes(reply.model_dump_json().encode())
                 except (OSError, EOFError):
                     pass  # the client died; the work it asked for is in the store or will be asked again
                 finally:
                     self.busy, self.last_request = False, time.monotonic()
                     self.progress("idle")
+        while not pending.empty():  # accepted before the retirement: their clients see the host gone and retry
+            pending.get().close()
         self._forget_pid_file()
 
 
@@ -524,6 +550,8 @@ def _await_reply(conn: Connection, home: Path, slot: int, stall_s: float) -> Hos
         progress = read_progress(home, slot)
         if progress is None:
             continue
+        if progress.phase == "queued":  # alive, waiting for another engine's start (watched by its own client)
+            continue
         budget = START_STALL_S if progress.phase == "starting" else stall_s
         quiet = time.time() - max(progress.time, asked)
         if quiet > budget:
@@ -533,10 +561,17 @@ def _await_reply(conn: Connection, home: Path, slot: int, stall_s: float) -> Hos
     return HostReply.model_validate_json(conn.recv_bytes())
 
 
-def _ask(home: Path, slot: int, request: HostRequest, device: str | None, policy: HostPolicy) -> HostReply:
+def _host(home: Path, slot: int, device: str | None, max_requests: int, warm: EngineSpec | None = None
+          ) -> Connection:
+    """A connection to the slot's host, starting one when none listens (one host per slot, however
+    many clients arrive)."""
     key = _authkey(home)
-    with _flock(slot_dir(home, slot) / "start.lock"):  # one host per slot, however many clients arrive
-        conn = _connect(home, slot, key) or _start_host(home, slot, key, device, policy.max_requests)
+    with _flock(slot_dir(home, slot) / "start.lock"):
+        return _connect(home, slot, key) or _start_host(home, slot, key, device, max_requests, warm=warm)
+
+
+def _ask(home: Path, slot: int, request: HostRequest, device: str | None, policy: HostPolicy) -> HostReply:
+    conn = _host(home, slot, device, policy.max_requests)
     with conn:
         try:
             conn.send_bytes(request.model_dump_json().encode())
@@ -568,11 +603,8 @@ def submit(home: Path, slot: int, request: HostRequest, *, device: str | None = 
 def prestart(home: Path, engine: EngineSpec, slots: Sequence[int], devices: list[str] | None = None) -> None:
     """Start the hosts of `slots` (those not yet listening), each loading `engine` at once rather
     than at its first request; returns as soon as they listen."""
-    key = _authkey(home)
     for s in slots:
-        with _flock(slot_dir(home, s) / "start.lock"):
-            conn = _connect(home, s, key) or _start_host(home, s, key, devices[s] if devices else None, 0, warm=engine)
-        conn.close()
+        _host(home, s, devices[s] if devices else None, 0, warm=engine).close()
 
 
 def _echo_log(log: Path, offset: int) -> None:
