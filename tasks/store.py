@@ -132,7 +132,7 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
     def next_to_compute() -> int | None:
         """The next of this call's shards to compute (claimed with `claim`), reusing those that exist."""
         for i in todo:
-            if (folder / f"shard-{i:05d}.parquet").exists():
+            if shard_path(folder, i).exists():
                 reused.append(i)
                 progress()
             elif not claim or _claim(_claim_path(folder, i)):
@@ -141,7 +141,7 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
 
     def compute_shard(i: int, value: Any, t0: float) -> None:
         nonlocal seconds, rows
-        write_parquet(compute(value), folder / f"shard-{i:05d}.parquet")
+        write_parquet(compute(value), shard_path(folder, i))
         seconds += time.perf_counter() - t0
         rows += len(chunk(i))
         computed.append(i)
@@ -157,24 +157,36 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
             current = next_to_compute()
         return ShardStats(n_shards, computed, reused, seconds, rows)
 
+    given_back = (lambda i: _claim_path(folder, i).unlink(missing_ok=True)) if claim else (lambda i: None)
+    _compute_prepared_ahead(current, next_to_compute, lambda i: prepare_chunk(chunk(i)), compute_shard, given_back)
+    return ShardStats(n_shards, computed, reused, seconds, rows)
+
+
+def _compute_prepared_ahead(first: int | None, next_shard: Callable[[], int | None], prepare: Callable[[int], Any],
+                            compute: Callable[[int, Any, float], None], give_back: Callable[[int], None]) -> None:
+    """Compute shards from `first` on, each prepared on one background thread while the one before it
+    computes; a shard prepared but never begun (the call failed first) is given back."""
     with ThreadPoolExecutor(1, thread_name_prefix="prepare-shard") as pool:
         def begin(i: int | None) -> tuple[int, Future[Any]] | None:
-            return None if i is None else (i, pool.submit(prepare_chunk, chunk(i)))
+            return None if i is None else (i, pool.submit(prepare, i))
 
         ahead = None  # the next shard: claimed and being prepared, not begun
         try:
             t0 = time.perf_counter()
-            shard = begin(current)
+            shard = begin(first)
             while shard is not None:
                 value = shard[1].result()  # this shard's preparation error surfaces here
-                ahead = begin(next_to_compute())
-                compute_shard(shard[0], value, t0)
+                ahead = begin(next_shard())
+                compute(shard[0], value, t0)
                 shard, ahead = ahead, None
                 t0 = time.perf_counter()
         finally:
-            if ahead is not None and claim:
-                _claim_path(folder, ahead[0]).unlink(missing_ok=True)
-    return ShardStats(n_shards, computed, reused, seconds, rows)
+            if ahead is not None:
+                give_back(ahead[0])
+
+
+def shard_path(folder: Path, shard: int) -> Path:
+    return folder / f"shard-{shard:05d}.parquet"
 
 
 def _claim_path(folder: Path, shard: int) -> Path:
@@ -225,7 +237,7 @@ def _held_by_other_live_process(path: Path) -> bool:
 
 
 def merge_shards(folder: Path, n_shards: int, out: Path) -> pl.DataFrame:
-    paths = [folder / f"shard-{i:05d}.parquet" for i in range(n_shards)]
+    paths = [shard_path(folder, i) for i in range(n_shards)]
     missing = [p.name for p in paths if not p.exists()]
     if missing:
         raise FileNotFoundError(f"{folder}: shards missing: {missing[:5]}")

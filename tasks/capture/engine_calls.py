@@ -155,9 +155,13 @@ def reason_prompts(engine: Renders, rows: Sequence[RowLike], render: RenderSpec 
 def reason(engine: Engine, rows: Sequence[RowLike], *, max_tokens: int, render: RenderSpec = DEFAULT_RENDER,
            stop: tuple[str, ...] = ()) -> list[Generation]:
     """A greedy rationale per row."""
-    prompts = reason_prompts(engine, rows, render)
-    return engine.generate([GenerateRequest(r.run_id, p, max_tokens, stop) for r, p in zip(rows, prompts,
-                                                                                           strict=True)])
+    return engine.generate(_reason_requests(engine, rows, max_tokens, render, stop))
+
+
+def _reason_requests(renders: Renders, rows: Sequence[RowLike], max_tokens: int, render: RenderSpec,
+                     stop: tuple[str, ...]) -> list[GenerateRequest]:
+    return [GenerateRequest(r.run_id, p, max_tokens, stop)
+            for r, p in zip(rows, reason_prompts(renders, rows, render), strict=True)]
 
 
 @dataclass(frozen=True)
@@ -176,9 +180,7 @@ def prepared_reasons(tokenizer: ChatTokenizer, rows: Sequence[RowLike], *, max_t
                      render: RenderSpec = DEFAULT_RENDER, stop: tuple[str, ...] = ()) -> list[ReasonCall]:
     """The requests of `reason`, with their token ids (`prompt_ids`) under `tokenizer` (the engine or its
     `preparer()`)."""
-    prompts = reason_prompts(tokenizer, rows, render)
-    requests = with_prompt_ids(tokenizer, [GenerateRequest(r.run_id, p, max_tokens, stop)
-                                           for r, p in zip(rows, prompts, strict=True)])
+    requests = with_prompt_ids(tokenizer, _reason_requests(tokenizer, rows, max_tokens, render, stop))
     return [ReasonCall(r, q) for r, q in zip(rows, requests, strict=True)]
 
 

@@ -31,6 +31,7 @@ have left unusable.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import io
 import os
@@ -123,12 +124,16 @@ class HostReply(BaseModel):
     seconds: float
 
 
+Phase = Literal["starting", "queued", "computing", "idle"]
+"""`queued`: waiting for the machine's start lock (no stall limit: the start it waits on is watched)."""
+
+
 class HostProgress(BaseModel):
     """`slot-S/progress.json`, rewritten at each step a host makes: a waiting client reads it to tell a
     slow host from a wedged one."""
 
     pid: int
-    phase: Literal["starting", "queued", "computing", "idle"]
+    phase: Phase
     time: float
     detail: str = ""
 
@@ -227,7 +232,7 @@ class EngineHost:
         self.last_request = time.monotonic()
         self.busy = False
 
-    def progress(self, phase: Literal["starting", "queued", "computing", "idle"], detail: str = "") -> None:
+    def progress(self, phase: Phase, detail: str = "") -> None:
         record = HostProgress(pid=os.getpid(), phase=phase, time=time.time(), detail=detail)
         with atomic_path(slot_dir(self.home, self.slot) / PROGRESS) as tmp:
             tmp.write_text(record.model_dump_json())
@@ -244,7 +249,7 @@ class EngineHost:
         preload(spec)
         alone = spec.starts_alone()
         t_queue = time.perf_counter()
-        waiting = lambda: self.progress("queued", "waiting for the machine's start lock")  # noqa: E731
+        waiting = functools.partial(self.progress, "queued", "waiting for the machine's start lock")
         with _flock(self.home / "engine-start.lock", on_wait=waiting) if alone else nullcontext():
             queued = time.perf_counter() - t_queue
             self.progress("starting", f"{spec.kind} engine")
