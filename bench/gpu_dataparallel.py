@@ -16,12 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from jex.engine_spec import EngineSpec  # noqa: E402
 from jex.sample_suite import write_sample_suite  # noqa: E402
-from jex.tasks.capture.engine_pool import EngineSpec  # noqa: E402
 from jex.tasks.capture.stages import bundle_stage  # noqa: E402
 from jex.tasks.capture.workers import run_workers  # noqa: E402
 from jex.tasks.cpu_stages import gate_stage  # noqa: E402
-from jex.tasks.records import EngineStageArgs  # noqa: E402
+from jex.tasks.inputs import EngineJob, FastPassInputs, ReasonInputs  # noqa: E402
 from jex.tasks.store import LocalStore  # noqa: E402
 
 
@@ -34,15 +34,17 @@ def one_config(suite: Path, store_dir: Path, gpus: int, args: argparse.Namespace
     store = LocalStore(store_dir)
     bundle = bundle_stage(store, suite=suite)
     engine = EngineSpec(kind="vllm", model=args.model, batch_size=args.batch, max_num_seqs=args.max_num_seqs)
-    common = EngineStageArgs(bundle=bundle, engine=engine, store=str(store_dir), shard_rows=args.fast_shard)
     devices = (args.devices.split(",") if args.devices else [str(i) for i in range(args.gpus)])[:gpus]
     t0 = time.perf_counter()
-    fast, fast_workers = run_workers("fast_pass", common, workers=gpus, devices=devices)
+    fast_job = EngineJob(inputs=FastPassInputs(bundle=bundle, engine=engine, shard_rows=args.fast_shard),
+                         store=str(store_dir))
+    fast, fast_workers = run_workers(fast_job, workers=gpus, devices=devices)
     fast_wall = time.perf_counter() - t0
     gate = gate_stage(store, bundle=bundle, fast=fast, coverage=args.coverage)
     t0 = time.perf_counter()
-    reason, reason_workers = run_workers("reason", common.model_copy(update={
-        "gate": gate, "shard_rows": args.reason_shard, "max_tokens": args.max_tokens}), workers=gpus, devices=devices)
+    reason_job = EngineJob(inputs=ReasonInputs(bundle=bundle, engine=engine, gate=gate, shard_rows=args.reason_shard,
+                                               max_tokens=args.max_tokens), store=str(store_dir))
+    reason, reason_workers = run_workers(reason_job, workers=gpus, devices=devices)
     reason_wall = time.perf_counter() - t0
     fast_compute = max(w.compute_s for w in fast_workers)
     reason_compute = max(w.compute_s for w in reason_workers)

@@ -68,9 +68,10 @@ def ceiling(engine, requests) -> dict:
 def child(args: argparse.Namespace) -> None:
     import polars as pl
 
+    from jex.engine_spec import EngineSpec
     from jex.fileio import sha256_file
     from jex.tasks.capture.engine_calls import question_prompts
-    from jex.tasks.capture.engine_pool import EngineSpec, get_engine
+    from jex.tasks.capture.engine_pool import get_engine
     from jex.tasks.capture.stages import bundle_stage, fast_pass_stage, reason_stage
     from jex.tasks.cpu_stages import gate_stage
     from jex.tasks.store import LocalStore

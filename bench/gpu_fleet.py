@@ -37,13 +37,13 @@ def main() -> None:
     os.environ.update({"JEX_INFRA__STATE_DIR": str(work / "infra"), "JEX_INFRA__POLL_S": "1",
                        "JEX_INFRA__HEARTBEAT_S": "2", "JEX_INFRA__HEARTBEAT_TIMEOUT_S": "300",
                        "JEX_INFRA__WORKER_PYTHON": sys.executable})
+    from jex.engine_spec import EngineSpec
     from jex.fileio import sha256_file
     from jex.flows.fleet import GpuFleet, JobFailed, MachinesSpec
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
-    from jex.tasks.capture.engine_pool import EngineSpec
     from jex.tasks.capture.stages import bundle_stage, fast_pass_stage
-    from jex.tasks.records import EngineStageArgs
+    from jex.tasks.inputs import EngineJob, FastPassInputs
     from jex.tasks.store import LocalStore
 
     suite = write_sample_suite(work / "suite", rows=a.rows, seed=0)
@@ -55,7 +55,8 @@ def main() -> None:
         if first_store is not None:  # the reference the first run established travels with the campaign store
             shutil.copytree(first_store / "golden", store.root / "golden")
         bundle = bundle_stage(store, suite=suite)
-        args = EngineStageArgs(bundle=bundle, engine=engine, store=str(store.root), shard_rows=a.shard_rows)
+        job = EngineJob(inputs=FastPassInputs(bundle=bundle, engine=engine, shard_rows=a.shard_rows),
+                        store=str(store.root))
         t0 = time.time()
         lines: list[str] = []
         spec = MachinesSpec(provider="local", workers=n, golden_rows=a.golden_rows, concurrent=not a.one_gpu)
@@ -63,17 +64,15 @@ def main() -> None:
                          store=str(store.root), settings=load_settings(), echo=lines.append)
         try:
             with fleet:
-                fleet.run_stage("fast_pass", args)
-                fast = fast_pass_stage(store, bundle=bundle, engine=engine, shard_rows=a.shard_rows,
-                                       engine_fp=fleet.engine_fp)
+                fast = fast_pass_stage(store, fleet.run_stage(job).inputs)
         except JobFailed as e:
             result["runs"][str(n)] = {"error": str(e), "log_tail": e.outcome.log_tail[-4000:],
-                                      "report": fleet.report()}
+                                      "report": fleet.report().model_dump(mode="json")}
             a.out.parent.mkdir(parents=True, exist_ok=True)
             a.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
             print(str(e), e.outcome.log_tail[-3000:])
             raise
-        rep = fleet.report()
+        rep = fleet.report().model_dump(mode="json")
         result["runs"][str(n)] = {
             "wall_s": round(time.time() - t0, 1), "capture_sha256": fast.sha256,
             "capture_file_sha256": sha256_file(fast.capture), "rows": fast.rows,
@@ -84,7 +83,7 @@ def main() -> None:
                           "jobs": [(j["job"], j["status"], len(j["artifacts"]), j["seconds"]) for j in m["jobs"]],
                           "stack": (m["provenance"] or {}).get("stack"), "gpus": (m["provenance"] or {}).get("gpus")}
                          for m in rep["machines"]],
-            "left_running": [m.id for m in fleet.provider.list()], "log_tail": lines[-8:]}
+            "left_running": [m.id for m in fleet.provider.list_machines()], "log_tail": lines[-8:]}
         print(json.dumps(result["runs"][str(n)], default=str)[:2000], flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=1, default=str) + "\n")

@@ -5,11 +5,11 @@
     python3 bench/gpu_speculative.py probe --model /tmp/smollm2 --rows 200 --every 8 --out $OUT
 
 `workload` runs the campaign's own stage functions (bundle, fast pass, gate, reason, the proof
-gate, `tasks.spec_proof.prove`) in a shared store: one process for the audited base engine (fast
+sample, `tasks/capture/spec_proof.py: prove`) in a shared store: one process for the audited base engine (fast
 pass, the reason stage on every gated row, the proof sample), one for the `audit-ngram` engine (its
 fast pass is the base's: speculation does not key a readout). It reports identical rationales over
 all gated rows, the per-run proof on the 64-row sample, and tok/s of each reason stage.
-`probe` runs `tasks.early_exit` on gated rows with the audited vLLM engine.
+`probe` runs `tasks/lab/early_exit.py` on gated rows with the audited vLLM engine.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from jex.tasks.capture.engine_pool import EngineSpec  # noqa: E402
+from jex.engine_spec import EngineSpec  # noqa: E402
 
 
 def engine(args: argparse.Namespace, profile: str) -> EngineSpec:
@@ -32,7 +32,7 @@ def engine(args: argparse.Namespace, profile: str) -> EngineSpec:
 def stage_process(args: argparse.Namespace) -> None:
     """One engine's share of the workload, in this process (vLLM's settings are process-wide)."""
     from jex.sample_suite import write_sample_suite
-    from jex.tasks.capture.spec_proof import proof_gate_stage
+    from jex.tasks.capture.spec_proof import proof_sample_stage
     from jex.tasks.capture.stages import bundle_stage, fast_pass_stage, reason_stage
     from jex.tasks.cpu_stages import gate_stage
     from jex.tasks.store import LocalStore
@@ -55,8 +55,8 @@ def stage_process(args: argparse.Namespace) -> None:
     out = {"profile": args.profile, "fast_pass": fast.model_dump(mode="json"), "gate": gate.model_dump(mode="json"),
            "reason": reason.model_dump(mode="json"), "fast_pass_wall_s": t_fast, "reason_wall_s": t_reason}
     if args.profile == "audit":
-        sample = proof_gate_stage(store, bundle=bundle, gate=gate, rows=args.proof_rows)
-        out["proof_gate"] = sample.model_dump(mode="json")
+        sample = proof_sample_stage(store, bundle=bundle, gate=gate, rows=args.proof_rows)
+        out["proof_sample"] = sample.model_dump(mode="json")
         out["proof_base"] = reason_stage(store, bundle=bundle, gate=sample, engine=eng, max_tokens=args.max_tokens,
                                          shard_rows=args.shard_rows).model_dump(mode="json")
     (work / f"{args.profile}.json").write_text(json.dumps(out, default=str))

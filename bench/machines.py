@@ -83,8 +83,8 @@ def heartbeat_loss_to_deleted(provider, work: Path, policy: Policy) -> float:
 
     def freeze(sess, j, poll):
         if poll == 2:
-            pgid = sess.shell.run(f"cat {sess.run_dir(j)}/worker.pgid").stdout.strip()
-            sess.shell.run(f"kill -STOP -- -{pgid}")
+            pgid = sess.started.shell.run(f"cat {sess.run_dir(j)}/worker.pgid").stdout.strip()
+            sess.started.shell.run(f"kill -STOP -- -{pgid}")
             stopped["t"] = time.time()
 
     s.on_poll = freeze
@@ -132,7 +132,7 @@ def lease_expiry(provider, work: Path, policy: Policy, client) -> dict:
                        machine_credentials=lambda: {"aws_access_key_id": "x", "aws_secret_access_key": "x"})
     s.start()
     s.launch(job("head -c 1000000 /dev/urandom > a.bin; sleep 600", work / "got"))
-    s.shell.run(f"touch {s.machine.workdir}/lease")  # the last poll
+    s.started.shell.run(f"touch {s.machine.workdir}/lease")  # the last poll
     last = time.time()
     marker = s3.key("campaigns", "bench", "machines", s.machine.id, "SELF_TERMINATED.json")
     in_s3 = gone = None

@@ -58,7 +58,7 @@ def timed_score(rows, preds, spec, draws: int) -> tuple[float, float, dict]:
     from jex.tasks.scoring.score import score_with_ci
 
     t0, c0 = time.perf_counter(), time.process_time()
-    doc = score_with_ci(rows, preds, spec, draws=draws)
+    doc = score_with_ci(rows, preds, spec, draws=draws).model_dump(mode="json")
     return time.perf_counter() - t0, time.process_time() - c0, doc
 
 

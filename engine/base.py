@@ -8,12 +8,23 @@ may carry its ids already (`prompt_ids`, from the engine's `preparer()` on anoth
 from __future__ import annotations
 
 import copy
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
-from jex.engine.render import ChatFn, Message, Renderer, RenderSpec
-from jex.engine.types import GenerateRequest, Readout, ReadoutMode, ReadoutRequest
+from jex.engine.render import ChatFn, Message, Renderer
+from jex.engine.types import (
+    GenerateRequest,
+    Generation,
+    NextTokenRequest,
+    NextTokenStats,
+    Readout,
+    ReadoutMode,
+    ReadoutRequest,
+)
+from jex.engine_spec import RenderSpec
+from jex.provenance import ProvenanceBlock
 
 
 def package_version(name: str) -> str | None:
@@ -62,9 +73,26 @@ class ChatTokenizer:
         return [list(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
 
-class TokenizedEngine(ChatTokenizer):
+class TokenizedEngine(ChatTokenizer, ABC):
+    """The base of every engine jex runs (`engine/factory.py: make_engine`): the `Engine` protocol's
+    methods plus tokenisation, label tokens and request planning shared by all of them."""
+
+    name: str
     max_context: int
     continuation_reserve = 0  # tokens the engine must be able to add after a scored sequence
+
+    @abstractmethod
+    def readout(self, requests: Sequence[ReadoutRequest], mode: ReadoutMode = ReadoutMode.LABEL_SLOT
+                ) -> list[Readout]: ...
+
+    @abstractmethod
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Generation]: ...
+
+    @abstractmethod
+    def next_token(self, requests: Sequence[NextTokenRequest]) -> list[NextTokenStats]: ...
+
+    @abstractmethod
+    def provenance(self) -> ProvenanceBlock: ...
 
     def tokenizer_copy(self) -> Any:
         """A tokenizer equal to this engine's but not shared with it (vLLM's does not survive a deep

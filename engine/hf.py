@@ -28,6 +28,8 @@ from jex.engine.types import (
     cut_at_stop,
     renormalise,
 )
+from jex.engine.vllm_engine import SpeculativeConfig
+from jex.provenance import ProvenanceBlock
 
 DEFAULT_CACHE = Path.home() / ".cache" / "jex"
 
@@ -38,7 +40,7 @@ class HFEngine(TokenizedEngine):
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: str = "float32",
                  batch_size: int = 8, batch_invariant: bool = True, cache_dir: Path = DEFAULT_CACHE,
-                 max_context: int | None = None, speculative: dict[str, Any] | None = None):
+                 max_context: int | None = None, speculative: SpeculativeConfig | None = None):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -197,26 +199,22 @@ class HFEngine(TokenizedEngine):
         return tokens
 
     # --- provenance ------------------------------------------------------------------------------
-    def identity(self) -> dict[str, Any]:
-        """What fixes the function this engine computes (the cache-key part of provenance)."""
+    def provenance(self) -> ProvenanceBlock:
+        """What fixes the function this engine computes, and what describes the run (paths, hardware)."""
+        torch = self.torch
+        gpu = torch.cuda.get_device_name(0) if self.device.startswith("cuda") else None
         return {"engine": "hf", "weights_sha256": self.weights_sha256, "dtype": self.dtype,
                 **({"speculative": self.speculative} if self.speculative else {}),
                 "device_type": self.device.split(":")[0], "batch_invariant": self.batch_invariant,
                 "batch_size": self.batch_size, "torch": package_version("torch"),
-                "transformers": package_version("transformers")}
-
-    def provenance(self) -> dict[str, Any]:
-        """identity() plus what describes the run but not the function (paths, hardware, threads)."""
-        torch = self.torch
-        gpu = torch.cuda.get_device_name(0) if self.device.startswith("cuda") else None
-        return {**self.identity(), "model_path": str(self.path),
+                "transformers": package_version("transformers"), "model_path": str(self.path),
                 "batch_invariant_method": "per-request forward (batch 1)" if self.batch_invariant else None,
                 "requested_batch_size": self.requested_batch_size, "max_context": self.max_context,
                 "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "gpu": gpu,
                 "machine": platform.machine(), "jex": package_version("jex")}
 
 
-def _prompt_lookup(speculative: dict[str, Any] | None) -> dict[str, Any]:
+def _prompt_lookup(speculative: SpeculativeConfig | None) -> dict[str, int]:
     """vLLM's n-gram speculative config as transformers' prompt-lookup decoding arguments."""
     if not speculative:
         return {}

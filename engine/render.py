@@ -13,79 +13,15 @@ jex has always used: the embedded model reads byte-identical text.
 from __future__ import annotations
 
 import hashlib
-import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jex.engine.types import ReadoutRequest
-from jex.fileio import sha256_json
-
-RENDERER_VERSION = "jex-render/2"
-
-QUESTION_TEMPLATE = "{prompt}\n\n{options}\n\nAnswer with the letter of the correct option."
-REASON_TEMPLATE = ("{prompt}\n\n{options}\n\nThink step by step in a few short sentences, then give the "
-                   "letter of the correct option.")
-OPTION_FORMAT = "{label}. {option}"
-ANSWER_SLOT = "Answer:"
-AFTER_THOUGHT = "\nSo the correct option is"  # re-read slot after a rationale
+from jex.engine_spec import RenderSpec
 
 Message = dict[str, str]
 ChatFn = Callable[[Sequence[Message]], str]
 """Messages (role, content) in, the text the model reads (ready for the assistant's reply) out."""
-
-_PLACEHOLDERS = {"question_template": {"prompt", "options"}, "reason_template": {"prompt", "options"},
-                 "option_format": {"label", "option"}}
-
-
-def _fields(template: str) -> set[str]:
-    return {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
-
-
-class RenderSpec(BaseModel):
-    """What the engine reads, besides the row itself. Part of every engine stage's cache key."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    question_template: str = Field(QUESTION_TEMPLATE, description="Fast-pass user turn; {prompt} and {options}")
-    reason_template: str = Field(REASON_TEMPLATE, description="Reasoning user turn; {prompt} and {options}")
-    option_format: str = Field(OPTION_FORMAT, description="One option line; {label} and {option}")
-    answer_slot: str = Field(ANSWER_SLOT, description="Text after the assistant turn opens; the label is read next")
-    after_thought: str = Field(AFTER_THOUGHT, description="Appended to a rationale before the options are re-read")
-    system_prompt: str | None = Field(None, description="System turn (plain text before the question without a "
-                                                        "chat template)")
-    chat_template: str = Field("auto", description="auto (the model's, plain text if it has none) | none | "
-                                                   "the Jinja template text")
-    num_fewshot: int = Field(0, ge=0, description="Solved examples before each fast-pass question, taken in "
-                                                  "order from the catalog's few-shot rows")
-    option_order_seed: int | None = Field(None, description="Show each row's options in an order shuffled by "
-                                                            "(seed, run_id), restored before scoring (a placebo); "
-                                                            "empty = the row's order")
-
-    @field_validator("question_template", "reason_template", "option_format")
-    @classmethod
-    def _placeholders(cls, value: str, info: Any) -> str:
-        want = _PLACEHOLDERS[info.field_name]
-        try:
-            got = _fields(value)
-        except ValueError as e:
-            raise ValueError(f"not a format string ({e}); write literal braces as {{{{ and }}}}") from None
-        if got != want:
-            raise ValueError(f"needs exactly the placeholders {sorted(want)}, found {sorted(got)}")
-        return value
-
-    def digest(self) -> dict[str, str]:
-        """Version plus the sha256 of every setting; equal specs give equal digests (part of the engine
-        fingerprint, so of every engine stage key)."""
-        doc = self.model_dump(mode="json")
-        if doc["option_order_seed"] is None:  # added later: absent at its default, so older keys stay valid
-            del doc["option_order_seed"]
-        return {"version": RENDERER_VERSION, "sha256": sha256_json(doc)}
-
-    def is_default(self) -> bool:
-        return self == RenderSpec()
-
 
 DEFAULT_RENDER = RenderSpec()
 

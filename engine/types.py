@@ -5,13 +5,15 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from jex.numerics import argmax
+from jex.provenance import ProvenanceBlock
 
 if TYPE_CHECKING:
-    from jex.engine.render import Renderer, RenderSpec
+    from jex.engine.render import Renderer
+    from jex.engine_spec import RenderSpec
 
 
 class ReadoutMode(str, enum.Enum):
@@ -121,12 +123,6 @@ class Generation:
     prompt_tokens: int = 0
 
 
-@dataclass(frozen=True)
-class EngineInfo:
-    name: str
-    settings: dict[str, Any] = field(default_factory=dict)
-
-
 class Engine(Protocol):
     """What the stages need from an inference engine. Greedy and deterministic."""
 
@@ -151,7 +147,7 @@ class Engine(Protocol):
         """Log-prob and rank of watched tokens after prompt + continuation (the early-exit probe)."""
         ...
 
-    def provenance(self) -> dict[str, Any]:
+    def provenance(self) -> ProvenanceBlock:
         """Versions, settings, model path and weights sha256: everything that fixes the function."""
         ...
 

@@ -32,13 +32,17 @@ from jex.engine.types import (
     cut_at_stop,
     renormalise,
 )
+from jex.provenance import ProvenanceBlock
 
 AUDIT = "audit"
 VLLM_PIN = "0.22.1"
 """The vLLM release the audit profile was verified on (the `gpu` extra pins it; workers install it)."""
 NON_AUDITED_NAMES = ("control", "non-audited")
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-SPECULATIVE_PROFILES = {"audit-ngram": NGRAM}
+SpeculativeConfig = dict[str, str | int]
+"""vLLM's `speculative_config`: the method and its integer settings."""
+NGRAM: SpeculativeConfig = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                            "prompt_lookup_min": 2}
+SPECULATIVE_PROFILES: dict[str, SpeculativeConfig] = {"audit-ngram": NGRAM}
 """Audit profiles plus one speculative method each: allowed only with an exactness proof on the same
 run (every sampled rationale token-identical to the audited base engine's; tasks/capture/spec_proof.py)."""
 
@@ -269,16 +273,14 @@ class VLLMEngine(TokenizedEngine):
                                       tuple(getattr(lp[t], "rank", None) if t in lp else None for t in r.watch)))
         return out
 
-    def identity(self) -> dict[str, Any]:
-        return {"engine": "vllm", "weights_sha256": self.weights_sha256, "profile": asdict(self.profile),
-                "vllm": package_version("vllm"), "torch": package_version("torch")}
-
-    def provenance(self) -> dict[str, Any]:
-        """identity() plus what describes the run but not the function (paths, hardware, threads)."""
+    def provenance(self) -> ProvenanceBlock:
+        """What fixes the function this engine computes, and what describes the run (paths, hardware)."""
         import torch
 
         env_names = sorted(k for k in os.environ if k.startswith(("VLLM_", "CUBLAS", "CUDA_VISIBLE")))
-        return {**self.identity(), "model_path": str(self.path), "audited": self.profile.name == AUDIT,
+        return {"engine": "vllm", "weights_sha256": self.weights_sha256, "profile": asdict(self.profile),
+                "vllm": package_version("vllm"), "torch": package_version("torch"), "model_path": str(self.path),
+                "audited": self.profile.name == AUDIT,
                 "environment": {k: os.environ[k] for k in env_names}, "transformers": package_version("transformers"),
                 "triton": package_version("triton"), "cuda": torch.version.cuda,
                 "driver": _driver_version(),

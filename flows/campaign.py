@@ -17,14 +17,29 @@ from typing import Any, Literal
 from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field
 
+from jex.engine_spec import EngineSpec
 from jex.errors import FlowError
 from jex.fileio import sha256_json, write_json
 from jex.flows.fleet import MachinesSpec, s3_store
-from jex.flows.runners import EngineStage, StageRunner, make_runner
+from jex.flows.machines_doc import MachinesDoc, machines_section, report_section
+from jex.flows.runners import StageRunner, make_runner
 from jex.infra.s3 import checkpoint
 from jex.settings import BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, JexSettings
-from jex.tasks.capture.engine_pool import CALLS, EngineSpec
+from jex.tasks.capture.engine_pool import CALLS
 from jex.tasks.capture.spec_proof import ExactnessProof, prove, write_proof
+from jex.tasks.inputs import (
+    BundleInputs,
+    CalibrateInputs,
+    EngineJob,
+    FastPassInputs,
+    FoldInputs,
+    GateInputs,
+    OverlayInputs,
+    ProofSampleInputs,
+    ReasonInputs,
+    ScoreInputs,
+    StageInputs,
+)
 from jex.tasks.prefect_tasks import (
     bundle_task,
     calibrate_task,
@@ -32,12 +47,12 @@ from jex.tasks.prefect_tasks import (
     fold_task,
     gate_task,
     overlay_task,
-    proof_gate_task,
+    proof_sample_task,
     reason_task,
     report_task,
     score_task,
 )
-from jex.tasks.records import CampaignSummaries, EngineStageArgs, FinishedCampaign
+from jex.tasks.records import BundleSummary, CampaignSummaries, FinishedCampaign, GateSummary
 
 AUDIT_SETTINGS = {"require_zero_errors", "reference_min_agreement"}
 """Settings that decide whether a run passes, not what it computes (so not in the run's identity)."""
@@ -87,6 +102,14 @@ class CampaignSpec(BaseModel):
     def run_dir(self) -> Path:
         return Path(self.out) / f"{self.name}-{self.identity()}"
 
+    def fast_pass_inputs(self, bundle: BundleSummary) -> FastPassInputs:
+        return FastPassInputs(bundle=bundle, engine=self.engine, shard_rows=self.fast_shard_rows)
+
+    def reason_inputs(self, bundle: BundleSummary, gate: GateSummary, engine: EngineSpec | None = None) -> ReasonInputs:
+        """The reason stage on `gate`'s rows, by the campaign's engine or another (a speculative proof's base)."""
+        return ReasonInputs(bundle=bundle, gate=gate, engine=engine or self.engine, max_tokens=self.reason_max_tokens,
+                            shard_rows=self.reason_shard_rows)
+
 
 def settings_fields(settings: JexSettings) -> dict[str, Any]:
     """The CampaignSpec fields settings decide: the engine (`JEX_ENGINE__*`), where runs go
@@ -131,7 +154,7 @@ def sample_suite_dir(spec: CampaignSpec) -> str:
 
 
 STAGES = ("bundle", "fast_pass", "gate", "reason", "fold", "calibrate", "overlay", "score")
-"""The campaign's stages in order (a speculative profile adds `spec_proof_gate` and `spec_proof`)."""
+"""The campaign's stages in order (a speculative profile adds `spec_proof_sample` and `spec_proof`)."""
 
 
 @dataclass
@@ -147,18 +170,17 @@ class CampaignRun:
     summaries: CampaignSummaries = field(default_factory=CampaignSummaries)
     timings: dict[str, float] = field(default_factory=dict)
 
-    def stage(self, name: str, task: Any, *, args: EngineStageArgs | None = None,
-              engine_stage: EngineStage | None = None, audited_base: bool = False, **inputs: Any) -> Any:
-        """Run one stage task: an engine stage (`args` given) has its missing shards computed by the
-        runner first (`engine_stage`, default `name`). Returns the stage's summary."""
+    def stage(self, name: str, task: Any, inputs: StageInputs) -> Any:
+        """Run one stage task on its inputs record: an engine stage has its missing shards computed by
+        the runner first (on machines, whose measured engine fingerprint the inputs then carry).
+        Returns the stage's summary, recorded under `name`."""
         t0 = time.perf_counter()
-        if args is not None:
-            fp = self.runner.compute(engine_stage or name, args, audited_base=audited_base)  # type: ignore[arg-type]
-            if fp is not None:
-                inputs["engine_fp"] = fp
-        out = task.with_options(refresh_cache=True)(**inputs) if name in self.redo else task(**inputs)
+        if isinstance(inputs, FastPassInputs | ReasonInputs):
+            inputs = self.runner.compute(EngineJob(inputs=inputs, store=self.spec.store)).inputs
+        call = {"inputs": inputs, "store": self.spec.store}
+        out = task.with_options(refresh_cache=True)(**call) if name in self.redo else task(**call)
         if not (Path(out.folder) / "_SUCCESS.json").exists():  # Prefect cached a result the store lost
-            out = task.with_options(refresh_cache=True)(**inputs)
+            out = task.with_options(refresh_cache=True)(**call)
         self.timings[name] = time.perf_counter() - t0
         setattr(self.summaries, name, out)
         write_json(self.run_dir / "stages.json", {k: {"key": v.key, "folder": v.folder,
@@ -167,15 +189,6 @@ class CampaignRun:
         if self.s3 is not None:  # a new orchestrator can resume from here (`jex store pull`, `jex run --resume`)
             checkpoint(self.s3, self.run_dir, out.folder)
         return out
-
-    def engine_args(self, stage: EngineStage, **update: Any) -> EngineStageArgs:
-        """What the runner needs to compute `stage` for this campaign (`update`: e.g. another engine)."""
-        spec, s = self.spec, self.summaries
-        args: dict[str, Any] = {"bundle": s.bundle, "engine": spec.engine, "store": spec.store,
-                                "shard_rows": spec.fast_shard_rows}
-        if stage == "reason":
-            args |= {"shard_rows": spec.reason_shard_rows, "gate": s.gate, "max_tokens": spec.reason_max_tokens}
-        return EngineStageArgs.model_validate(args | update)
 
 
 @flow(name="campaign", log_prints=True, persist_result=True)
@@ -207,7 +220,7 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[str] | None = None)
     if proof is not None:
         write_proof(run_dir, proof, fell_back=not proof.exact)
     report_task(run_dir=str(run_dir), summaries=run.summaries, spec=spec.model_dump(mode="json"),
-                timings=run.timings, machines=run.runner.report())
+                timings=run.timings, machines=report_section(run.runner.report()))
     upload_to_s3(run_dir, run.summaries, spec.store)
     s = run.summaries.finished()
     if any(s.fold.errors.values()):
@@ -220,19 +233,16 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[str] | None = None)
 def capture_stages(run: CampaignRun) -> ExactnessProof | None:
     """bundle -> fast pass -> gate -> reason (-> the speculative profile's proof), the engine stages on
     the campaign's runner; its machines are released at the end, also on failure."""
-    spec, s = run.spec, run.summaries
+    spec = run.spec
     proof = None
     try:
         with run.runner:
-            run.stage("bundle", bundle_task, suite=spec.suite or sample_suite_dir(spec), store=spec.store,
-                      reference=spec.reference)
-            run.stage("fast_pass", fast_pass_task, args=run.engine_args("fast_pass"), bundle=s.bundle,
-                      engine=spec.engine, store=spec.store, shard_rows=spec.fast_shard_rows)
-            run.stage("gate", gate_task, bundle=s.bundle, fast=s.fast_pass, store=spec.store, coverage=spec.coverage,
-                      per_catalog_cap=spec.per_catalog_cap)
-            run.stage("reason", reason_task, args=run.engine_args("reason"), bundle=s.bundle, gate=s.gate,
-                      engine=spec.engine, store=spec.store, max_tokens=spec.reason_max_tokens,
-                      shard_rows=spec.reason_shard_rows)
+            bundle = run.stage("bundle", bundle_task, BundleInputs(suite=spec.suite or sample_suite_dir(spec),
+                                                                   reference=spec.reference))
+            fast = run.stage("fast_pass", fast_pass_task, spec.fast_pass_inputs(bundle))
+            gate = run.stage("gate", gate_task, GateInputs(bundle=bundle, fast=fast, coverage=spec.coverage,
+                                                           per_catalog_cap=spec.per_catalog_cap))
+            run.stage("reason", reason_task, spec.reason_inputs(bundle, gate))
             if spec.engine.profile != "audit":
                 proof = prove_speculation(run)
     finally:
@@ -243,34 +253,32 @@ def capture_stages(run: CampaignRun) -> ExactnessProof | None:
 
 def decision_stages(run: CampaignRun) -> None:
     """fold -> calibrate -> overlay -> score, on this process's CPU."""
-    spec, s, store = run.spec, run.summaries, run.spec.store
-    run.stage("fold", fold_task, bundle=s.bundle, fast=s.fast_pass, gate=s.gate, reason=s.reason, store=store,
-              rule=spec.fold_rule, weight=spec.fold_weight, draws=spec.bootstrap_draws, seed=spec.bootstrap_seed)
-    run.stage("calibrate", calibrate_task, bundle=s.bundle, fold=s.fold, store=store, folds=spec.calibration_folds)
-    run.stage("overlay", overlay_task, calibrated=s.calibrate, store=store, rules_file=spec.overlays)
-    run.stage("score", score_task, bundle=s.bundle, overlay=s.overlay, fold=s.fold, store=store,
-              draws=spec.bootstrap_draws, seed=spec.bootstrap_seed)
+    spec, s = run.spec, run.summaries
+    fold = run.stage("fold", fold_task, FoldInputs(bundle=s.bundle, fast=s.fast_pass, gate=s.gate, reason=s.reason,
+                                                   rule=spec.fold_rule, weight=spec.fold_weight,
+                                                   draws=spec.bootstrap_draws, seed=spec.bootstrap_seed))
+    calibrated = run.stage("calibrate", calibrate_task, CalibrateInputs(bundle=s.bundle, fold=fold,
+                                                                        folds=spec.calibration_folds))
+    overlay = run.stage("overlay", overlay_task, OverlayInputs.from_file(calibrated, spec.overlays))
+    run.stage("score", score_task, ScoreInputs(bundle=s.bundle, overlay=overlay, fold=fold,
+                                               draws=spec.bootstrap_draws, seed=spec.bootstrap_seed))
 
 
 def prove_speculation(run: CampaignRun) -> ExactnessProof:
     """The audited base engine reasons on a sample of the gated rows; unless every token matches the
     speculative stage's, the whole reason stage is recomputed by the base engine (its summary replaced)."""
     spec, s = run.spec, run.summaries
+    assert s.bundle is not None and s.gate is not None and s.reason is not None  # the capture stages ran before
     base = spec.engine.audited_base()
-    run.stage("spec_proof_gate", proof_gate_task, bundle=s.bundle, gate=s.gate, store=spec.store,
-              rows=spec.spec_proof_rows)
-    run.stage("spec_proof", reason_task, args=run.engine_args("reason", engine=base, gate=s.spec_proof_gate),
-              engine_stage="reason", audited_base=True, bundle=s.bundle, gate=s.spec_proof_gate, engine=base,
-              store=spec.store, max_tokens=spec.reason_max_tokens, shard_rows=spec.reason_shard_rows)
-    assert s.reason is not None and s.spec_proof is not None  # the reason stage ran before, spec_proof just now
-    proof = prove(s.reason, s.spec_proof, profile=spec.engine.profile)
+    sample = run.stage("spec_proof_sample", proof_sample_task, ProofSampleInputs(bundle=s.bundle, gate=s.gate,
+                                                                                 rows=spec.spec_proof_rows))
+    proved = run.stage("spec_proof", reason_task, spec.reason_inputs(s.bundle, sample, engine=base))
+    proof = prove(s.reason, proved, profile=spec.engine.profile)
     print(f"speculative decoding ({spec.engine.profile}): {proof.rows_checked} rows, {proof.tokens_compared} tokens "
           f"compared, {proof.rows_differing} differing" + ("" if proof.exact else
                                                           " -> falling back to the audited base profile"))
     if not proof.exact:
-        run.stage("reason", reason_task, args=run.engine_args("reason", engine=base), audited_base=True,
-                  bundle=s.bundle, gate=s.gate, engine=base, store=spec.store, max_tokens=spec.reason_max_tokens,
-                  shard_rows=spec.reason_shard_rows)
+        run.stage("reason", reason_task, spec.reason_inputs(s.bundle, s.gate, engine=base))
     return proof
 
 
@@ -288,13 +296,11 @@ def enforce_audit(spec: CampaignSpec, summaries: FinishedCampaign) -> None:
                         f"{spec.reference_min_agreement} (see the reference audit in report.md)")
 
 
-def publish_machines(run_dir: Path, machines: dict[str, Any]) -> None:
+def publish_machines(run_dir: Path, machines: MachinesDoc) -> None:
     """`machines.json` in the run folder and the machines section as a Prefect artifact."""
     from prefect.artifacts import create_markdown_artifact
 
-    from jex.tasks.outputs.report import machines_section
-
-    write_json(run_dir / "machines.json", machines)
+    write_json(run_dir / "machines.json", machines.model_dump(mode="json"))
     try:
         create_markdown_artifact(markdown="\n".join(machines_section(machines)), key="campaign-machines",
                                  description=f"machines of {run_dir.name}")

@@ -1,8 +1,9 @@
-"""The experiment flow: the base and each arm as a cached campaign sub-run, judged by a pre-registered gate.
+"""The experiment flow: the base and each arm as a cached campaign sub-run, judged by a pre-registered test.
 
 1. The arms file is parsed and every arm's campaign is derived and validated: a bad file fails here,
    before any engine starts (an `InputError` naming the arm and the field).
-2. The gate settings (and every arm as declared) are written and hashed before any arm result exists.
+2. The test's settings (the arms file's `[gate]`) and every arm as declared are written and hashed
+   before any arm result exists.
 3. The base, then each arm (a sweep: each grid point) runs as a `campaign` sub-flow on the same store:
    an arm recomputes exactly the stages whose keys it changes (a fold arm: no engine call at all).
    A twin re-runs the base's engine stages in a fresh process on its own store, so nothing is reused.
@@ -29,7 +30,7 @@ from jex.tasks.lab.experiment_report import (
     TwinAudit,
     analyse,
     append_ledger,
-    register_experiment_gate,
+    register_experiment_test,
     twin_audit,
 )
 
@@ -70,7 +71,7 @@ class ExperimentSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     campaign: CampaignSpec = Field(CampaignSpec(), description="The base campaign (suite, engine, store, ...)")
-    arms_toml: str = Field(EXAMPLE_ARMS, description="The arms file (TOML text): base changes, gate, arms")
+    arms_toml: str = Field(EXAMPLE_ARMS, description="The arms file (TOML text): [base], [gate], [[arms]]")
     arms_path: str = Field("arms.toml", description="Where the arms file came from (named in errors)")
     out: str = Field("runs/experiment", description="Experiment folder: experiment.json, report.md, ledger.toml")
     panel_catalogs: list[str] | None = Field(None, description="Run on these catalogs of the suite; project onto "
@@ -146,7 +147,7 @@ def plan_experiment(spec: ExperimentSpec) -> Plan:
         from jex.tasks.scoring.inputs import load_suite_table
 
         table = load_suite_table(suite)
-        metric_weights(table.spec, dict.fromkeys((c.id for c in table.spec.catalogs), 0.0), arms.gate.metric)
+        metric_weights(table.spec, dict.fromkeys((c.id for c in table.spec.catalogs), 0.0), arms.test.metric)
     except ValueError as e:
         raise InputError(str(e), file=spec.arms_path, field="gate.metric") from None
     points = []
@@ -197,8 +198,8 @@ def experiment(spec: ExperimentSpec = ExperimentSpec()) -> str:  # noqa: B008 - 
     plan = plan_experiment(spec)
     out = Path(spec.out)
     out.mkdir(parents=True, exist_ok=True)
-    gate_sha = register_experiment_gate(plan.arms, out)
-    print(f"gate registered: sha256 {gate_sha}")
+    test_sha = register_experiment_test(plan.arms, out)
+    print(f"pre-registered test ([gate]) written: sha256 {test_sha}")
     base_dir, base_calls, base_wall = _sub_run(plan.base)
     base = ArmRun("base", "base", base_dir, base_calls, base_wall)
     runs: list[ArmRun] = []
@@ -211,7 +212,7 @@ def experiment(spec: ExperimentSpec = ExperimentSpec()) -> str:  # noqa: B008 - 
             run_dir, calls, wall = _sub_run(p.spec)
         runs.append(ArmRun(p.name, p.kind, run_dir, calls, wall, p.sweep, p.value))
         print(f"arm {p.name}: {run_dir} engine calls {calls} ({wall:.1f} s)")
-    doc = analyse(plan.arms, base=base, runs=runs, gate_sha256=gate_sha, out=out, twins=twins,
+    doc = analyse(plan.arms, base=base, runs=runs, test_sha256=test_sha, out=out, twins=twins,
                   panel={"shares": plan.shares, "asserted_share": spec.panel_share} if plan.shares else None,
                   settings=spec.model_dump(mode="json"))
     added = append_ledger(out / "ledger.toml", doc, {a.name: a.reopen_when for a in plan.arms.arms})

@@ -9,7 +9,6 @@ here by the same stage function that runs in-process, so the capture is the same
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -19,17 +18,23 @@ from typing import Any, Literal, cast
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from jex.engine_spec import EngineSpec
 from jex.errors import FlowError, InfraError, JexError
 from jex.fileio import write_json
+from jex.flows.machines_doc import FingerprintMismatch, FleetMachine, GoldenReplay, MachinesDoc
 from jex.infra.ledger import Ledger
 from jex.infra.machine import JobFailed, MachineSession, RemoteJob, stack_lock
 from jex.infra.providers import Machine
 from jex.infra.reaper import make_provider, policy_from_settings
-from jex.tasks.capture.engine_host import COMPILE_CACHE, STARTS, parse_starts
-from jex.tasks.capture.engine_pool import EngineSpec
+from jex.infra.records import MachineProvenance
+from jex.tasks.capture.engine_host import COMPILE_CACHE, STARTS, HostOptions, parse_starts
+from jex.tasks.capture.engine_host.protocol import EngineStart
+from jex.tasks.capture.engine_pool import compile_cache_key
 from jex.tasks.capture.golden import compare_golden, find_reference, store_reference
 from jex.tasks.capture.stages import stage_plan
-from jex.tasks.records import EngineStageArgs, StagePlan
+from jex.tasks.documents import GoldenVerdict
+from jex.tasks.inputs import EngineJob, FastPassInputs, ReasonInputs
+from jex.tasks.records import EngineFingerprint, StagePlan
 from jex.tasks.store import LocalStore
 
 ProviderName = Literal["inprocess", "local", "ssh", "ec2", "command"]
@@ -75,23 +80,27 @@ class MachinesSpec(BaseModel):
         """Engine processes per machine."""
         return self.gpus_per_machine * self.engines_per_gpu
 
-    def host_argv(self, workdir: str, engine: EngineSpec) -> list[str]:
-        """The `jex stage` options that hand a job's engine work to the machine's engine hosts."""
-        argv = ["--engine-host", f"{workdir}/engines", "--host-requests", "0" if self.engine_hosts else "1",
-                "--stall-s", str(self.host_stall_s)]
+    def host_options(self, workdir: str, engine: EngineSpec) -> HostOptions:
+        """How a machine's jobs hand their engine work to its engine hosts (`jex stage --host-options`)."""
         slots = self.slots
-        if slots > 1:
-            argv += ["--slots", str(slots)]
-        if engine.device.startswith("cuda"):  # slot s sees one GPU: s // engines_per_gpu
-            argv += ["--devices", ",".join(str(s // self.engines_per_gpu) for s in range(slots))]
-        return argv
+        devices = ([str(s // self.engines_per_gpu) for s in range(slots)]  # slot s sees one GPU: s // engines_per_gpu
+                   if engine.device.startswith("cuda") else None)
+        return HostOptions(home=f"{workdir}/engines", slots=slots, devices=devices,
+                           max_requests=0 if self.engine_hosts else 1, stall_s=self.host_stall_s)
 
 
 class GoldenMismatch(FlowError):
-    def __init__(self, machine: str, verdict: dict[str, Any]):
-        worst = ", ".join(f"{w['run_id']} ({w['max_abs_dp']:.3g})" for w in verdict["worst"][:3])
-        super().__init__(f"golden replay on {machine}: max |dp| {verdict['max_abs_dp']:.3g} > tolerance "
-                         f"{verdict['tolerance']:.3g}; worst rows: {worst}; {verdict['problems'][:3]}")
+    """A machine's golden replay is outside the tolerance, or the machine measured another engine
+    fingerprint than the fleet's (then nothing was compared): it runs no shard."""
+
+    def __init__(self, machine: str, verdict: GoldenVerdict | FingerprintMismatch):
+        if isinstance(verdict, FingerprintMismatch):
+            what = f"engine fingerprint {verdict.fingerprint} differs from the fleet's {verdict.expected}"
+        else:
+            worst = ", ".join(f"{w.run_id} ({w.max_abs_dp:.3g})" for w in verdict.worst[:3])
+            what = (f"max |dp| {verdict.max_abs_dp:.3g} > tolerance {verdict.tolerance:.3g}; worst rows: {worst}; "
+                    f"{verdict.problems[:3]}")
+        super().__init__(f"golden replay on {machine}: {what}")
         self.verdict = verdict
 
 
@@ -116,9 +125,12 @@ class GpuFleet:
         self.s3 = s3_store(self.settings)
         self.on_poll = on_poll
         self.sessions: list[MachineSession] = []
-        self.golden: list[dict[str, Any]] = []
-        self.engine_fp: dict[str, Any] | None = None
-        self.engine_starts: dict[str, list[dict[str, Any]]] = {}
+        self.golden: list[GoldenReplay | FingerprintMismatch] = []
+        self.engine: EngineSpec | None = None
+        """The engine the machines were started for (the campaign's)."""
+        self.engine_fp: EngineFingerprint | None = None
+        """Its fingerprint, measured by the first machine's golden replay."""
+        self.engine_starts: dict[str, list[EngineStart]] = {}
         self._lock = threading.Lock()
 
     def __enter__(self) -> GpuFleet:
@@ -155,63 +167,75 @@ class GpuFleet:
             return stack_lock({"vllm": VLLM_PIN}, with_torch=False)
         return stack_lock()
 
-    def _start(self, args: EngineStageArgs) -> None:
+    def _start(self, job: EngineJob) -> None:
         """Start the machines (once), each replaying the golden rows before it may run shards."""
         if self.sessions:
             return
+        self.engine = job.inputs.engine
+        golden = EngineJob(inputs=FastPassInputs(bundle=job.inputs.bundle, engine=job.inputs.engine, shard_rows=1),
+                           store=job.store)
         for i in range(self.spec.workers):
             session = MachineSession(self.provider, campaign=self.campaign, ledger=self.ledger, policy=self.policy,
                                      label=f"w{i}", python=self._python(), state_dir=self.state_dir,
-                                     stack=self._stack(args.engine), s3=self.s3, echo=self.echo,
+                                     stack=self._stack(job.inputs.engine), s3=self.s3, echo=self.echo,
                                      on_poll=self.on_poll, pip_args=self.settings.infra.pip_args,
                                      machine_credentials=self._machine_credentials)
             self.sessions.append(session)
             session.start()
         with ThreadPoolExecutor(len(self.sessions) if self.spec.concurrent else 1) as pool:
-            list(pool.map(lambda s: self._golden(s, args), self.sessions))
+            list(pool.map(lambda s: self._golden(s, golden), self.sessions))
 
-    def _golden(self, session: MachineSession, args: EngineStageArgs) -> None:
+    def _golden(self, session: MachineSession, job: EngineJob) -> None:
         host = _machine(session)
-        rows = min(self.spec.golden_rows, args.bundle.rows)
+        inputs = job.inputs
+        rows = min(self.spec.golden_rows, inputs.bundle.rows)
         inbox = self.store.root / ".machines" / host.id / "golden"
-        files = _job_files(args, inbox)
-        machine = json.loads(session.provenance_file.read_text()) if session.provenance_file else None
-        cached = compile_cache_path(self.store, args.engine, machine)
+        files = _job_files(job, inbox)
+        machine = (MachineProvenance.model_validate_json(session.provenance_file.read_text())
+                   if session.provenance_file else None)
+        cached = compile_cache_path(self.store, inputs.engine, machine)
         brought = cached.exists()
         cache_argv = self._compile_cache_argv(cached, files)
-        job = RemoteJob("golden", ["-m", "jex", "stage", "golden", "--args", "args.json", "--rows", str(rows),
-                                   "--out", "golden.parquet", "--fingerprint", "fingerprint.json",
-                                   *self.spec.host_argv(host.workdir, args.engine),
-                                   *cache_argv],
-                        ["golden.parquet", "fingerprint.json", COMPILE_CACHE], inbox, files=files)
-        self._run(session, job)
+        remote = RemoteJob("golden", ["-m", "jex", "stage", "golden", "--args", "args.json", "--rows", str(rows),
+                                      "--out", "golden.parquet", "--fingerprint", "fingerprint.json",
+                                      *self._host_options_argv(host, inputs.engine, inbox, files), *cache_argv],
+                           ["golden.parquet", "fingerprint.json", COMPILE_CACHE], inbox, files=files)
+        self._run(session, remote)
         if not brought and (inbox / COMPILE_CACHE).exists():  # the first machine of this engine compiled: keep it
             with self._lock:
                 if not cached.exists():
                     cached.parent.mkdir(parents=True, exist_ok=True)
                     (inbox / COMPILE_CACHE).replace(cached)
-        fp = json.loads((inbox / "fingerprint.json").read_text())
+        fp = EngineFingerprint.model_validate_json((inbox / "fingerprint.json").read_text())
         replay = pl.read_parquet(inbox / "golden.parquet")
         with self._lock:
             self.engine_fp = self.engine_fp or fp
             if fp != self.engine_fp:
-                raise GoldenMismatch(host.id, {"max_abs_dp": float("inf"), "tolerance": 0, "worst": [],
-                                                           "problems": [f"engine fingerprint {fp} differs from "
-                                                                        f"{self.engine_fp}"]})
-            plan = stage_plan("fast_pass", args.model_copy(update={"shard_rows": 1}), fp)
+                mismatch = FingerprintMismatch(machine=host.id, fingerprint=fp, expected=self.engine_fp)
+                self.golden.append(mismatch)
+                raise GoldenMismatch(host.id, mismatch)
+            plan = stage_plan(inputs.model_copy(update={"engine_fp": fp}), job.store)
             capture = Path(plan.folder) / "capture.parquet"
-            ref, source = find_reference(self.store, args.bundle, fp, rows, str(capture))
+            ref, source = find_reference(self.store, inputs.bundle, fp, rows, str(capture))
             if ref is None:
-                source = str(store_reference(self.store, args.bundle, fp, replay))
-                verdict = {"ok": True, "rows": rows, "max_abs_dp": 0.0, "tolerance": self.spec.golden_tolerance,
-                           "worst": [], "problems": [], "established": True}
+                source = str(store_reference(self.store, inputs.bundle, fp, replay))
+                verdict = GoldenReplay(machine=host.id, reference=source, established=True, ok=True, rows=rows,
+                                       max_abs_dp=0.0, tolerance=self.spec.golden_tolerance)
             else:
-                verdict = {**compare_golden(ref, replay, self.spec.golden_tolerance).to_dict(), "established": False}
-            self.golden.append({"machine": host.id, "reference": source, **verdict})
-        self.echo(f"machine {host.id}: golden replay of {rows} rows: max |dp| {verdict['max_abs_dp']:.3g} "
-                  f"({'reference established' if verdict['established'] else 'against ' + source})")
-        if not verdict["ok"]:
+                verdict = GoldenReplay(machine=host.id, reference=source, established=False,
+                                       **dict(compare_golden(ref, replay, self.spec.golden_tolerance)))
+            self.golden.append(verdict)
+        self.echo(f"machine {host.id}: golden replay of {rows} rows: max |dp| {verdict.max_abs_dp:.3g} "
+                  f"({'reference established' if verdict.established else 'against ' + source})")
+        if not verdict.ok:
             raise GoldenMismatch(host.id, verdict)
+
+    def _host_options_argv(self, host: Machine, engine: EngineSpec, inbox: Path, files: dict[str, Path]) -> list[str]:
+        """The job's `HostOptions` as `host-options.json` beside its `args.json` (added to `files`), and
+        the option that names it."""
+        write_json(inbox / "host-options.json", self.spec.host_options(host.workdir, engine).model_dump(mode="json"))
+        files["host-options.json"] = inbox / "host-options.json"
+        return ["--host-options", "host-options.json"]
 
     def _compile_cache_argv(self, cached: Path, files: dict[str, Path]) -> list[str]:
         """The golden job's compile-cache options: bring the store's cache for this engine when there
@@ -223,38 +247,54 @@ class GpuFleet:
             return ["--compile-cache-in", "inputs/compile-cache.tar.gz"]
         return ["--compile-cache-out", COMPILE_CACHE]
 
-    def run_stage(self, stage: str, args: EngineStageArgs, engine_fp: dict[str, Any] | None = None) -> StagePlan:
-        """Compute the stage's missing shards on the machines; returns the plan (the shards are then local).
-
-        `engine_fp` is the fingerprint of the engine `args` names when it is not the fleet's own (the
-        audited base of a speculative profile, which the machines also serve)."""
-        plan = stage_plan(stage, args, engine_fp or self.engine_fp)
+    def run_stage(self, job: EngineJob) -> EngineJob:
+        """Compute the job's missing shards on the machines (then they are local); returns the job as its
+        stage task must see it: with the engine fingerprint the machines measured."""
+        job = self._measured(job)
+        plan = stage_plan(job.inputs, job.store)
         if plan.complete or _all_shards(plan):  # e.g. collected by `jex infra reconcile` after a restart
-            return plan
-        self._start(args)
-        plan = stage_plan(stage, args, engine_fp or self.engine_fp)
-        if plan.complete:
-            return plan
-        n = len(self.sessions)
+            return job
+        self._start(job)
+        job = self._measured(job)
+        plan = stage_plan(job.inputs, job.store)
+        if not plan.complete:
+            self._compute(job, plan)
+        return job
+
+    def _measured(self, job: EngineJob) -> EngineJob:
+        """The job with the machines' fingerprint of its engine: the fleet's engine, or its audited base
+        (a speculative campaign's proof); unchanged before any machine measured one."""
+        fp, inputs = self.engine_fp, job.inputs
+        if fp is None or self.engine is None:
+            return job
+        if inputs.engine != self.engine:
+            if inputs.engine != self.engine.audited_base():
+                return job
+            fp = fp.audited()
+        return job.model_copy(update={"inputs": inputs.model_copy(update={"engine_fp": fp})})
+
+    def _compute(self, job: EngineJob, plan: StagePlan) -> None:
+        """Worker i of N on each machine; the verified shards land in this store's stage folder."""
+        n, stage = len(self.sessions), job.inputs.stage
 
         def one(i: int) -> None:
             session = self.sessions[i]
             host = _machine(session)
             inbox = self.store.root / ".machines" / host.id / stage
-            job = RemoteJob(stage, ["-m", "jex", "stage", "run", stage, "--args", "args.json", "--worker", str(i),
-                                    "--workers", str(n),
-                                    *self.spec.host_argv(host.workdir, args.engine)],
-                            [f"store/{stage}/{plan.key}/shards-{args.shard_rows}/shard-*.parquet"],
-                            self.store.root, files=_job_files(args, inbox), strip_prefix="store/")
-            self._run(session, job)  # the verified shards land in this store's stage folder
+            files = _job_files(job, inbox)
+            remote = RemoteJob(stage, ["-m", "jex", "stage", "run", "--args", "args.json", "--worker", str(i),
+                                       "--workers", str(n),
+                                       *self._host_options_argv(host, job.inputs.engine, inbox, files)],
+                               [f"store/{stage}/{plan.key}/shards-{job.inputs.shard_rows}/shard-*.parquet"],
+                               self.store.root, files=files, strip_prefix="store/")
+            self._run(session, remote)
 
         with ThreadPoolExecutor(n if self.spec.concurrent else 1) as pool:
             list(pool.map(one, range(n)))
         have = len(list(Path(plan.shards_dir).glob("shard-*.parquet")))
         if have != plan.shards:
             raise FlowError(f"{stage}: {have} of {plan.shards} shards came back under key {plan.key}; the "
-                               "machines computed a different key (engine or code differs)")
-        return plan
+                            "machines computed a different key (their engine or its inputs differ)")
 
     def _run(self, session: MachineSession, job: RemoteJob) -> None:
         """Run one job; then read the machine's engine starts (its engine hosts append one line per start)."""
@@ -263,15 +303,16 @@ class GpuFleet:
         finally:  # never in the way of the job's own outcome: an unreadable record counts no start
             text = session.read_text(f"engines/{STARTS}")
             if text is not None:
-                self.engine_starts[_machine(session).id] = [s.model_dump() for s in parse_starts(text)]
+                self.engine_starts[_machine(session).id] = parse_starts(text)
 
-    def report(self) -> dict[str, Any]:
-        machines = [{**s.report(), "engine_starts": len(self.engine_starts.get(_machine(s).id, [])),
-                     "engine_start_records": self.engine_starts.get(_machine(s).id, [])} for s in self.sessions]
-        return {"provider": self.provider.name, "workers": self.spec.workers, "slots": self.spec.slots,
-                "engine_hosts": self.spec.engine_hosts, "golden": self.golden, "machines": machines,
-                "engine_starts": sum(m["engine_starts"] for m in machines),
-                "ledger": self.ledger.report(self.campaign)}
+    def report(self) -> MachinesDoc:
+        """`machines.json`: the machines so far, their golden replays and jobs, and the campaign's cost."""
+        machines = [FleetMachine(**dict(s.record()), engine_starts=len(starts), engine_start_records=starts)
+                    for s in self.sessions for starts in [self.engine_starts.get(_machine(s).id, [])]]
+        return MachinesDoc(provider=self.provider.name, workers=self.spec.workers, slots=self.spec.slots,
+                           engine_hosts=self.spec.engine_hosts, golden=list(self.golden), machines=machines,
+                           engine_starts=sum(m.engine_starts for m in machines),
+                           ledger=self.ledger.usage(self.campaign))
 
 
 def _machine(session: MachineSession) -> Machine:
@@ -279,22 +320,15 @@ def _machine(session: MachineSession) -> Machine:
     return cast(Machine, session.machine)
 
 
-def compile_cache_path(store: LocalStore, engine: EngineSpec, machine: dict[str, Any] | None) -> Path:
+def compile_cache_path(store: LocalStore, engine: EngineSpec, machine: MachineProvenance | None) -> Path:
     """Where the store keeps the compile cache of an engine on a kind of machine: keyed by what
     compiled code depends on (the engine fingerprint less its renderer, the scheduler's token
     budget, and from the machine's `provenance.json` its GPU models, vLLM and Python), so every
     machine of that kind and every campaign of that engine starts from it. vLLM checks its own
     cache keys again on load."""
-    from jex.tasks.capture.engine_pool import engine_fingerprint
-    from jex.tasks.keys import stage_key
-
-    spec = engine
-    fp = {k: v for k, v in engine_fingerprint(spec).items() if k != "renderer"}
-    machine = machine or {}
-    kind = {"gpus": sorted(re.findall(r"GPU \d+: ([^(;]+?) \(", machine.get("gpus") or "")),
-            "vllm": (machine.get("packages") or {}).get("vllm"), "python": machine.get("python")}
-    key = stage_key("compile_cache", params={"max_num_batched_tokens": spec.max_num_batched_tokens, "machine": kind},
-                    inputs={}, engine=fp)
+    kind = {"gpus": sorted(re.findall(r"GPU \d+: ([^(;]+?) \(", machine.gpus if machine else "")),
+            "vllm": machine.packages.get("vllm") if machine else None, "python": machine.python if machine else None}
+    key = compile_cache_key(engine, kind)
     return store.root / "compile_cache" / key / COMPILE_CACHE
 
 
@@ -302,14 +336,15 @@ def _all_shards(plan: StagePlan) -> bool:
     return len(list(Path(plan.shards_dir).glob("shard-*.parquet"))) == plan.shards
 
 
-def _job_files(args: EngineStageArgs, inbox: Path) -> dict[str, Path]:
-    """The stage's inputs for the job folder, with `args.json` rewritten to the machine's relative paths."""
-    files: dict[str, Path] = {"inputs/bundle.tar.gz": Path(args.bundle.bundle)}
-    remote = args.model_copy(update={"store": "store",
-                                     "bundle": args.bundle.model_copy(update={"bundle": "inputs/bundle.tar.gz"})})
-    if args.gate is not None:
-        files["inputs/gated.parquet"] = Path(args.gate.gated)
-        remote = remote.model_copy(update={"gate": args.gate.model_copy(update={"gated": "inputs/gated.parquet"})})
+def _job_files(job: EngineJob, inbox: Path) -> dict[str, Path]:
+    """The job's input files for its folder on the machine, and `args.json`: the job with the machine's
+    relative paths."""
+    files: dict[str, Path] = {"inputs/bundle.tar.gz": Path(job.inputs.bundle.bundle)}
+    gated = None
+    if isinstance(job.inputs, ReasonInputs):
+        gated = "inputs/gated.parquet"
+        files[gated] = Path(job.inputs.gate.gated)
+    remote = job.with_paths(store="store", bundle="inputs/bundle.tar.gz", gated=gated)
     inbox.mkdir(parents=True, exist_ok=True)
     write_json(inbox / "args.json", remote.model_dump(mode="json"))
     files["args.json"] = inbox / "args.json"

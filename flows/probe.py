@@ -8,8 +8,8 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from jex.engine_spec import EngineSpec
 from jex.fileio import write_json, write_text
-from jex.tasks.capture.engine_pool import EngineSpec
 
 
 @flow(name="early-exit-probe", log_prints=True)

@@ -14,12 +14,13 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from jex.infra.ledger import Ledger
-from jex.infra.reaper import make_provider, policy_from_settings, reconcile
+from jex.infra.reaper import make_provider, policy_from_settings, sweep
+from jex.infra.records import ReconcileReport
 
 
 @flow(name="reconcile", log_prints=True)
 def reconcile_flow(provider: str | None = None, campaign: str | None = None,
-                   flow_run_id: str | None = None) -> dict[str, Any]:
+                   flow_run_id: str | None = None) -> ReconcileReport:
     """Supervise, collect and delete every jex machine of `provider` (all campaigns unless one is named).
 
     `flow_run_id` is the failed campaign run that triggered it through the automation (for the log).
@@ -31,11 +32,10 @@ def reconcile_flow(provider: str | None = None, campaign: str | None = None,
     log = get_run_logger()
     if flow_run_id:
         log.info("triggered by the failure of flow run %s", flow_run_id)
-    report = reconcile(make_provider(settings.infra, name=provider),
-                       Ledger(Path(settings.infra.state_dir) / "ledger.json"),
-                       policy=policy_from_settings(settings.infra), s3=s3_store(settings), campaign=campaign,
-                       echo=log.info)
-    log.info("reconciled %d machine(s); errors: %s", len(report["machines"]), report["errors"] or "none")
+    report = sweep(make_provider(settings.infra, name=provider), Ledger(Path(settings.infra.state_dir) / "ledger.json"),
+                   policy=policy_from_settings(settings.infra), s3=s3_store(settings), campaign=campaign,
+                   echo=log.info)
+    log.info("reconciled %d machine(s); errors: %s", len(report.machines), report.errors or "none")
     if flow_run_id and settings.prefect.notify_block:
         try:
             notify_failure(settings.prefect.notify_block, flow_run_id, report)
@@ -46,7 +46,7 @@ def reconcile_flow(provider: str | None = None, campaign: str | None = None,
 
 
 def failure_notice(parameters: dict[str, Any], state: str, message: str, run_name: str,
-                   report: dict[str, Any]) -> tuple[str, str]:
+                   report: ReconcileReport) -> tuple[str, str]:
     """(subject, body) naming the campaign, the stage that failed (the first one its run folder does
     not record as done) and the run folder."""
     from jex.flows.campaign import STAGES, CampaignSpec
@@ -56,16 +56,16 @@ def failure_notice(parameters: dict[str, Any], state: str, message: str, run_nam
     record = run_dir / "stages.json"
     done = json.loads(record.read_text()) if record.exists() else {}
     stage = next((s for s in STAGES if s not in done), "report")
-    machines = len(report.get("machines", []))
+    machines = len(report.machines)
     subject = f"jex: campaign {spec.name} {state.lower()} at stage {stage}"
     body = (f"campaign {spec.name} {state.lower()} at stage {stage}\n"
             f"run folder: {run_dir}\n"
             f"flow run: {run_name}: {message[:500]}\n"
-            f"machines reconciled: {machines}; errors: {report.get('errors') or 'none'}")
+            f"machines reconciled: {machines}; errors: {report.errors or 'none'}")
     return subject, body
 
 
-def notify_failure(block: str, flow_run_id: str, report: dict[str, Any]) -> None:
+def notify_failure(block: str, flow_run_id: str, report: ReconcileReport) -> None:
     """Send `failure_notice` of the failed run through the notification block named `block`."""
     from uuid import UUID
 

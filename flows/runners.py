@@ -13,14 +13,12 @@ that decides which runner a campaign gets (`MachinesSpec.provider`, `workers`, `
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Literal
+from typing import Any
 
 from jex.flows.fleet import GpuFleet, MachinesSpec
-from jex.tasks.capture.engine_pool import audited_fingerprint
+from jex.flows.machines_doc import MachinesDoc
 from jex.tasks.capture.workers import WorkerReport, run_workers
-from jex.tasks.records import EngineStageArgs
-
-EngineStage = Literal["fast_pass", "reason"]
+from jex.tasks.inputs import EngineJob
 
 
 class StageRunner(ABC):
@@ -34,24 +32,23 @@ class StageRunner(ABC):
         return None
 
     @abstractmethod
-    def compute(self, stage: EngineStage, args: EngineStageArgs, *, audited_base: bool = False
-                ) -> dict[str, Any] | None:
-        """Compute the shards `stage` still needs. Returns the engine fingerprint measured where they
-        were computed (None: this process's own). `audited_base`: the engine is the campaign engine's
-        audited base profile (a speculative campaign's proof)."""
+    def compute(self, job: EngineJob) -> EngineJob:
+        """Compute the shards the job's stage still needs. Returns the job as its stage task must see
+        it: with the engine fingerprint measured where the shards were computed (machines), or as it
+        was (this process's own engine)."""
 
     def engine_calls(self) -> dict[str, int] | None:
         """Shards computed outside this process, by stage (None: count this process's engine calls)."""
         return None
 
-    def report(self) -> dict[str, Any] | None:
+    def report(self) -> MachinesDoc | None:
         """The machines report (`machines.json`), for runners that rent machines."""
         return None
 
 
 class InProcessRunner(StageRunner):
-    def compute(self, stage: EngineStage, args: EngineStageArgs, *, audited_base: bool = False) -> None:
-        return None
+    def compute(self, job: EngineJob) -> EngineJob:
+        return job
 
 
 class WorkerProcessesRunner(StageRunner):
@@ -61,10 +58,10 @@ class WorkerProcessesRunner(StageRunner):
         self.workers = workers
         self.reports: dict[str, list[WorkerReport]] = {}
 
-    def compute(self, stage: EngineStage, args: EngineStageArgs, *, audited_base: bool = False) -> None:
-        _, reports = run_workers(stage, args, workers=self.workers)
-        self.reports.setdefault(stage, []).extend(reports)
-        return None
+    def compute(self, job: EngineJob) -> EngineJob:
+        _, reports = run_workers(job, workers=self.workers)
+        self.reports.setdefault(job.inputs.stage, []).extend(reports)
+        return job
 
     def engine_calls(self) -> dict[str, int]:
         return {stage: sum(len(r.computed_shards) for r in self.reports.get(stage, []))
@@ -82,19 +79,14 @@ class FleetRunner(StageRunner):
     def __exit__(self, *exc: Any) -> None:
         self.fleet.__exit__(*exc)
 
-    def compute(self, stage: EngineStage, args: EngineStageArgs, *, audited_base: bool = False
-                ) -> dict[str, Any] | None:
-        own = self.fleet.engine_fp
-        fp = audited_fingerprint(own) if audited_base and own else None
-        self.fleet.run_stage(stage, args, engine_fp=fp)
-        return fp or self.fleet.engine_fp  # measured by the machines' golden replay (None: all shards were here)
+    def compute(self, job: EngineJob) -> EngineJob:
+        return self.fleet.run_stage(job)
 
     def engine_calls(self) -> dict[str, int]:
-        machines = self.fleet.report()["machines"]
-        return {k: sum(len(j["artifacts"]) for m in machines for j in m["jobs"] if j["job"] == k)
-                for k in ("fast_pass", "reason")}
+        shards = self.fleet.report().shards()
+        return {k: shards.get(k, 0) for k in ("fast_pass", "reason")}
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> MachinesDoc:
         return self.fleet.report()
 
 

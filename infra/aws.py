@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jex.settings import InfraSettings, StoreSettings
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +23,7 @@ MAX_ATTEMPTS = 5
 CREDENTIAL_KEYS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 
 
-def settings_credentials(infra: Any) -> dict[str, str]:
+def settings_credentials(infra: InfraSettings | None) -> dict[str, str]:
     """Explicit keys from `JEX_INFRA__AWS_*` when both are set; empty: boto3's own chain."""
     if infra is None or not (infra.aws_access_key_id and infra.aws_secret_access_key):
         return {}
@@ -28,11 +31,12 @@ def settings_credentials(infra: Any) -> dict[str, str]:
             "aws_secret_access_key": infra.aws_secret_access_key.get_secret_value()}
 
 
-def aws_client(service: str, *, region: str, endpoint_url: str | None, infra: Any = None,
+def aws_client(service: str, *, region: str, endpoint_url: str | None, infra: InfraSettings | None = None,
                credentials: Mapping[str, str] | None = None, max_attempts: int = MAX_ATTEMPTS,
                timeout_s: float | None = None) -> Any:
     """A boto3 client for `service` in standard retry mode. Keys: `credentials` (e.g. a watchdog's scoped
-    ones), else those in the `infra` settings, else boto3's chain; `timeout_s` bounds connect and read."""
+    ones), else those in the `infra` settings, else boto3's chain; `timeout_s` bounds connect and read.
+    Returns the boto3 client (boto3 ships no types)."""
     import boto3
     from botocore.config import Config
 
@@ -54,10 +58,14 @@ def prefix_policy(bucket: str, prefix: str) -> str:
          "Condition": {"StringLike": {"s3:prefix": [f"{prefix.strip('/')}/*"]}}}]})
 
 
-def scoped_credentials(store: Any, infra: Any, *, key_prefix: str, ttl_s: float) -> dict[str, str]:
+def scoped_credentials(store: StoreSettings, infra: InfraSettings | None, *, key_prefix: str,
+                       ttl_s: float) -> dict[str, str]:
     """Temporary credentials that can touch only `key_prefix` of the store's bucket (STS federation
     token with a session policy), valid for the machine's time to live (15 min .. 36 h). Empty when
-    STS refuses: the machine then uses its own role (e.g. an EC2 instance profile), never our keys."""
+    STS refuses: the machine then uses its own role (e.g. an EC2 instance profile), never our keys; empty too
+    without a bucket (the watchdog then has nothing to upload to)."""
+    if not store.s3_bucket:
+        return {}
     try:
         sts = aws_client("sts", region=store.s3_region, endpoint_url=store.s3_endpoint_url, infra=infra)
         token = sts.get_federation_token(Name="jex-watchdog", Policy=prefix_policy(store.s3_bucket, key_prefix),

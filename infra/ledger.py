@@ -13,13 +13,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from jex.errors import InfraError
 from jex.fileio import write_json
-from jex.infra.records import LedgerEntry, LedgerReport, LedgerRow
+from jex.infra.records import CostLedgerEntry, CostLedgerReport, CostLedgerRow
 
-__all__ = ["BudgetExceeded", "Ledger", "LedgerEntry"]
+__all__ = ["BudgetExceeded", "CostLedgerEntry", "Ledger"]
 
 
 class BudgetExceeded(InfraError):
@@ -27,17 +26,17 @@ class BudgetExceeded(InfraError):
 
 
 class Ledger:
-    """`ledger.json`: `{"machines": {machine_id: LedgerEntry}}`."""
+    """`ledger.json`: `{"machines": {machine_id: CostLedgerEntry}}`."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
 
-    def _read(self) -> dict[str, LedgerEntry]:
+    def _read(self) -> dict[str, CostLedgerEntry]:
         doc = json.loads(self.path.read_text()) if self.path.exists() else {"machines": {}}
-        return {k: LedgerEntry.model_validate(e) for k, e in doc["machines"].items()}
+        return {k: CostLedgerEntry.model_validate(e) for k, e in doc["machines"].items()}
 
     @contextmanager
-    def _locked(self) -> Iterator[dict[str, LedgerEntry]]:
+    def _locked(self) -> Iterator[dict[str, CostLedgerEntry]]:
         """The entries under an exclusive lock; what the block leaves in the dict is written back."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path.with_suffix(".lock"), "w") as lock:
@@ -46,17 +45,17 @@ class Ledger:
             yield machines
             write_json(self.path, {"machines": {k: e.model_dump() for k, e in machines.items()}})
 
-    def entries(self, campaign: str | None = None) -> list[LedgerEntry]:
+    def entries(self, campaign: str | None = None) -> list[CostLedgerEntry]:
         return [e for e in self._read().values() if campaign is None or e.campaign == campaign]
 
-    def get(self, machine_id: str) -> LedgerEntry | None:
+    def get(self, machine_id: str) -> CostLedgerEntry | None:
         return next((e for e in self.entries() if e.machine_id == machine_id), None)
 
     def open(self, machine_id: str, campaign: str | None, provider: str, price_per_hour: float,
              created_at: float | None = None, host: str | None = None) -> None:
         """Record a machine's start (once: a second call for the same machine changes nothing)."""
         with self._locked() as machines:
-            machines.setdefault(machine_id, LedgerEntry(
+            machines.setdefault(machine_id, CostLedgerEntry(
                 machine_id=machine_id, campaign=campaign, provider=provider, price_per_hour=price_per_hour,
                 created_at=created_at or time.time(), host=host))
 
@@ -77,13 +76,9 @@ class Ledger:
             raise BudgetExceeded(f"campaign {campaign}: ${spent:.4f} spent of a ${budget_usd:.4f} budget; "
                                  "no new machine")
 
-    def usage(self, campaign: str | None, now: float | None = None) -> LedgerReport:
+    def usage(self, campaign: str | None, now: float | None = None) -> CostLedgerReport:
         """Every machine of `campaign` (None: all) with its seconds and cost so far, and the totals."""
-        rows = [LedgerRow(**e.model_dump(), seconds=round(e.life_s(now), 3), cost_usd=round(e.cost(now), 6))
+        rows = [CostLedgerRow(**e.model_dump(), seconds=round(e.life_s(now), 3), cost_usd=round(e.cost(now), 6))
                 for e in self.entries(campaign)]
-        return LedgerReport(campaign=campaign, machines=rows, total_usd=round(sum(r.cost_usd for r in rows), 6),
-                            machine_seconds=round(sum(r.seconds for r in rows), 3))
-
-    def report(self, campaign: str | None, now: float | None = None) -> dict[str, Any]:
-        """`usage` as JSON, for the CLI and the flows that read it by key."""
-        return self.usage(campaign, now).model_dump()
+        return CostLedgerReport(campaign=campaign, machines=rows, total_usd=round(sum(r.cost_usd for r in rows), 6),
+                                machine_seconds=round(sum(r.seconds for r in rows), 3))

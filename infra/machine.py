@@ -13,6 +13,7 @@ and is retried until the provider confirms the machine is gone.
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import io
 import json
 import logging
@@ -49,17 +50,19 @@ from jex.infra.records import (
     WorkerStatus,
 )
 from jex.infra.retry import MACHINE_CALL, VERIFY_DOWNLOAD, Backoff, retry
+from jex.infra.s3 import S3Store
 from jex.infra.shell import Shell, ShellError
 from jex.infra.watchdog import MARKER, WatchdogConfig
 
-__all__ = ["JobFailed", "JobOutcome", "MachineSession", "Policy", "RemoteJob", "adopt_artifacts", "code_bundle",
-           "self_terminated_marker", "stack_lock"]
+__all__ = ["JobFailed", "JobOutcome", "MachineSession", "Policy", "RemoteJob", "StartedMachine", "adopt_artifacts",
+           "code_bundle", "self_terminated_marker", "stack_lock"]
 
 log = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parent.parent
-CODE_PACKAGES = {"jex": "jex", "engine": "jex/engine", "tasks": "jex/tasks", "overlays": "jex/overlays",
-                 "infra": "jex/infra"}
-"""Repository folder -> its place in the code bundle: the installed `jex` namespace (pyproject.toml)."""
+CODE_PACKAGES = {"jex": "jex", "jex.engine": "jex/engine", "jex.tasks": "jex/tasks", "jex.overlays": "jex/overlays",
+                 "jex.infra": "jex/infra"}
+"""Installed package -> its place in the code bundle: what a worker imports, never flows or deployments."""
+ROOMS = ("engine", "tasks", "flows", "infra", "overlays", "deployments")
+"""The rooms: installed from a wheel they lie inside `jex/`, and come into the bundle as their own package."""
 STACK_PACKAGES = ("transformers", "gguf", "accelerate", "safetensors", "numpy", "polars", "pyarrow", "pydantic",
                   "pydantic-settings", "typer", "boto3")
 """`boto3`: the machine's watchdog uploads its own artifacts when the orchestrator is gone."""
@@ -132,18 +135,39 @@ class ChecksumMismatch(ValueError):
 ARTIFACTS = TypeAdapter(list[Artifact])
 
 
+def package_folder(package: str) -> Path:
+    """The folder the installed `package` is imported from: in site-packages after a wheel install, the
+    room's folder in the checkout after an editable one (pyproject's package-dir)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise InfraError(f"package {package} is not installed: the machines' code bundle needs it")
+    return Path(spec.origin).resolve().parent
+
+
+def bundle_files() -> list[tuple[Path, str]]:
+    """(file, its name in the code bundle) of every module, script and data file a worker imports."""
+    files = []
+    for package, place in CODE_PACKAGES.items():
+        folder = package_folder(package)
+        for path in sorted(folder.rglob("*")):
+            rel = path.relative_to(folder)
+            if package == "jex" and rel.parts[0] in ROOMS:
+                continue  # a room installed inside jex/ (a wheel): its own package brings it, if a worker needs it
+            if path.is_file() and "__pycache__" not in rel.parts and path.suffix in (".py", ".sh", ".toml"):
+                files.append((path, f"{place}/{rel.as_posix()}"))
+    return files
+
+
 def code_bundle(dest_dir: Path) -> tuple[Path, str]:
-    """A byte-reproducible tar.gz of the packages a worker imports; returns (path, sha256)."""
+    """A byte-reproducible tar.gz of the packages a worker imports, from where they are installed;
+    returns (path, sha256)."""
     buf = io.BytesIO()
     with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
-        for folder, place in CODE_PACKAGES.items():
-            for path in sorted((ROOT / folder).rglob("*")):
-                if path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".sh", ".toml"):
-                    arcname = f"{place}/{path.relative_to(ROOT / folder).as_posix()}"
-                    info = tar.gettarinfo(str(path), arcname=arcname)
-                    info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o644
-                    with open(path, "rb") as f:
-                        tar.addfile(info, f)
+        for path, arcname in bundle_files():
+            info = tar.gettarinfo(str(path), arcname=arcname)
+            info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o644
+            with open(path, "rb") as f:
+                tar.addfile(info, f)
     data = buf.getvalue()
     sha = sha256_bytes(data)
     out = dest_dir / f"code-{sha}.tar.gz"
@@ -173,12 +197,21 @@ def _safe_rel(path: str) -> str:
     return p.as_posix()
 
 
+@dataclass(frozen=True)
+class StartedMachine:
+    """A machine the provider created (or that a reconcile found), and the shell that reaches it: what a
+    session holds from `start` (or adoption) until the machine is deleted."""
+
+    machine: Machine
+    shell: Shell
+
+
 class MachineSession:
     """Owns one machine from create to confirmed deletion; see the module docstring."""
 
     def __init__(self, provider: Provider, *, campaign: str, ledger: Ledger, policy: Policy | None = None,
                  label: str = "gpu", python: str = "python3", state_dir: Path | None = None,
-                 stack: str | None = None, s3: Any = None, echo: Callable[[str], None] | None = None,
+                 stack: str | None = None, s3: S3Store | None = None, echo: Callable[[str], None] | None = None,
                  on_poll: Callable[[MachineSession, RemoteJob, int], None] | None = None,
                  machine: Machine | None = None, pip_args: str = "",
                  machine_credentials: Callable[[], dict[str, str]] | None = None):
@@ -188,8 +221,8 @@ class MachineSession:
         self.state_dir = Path(state_dir or ledger.path.parent)
         self.stack = stack if stack is not None else stack_lock()
         self.s3, self.echo, self.on_poll = s3, echo or (lambda s: log.info("%s", s)), on_poll
-        self.machine: Machine | None = machine
-        self.shell: Shell | None = provider.shell(machine) if machine else None
+        self._started = StartedMachine(machine, provider.shell(machine)) if machine is not None else None
+        """None until `start` (a session given a `machine` adopts it: a reconcile)."""
         self.python = python
         self.code_dir = ""
         self.outcomes: list[JobOutcome] = []
@@ -200,37 +233,50 @@ class MachineSession:
         """Credentials for the watchdog's own uploads (scoped to the campaign's prefix); sent on stdin."""
         self.self_terminated: SelfTerminated | None = None
 
+    @property
+    def started(self) -> StartedMachine:
+        """The machine and its shell; an error before `start`."""
+        if self._started is None:
+            raise InfraError(f"machine session of campaign {self.campaign}: no machine yet (call start() first)")
+        return self._started
+
+    @property
+    def machine(self) -> Machine | None:
+        """The machine, None before `start`."""
+        return self._started.machine if self._started is not None else None
+
     # -- life ---------------------------------------------------------------------------------------
     def __enter__(self) -> MachineSession:
-        if self.machine is None:
+        if self._started is None:
             self.start()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         reason = "completed" if exc is None else f"{type(exc).__name__}: {str(exc)[:200]}"
         self.teardown(reason)
 
     def start(self) -> Machine:
         self.ledger.guard(self.campaign, self.policy.budget_usd)
-        self.machine = self.provider.create(self.campaign, self.label)
-        self.ledger.open(self.machine.id, self.campaign, self.provider.name, self.policy.price_per_hour,
-                         self.machine.created_at, host=self.machine.host)
+        machine = self.provider.create(self.campaign, self.label)
+        self._started = StartedMachine(machine, self.provider.shell(machine))
+        self.ledger.open(machine.id, self.campaign, self.provider.name, self.policy.price_per_hour,
+                         machine.created_at, host=machine.host)
         try:
-            self.shell = self._wait_reachable()
+            self._wait_reachable()
             self.bootstrap()
         except BaseException as e:
             self.teardown(f"bootstrap failed: {e}")
             raise
-        return self.machine
+        return machine
 
-    def _wait_reachable(self) -> Shell:
-        def probe() -> Shell:
-            shell = self.provider.shell(self.machine)
+    def _wait_reachable(self) -> None:
+        shell = self.started.shell
+
+        def probe() -> None:
             shell.run("true", timeout=30)
-            return shell
 
-        return retry(probe, self._backoff(attempts=None, deadline_s=self.policy.boot_timeout_s),
-                     retry_on=(ShellError,), what=f"reach {self.machine.id}")
+        retry(probe, self._backoff(attempts=None, deadline_s=self.policy.boot_timeout_s), retry_on=(ShellError,),
+              what=f"reach {self.started.machine.id}")
 
     def _backoff(self, **kw: Any) -> Backoff:
         """`MACHINE_CALL` with this session's base (`Policy.backoff_s`) and `kw` replaced."""
@@ -238,7 +284,7 @@ class MachineSession:
 
     def bootstrap(self) -> BootInfo:
         """Upload the code bundle, the stack pins and the bootstrap script; run it (idempotent)."""
-        m, sh = self.machine, self.shell
+        m, sh = self.started.machine, self.started.shell
         code, sha = code_bundle(self.state_dir / "code")
         lock = self.state_dir / "code" / "stack.lock"
         lock.write_text(self.stack)
@@ -265,7 +311,7 @@ class MachineSession:
         return boot
 
     def watchdog_config(self) -> WatchdogConfig:
-        m, p = self.machine, self.policy
+        m, p = self.started.machine, self.policy
         s3 = self.s3
         return WatchdogConfig(
             machine=m.id, campaign=self.campaign, created_at=m.created_at, lease_s=p.lease_s,
@@ -279,11 +325,10 @@ class MachineSession:
     def teardown(self, reason: str) -> TeardownRecord | None:
         """Delete the machine, retrying until the provider says it is gone; close its ledger entry.
         None when there was no machine; the first record again when it was torn down before."""
-        if self.machine is None or self.teardown_record is not None:
+        if self._started is None or self.teardown_record is not None:
             return self.teardown_record
-        m, t0 = self.machine, time.time()
-        if self.shell is not None:
-            self.shell.close()
+        m, t0 = self._started.machine, time.time()
+        self._started.shell.close()
         attempts = 0
 
         def delete() -> None:
@@ -313,7 +358,7 @@ class MachineSession:
 
     # -- jobs ---------------------------------------------------------------------------------------
     def run_dir(self, job: RemoteJob) -> str:
-        return f"{self.machine.workdir}/jobs/{job.name}"
+        return f"{self.started.machine.workdir}/jobs/{job.name}"
 
     def _py(self, args: str) -> str:
         return f"env PYTHONPATH={self._pythonpath()} {shlex.quote(self.python)} {args}"
@@ -324,13 +369,13 @@ class MachineSession:
 
     def launch(self, job: RemoteJob) -> None:
         """Start the job detached under the worker protocol; a second call is a no-op."""
-        rd, sh = self.run_dir(job), self.shell
+        m, sh, rd = self.started.machine, self.started.shell, self.run_dir(job)
         dirs = {str(PurePosixPath(rd) / PurePosixPath(_safe_rel(n)).parent) for n in job.files} | {rd}
         sh.run("mkdir -p " + " ".join(shlex.quote(d) for d in sorted(dirs)))
         for name, local in job.files.items():
             sh.put(local, f"{rd}/{_safe_rel(name)}")
-        record = self.state_dir / "jobs" / f"{self.machine.id}-{job.name}.json"
-        write_json(record, JobRecord(name=job.name, campaign=self.campaign, machine=self.machine.id,
+        record = self.state_dir / "jobs" / f"{m.id}-{job.name}.json"
+        write_json(record, JobRecord(name=job.name, campaign=self.campaign, machine=m.id,
                                      collect_to=str(job.collect_to), strip_prefix=job.strip_prefix,
                                      artifacts=job.artifacts, python=self.python, code=self.code_dir,
                                      heartbeat_timeout_s=self.policy.heartbeat_timeout_s).model_dump())
@@ -341,22 +386,23 @@ class MachineSession:
                            f"--artifacts {globs} -- env PYTHONPATH={self._pythonpath()} {cmd}")
         sh.run(f"cd {shlex.quote(rd)} && if [ -f worker.pgid ]; then exit 0; fi; "
                f"setsid nohup {wrapper} >/dev/null 2>&1 </dev/null & echo $! > {shlex.quote(rd)}/worker.pgid")
-        self.echo(f"machine {self.machine.id}: job {job.name} started")
+        self.echo(f"machine {m.id}: job {job.name} started")
 
     def read_text(self, rel: str) -> str | None:
         """A small text file under the machine's workdir, or None when it is absent or unreachable."""
         try:
-            out = self.shell.run(f"cat {shlex.quote(self.machine.workdir)}/{shlex.quote(_safe_rel(rel))} 2>/dev/null "
-                                 "|| true", timeout=60)
+            m, sh = self.started.machine, self.started.shell
+            out = sh.run(f"cat {shlex.quote(m.workdir)}/{shlex.quote(_safe_rel(rel))} 2>/dev/null || true",
+                         timeout=60)
         except ShellError:
             return None
         return out.stdout or None
 
     def status(self, job: RemoteJob) -> WorkerStatus:
         """One poll; it also renews the machine's lease (the watchdog's dead-man's switch)."""
-        guard = f" --workdir {shlex.quote(self.machine.workdir)}" if self.policy.watchdog else ""
-        out = self.shell.run(self._py(f"-m jex.infra.worker_protocol status {shlex.quote(self.run_dir(job))}{guard}"),
-                             timeout=60)
+        guard = f" --workdir {shlex.quote(self.started.machine.workdir)}" if self.policy.watchdog else ""
+        status = self._py(f"-m jex.infra.worker_protocol status {shlex.quote(self.run_dir(job))}{guard}")
+        out = self.started.shell.run(status, timeout=60)
         return WorkerStatus.model_validate_json(out.stdout)
 
     def run(self, job: RemoteJob, *, relaunch: bool = True) -> JobOutcome:
@@ -417,7 +463,7 @@ class MachineSession:
         spent = self.ledger.total(self.campaign)
         if spent >= p.budget_usd:
             return f"cost budget reached: ${spent:.4f} of ${p.budget_usd:.4f}"
-        if p.wall_budget_s is not None and time.time() - self.machine.created_at > p.wall_budget_s:
+        if p.wall_budget_s is not None and time.time() - self.started.machine.created_at > p.wall_budget_s:
             return f"wall-clock budget of {p.wall_budget_s:.0f} s reached"
         return None
 
@@ -435,10 +481,10 @@ class MachineSession:
     def _stream_log(self, job: RemoteJob, offset: int, size: int, tail: list[str]) -> int:
         if size <= offset:
             return offset
-        chunk = self.shell.run(f"tail -c +{offset + 1} {shlex.quote(self.run_dir(job))}/run.log | head -c 65536",
-                               timeout=60).stdout
+        chunk = self.started.shell.run(f"tail -c +{offset + 1} {shlex.quote(self.run_dir(job))}/run.log "
+                                       "| head -c 65536", timeout=60).stdout
         for line in chunk.splitlines():
-            self.echo(f"[{self.machine.id}/{job.name}] {line}")
+            self.echo(f"[{self.started.machine.id}/{job.name}] {line}")
         tail[:] = (tail + chunk.splitlines())[-40:]
         return offset + len(chunk.encode())
 
@@ -446,8 +492,8 @@ class MachineSession:
                  transfer: Transfer | None = None, lost: list[Lost] | None = None,
                  exit_code: int | None = None) -> JobOutcome:
         transfer = transfer or Transfer()
-        return JobOutcome(job=job.name, machine=self.machine.id, status=status, reason=reason, exit_code=exit_code,
-                          artifacts=transfer.artifacts, lost=[*(lost or []), *transfer.lost],
+        return JobOutcome(job=job.name, machine=self.started.machine.id, status=status, reason=reason,
+                          exit_code=exit_code, artifacts=transfer.artifacts, lost=[*(lost or []), *transfer.lost],
                           seconds=round(time.time() - t0, 3), log_tail="\n".join(tail))
 
     def _collect(self, job: RemoteJob, marker: Marker, t0: float, tail: list[str]) -> JobOutcome:
@@ -462,14 +508,15 @@ class MachineSession:
 
     def _salvage(self, job: RemoteJob, status: JobStatus, reason: str, t0: float, tail: list[str]) -> JobOutcome:
         """Stop the worker, then fetch whatever artifacts exist, with checksums computed on the machine."""
-        self.echo(f"machine {self.machine.id}: job {job.name}: {status}: {reason}; salvaging")
+        m, sh = self.started.machine, self.started.shell
+        self.echo(f"machine {m.id}: job {job.name}: {status}: {reason}; salvaging")
         rd = shlex.quote(self.run_dir(job))
         lost: list[Lost] = []
         try:
-            self.shell.run(f"[ -f {rd}/worker.pgid ] && kill -KILL -- -$(cat {rd}/worker.pgid) 2>/dev/null; true")
+            sh.run(f"[ -f {rd}/worker.pgid ] && kill -KILL -- -$(cat {rd}/worker.pgid) 2>/dev/null; true")
             globs = " ".join(shlex.quote(a) for a in job.artifacts)
             manifest = self._py(f"-m jex.infra.worker_protocol manifest {rd} --artifacts {globs}")
-            found = ARTIFACTS.validate_json(self.shell.run(manifest, timeout=600).stdout)
+            found = ARTIFACTS.validate_json(sh.run(manifest, timeout=600).stdout)
         except (ShellError, ValueError) as e:
             lost.append(Lost(path="*", reason=f"machine unreachable during salvage: {e}"))
             found = []
@@ -480,19 +527,19 @@ class MachineSession:
         try:
             return SelfTerminated.model_validate_json(self.read_text(MARKER) or "")
         except ValidationError as e:
-            return SelfTerminated(reason=f"stopped itself (marker unreadable: {e})", machine=self.machine.id,
+            return SelfTerminated(reason=f"stopped itself (marker unreadable: {e})", machine=self.started.machine.id,
                                   campaign=self.campaign, time=time.time())
 
     def _adopt(self, job: RemoteJob, t0: float, tail: list[str]) -> JobOutcome | None:
         """When the machine's watchdog uploaded its results and stopped it: fetch them from S3 (verified)."""
         if self.s3 is None:
             return None
-        doc = self_terminated_marker(self.s3, self.campaign, self.machine.id,
-                                     self.state_dir / "self-terminated" / f"{self.machine.id}.json")
+        m = self.started.machine
+        doc = self_terminated_marker(self.s3, self.campaign, m.id, self.state_dir / "self-terminated" / f"{m.id}.json")
         if doc is None:
             return None
         self.self_terminated = doc
-        self.echo(f"machine {self.machine.id}: stopped itself ({doc.reason}); adopting its results from S3")
+        self.echo(f"machine {m.id}: stopped itself ({doc.reason}); adopting its results from S3")
         entry = doc.jobs.get(job.name)
         reason = f"machine stopped itself: {doc.reason}"
         if entry is None:
@@ -512,7 +559,7 @@ class MachineSession:
         part = local.with_name(f".{local.name}.download")
 
         def fetch() -> None:
-            self.shell.get(remote, part)
+            self.started.shell.get(remote, part)
             if sha256_file(part) != sha256:
                 part.unlink(missing_ok=True)
                 raise ChecksumMismatch("downloaded bytes do not match the marker's sha256")
@@ -537,17 +584,17 @@ class MachineSession:
             s3_key = None
             if self.s3 is not None:
                 try:
-                    s3_key = self._upload(local, job, rel)
+                    s3_key = self._upload(self.s3, local, job, rel)
                 except Exception as e:  # noqa: BLE001 - recorded as lost from S3, the local copy stays
                     lost.append(Lost(path=rel, reason=f"S3 upload failed: {e}"))
             got.append(CollectedArtifact(path=rel, sha256=art.sha256, bytes=art.bytes, local=str(local),
                                          s3_key=s3_key))
         return Transfer(artifacts=got, lost=lost)
 
-    def _upload(self, local: Path, job: RemoteJob, rel: str) -> str:
+    def _upload(self, s3: S3Store, local: Path, job: RemoteJob, rel: str) -> str:
         """Upload under the campaign's prefix only, retrying with backoff; verified by sha256."""
-        key = self.s3.key("campaigns", self.campaign, "machines", self.machine.id, job.name, rel)
-        retry(lambda: self.s3.put_file(local, key), self._backoff(attempts=self.policy.upload_attempts),
+        key = s3.key("campaigns", self.campaign, "machines", self.started.machine.id, job.name, rel)
+        retry(lambda: s3.put_file(local, key), self._backoff(attempts=self.policy.upload_attempts),
               what=f"upload {key}")
         return key
 
@@ -561,12 +608,8 @@ class MachineSession:
                              jobs=list(self.outcomes), life_s=round(entry.life_s(), 3) if entry else None,
                              cost_usd=round(entry.cost(), 6) if entry else None)
 
-    def report(self) -> dict[str, Any]:
-        """`record` as JSON, for the flows that read it by key (`machines.json`)."""
-        return self.record().model_dump()
 
-
-def self_terminated_marker(s3: Any, campaign: str, machine_id: str, dest: Path) -> SelfTerminated | None:
+def self_terminated_marker(s3: S3Store, campaign: str, machine_id: str, dest: Path) -> SelfTerminated | None:
     """The SELF_TERMINATED.json a machine's watchdog left in S3 (verified download), or None."""
     key = s3.key("campaigns", campaign, "machines", machine_id, MARKER)
     if s3.head(key) is None:
@@ -575,7 +618,7 @@ def self_terminated_marker(s3: Any, campaign: str, machine_id: str, dest: Path) 
     return SelfTerminated.model_validate_json(dest.read_text())
 
 
-def adopt_artifacts(s3: Any, entry: JobUpload, local_path: Callable[[str], Path]) -> Transfer:
+def adopt_artifacts(s3: S3Store, entry: JobUpload, local_path: Callable[[str], Path]) -> Transfer:
     """Download the artifacts a watchdog uploaded (each checked against the sha256 it recorded); what
     it left on the machine's disk (its upload failed) is named as lost."""
     got, lost = [], []

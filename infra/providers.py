@@ -1,7 +1,7 @@
 """Machine providers behind one interface: create, describe, list by campaign tag, delete.
 
 Every call is idempotent and logged (never with secrets). A machine is tagged with its campaign;
-`list()` is what reconciliation walks after an orchestrator restart.
+`list_machines()` is what reconciliation walks after an orchestrator restart.
 
     local    the "machine" is a work folder plus detached processes on this host (embedded default)
     ssh      a lease on an existing host reached with paramiko: a work folder plus its processes
@@ -24,6 +24,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,8 @@ class Provider(ABC):
         log.debug("provider %s: describe %s", self.name, machine_id)
         return self._describe(machine_id)
 
-    def list(self, campaign: str | None = None) -> list[Machine]:
+    def list_machines(self, campaign: str | None = None) -> list[Machine]:
+        """Every machine this provider tags as jex's, or those of `campaign`."""
         machines = self._list()
         log.info("provider %s: list campaign=%s -> %d machine(s)", self.name, campaign, len(machines))
         return [m for m in machines if campaign is None or m.campaign == campaign]
@@ -233,11 +235,11 @@ class EC2Provider(Provider):
     def _as_machine(self, inst: dict[str, Any]) -> Machine:
         """A machine from one instance of boto3's `describe_instances` / `run_instances` response."""
         tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
-        launched = inst.get("LaunchTime")
+        launched = inst.get("LaunchTime")  # a datetime from boto3
         return Machine(id=inst["InstanceId"], provider=self.name, campaign=tags.get(TAG_CAMPAIGN) or None,
                        host=inst.get("PublicIpAddress") or inst.get("PrivateIpAddress") or "", port=22,
                        user=self.user, workdir=self.workdir, state=inst["State"]["Name"],
-                       created_at=launched.timestamp() if hasattr(launched, "timestamp") else time.time(),
+                       created_at=launched.timestamp() if isinstance(launched, datetime) else time.time(),
                        meta={"instance_type": inst.get("InstanceType")})
 
     def _create(self, campaign: str | None, label: str) -> Machine:
@@ -291,7 +293,7 @@ class CommandTemplates:
 
     create: str
     describe: str
-    list: str
+    list_machines: str
     delete: str
 
 
@@ -334,7 +336,7 @@ class CommandProvider(Provider):
         return machines[0] if machines else None
 
     def _list(self) -> list[Machine]:
-        return self._call(self.t.list)
+        return self._call(self.t.list_machines)
 
     def _delete(self, machine_id: str) -> None:
         self._run(self.t.delete, id=machine_id)
@@ -360,11 +362,11 @@ def _main(argv: list[str]) -> int:
     if args.cmd == "create":
         print(provider.create(args.campaign or None, args.label).to_json())
     elif args.cmd == "list":
-        for m in provider.list():
-            print(m.to_json())
+        for listed in provider.list_machines():
+            print(listed.to_json())
     elif args.cmd == "describe":
-        if (m := provider.describe(args.id)) is not None:
-            print(m.to_json())
+        if (found := provider.describe(args.id)) is not None:
+            print(found.to_json())
     else:
         provider.delete(args.id)
     return 0

@@ -12,7 +12,7 @@ import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from jex.errors import InputError
 from jex.infra.ledger import Ledger
@@ -32,11 +32,14 @@ from jex.infra.s3 import S3Store
 from jex.infra.shell import LocalShell, Shell, ShellError
 from jex.infra.watchdog import MARKER
 
+if TYPE_CHECKING:
+    from jex.settings import InfraSettings
+
 log = logging.getLogger(__name__)
 Echo = Callable[[str], None]
 
 
-def make_provider(infra: Any, *, name: str | None = None, hosts: list[str] | None = None) -> Provider:
+def make_provider(infra: InfraSettings, *, name: str | None = None, hosts: list[str] | None = None) -> Provider:
     """The provider named in settings (or `name`), configured from `JEX_INFRA__*`; secrets stay in memory."""
     name = name or infra.provider
     ssh = SSHAuth(key_path=infra.ssh_key_path, known_hosts=infra.ssh_known_hosts,
@@ -56,7 +59,7 @@ def make_provider(infra: Any, *, name: str | None = None, hosts: list[str] | Non
     if name == "command":
         templates = CommandTemplates(infra.command_create, infra.command_describe, infra.command_list,
                                      infra.command_delete)
-        if not all((templates.create, templates.describe, templates.list, templates.delete)):
+        if not all((templates.create, templates.describe, templates.list_machines, templates.delete)):
             raise InputError("the command provider needs JEX_INFRA__COMMAND_CREATE, _DESCRIBE, _LIST and _DELETE")
 
         def shell_for(m: Machine) -> Shell:
@@ -68,7 +71,7 @@ def make_provider(infra: Any, *, name: str | None = None, hosts: list[str] | Non
     raise InputError(f"unknown provider {name!r}; providers: local, ssh, ec2, command", field="provider")
 
 
-def policy_from_settings(infra: Any, **overrides: Any) -> Policy:
+def policy_from_settings(infra: InfraSettings, **overrides: Any) -> Policy:
     return Policy(**{"poll_s": infra.poll_s, "heartbeat_s": infra.heartbeat_s,
                      "heartbeat_timeout_s": infra.heartbeat_timeout_s, "budget_usd": infra.budget_usd,
                      "price_per_hour": infra.price_per_hour, "wall_budget_s": infra.budget_hours * 3600,
@@ -77,9 +80,10 @@ def policy_from_settings(infra: Any, **overrides: Any) -> Policy:
 
 
 def _jobs_on(session: MachineSession) -> list[JobRecord]:
-    wd = shlex.quote(session.machine.workdir)
-    out = session.shell.run(f'for f in {wd}/jobs/*/job.json; do [ -f "$f" ] && tr -d "\\n" < "$f" && echo; done; true'
-                           ).stdout
+    started = session.started
+    wd = shlex.quote(started.machine.workdir)
+    out = started.shell.run(f'for f in {wd}/jobs/*/job.json; do [ -f "$f" ] && tr -d "\\n" < "$f" && echo; done; true'
+                            ).stdout
     return [JobRecord.model_validate_json(line) for line in out.splitlines() if line.strip()]
 
 
@@ -129,7 +133,7 @@ def sweep(provider: Provider, ledger: Ledger, *, policy: Policy | None = None, s
     say: Echo = echo or (lambda s: log.info("%s", s))
     machines: list[ReconciledMachine] = []
     errors: list[str] = []
-    for machine in provider.list(campaign):
+    for machine in provider.list_machines(campaign):
         machines.append(_reconcile_machine(provider, ledger, machine, errors, policy=policy, s3=s3, echo=say))
     if s3 is not None:
         try:
@@ -187,7 +191,7 @@ def _self_terminated_in_s3(s3: S3Store, campaign: str | None, skip: set[str]) ->
     """(campaign, machine) of every SELF_TERMINATED.json under the campaigns' prefix, less `skip`."""
     root = s3.key("campaigns") + "/"
     found = []
-    for obj in s3.list(root + (f"{campaign}/" if campaign else "")):
+    for obj in s3.list_objects(root + (f"{campaign}/" if campaign else "")):
         parts = obj.key[len(root):].split("/")  # <campaign>/machines/<machine>/SELF_TERMINATED.json
         if len(parts) == 4 and parts[1] == "machines" and parts[3] == MARKER and parts[2] not in skip:
             found.append((parts[0], parts[2]))

@@ -232,7 +232,7 @@ class MachineReport(Record):
 
 # -- the ledger ---------------------------------------------------------------------------------------
 
-class LedgerEntry(Record):
+class CostLedgerEntry(Record):
     """One machine's life in `ledger.json`."""
 
     machine_id: str
@@ -253,18 +253,18 @@ class LedgerEntry(Record):
         return self.life_s(now) / 3600.0 * self.price_per_hour
 
 
-class LedgerRow(LedgerEntry):
+class CostLedgerRow(CostLedgerEntry):
     """An entry with its life and cost at the time of the report."""
 
     seconds: float
     cost_usd: float
 
 
-class LedgerReport(Record):
+class CostLedgerReport(Record):
     """Every machine of a campaign (or all) with its seconds and cost, and the totals."""
 
     campaign: str | None
-    machines: list[LedgerRow]
+    machines: list[CostLedgerRow]
     total_usd: float
     machine_seconds: float
 

@@ -23,11 +23,14 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from jex.errors import InfraError
+from jex.errors import InfraError, InputError
 from jex.fileio import sha256_file, write_json
 from jex.infra.records import ObjectHead, S3Manifest, S3Object, S3Upload
+
+if TYPE_CHECKING:
+    from jex.settings import InfraSettings, StoreSettings
 
 log = logging.getLogger("jex.infra.s3")
 MULTIPART_BYTES = 64 * 1024 * 1024
@@ -42,11 +45,14 @@ class S3Store:
     bucket: str
     prefix: str = "jex"
     client: Any = None
+    """A boto3 S3 client (boto3 ships no types)."""
 
     @classmethod
-    def from_settings(cls, store: Any, infra: Any) -> S3Store:
+    def from_settings(cls, store: StoreSettings, infra: InfraSettings | None) -> S3Store:
         from jex.infra.aws import aws_client
 
+        if not store.s3_bucket:
+            raise InputError("no S3 bucket configured: set JEX_STORE__S3_BUCKET", field="store.s3_bucket")
         client = aws_client("s3", region=store.s3_region, endpoint_url=store.s3_endpoint_url, infra=infra)
         return cls(store.s3_bucket, store.s3_prefix.strip("/"), client)
 
@@ -95,7 +101,7 @@ class S3Store:
         tmp.replace(dest)
         return dest
 
-    def list(self, key_prefix: str) -> list[S3Object]:
+    def list_objects(self, key_prefix: str) -> list[S3Object]:
         """Every object under `key_prefix` (a full key prefix, e.g. `self.key('runs') + '/'`): key and size."""
         log.info("s3 list s3://%s/%s", self.bucket, key_prefix)
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=key_prefix)
@@ -113,15 +119,17 @@ class HasFolder(Protocol):
     def folder(self) -> str: ...
 
 
-StageSummary = Mapping[str, Any] | HasFolder
-"""A stage summary as the flows hand it over: a typed record, or its JSON form."""
+StageFolderRef = Mapping[str, Any] | HasFolder
+"""What names a stage folder to upload: a stage's summary as the flows hand it over (a typed record, or
+its JSON form)."""
 
 
-def _folder_of(summary: StageSummary) -> Path:
+def _folder_of(summary: StageFolderRef) -> Path:
     return Path(summary["folder"] if isinstance(summary, Mapping) else summary.folder)
 
 
-def push_campaign(s3: S3Store, run_dir: Path, summaries: Mapping[str, StageSummary], store_root: Path) -> S3Manifest:
+def push_campaign(s3: S3Store, run_dir: Path, summaries: Mapping[str, StageFolderRef],
+                  store_root: Path) -> S3Manifest:
     """Upload the stage folders a campaign used (each summary names its folder) and its run folder;
     write the manifest to `s3.json` there."""
     uploaded: list[S3Upload] = []
@@ -135,7 +143,7 @@ def push_campaign(s3: S3Store, run_dir: Path, summaries: Mapping[str, StageSumma
     return manifest
 
 
-def sync_campaign(s3: S3Store, run_dir: Path, summaries: Mapping[str, StageSummary],
+def sync_campaign(s3: S3Store, run_dir: Path, summaries: Mapping[str, StageFolderRef],
                   store_root: Path) -> dict[str, Any]:
     """`push_campaign`, its manifest as JSON (for the flows that read it by key)."""
     return push_campaign(s3, run_dir, summaries, store_root).model_dump()
@@ -190,7 +198,7 @@ class PullReport:
 def find_run(s3: S3Store, campaign: str) -> str:
     """The run folder name in S3 of `campaign` (a run folder name, or a campaign name with one run)."""
     prefix = s3.key("runs") + "/"
-    runs = sorted({o.key[len(prefix):].split("/", 1)[0] for o in s3.list(prefix)
+    runs = sorted({o.key[len(prefix):].split("/", 1)[0] for o in s3.list_objects(prefix)
                    if o.key.endswith("/campaign.json")})
     match = [r for r in runs if r == campaign] or [r for r in runs if r.rsplit("-", 1)[0] == campaign]
     if not match:
@@ -214,7 +222,7 @@ def _get_verified(s3: S3Store, key: str, dest: Path) -> int:
 
 def _pull_stage(s3: S3Store, rel: str, store: Path, report: PullReport) -> None:
     prefix = s3.key("store", rel) + "/"
-    objects = {o.key[len(prefix):]: o for o in s3.list(prefix)}
+    objects = {o.key[len(prefix):]: o for o in s3.list_objects(prefix)}
     if STAGE_SUCCESS not in objects:
         report.incomplete.append(rel)
         return
@@ -248,7 +256,7 @@ def pull_campaign(s3: S3Store, campaign: str, *, out: Path, store: Path | None =
     run = find_run(s3, campaign)
     run_dir = Path(out) / run
     prefix = s3.key("runs", run) + "/"
-    objects = s3.list(prefix)
+    objects = s3.list_objects(prefix)
     for o in objects:
         _get_verified(s3, o.key, run_dir / o.key[len(prefix):])
     spec = json.loads((run_dir / "campaign.json").read_text())
@@ -262,7 +270,7 @@ def pull_campaign(s3: S3Store, campaign: str, *, out: Path, store: Path | None =
         else:
             _pull_stage(s3, rel, store, report)
     machines = s3.key("campaigns", run, "machines") + "/"
-    for o in s3.list(machines):
+    for o in s3.list_objects(machines):
         rest = o.key[len(machines):].split("/", 2)  # <machine>/<job>/<path in the job folder>
         if len(rest) == 3 and rest[2].startswith("store/"):
             report.bytes += _get_verified(s3, o.key, store / rest[2].removeprefix("store/"))

@@ -95,7 +95,8 @@ class SSHShell:
     accept_new_host_keys: bool = False
     connect_timeout: float = 10.0
     reconnect_attempts: int = 5
-    _client: object | None = field(default=None, init=False, repr=False)
+    _client: Any = field(default=None, init=False, repr=False)
+    """The open `paramiko.SSHClient`, or None (paramiko ships no types)."""
 
     @property
     def where(self) -> str:
@@ -104,7 +105,8 @@ class SSHShell:
     def _host_pattern(self) -> str:
         return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
 
-    def _connect(self):
+    def _connect(self) -> Any:
+        """A connected `paramiko.SSHClient`."""
         import paramiko
 
         client = paramiko.SSHClient()
@@ -122,14 +124,14 @@ class SSHShell:
                        auth_timeout=self.connect_timeout, allow_agent=False, look_for_keys=False)
         return client
 
-    def client(self):
-        """The open connection, re-opened with backoff when it dropped."""
-        transport = self._client.get_transport() if self._client is not None else None  # type: ignore[attr-defined]
+    def client(self) -> Any:
+        """The open connection (a `paramiko.SSHClient`), re-opened with backoff when it dropped."""
+        transport = self._client.get_transport() if self._client is not None else None
         if transport is not None and transport.is_active():
             return self._client
         import paramiko
 
-        def connect() -> object:
+        def connect() -> Any:
             try:
                 return self._connect()
             except paramiko.BadHostKeyException as e:
@@ -165,7 +167,7 @@ class SSHShell:
 
     def run(self, command: str, *, timeout: float = 120, check: bool = True,
             input: str | None = None) -> CommandResult:
-        def go(client):
+        def go(client: Any) -> CommandResult:
             stdin, out, err = client.exec_command(command, timeout=timeout)
             if input:
                 stdin.write(input)
@@ -176,7 +178,7 @@ class SSHShell:
         return _checked(command, self._retrying("command", go), check, self.where)
 
     def put(self, local: Path, remote: str) -> None:
-        def go(client):
+        def go(client: Any) -> None:
             with client.open_sftp() as sftp:
                 tmp = f"{remote}.part"
                 sftp.put(str(local), tmp)
@@ -188,7 +190,7 @@ class SSHShell:
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = local.with_name(f".{local.name}.part")
 
-        def go(client):
+        def go(client: Any) -> None:
             with client.open_sftp() as sftp:
                 sftp.get(remote, str(tmp))
             tmp.replace(local)
@@ -199,7 +201,7 @@ class SSHShell:
         """Close the connection (the next call reconnects); fault tests call this mid-run."""
         if self._client is not None:
             try:
-                self._client.close()  # type: ignore[attr-defined]
+                self._client.close()
             except Exception:  # noqa: BLE001
                 pass
 
@@ -248,8 +250,8 @@ def private_key_type(text: str) -> str:
                      "write it with `ssh-keygen -t ed25519|rsa|ecdsa`")
 
 
-def load_private_key(text: str):  # -> paramiko.PKey
-    """A paramiko key of the key's actual type (Ed25519, RSA or ECDSA), in OpenSSH or PEM format."""
+def load_private_key(text: str) -> Any:
+    """A `paramiko.PKey` of the key's actual type (Ed25519, RSA or ECDSA), in OpenSSH or PEM format."""
     import paramiko
 
     kind = private_key_type(text)

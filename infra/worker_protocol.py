@@ -37,7 +37,7 @@ PGID = "worker.pgid"
 """Written by whoever starts the wrapper detached: its process group, which teardown kills."""
 DETACHED_PGIDS = "engines/*/host.pgid"
 """Under a machine's workdir: process groups that outlive single jobs (the engine hosts of
-`tasks.engine_host`); a machine's teardown and its watchdog stop them with the jobs."""
+`jex.tasks.capture.engine_host`); a machine's teardown and its watchdog stop them with the jobs."""
 # The records (pydantic) are imported inside the functions: the wrapper starts its child first and
 # a poll pays for them only when it runs (about a second on a loaded machine, against a 1.5 s lease in tests).
 

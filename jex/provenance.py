@@ -11,11 +11,22 @@ import functools
 import platform
 import subprocess
 import sys
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
+
+from pydantic import JsonValue
 
 import jex
+
+ProvenanceBlock = dict[str, JsonValue]
+"""What produced an artifact (JSON): never inside what a cache key hashes."""
+
+
+class GitState(TypedDict):
+    commit: str
+    dirty: bool | None
 
 PACKAGES = ("polars", "pyarrow", "numpy", "torch", "transformers", "prefect", "pydantic",
             "vllm", "triton", "gguf", "accelerate")
@@ -23,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @functools.cache
-def git_commit() -> dict[str, Any]:
+def git_commit() -> GitState:
     """The commit of the jex checkout, and whether tracked files differ from it."""
     try:
         sha = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
@@ -47,16 +58,16 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
-def provenance(*, inputs: dict[str, str] | None = None, settings: dict[str, Any] | None = None,
-               **extra: Any) -> dict[str, Any]:
+def provenance(*, inputs: dict[str, str] | None = None, settings: Mapping[str, JsonValue] | None = None,
+               **extra: JsonValue) -> ProvenanceBlock:
     """A provenance block. `inputs` maps an input's name to its sha256; `extra` adds sections."""
-    block: dict[str, Any] = {
-        "jex": {"version": jex.__version__, **git_commit()},
+    block: ProvenanceBlock = {
+        "jex": {"version": jex.__version__, "commit": git_commit()["commit"], "dirty": git_commit()["dirty"]},
         "python": platform.python_version(),
         "implementation": sys.implementation.name,
-        "packages": package_versions(),
+        "packages": dict(package_versions()),
         "inputs": dict(sorted((inputs or {}).items())),
-        "settings": settings or {},
+        "settings": dict(settings or {}),
     }
     block.update(extra)
     return block

@@ -14,34 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import AliasChoices, BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from jex.engine_spec import EngineSpec
+
 BOOTSTRAP_SEED = 20260929
-"""The one default seed of every bootstrap and permutation draw (scores, gates, experiments)."""
+"""The one default seed of every bootstrap and permutation draw (scores, pre-registered tests, experiments)."""
 BOOTSTRAP_DRAWS = 2000
 """The default number of bootstrap draws."""
-
-
-class EngineDefaults(BaseModel):
-    """Defaults of a campaign's engine (`JEX_ENGINE__*`): every field is a field of the campaign's
-    `EngineSpec` (jex.tasks.capture.engine_pool), which command-line flags and the form override."""
-
-    kind: Literal["hf", "hf-batched", "vllm", "vllm-control"] = Field("hf", description="Engine and profile")
-    profile: Literal["audit", "audit-ngram"] = Field("audit", description="audit-ngram: n-gram speculative decoding")
-    model: str | None = Field(None, description="Model folder, GGUF file or Hub id org/name[@revision]; "
-                                                "None = embedded SmolLM2")
-    device: str = "cpu"
-    batch_size: int = Field(8, ge=0, description="Requests per engine call (0, vLLM only: one call per shard)")
-    max_num_seqs: int = Field(32, ge=1, description="vLLM: sequences per scheduler step")
-    max_num_batched_tokens: int | None = Field(None, ge=16, description="vLLM: tokens per scheduler step; "
-                                                                        "None = vLLM's")
-    dtype: str | None = Field(None, description="Weights dtype; None = the engine's (hf float32, vllm bfloat16)")
-    gpu_memory_utilization: float = Field(0.30, gt=0, le=0.95, description="vLLM: share of GPU memory")
-    kv_cache_memory_gib: float | None = Field(None, gt=0, description="vLLM: KV cache size, fixed instead of "
-                                              "profiled (engines then start together); None = profiled")
-    max_model_len: int | None = Field(None, ge=16, description="vLLM: context limit; None = the model's")
-    cache_dir: str = Field(str(Path.home() / ".cache" / "jex"), description="Converted-model and Hub cache")
 
 
 class StoreSettings(BaseModel):
@@ -96,7 +77,9 @@ class PrefectSettings(BaseModel):
     api_url: str | None = Field(None, description="Prefect API the CLI's flows report to (PREFECT_API_URL "
                                                   "wins); None = a jex server's or Prefect's local API")
     database_url: SecretStr | None = None
-    calibration_cron: str = "0 3 * * *"
+    budget_cron: str = Field("0 3 * * *", validation_alias=AliasChoices("budget_cron", "calibration_cron"),
+                             description="Cron of the scheduled budget projection (`jex calibrate`); "
+                                         "JEX_PREFECT__CALIBRATION_CRON, its older name, is accepted")
     reconcile_every_s: float = Field(900.0, gt=0, description="Interval of the scheduled reconcile")
     host: str = Field("127.0.0.1", description="Address the server binds; anything but loopback needs auth_string")
     port: int = 4200
@@ -110,7 +93,8 @@ class JexSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="JEX_", env_nested_delimiter="__", env_file=".env",
                                       env_file_encoding="utf-8", extra="ignore")
 
-    engine: EngineDefaults = EngineDefaults()
+    engine: EngineSpec = Field(EngineSpec(), description="The campaign's engine defaults (`JEX_ENGINE__*`); "
+                               "the --spec file, flags and the form override them field by field")
     store: StoreSettings = StoreSettings()
     infra: InfraSettings = InfraSettings()
     prefect: PrefectSettings = PrefectSettings()

@@ -16,6 +16,7 @@ import shutil
 import string
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -224,7 +225,8 @@ def mc_rows_from_records(records: Iterable[dict[str, Any]], *, catalog: str, que
                          answer: str, id_col: str | None, file: str,
                          prompt_of: Callable[[dict[str, Any]], str] | None = None) -> list[ImportedRow]:
     """Records with a question, a choices list and an answer into validated rows (unique ids)."""
-    rows, seen = [], {}
+    rows: list[ImportedRow] = []
+    seen: dict[str, int] = {}
     for i, rec in enumerate(records):
         where = Where(file, i)
         options, own_labels = choices_of(rec[choices], where=where.at(choices))
@@ -254,13 +256,14 @@ def import_hf(dataset: str, out: str | Path, *, split: str, question: str, choic
     for col, flag in ((question, "--question"), (choices, "--choices"), (answer, "--answer"), (id_col, "--id")):
         _column(ds, col, flag, dataset)
     cat = _slug(catalog or (Path(dataset).stem if Path(dataset).exists() else dataset.split("/")[-1]))
-    kw = {"catalog": cat, "question": question, "choices": choices, "answer": answer, "id_col": id_col}
-    rows = mc_rows_from_records(ds, file=f"{dataset} [{split}]", **kw)
+    rows_of = partial(mc_rows_from_records, catalog=cat, question=question, choices=choices, answer=answer,
+                      id_col=id_col)
+    rows = rows_of(ds, file=f"{dataset} [{split}]")
     fewshot: list[ImportedRow] = []
     if fewshot_split:
         shots, _ = _load_dataset(dataset, config=config, split=fewshot_split, revision=revision)
         fewshot = [ImportedRow(f"{r.run_id}-shot", r.question_id + "-shot", r.prompt, r.options, r.labels, r.gold,
-                         r.metadata) for r in mc_rows_from_records(shots, file=f"{dataset} [{fewshot_split}]", **kw)]
+                         r.metadata) for r in rows_of(shots, file=f"{dataset} [{fewshot_split}]")]
     src = {"importer": "hf", "split": split, **source, "columns": {"question": question, "choices": choices,
                                                                     "answer": answer, "id": id_col}}
     return write_suite(out, [ImportedCatalog(cat, rows, fewshot)], name=cat, source=src, force=force)
@@ -395,5 +398,5 @@ def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | N
               "yaml_sha256": sha256_file(Path(task)) if Path(task).is_file() else None,
               "data_files": {k: sha256_file(Path(v)) for k, v in (data_files or {}).items()} or None,
               "tasks": settings}
-    name = catalogs[0].name if len(catalogs) == 1 else Path(shown).stem
-    return write_suite(out, catalogs, name=name or "suite", source=source, force=force)
+    suite_name = catalogs[0].name if len(catalogs) == 1 else Path(shown).stem
+    return write_suite(out, catalogs, name=suite_name or "suite", source=source, force=force)

@@ -49,7 +49,8 @@ class OverlayRuleBase:
 
     def fit(self, frame: pl.DataFrame) -> OverlayRuleBase:
         """This rule with its threshold refitted on `frame` (target rows with `gold`); kinds with no
-        fitted parameter return themselves. The gate refits per fold and scores the held-out fold."""
+        fitted parameter return themselves. The overlay lab's pre-registered test refits per fold and
+        scores the held-out fold."""
         return self
 
     def apply(self, frame: pl.DataFrame) -> pl.Series:

@@ -1,5 +1,5 @@
-"""Typed stage summaries: what one stage hands the next, what `_SUCCESS.json` holds, what a machine's
-`jex stage run --args` reads. Small records of paths, sha256s and counters, never frames.
+"""Typed stage summaries: what one stage hands the next, what `_SUCCESS.json` holds. Small records of
+paths, sha256s and counters, never frames. What a stage takes is its inputs record (`tasks/inputs.py`).
 
 Every summary names its stage, its cache key, the sha256 of its main artifact, and (once the stage
 is complete) its folder and the sha256 of every file in it. A summary read back from the store is
@@ -12,7 +12,7 @@ from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jex.tasks.capture.engine_pool import EngineSpec
+from jex.engine.fingerprint import EngineFingerprint
 
 
 class Record(BaseModel):
@@ -76,7 +76,7 @@ class EngineStageSummary(StageSummary, ShardWork):
     reused_shards: list[int] = Field(default_factory=list)
     context_refusals: int = 0
     batch_errors: int = 0
-    engine: dict[str, Any] = Field(description="The engine fingerprint measured where the shards were computed")
+    engine: EngineFingerprint = Field(description="The engine fingerprint measured where the shards were computed")
 
 
 class FastPassSummary(EngineStageSummary):
@@ -111,7 +111,7 @@ class ReasonSummary(EngineStageSummary):
 class GateSummary(StageSummary):
     """The gated rows (the coverage gate's, or the speculative proof's sample of them)."""
 
-    stage: Literal["gate", "spec_proof_gate"] = "gate"
+    stage: Literal["gate", "spec_proof_sample"] = "gate"
     gated: str = Field(description="gated.parquet: the rows that get a rationale")
     rows: int
     coverage: float | None = None
@@ -148,18 +148,6 @@ class ScoreSummary(StageSummary):
     reference: bool = False
 
 
-class EngineStageArgs(Record):
-    """What an engine stage needs wherever it runs: `jex stage run --args args.json` on a machine, a
-    data-parallel worker, or an engine host's request."""
-
-    bundle: BundleSummary
-    engine: EngineSpec
-    store: str
-    shard_rows: int
-    gate: GateSummary | None = Field(None, description="reason only: the rows to reason on")
-    max_tokens: int | None = Field(None, description="reason only: rationale length limit")
-
-
 class StagePlan(Record):
     """Where an engine stage's shards go and how many there are (computed without loading an engine)."""
 
@@ -169,7 +157,7 @@ class StagePlan(Record):
     shards_dir: str
     shards: int
     complete: bool
-    engine: dict[str, Any]
+    engine: EngineFingerprint
 
 
 class CampaignSummaries(Record):
@@ -180,7 +168,7 @@ class CampaignSummaries(Record):
     fast_pass: FastPassSummary | None = None
     gate: GateSummary | None = None
     reason: ReasonSummary | None = None
-    spec_proof_gate: GateSummary | None = None
+    spec_proof_sample: GateSummary | None = None
     spec_proof: ReasonSummary | None = None
     fold: FoldSummary | None = None
     calibrate: CalibrateSummary | None = None

@@ -8,22 +8,25 @@ Copying a store to S3 and back is the infra room's job (`infra/`); the stages on
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import polars as pl
 
 from jex.fileio import atomic_path, sha256_file, write_json
+from jex.provenance import ProvenanceBlock
 from jex.tasks.records import PartialSummary, StageSummary
 
 SUCCESS = "_SUCCESS.json"
+PROVENANCE = "_PROVENANCE.json"
+"""What computed a stage folder (jex commit, package versions, the keyed inputs): beside the artifacts,
+never in a key."""
 
 
 S = TypeVar("S", bound=StageSummary)
@@ -47,14 +50,16 @@ class StageDir:
     def complete(self) -> bool:
         return (self.path / SUCCESS).exists()
 
-    def summary(self) -> dict[str, Any]:
-        """The completion record as written (validate it with the stage's summary type)."""
-        return json.loads((self.path / SUCCESS).read_text())
+    def summary(self) -> str:
+        """The completion record as written (JSON: validate it with the stage's summary type)."""
+        return (self.path / SUCCESS).read_text()
 
-    def finish(self, summary: S) -> S:
-        """Record every file's sha256 and the summary; this marks the stage complete."""
+    def finish(self, summary: S, provenance: ProvenanceBlock | None = None) -> S:
+        """Record the provenance, every file's sha256 and the summary; this marks the stage complete."""
+        if provenance is not None:
+            write_json(self.path / PROVENANCE, provenance)
         files = {p.relative_to(self.path).as_posix(): sha256_file(p) for p in sorted(self.path.rglob("*"))
-                 if p.is_file() and p.name != SUCCESS and not p.name.startswith(".")}
+                 if p.is_file() and p.name not in (SUCCESS, PROVENANCE) and not p.name.startswith(".")}
         done = summary.model_copy(update={"files": files, "folder": str(self.path)})
         write_json(self.path / SUCCESS, done.model_dump(mode="json"))
         return done
@@ -116,50 +121,65 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
     """
     folder.mkdir(parents=True, exist_ok=True)
     n_shards = (len(items) + shard_rows - 1) // shard_rows
-    mine = range(worker, n_shards, workers)
-    todo = iter(mine)
-    computed: list[int] = []
-    reused: list[int] = []
-    seconds, rows = 0.0, 0
-
-    def chunk(i: int) -> Sequence[Any]:
-        return items[i * shard_rows:(i + 1) * shard_rows]
-
-    def progress() -> None:
-        if on_shard:
-            on_shard(len(computed) + len(reused), len(mine))
-
-    def next_to_compute() -> int | None:
-        """The next of this call's shards to compute (claimed with `claim`), reusing those that exist."""
-        for i in todo:
-            if shard_path(folder, i).exists():
-                reused.append(i)
-                progress()
-            elif not claim or _claim(_claim_path(folder, i)):
-                return i
-        return None
-
-    def compute_shard(i: int, value: Any, t0: float) -> None:
-        nonlocal seconds, rows
-        write_parquet(compute(value), shard_path(folder, i))
-        seconds += time.perf_counter() - t0
-        rows += len(chunk(i))
-        computed.append(i)
-        progress()
-
-    current = next_to_compute()
+    run = _ShardRun(items, shard_rows, folder, range(worker, n_shards, workers), claim, on_shard, compute)
+    current = run.next_to_compute()
     if current is not None and prepare is not None:
         prepare()
     if prepare_chunk is None or not prepare_ahead:
         while current is not None:
             t0 = time.perf_counter()
-            compute_shard(current, chunk(current) if prepare_chunk is None else prepare_chunk(chunk(current)), t0)
-            current = next_to_compute()
-        return ShardStats(n_shards, computed, reused, seconds, rows)
+            chunk = run.chunk(current)
+            run.compute_shard(current, chunk if prepare_chunk is None else prepare_chunk(chunk), t0)
+            current = run.next_to_compute()
+    else:
+        given_back = (lambda i: _claim_path(folder, i).unlink(missing_ok=True)) if claim else (lambda i: None)
+        _compute_prepared_ahead(current, run.next_to_compute, lambda i: prepare_chunk(run.chunk(i)),
+                                run.compute_shard, given_back)
+    return ShardStats(n_shards, run.computed, run.reused, run.seconds, run.rows)
 
-    given_back = (lambda i: _claim_path(folder, i).unlink(missing_ok=True)) if claim else (lambda i: None)
-    _compute_prepared_ahead(current, next_to_compute, lambda i: prepare_chunk(chunk(i)), compute_shard, given_back)
-    return ShardStats(n_shards, computed, reused, seconds, rows)
+
+@dataclass
+class _ShardRun:
+    """One `run_sharded` call's shards: which are its own (`mine`), which it reused or computed."""
+
+    items: Sequence[Any]
+    shard_rows: int
+    folder: Path
+    mine: range
+    claim: bool
+    on_shard: Callable[[int, int], None] | None
+    compute: Callable[[Any], pl.DataFrame]
+    computed: list[int] = field(default_factory=list)
+    reused: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    rows: int = 0
+
+    def __post_init__(self) -> None:
+        self.todo = iter(self.mine)
+
+    def chunk(self, i: int) -> Sequence[Any]:
+        return self.items[i * self.shard_rows:(i + 1) * self.shard_rows]
+
+    def progress(self) -> None:
+        if self.on_shard:
+            self.on_shard(len(self.computed) + len(self.reused), len(self.mine))
+
+    def next_to_compute(self) -> int | None:
+        """The next of this call's shards to compute (claimed with `claim`), reusing those that exist."""
+        for i in self.todo:
+            if shard_path(self.folder, i).exists():
+                self.reused.append(i)
+                self.progress()
+            elif not self.claim or _claim(_claim_path(self.folder, i)):
+                return i
+        return None
+
+    def compute_shard(self, i: int, value: Any, t0: float) -> None:
+        write_parquet(self.compute(value), shard_path(self.folder, i))
+        self.seconds += time.perf_counter() - t0
+        self.rows += len(self.chunk(i))
+        self.computed.append(i)
+        self.progress()
 
 
 def _compute_prepared_ahead(first: int | None, next_shard: Callable[[], int | None], prepare: Callable[[int], Any],

@@ -83,3 +83,39 @@ def test_prefect_appears_in_tasks_only_in_the_wrappers():
     users = sorted(str(p.relative_to(ROOT)) for p in sources("tasks") if any(m.split(".")[0] == "prefect"
                                                                              for m in imported(p)))
     assert users == ["tasks/prefect_tasks.py"]
+
+
+PRODUCT = ("core", "cli", *ROOMS)
+
+
+def _functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+
+
+def test_no_function_is_longer_than_60_lines():
+    """Long functions hide what they do; split them (docstrings count, blank lines too)."""
+    long = {f"{p.relative_to(ROOT)}:{f.name}": (f.end_lineno or f.lineno) - f.lineno + 1
+            for room in PRODUCT for p in sources(room) for f in _functions(p)
+            if (f.end_lineno or f.lineno) - f.lineno + 1 > 60}
+    assert not long, f"functions over 60 lines: {long}"
+
+
+def test_no_cache_key_is_computed_from_loose_keywords():
+    """A stage's key comes from its inputs record (`tasks/inputs.py`), never from `**kwargs` that would
+    let an input reach the body but not the key."""
+    loose = {f"{p.relative_to(ROOT)}:{f.name}" for room in PRODUCT for p in sources(room) for f in _functions(p)
+             if "key" in f.name and f.name != "compute_key" and f.args.kwarg is not None}  # Prefect's protocol
+    assert not loose, f"key functions taking **kwargs: {loose}"
+
+
+def test_untyped_dicts_in_signatures_stay_rare():
+    """`dict[str, Any]` in a product function's parameters or return: under 3 per 1,000 lines (typed
+    records cross boundaries instead)."""
+    lines = count = 0
+    for room in PRODUCT:
+        for p in sources(room):
+            lines += len(p.read_text().splitlines())
+            for f in _functions(p):
+                annotations = [a.annotation for a in (*f.args.args, *f.args.kwonlyargs) if a.annotation]
+                count += sum("dict[str, Any]" in ast.unparse(a) for a in [*annotations, *[f.returns] * bool(f.returns)])
+    assert count / lines * 1000 < 3, f"{count} dict[str, Any] in signatures over {lines} lines"

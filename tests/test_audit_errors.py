@@ -8,6 +8,7 @@ import pytest
 from jex.engine.types import EngineDeadError, EngineError
 from jex.tasks.capture.batch_errors import BatchLog, compute_resilient
 from jex.tasks.capture.stages import fast_pass_error_counters, reason_error_counters
+from jex.tasks.documents import ErrorRow
 from jex.tasks.probabilities.fold import ErrorCountersNotZero, error_counters, error_rows, require_zero
 
 
@@ -83,12 +84,12 @@ def test_counters_are_disjoint_and_all_reach_fold_json():
     reason = reason_error_counters(reasoned_frame())
     assert reason == {"context_refusals": 1, "batch_errors": 1, "mechanism_failures": 1}
     errors = error_counters(fast, reason, unmatched=0)
-    assert errors == {"context_refusals": 2, "readout_errors": 1, "unmatched_rows": 0, "key_fallbacks": 1,
+    assert errors.model_dump() == {"context_refusals": 2, "readout_errors": 1, "unmatched_rows": 0, "key_fallbacks": 1,
                       "batch_errors": 2, "mechanism_failures": 1}
     rows = error_rows(capture_frame(), reasoned_frame())
-    assert [r["run_id"] for r in rows["batch_errors"]] == ["bat", "g4"]
-    assert rows["mechanism_failures"] == [{"run_id": "g2", "why": "context: 600 prompt tokens + 1 > 512"}]
-    assert [r["run_id"] for r in rows["key_fallbacks"]] == ["fb"]
+    assert [r.run_id for r in rows["batch_errors"]] == ["bat", "g4"]
+    assert rows["mechanism_failures"] == [ErrorRow(run_id="g2", why="context: 600 prompt tokens + 1 > 512")]
+    assert [r.run_id for r in rows["key_fallbacks"]] == ["fb"]
 
 
 def test_require_zero_names_every_nonzero_counter():
@@ -99,7 +100,7 @@ def test_require_zero_names_every_nonzero_counter():
 
 @pytest.mark.slow
 def test_multi_token_labels_are_read_through_the_fallback_and_counted(tmp_path):
-    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.engine_spec import EngineSpec
     from jex.tasks.capture.stages import bundle_stage, fast_pass_stage
     from jex.tasks.store import LocalStore
     from tests.conftest import row, write_suite

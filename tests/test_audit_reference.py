@@ -9,9 +9,9 @@ import polars as pl
 import pytest
 
 from jex.errors import InputError
-from jex.fileio import read_json
 from jex.tasks.capture.stages import bundle_stage
 from jex.tasks.cpu_stages import score_stage
+from jex.tasks.documents import ScoreDoc, read_doc
 from jex.tasks.lab.parity import capture_readouts
 from jex.tasks.records import FoldSummary, OverlaySummary
 from jex.tasks.scoring.reference_audit import audit_markdown
@@ -55,14 +55,16 @@ def audit(tmp_path, suite, flip=()):
     store = LocalStore(tmp_path / f"store-{len(flip)}")
     bundle = bundle_stage(store, suite=suite, reference=str(write_reference(tmp_path / "ref.jsonl", preds, flip)))
     summary = score_stage(store, bundle=bundle, overlay=overlay, fold=fold, draws=20, seed=1)
-    return summary, read_json(summary.score_json)["reference_audit"]
+    doc = read_doc(ScoreDoc, summary.score_json).reference_audit
+    assert doc is not None
+    return summary, doc
 
 
 def test_a_reference_equal_to_the_runs_own_capture_agrees_fully(tmp_path, suite):
     summary, doc = audit(tmp_path, suite)
     assert summary.reference_agreement == 1.0
     for name in ("fast_pass", "final"):
-        a = doc[name]
+        a = doc.model_dump()[name]
         assert (a["compared"], a["flips"], a["argmax_agreement"], a["max_abs_dp"]) == (2 * N, 0, 1.0, 0.0)
         assert a["catalogs"] == {c: {"compared": N, "agree": N, "argmax_agreement": 1.0} for c in ("a", "b")}
 
@@ -70,7 +72,7 @@ def test_a_reference_equal_to_the_runs_own_capture_agrees_fully(tmp_path, suite)
 def test_planted_flips_are_reported_exactly_with_their_pre_margins(tmp_path, suite):
     planted = ["a1", "a4", "b7"]
     summary, doc = audit(tmp_path, suite, flip=planted)
-    final = doc["final"]
+    final = doc.model_dump()["final"]
     assert [r["run_id"] for r in final["flip_rows"]] == planted and final["flips"] == 3
     assert summary.reference_agreement == (2 * N - 3) / (2 * N)
     assert final["catalogs"]["a"]["agree"] == N - 2 and final["catalogs"]["b"]["agree"] == N - 1
@@ -99,8 +101,9 @@ def test_parity_against_a_stored_capture_needs_no_second_engine(tmp_path):
     from typer.testing import CliRunner
 
     from jex.cli import app
+    from jex.engine_spec import EngineSpec
     from jex.sample_suite import write_sample_suite
-    from jex.tasks.capture.engine_pool import EngineSpec, get_engine
+    from jex.tasks.capture.engine_pool import get_engine
     from jex.tasks.capture.stages import _as_rows, _bundle_rows, fast_pass_stage
     from jex.tasks.lab.parity import parity_with_capture
 

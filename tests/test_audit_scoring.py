@@ -98,7 +98,7 @@ def independent(rows, preds_path, legs, weights, declared_abstain=()):
 def test_mixed_kinds_agree_bit_for_bit_across_both_scorers_and_the_independent_check(tmp_path):
     suite, rows = mixed_suite(tmp_path / "s")
     preds = random_predictions(tmp_path / "p.jsonl", rows)
-    doc = score_files(suite, preds, tmp_path / "out", draws=50)  # raises ScorerDisagreement on any bit
+    doc = score_files(suite, preds, tmp_path / "out", draws=50).model_dump()  # raises ScorerDisagreement on any bit
     full, skills = independent(rows, preds, {"P": 1.0, "Q": 2.0},
                                {"acc": ("P", 1.0), "bri": ("P", 2.0), "ll": ("Q", 1.0), "cal": ("Q", 0.5)})
     assert doc["full"] == full
@@ -133,7 +133,7 @@ def test_chance_baselines_are_the_uniform_guess():
 def test_abstain_is_read_only_where_the_catalog_declares_it(tmp_path):
     suite, rows = mixed_suite(tmp_path / "s", secondary={"acc": ["abstain"]})
     preds = random_predictions(tmp_path / "p.jsonl", rows, missing=(), abstain=("acc0", "acc1", "bri0"))
-    doc = score_files(suite, preds, tmp_path / "out", draws=20)
+    doc = score_files(suite, preds, tmp_path / "out", draws=20).model_dump()
     assert doc["catalogs"]["acc"]["abstained"] == 2 and doc["catalogs"]["acc"]["unsupported"] == 2
     assert doc["catalogs"]["bri"]["abstained"] == 0  # bri does not declare abstain: the flag is ignored
     full, _ = independent(rows, preds, {"P": 1.0, "Q": 2.0},
@@ -212,4 +212,4 @@ def test_an_overlay_sets_abstain_and_the_campaigns_score_reads_it(tmp_path):
     score = read_json(score_stage(store, bundle=bundle, overlay=overlay, fold=fold, draws=20, seed=1).score_json)
     assert score["catalogs"]["acc"]["abstained"] == len(unsure)
     flagged = random_predictions(tmp_path / "flagged.jsonl", rows, missing=(), abstain=tuple(unsure))
-    assert score["full"] == score_files(suite, flagged, tmp_path / "out", draws=20)["full"]
+    assert score["full"] == score_files(suite, flagged, tmp_path / "out", draws=20).full

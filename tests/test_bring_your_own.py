@@ -208,12 +208,13 @@ def offline_hub(tmp_path, monkeypatch, embedded_model_dir):
 
 
 def test_hub_model_fingerprint_records_repo_commit_and_blob_hashes(offline_hub):
-    from jex.tasks.capture.engine_pool import EngineSpec, engine_fingerprint
+    from jex.engine.fingerprint import engine_fingerprint
+    from jex.engine_spec import EngineSpec
 
     fp = engine_fingerprint(EngineSpec(model="jex-test/smol-base"))
-    assert fp["hub"] == {"repo": "jex-test/smol-base", "commit": offline_hub}
+    assert fp.hub is not None and (fp.hub.repo, fp.hub.commit) == ("jex-test/smol-base", offline_hub)
     pinned = engine_fingerprint(EngineSpec(model=f"jex-test/smol-base@{offline_hub}"))
-    assert pinned["weights_sha256"] == fp["weights_sha256"]
+    assert pinned.weights_sha256 == fp.weights_sha256
 
 
 @pytest.mark.slow

@@ -39,7 +39,21 @@ def test_round_trip_keeps_rows_order_and_counts(sample_suite, tmp_path):
     counts = {c["id"]: c["rows"] for c in bundle.catalogs()}
     assert sum(counts.values()) == 360
     assert all(len(m["sha256"]) == 64 for m in bundle.manifest["members"].values())
-    assert bundle.manifest["provenance"]["inputs"]["suite/suite.toml"]
+    assert "provenance" not in bundle.manifest
+
+
+def test_provenance_lies_beside_the_bundle_not_in_its_bytes(sample_suite, tmp_path, monkeypatch):
+    """Another jex commit or library version builds the same bytes; what built it is in the sidecar."""
+    from jex import provenance as prov
+    from jex.tasks.capture.bundle import provenance_sidecar
+
+    first = build_bundle(sample_suite, tmp_path / "a.tar.gz", provenance_out=provenance_sidecar(tmp_path / "a.tar.gz"))
+    monkeypatch.setattr(prov, "git_commit", lambda: {"commit": "0" * 40, "dirty": False})
+    monkeypatch.setattr(prov, "package_versions", lambda: {"polars": "99.0", "torch": "99.0"})
+    second = build_bundle(sample_suite, tmp_path / "b.tar.gz", provenance_out=provenance_sidecar(tmp_path / "b.tar.gz"))
+    assert first.sha256 == second.sha256
+    sidecar = json.loads((tmp_path / "b.provenance.json").read_text())
+    assert sidecar["packages"]["polars"] == "99.0" and sidecar["inputs"]["suite/suite.toml"]
 
 
 def test_default_chance_is_mean_inverse_option_count(tmp_path):

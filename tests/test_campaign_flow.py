@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from jex.engine_spec import EngineSpec
 from jex.sample_suite import write_sample_suite
-from jex.tasks.capture.engine_pool import CALLS, EngineSpec
-from jex.tasks.capture.stages import bundle_stage, fast_pass_stage
+from jex.tasks.capture.engine_pool import CALLS
+from jex.tasks.capture.stages import ShardShare, bundle_stage, fast_pass_stage
+from jex.tasks.inputs import FastPassInputs
 from jex.tasks.store import LocalStore
 
 pytestmark = pytest.mark.slow
@@ -36,8 +38,8 @@ def test_capture_bytes_do_not_depend_on_shard_size_or_workers(tiny_suite, tmp_pa
         store = LocalStore(tmp_path / name)
         bundle = bundle_stage(store, suite=tiny_suite)
         for w in range(workers):  # several workers, each taking every n-th shard, then the merge
-            summary = fast_pass_stage.run(store, bundle=bundle, engine=engine, shard_rows=shard_rows, worker=w,
-                                          workers=workers)
+            summary = fast_pass_stage.run(store, FastPassInputs(bundle=bundle, engine=engine, shard_rows=shard_rows),
+                                          share=ShardShare(worker=w, workers=workers))
         assert summary.rows == 27
         captures.append(Path(summary.capture).read_bytes())
     assert captures[0] == captures[1] == captures[2]
@@ -112,18 +114,18 @@ def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, 
     assert {a.key for a in found} == set(wanted)  # the UI shows the report, the table and the progress
 
 
-def test_calibration_flow_measures_and_projects(harness, tiny_suite, tmp_path):
-    from jex.flows.calibration import CalibrationSpec, calibration
+def test_budget_projection_flow_measures_and_projects(harness, tiny_suite, tmp_path):
+    from jex.flows.budget import BudgetSpec, budget_projection
 
-    spec = CalibrationSpec(campaign=_spec(tiny_suite, tmp_path), coverage=0.5, sample_every=2, target_rows=150_000,
-                           coverages=[0.05, 0.5], price_per_gpu_hour=2.0, budget_hours=1e6, budget_usd=1e9)
-    doc = calibration(spec)
-    m = doc["measured"]
-    assert 0 < m["sample_rows"] < 27 and m["gated"] == round(0.5 * m["sample_rows"] + 1e-9)
-    assert m["fast_s_per_row"] > 0 and m["reason_s_per_row"] > 0
-    table = doc["projection"]["table"]
-    assert table[1]["hours"] > table[0]["hours"] and doc["projection"]["recommended_coverage"] == 0.5
-    assert "Recommended coverage" in next(tmp_path.glob("*-calibration/calibration.md")).read_text()
+    spec = BudgetSpec(campaign=_spec(tiny_suite, tmp_path), coverage=0.5, sample_every=2, target_rows=150_000,
+                      coverages=[0.05, 0.5], price_per_gpu_hour=2.0, budget_hours=1e6, budget_usd=1e9)
+    doc = budget_projection(spec)
+    m = doc.measured
+    assert m.sample_rows is not None and 0 < m.sample_rows < 27 and m.gated == round(0.5 * m.sample_rows + 1e-9)
+    assert m.fast_s_per_row > 0 and m.reason_s_per_row > 0
+    table = doc.projection.table
+    assert table[1].hours > table[0].hours and doc.projection.recommended_coverage == 0.5
+    assert "Recommended coverage" in next(tmp_path.glob("*-budget/budget.md")).read_text()
 
 
 def test_killed_run_resumes_at_the_first_missing_shard(tiny_suite, tmp_path):

@@ -68,6 +68,12 @@ def test_shell_completion_is_offered():
     assert "--install-completion" in output and "--show-completion" in output
 
 
+def test_calibrate_is_the_budget_projection_and_says_so():
+    """`jex calibrate` stays the verb; its help says it projects time and cost (not temperature scaling)."""
+    help_text = " ".join(CliRunner().invoke(app, ["calibrate", "--help"]).output.split())
+    assert "Project a campaign's time and cost per coverage" in help_text and "--budget-usd" in help_text
+
+
 def test_importing_the_cli_imports_no_flow_and_no_prefect():
     """`python -m jex stage run` on a machine: no Prefect, no flows at import time."""
     code = "import sys, jex.cli; print([m for m in sys.modules if m.startswith(('prefect', 'jex.flows'))])"
@@ -122,3 +128,10 @@ def test_a_bad_spec_file_is_named_with_its_field(ran, tmp_path, text, where):
     result = CliRunner().invoke(app, ["run", "--spec", "campaign.toml"])
     assert result.exit_code == 2 and result.stderr.startswith(f"error: {where}"), result.stderr
     assert not ran
+
+
+def test_a_misspelt_engine_key_in_a_spec_file_is_refused_with_the_closest_name(ran, tmp_path):
+    (tmp_path / "campaign.toml").write_text("[engine]\nbatch_sise = 4\n")
+    result = CliRunner().invoke(app, ["run", "--spec", "campaign.toml"])
+    assert result.exit_code == 2 and "field 'engine.batch_sise'" in result.stderr, result.stderr
+    assert "did you mean 'batch_size'?" in result.stderr and not ran

@@ -1,6 +1,6 @@
 """Engine hosts: one engine process per machine slot serves every job; a host that dies is replaced once.
 
-Real components: the HF engine (batch-invariant mode) in a detached `tasks.engine_host` process,
+Real components: the HF engine (batch-invariant mode) in a detached `tasks.capture.engine_host` process,
 reached over its Unix socket by the same client a machine's jobs use.
 """
 
@@ -15,15 +15,9 @@ from pathlib import Path
 import pytest
 
 from jex.fileio import sha256_file
-from jex.tasks.capture.engine_host import (
-    EngineHostDied,
-    HostPolicy,
-    HostRequest,
-    prestart,
-    read_starts,
-    slot_dir,
-    submit,
-)
+from jex.tasks.capture.engine_host import EngineHostDied, HostPolicy, HostRequest, prestart
+from jex.tasks.capture.engine_host.client import submit
+from jex.tasks.capture.engine_host.protocol import read_starts, slot_dir
 
 
 @pytest.fixture
@@ -46,14 +40,14 @@ def suite_dir(tmp_path_factory):
 
 
 def _fast_pass_request(suite: Path, store: Path) -> HostRequest:
-    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.engine_spec import EngineSpec
     from jex.tasks.capture.stages import bundle_stage
-    from jex.tasks.records import EngineStageArgs
+    from jex.tasks.inputs import EngineJob, FastPassInputs
     from jex.tasks.store import LocalStore
 
     bundle = bundle_stage(LocalStore(store), suite=suite)
-    return HostRequest(job="fast_pass", args=EngineStageArgs(bundle=bundle, engine=EngineSpec(), store=str(store),
-                                                             shard_rows=1))
+    return HostRequest(job="fast_pass", engine_job=EngineJob(inputs=FastPassInputs(bundle=bundle, engine=EngineSpec(),
+                                                                                   shard_rows=1), store=str(store)))
 
 
 def _kill_host_after_its_first_shard(home: Path, store: Path) -> int:
@@ -68,7 +62,7 @@ def _kill_host_after_its_first_shard(home: Path, store: Path) -> int:
 
 @pytest.mark.slow
 def test_a_host_that_dies_mid_job_is_replaced_once_and_the_capture_is_unchanged(engine_home, suite_dir, tmp_path):
-    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.engine_spec import EngineSpec
     from jex.tasks.capture.stages import bundle_stage, fast_pass_stage
     from jex.tasks.store import LocalStore
 
@@ -130,7 +124,7 @@ def test_a_host_that_stops_making_progress_is_stopped_and_replaced(engine_home, 
 
 @pytest.mark.slow
 def test_prestarted_hosts_have_their_engines_up_before_the_first_request(engine_home, suite_dir, tmp_path):
-    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.engine_spec import EngineSpec
 
     prestart(engine_home, EngineSpec(), [0, 1])
     deadline = time.monotonic() + 300
@@ -149,12 +143,14 @@ def test_a_retired_host_refuses_new_clients_at_once(tmp_path):
     import queue
     from multiprocessing.connection import Listener
 
-    from jex.tasks.capture.engine_host import EngineHost, _address, _authkey, _connect
+    from jex.tasks.capture.engine_host.client import _connect
+    from jex.tasks.capture.engine_host.protocol import address, authkey
+    from jex.tasks.capture.engine_host.server import EngineHost
 
     home = tmp_path / "engines"
     home.mkdir()
-    host, key = EngineHost(home, 0), _authkey(home)
-    listener = Listener(_address(home, 0), family="AF_UNIX", authkey=key)
+    host, key = EngineHost(home, 0), authkey(home)
+    listener = Listener(address(home, 0), family="AF_UNIX", authkey=key)
     pending: queue.Queue = queue.Queue()
     acceptor = threading.Thread(target=host._accept, args=(listener, pending), daemon=True)
     acceptor.start()
@@ -166,20 +162,22 @@ def test_a_retired_host_refuses_new_clients_at_once(tmp_path):
 
 @pytest.mark.slow
 def test_a_host_whose_engine_fails_at_launch_exits_and_the_job_reports_the_error(engine_home, suite_dir, tmp_path):
-    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.engine_spec import EngineSpec
 
     broken = EngineSpec(model=str(tmp_path / "no-such-model"))
     prestart(engine_home, broken, [0])
     launched = int((slot_dir(engine_home, 0) / "host.pgid").read_text())
     request = _fast_pass_request(suite_dir, tmp_path / "store")
-    request = request.model_copy(update={"args": request.args.model_copy(update={"engine": broken})})
+    job = request.engine_job
+    request = request.model_copy(update={"engine_job": job.model_copy(update={
+        "inputs": job.inputs.model_copy(update={"engine": broken, "engine_fp": job.inputs.fingerprint()})})})
     reply = submit(engine_home, 0, request)
     assert not reply.ok and "no-such-model" in reply.error and reply.host_pid != launched
     assert read_starts(engine_home) == []
 
 
 def test_only_an_engine_that_profiles_the_gpu_s_memory_starts_alone():
-    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.engine_spec import EngineSpec
 
     assert EngineSpec(kind="vllm").starts_alone()
     assert not EngineSpec(kind="vllm", kv_cache_memory_gib=8).starts_alone()
@@ -204,19 +202,19 @@ def test_the_first_machine_s_compile_cache_is_restored_on_the_next_machine_of_th
     import sys
     import tarfile
 
+    from jex.engine_spec import EngineSpec
     from jex.flows.fleet import GpuFleet, MachinesSpec, compile_cache_path
     from jex.settings import load_settings
-    from jex.tasks.capture.engine_pool import EngineSpec
     from jex.tasks.capture.stages import bundle_stage
-    from jex.tasks.records import EngineStageArgs
+    from jex.tasks.inputs import EngineJob, FastPassInputs
     from jex.tasks.store import LocalStore
 
     for k, v in {"JEX_INFRA__STATE_DIR": str(tmp_path / "infra"), "JEX_INFRA__POLL_S": "0.3",
                  "JEX_INFRA__WORKER_PYTHON": sys.executable}.items():
         monkeypatch.setenv(k, v)
     store = LocalStore(tmp_path / "store")
-    args = EngineStageArgs(bundle=bundle_stage(store, suite=suite_dir), engine=EngineSpec(), store=str(store.root),
-                           shard_rows=12)
+    job = EngineJob(inputs=FastPassInputs(bundle=bundle_stage(store, suite=suite_dir), engine=EngineSpec(),
+                                          shard_rows=12), store=str(store.root))
     spec = MachinesSpec(provider="local", golden_rows=4)
 
     def compile_on_first_poll(session, job, polls) -> None:
@@ -228,18 +226,18 @@ def test_the_first_machine_s_compile_cache_is_restored_on_the_next_machine_of_th
 
     with GpuFleet(spec, campaign="first", store=str(store.root), settings=load_settings(), echo=lambda s: None,
                   on_poll=compile_on_first_poll) as first:
-        first.run_stage("fast_pass", args)
-    cached = compile_cache_path(store, args.engine, first.report()["machines"][0]["provenance"])
+        first.run_stage(job)
+    cached = compile_cache_path(store, job.inputs.engine, first.report().machines[0].provenance)
     with tarfile.open(cached) as tar:
         assert tar.getnames() == ["torch_compile_cache/g/graph.bin", ".jex-cache-root"]
     shutil.rmtree(store.root / "fast_pass")  # the next campaign must rent a machine again
     with GpuFleet(spec, campaign="second", store=str(store.root), settings=load_settings(),
                   echo=lambda s: None) as second:
-        second.run_stage("fast_pass", args)
-    (machine,) = second.report()["machines"]
-    assert [r["compile_cache"] for r in machine["engine_start_records"]] == ["restored"]
-    golden = [j for j in machine["jobs"] if j["job"] == "golden"][0]
-    assert "compile-cache.tar.gz" not in {a["path"] for a in golden["artifacts"]}, "asked only of the first machine"
+        second.run_stage(job)
+    (machine,) = second.report().machines
+    assert [r.compile_cache for r in machine.engine_start_records] == ["restored"]
+    golden = [j for j in machine.jobs if j.job == "golden"][0]
+    assert "compile-cache.tar.gz" not in {a.path for a in golden.artifacts}, "asked only of the first machine"
 
 
 def test_a_restored_compile_cache_names_its_artifacts_under_its_new_folder(tmp_path):
@@ -247,7 +245,7 @@ def test_a_restored_compile_cache_names_its_artifacts_under_its_new_folder(tmp_p
     that machine's, or the engine start fails looking for the first machine's files."""
     import ast
 
-    from jex.tasks.capture.engine_host import (
+    from jex.engine.compile_cache import (
         COMPILE_CACHE,
         bring_compile_cache,
         pack_compile_cache,
@@ -270,7 +268,7 @@ def test_a_restored_compile_cache_names_its_artifacts_under_its_new_folder(tmp_p
 
 
 def test_a_machine_s_later_slots_start_from_the_cache_its_first_slot_compiled(tmp_path):
-    from jex.tasks.capture.engine_host import cache_dir, pack_compile_cache, restore_compile_cache
+    from jex.engine.compile_cache import cache_dir, pack_compile_cache, restore_compile_cache
 
     home = tmp_path / "engines"
     graph = cache_dir(home, 0) / "torch_compile_cache" / "g" / "graph.bin"
@@ -302,3 +300,25 @@ def test_engine_hosts_share_shards_by_claims_and_take_over_the_claim_of_a_dead_p
     assert stats.computed == [0, 2, 3]
     assert sorted(p.name for p in folder.glob("shard-*.parquet")) == ["shard-00000.parquet", "shard-00002.parquet",
                                                                         "shard-00003.parquet"]
+
+
+def test_the_fleet_hands_its_jobs_one_host_options_record_the_stage_command_validates():
+    """Every setting of the hosts travels as one `HostOptions` (`jex stage --host-options FILE`), not as
+    flags or environment variables; a misspelt key or a device list of the wrong length is refused."""
+    import pydantic
+
+    from jex.engine_spec import EngineSpec
+    from jex.flows.fleet import MachinesSpec
+    from jex.tasks.capture.engine_host import HostOptions
+
+    spec = MachinesSpec(provider="local", gpus_per_machine=2, engines_per_gpu=2, engine_hosts=False, host_stall_s=90)
+    options = spec.host_options("/work", EngineSpec(device="cuda"))
+    assert HostOptions.model_validate_json(options.model_dump_json()) == options
+    assert (options.home, options.slots, options.devices, options.max_requests, options.stall_s) == (
+        "/work/engines", 4, ["0", "0", "1", "1"], 1, 90.0)
+    assert options.first_slots(1).devices == ["0"]
+    assert MachinesSpec(provider="local").host_options("/w", EngineSpec()).devices is None
+    with pytest.raises(pydantic.ValidationError, match="one per slot"):
+        HostOptions(home="h", slots=2, devices=["0"])
+    with pytest.raises(pydantic.ValidationError):
+        HostOptions.model_validate({"home": "h", "stall": 3})

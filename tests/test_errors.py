@@ -32,7 +32,7 @@ def test_infra_flow_and_server_errors_share_the_one_root():
 
 
 @pytest.mark.parametrize("argv", [
-    ["stage", "run", "fast_pass", "--args", "/nonexistent/args.json"],
+    ["stage", "run", "--args", "/nonexistent/args.json"],
     ["overlays", "mine", "/nonexistent/run", "-o", "{tmp}/out"],
     ["calibrate", "--coverage", "5"],
     ["bundle", "build", "/nonexistent/suite", "-o", "{tmp}/b.tar.gz"],
@@ -48,6 +48,6 @@ def test_a_user_error_prints_one_line_and_no_traceback(argv, tmp_path):
 
 def test_jex_traceback_shows_the_traceback_when_asked(tmp_path):
     env = {**os.environ, "JEX_TRACEBACK": "1"}
-    p = subprocess.run([JEX, "stage", "run", "fast_pass", "--args", "/nonexistent/args.json"], capture_output=True,
+    p = subprocess.run([JEX, "stage", "run", "--args", "/nonexistent/args.json"], capture_output=True,
                        text=True, env=env, cwd=tmp_path, timeout=120)
     assert p.returncode == 1 and "Traceback" in p.stderr

@@ -1,4 +1,5 @@
-"""Experiments: arms files, paired statistics, the gate, the ledger, sweeps, panels, and one end-to-end run.
+"""Experiments: arms files, paired statistics, the pre-registered test, the ledger, sweeps, panels, and one
+end-to-end run.
 
 Most tests are fast: statistics on suites made in the test, checked against plain loops. One module
 fixture runs a whole experiment (render arm, system-prompt arm, placebo, twin, fold-weight sweep) on
@@ -62,7 +63,7 @@ grid = [0.25, 1.0]
 def test_a_good_arms_file_parses_into_arms_and_sweep_points():
     arms = parse_arms(GOOD)
     assert [a.name for a in arms.arms] == ["system", "reworded", "twin", "fw"]
-    assert arms.gate.placebo == "reworded"
+    assert arms.test.placebo == "reworded"
     assert [n for n, _ in arms.arm("fw").points()] == ["fw@0.25", "fw@1.0"]
     assert arms.arm("fw").points()[1][1].campaign == {"fold_weight": 1.0}
 
@@ -115,7 +116,7 @@ def test_a_derived_arm_with_a_bad_campaign_value_names_the_arm(tmp_path):
 def test_the_default_render_fingerprint_is_unchanged_by_the_option_order_field():
     import hashlib
 
-    from jex.engine.render import RenderSpec
+    from jex.engine_spec import RenderSpec
 
     doc = RenderSpec().model_dump(mode="json")
     del doc["option_order_seed"]
@@ -124,8 +125,9 @@ def test_the_default_render_fingerprint_is_unchanged_by_the_option_order_field()
 
 
 def test_shuffled_options_are_shown_in_a_seeded_order_and_restored():
-    from jex.engine.render import RenderSpec, option_order
+    from jex.engine.render import option_order
     from jex.engine.types import Readout, ReadoutMode
+    from jex.engine_spec import RenderSpec
     from jex.tasks.capture.engine_calls import _restored, _shown, as_row
 
     spec = RenderSpec(option_order_seed=7)
@@ -251,7 +253,7 @@ def test_the_permutation_p_agrees_with_swapping_predictions_question_by_question
 
 def test_a_planted_arm_that_hides_the_options_is_a_no_go_with_a_ci_below_zero(small_suite):
     """Hiding the options leaves a model the first label only: planted as 'always label 0'."""
-    from jex.tasks.lab.arms import ExperimentGateSettings
+    from jex.tasks.lab.arms import ExperimentTestSettings
     from jex.tasks.lab.experiment_report import verdict
 
     base = _preds(small_suite, p_right=0.9, seed=1)
@@ -259,13 +261,13 @@ def test_a_planted_arm_that_hides_the_options_is_a_no_go_with_a_ci_below_zero(sm
     placebo = _preds(small_suite, p_right=0.9, seed=1)
     _, stats = paired_arms(small_suite.rows, small_suite.spec, base, {"hidden": planted, "placebo": placebo},
                            draws=500, seed=20260929, permutations=500)
-    v, checks = verdict(stats["hidden"], versus(stats["hidden"], stats["placebo"]), ExperimentGateSettings())
+    v, checks = verdict(stats["hidden"], versus(stats["hidden"], stats["placebo"]), ExperimentTestSettings())
     assert v == "NO-GO" and stats["hidden"].metric.ci[1] < 0 and stats["hidden"].p < 0.01
     assert not checks["ci_above_min_effect"] and not checks["above_placebo"]
 
 
-def test_the_gate_says_go_only_above_zero_and_above_the_placebo(small_suite):
-    from jex.tasks.lab.arms import ExperimentGateSettings
+def test_the_preregistered_test_says_go_only_above_zero_and_above_the_placebo(small_suite):
+    from jex.tasks.lab.arms import ExperimentTestSettings
     from jex.tasks.lab.experiment_report import verdict
 
     base = _preds(small_suite, p_right=0.3, seed=1)
@@ -274,12 +276,12 @@ def test_the_gate_says_go_only_above_zero_and_above_the_placebo(small_suite):
     _, stats = paired_arms(small_suite.rows, small_suite.spec, base,
                            {"arm": better, "p0": placebo_same, "p1": placebo_also_better}, draws=500, seed=1,
                            permutations=500)
-    gate = ExperimentGateSettings(catalog_tolerance=100.0)
-    assert verdict(stats["arm"], versus(stats["arm"], stats["p0"]), gate)[0] == "GO"
-    v, checks = verdict(stats["arm"], versus(stats["arm"], stats["p1"]), gate)
+    settings = ExperimentTestSettings(catalog_tolerance=100.0)
+    assert verdict(stats["arm"], versus(stats["arm"], stats["p0"]), settings)[0] == "GO"
+    v, checks = verdict(stats["arm"], versus(stats["arm"], stats["p1"]), settings)
     assert v == "NO-GO" and checks == {"ci_above_min_effect": True, "p_below_alpha": True, "above_placebo": False,
                                        "no_catalog_degrades": True}
-    strict = ExperimentGateSettings(min_effect=1000.0)
+    strict = ExperimentTestSettings(min_effect=1000.0)
     assert verdict(stats["arm"], versus(stats["arm"], stats["p0"]), strict)[0] == "NO-GO"
 
 
@@ -318,23 +320,23 @@ def test_the_panel_share_is_the_catalogs_weight_in_the_full_index(sample_suite, 
         panel_share(spec, ["nope"])
 
 
-# ---------------------------------------------------------------- gate registration and ledger
+# ---------------------------------------------------------------- test registration and ledger
 
-def test_the_gate_is_registered_once_and_a_changed_gate_is_refused(tmp_path):
-    from jex.tasks.lab.experiment_report import register_experiment_gate
+def test_the_preregistered_test_is_registered_once_and_a_changed_one_is_refused(tmp_path):
+    from jex.tasks.lab.experiment_report import register_experiment_test
 
-    sha = register_experiment_gate(parse_arms(GOOD), tmp_path)
-    assert sha == register_experiment_gate(parse_arms(GOOD), tmp_path) and len(sha) == 64
+    sha = register_experiment_test(parse_arms(GOOD), tmp_path)
+    assert sha == register_experiment_test(parse_arms(GOOD), tmp_path) and len(sha) == 64
     assert json.loads((tmp_path / "gate-settings.json").read_text())["gate"]["placebo"] == "reworded"
     with pytest.raises(InputError, match="other gate settings"):
         changed = GOOD.replace('placebo = "reworded"', 'placebo = "reworded"\nalpha = 0.01', 1)
-        register_experiment_gate(parse_arms(changed), tmp_path)
+        register_experiment_test(parse_arms(changed), tmp_path)
 
 
-def _doc(gate_sha: str, verdicts: dict[str, str]) -> dict:
+def _doc(test_sha: str, verdicts: dict[str, str]) -> dict:
     arms = {n: {"kind": "arm", "verdict": v, "delta": -1.5, "ci": [-2.0, -1.0], "p": 0.01, "placebo_delta": 0.2,
                 "vs_placebo": {"delta": -1.7, "ci": [-2.5, -0.9]}} for n, v in verdicts.items()}
-    return {"name": "e", "gate": {"settings_sha256": gate_sha, "metric": "full", "placebo": "reworded"}, "arms": arms}
+    return {"name": "e", "gate": {"settings_sha256": test_sha, "metric": "full", "placebo": "reworded"}, "arms": arms}
 
 
 def test_the_ledger_is_appended_never_rewritten_and_printed_by_the_cli(tmp_path):
@@ -347,7 +349,7 @@ def test_the_ledger_is_appended_never_rewritten_and_printed_by_the_cli(tmp_path)
     assert append_ledger(path, _doc("a" * 64, {"x": "NO-GO", "p": "placebo"}), {"x": "a larger model"},
                          date="2026-12-01T00:00:00Z") == 1
     first = path.read_bytes()
-    assert append_ledger(path, _doc("a" * 64, {"x": "NO-GO"}), {}) == 0  # already decided under this gate
+    assert append_ledger(path, _doc("a" * 64, {"x": "NO-GO"}), {}) == 0  # already decided under this test
     assert append_ledger(path, _doc("b" * 64, {"x": "GO"}), {}, date="2026-12-02T00:00:00Z") == 1
     assert path.read_bytes().startswith(first)
     entries = read_ledger(path)

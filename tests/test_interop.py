@@ -56,7 +56,7 @@ def lm_task(tmp_path_factory) -> Path:
 def lm_run(lm_task, tmp_path_factory) -> Path:
     """`lm_eval run --log_samples` with the HF backend on the embedded model, converted to a local folder."""
     from jex.engine.models import resolve_model
-    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.engine_spec import EngineSpec
 
     model = resolve_model(None, Path(EngineSpec().cache_dir)).path
     out = tmp_path_factory.mktemp("lm-out")

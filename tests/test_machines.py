@@ -44,7 +44,7 @@ def shell_job(name: str, script: str, dest: Path, artifacts=("*.bin",)) -> Remot
 
 
 def assert_no_machine_and_nothing_lost(provider, campaign, s3, outcome, written: set[str]):
-    assert provider.list(campaign) == [], "a machine was left running"
+    assert provider.list_machines(campaign) == [], "a machine was left running"
     in_s3 = set()
     for art in outcome.artifacts:
         assert s3.head(art.s3_key) == ObjectHead(sha256=art.sha256, bytes=art.bytes)
@@ -58,14 +58,14 @@ def assert_no_machine_and_nothing_lost(provider, campaign, s3, outcome, written:
 
 def _exercise(provider):
     a, b = provider.create("camp-a", "gpu"), provider.create("camp-b", "gpu")
-    assert {m.id for m in provider.list("camp-a")} == {a.id}
-    assert {a.id, b.id} <= {m.id for m in provider.list()}
+    assert {m.id for m in provider.list_machines("camp-a")} == {a.id}
+    assert {a.id, b.id} <= {m.id for m in provider.list_machines()}
     assert provider.describe(a.id).campaign == "camp-a"
     provider.delete(a.id)
     provider.delete(a.id)  # idempotent
-    assert provider.describe(a.id) is None and [m.id for m in provider.list("camp-a")] == []
+    assert provider.describe(a.id) is None and [m.id for m in provider.list_machines("camp-a")] == []
     provider.delete(b.id)
-    assert provider.list("camp-b") == []
+    assert provider.list_machines("camp-b") == []
 
 
 def test_local_provider_creates_lists_by_campaign_and_deletes_idempotently(tmp_path):
@@ -79,7 +79,7 @@ def test_ssh_provider_creates_lists_by_campaign_and_deletes_idempotently(sshd, t
 def test_command_provider_drives_a_cli_through_templates(tmp_path):
     cli = f"{sys.executable} -m jex.infra.providers --state {tmp_path / 'machines'}"
     _exercise(CommandProvider(CommandTemplates(create=f"{cli} create --campaign {{campaign}} --label {{label}}",
-                                               describe=f"{cli} describe {{id}}", list=f"{cli} list",
+                                               describe=f"{cli} describe {{id}}", list_machines=f"{cli} list",
                                                delete=f"{cli} delete {{id}}")))
 
 
@@ -193,7 +193,7 @@ def test_marker_naming_missing_artifacts_reports_them_lost(sshd, tmp_path, s3_bu
 
     def lose_a_file_after_the_marker(s, job, poll):  # SUCCESS.json lists it; the disk no longer has it
         rd = s.run_dir(job)
-        s.shell.run(f"while [ ! -f {rd}/SUCCESS.json ]; do sleep 0.1; done; rm {rd}/gone.bin")
+        s.started.shell.run(f"while [ ! -f {rd}/SUCCESS.json ]; do sleep 0.1; done; rm {rd}/gone.bin")
 
     session.on_poll = lose_a_file_after_the_marker
     with pytest.raises(JobFailed) as err, session:
@@ -245,8 +245,8 @@ def test_heartbeat_loss_tears_the_machine_down_after_the_timeout(sshd, tmp_path,
 
     def freeze(s, job, poll):  # the machine hangs: every process of the job stops
         if poll == 3:
-            pgid = s.shell.run(f"cat {s.run_dir(job)}/worker.pgid").stdout.strip()
-            s.shell.run(f"kill -STOP -- -{pgid}")
+            pgid = s.started.shell.run(f"cat {s.run_dir(job)}/worker.pgid").stdout.strip()
+            s.started.shell.run(f"kill -STOP -- -{pgid}")
 
     session.on_poll = freeze
     with pytest.raises(JobFailed) as err, session:
@@ -266,9 +266,9 @@ def test_budget_tears_down_running_machines_and_refuses_new_ones(tmp_path, s3_bu
     assert_no_machine_and_nothing_lost(provider, "c1", s3_bucket, outcome, {"s.bin"})
     with pytest.raises(BudgetExceeded):
         session_for(provider, tmp_path, s3_bucket, price_per_hour=36_000.0, budget_usd=20.0).start()
-    assert provider.list() == []
-    ledger = Ledger(tmp_path / "state" / "ledger.json").report("c1")
-    assert len(ledger["machines"]) == 1 and ledger["total_usd"] >= 20.0
+    assert provider.list_machines() == []
+    ledger = Ledger(tmp_path / "state" / "ledger.json").usage("c1")
+    assert len(ledger.machines) == 1 and ledger.total_usd >= 20.0
 
 
 _ORCHESTRATOR = """
@@ -299,14 +299,14 @@ def test_orchestrator_killed_mid_run_then_reconcile_collects_and_deletes(sshd, t
     proc.wait()
     provider = ssh_provider(sshd, tmp_path / "remote")
     orphan = provider.create(None, "stray")  # a machine nobody claims
-    assert len(provider.list("c1")) == 1
+    assert len(provider.list_machines("c1")) == 1
     report = reconcile(provider, Ledger(tmp_path / "state" / "ledger.json"), policy=Policy(**FAST), s3=s3_bucket)
     by_id = {m["machine"]: m for m in report["machines"]}
     assert by_id[orphan.id]["action"] == "orphan"
     collected = next(m for m in report["machines"] if m["campaign"] == "c1")
     assert collected["jobs"] == [{"job": "j", "status": "success", "artifacts": 1, "lost": []}]
     assert (tmp_path / "got" / "r.bin").read_text() == "result\n"
-    assert provider.list() == [] and report["errors"] == []
+    assert provider.list_machines() == [] and report["errors"] == []
 
 
 # -- the campaign through the lifecycle -----------------------------------------------------------------
@@ -347,7 +347,7 @@ def test_jex_run_over_ssh_runs_the_gpu_stages_through_the_full_lifecycle(sshd, t
     report = (run_dir / "report.md").read_text()
     assert "## Machines" in report and m["machine"]["id"] in report
     assert SSHProvider(str(tmp_path / "remote"), ["127.0.0.1"], port=sshd["port"], key_path=sshd["key_path"],
-                       known_hosts=sshd["known_hosts"]).list() == []
+                       known_hosts=sshd["known_hosts"]).list_machines() == []
     keys = {o["Key"] for o in s3_bucket.client.list_objects_v2(Bucket=s3_bucket.bucket)["Contents"]}
     shards = [j for j in m["jobs"] if j["job"] == "fast_pass"][0]["artifacts"]
     assert len(shards) == 4 and all(a["s3_key"] in keys for a in shards)
@@ -360,23 +360,24 @@ def test_jex_run_over_ssh_runs_the_gpu_stages_through_the_full_lifecycle(sshd, t
 def test_golden_replay_mismatch_stops_the_machine_before_its_shards(tmp_path, monkeypatch):
     import polars as pl
 
+    from jex.engine_spec import EngineSpec
     from jex.flows.fleet import GoldenMismatch, GpuFleet, MachinesSpec
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
-    from jex.tasks.capture.engine_pool import EngineSpec
     from jex.tasks.capture.golden import reference_path
     from jex.tasks.capture.stages import bundle_stage
-    from jex.tasks.records import EngineStageArgs
+    from jex.tasks.documents import GoldenVerdict
+    from jex.tasks.inputs import EngineJob, FastPassInputs
     from jex.tasks.store import LocalStore, write_parquet
 
     for k, v in _env(tmp_path).items():
         monkeypatch.setenv(k, v)
     store = LocalStore(tmp_path / "store")
     bundle = bundle_stage(store, suite=write_sample_suite(tmp_path / "suite", rows=18, seed=1))
-    args = EngineStageArgs(bundle=bundle, engine=EngineSpec(), store=str(store.root), shard_rows=9)
+    job = EngineJob(inputs=FastPassInputs(bundle=bundle, engine=EngineSpec(), shard_rows=9), store=str(store.root))
     spec = MachinesSpec(provider="local", golden_rows=6)
     with GpuFleet(spec, campaign="g", store=str(store.root), settings=load_settings(), echo=lambda s: None) as fleet:
-        fleet.run_stage("fast_pass", args)  # the first machine establishes the reference
+        fleet.run_stage(job)  # the first machine establishes the reference
     ref_file = reference_path(store, bundle, fleet.engine_fp, 6)
     ref = pl.read_parquet(ref_file)
     write_parquet(ref.with_columns(pl.col("logprobs").list.eval(pl.element() + 0.01)), ref_file)  # a drifted machine
@@ -384,9 +385,11 @@ def test_golden_replay_mismatch_stops_the_machine_before_its_shards(tmp_path, mo
         f.unlink()
     second = GpuFleet(spec, campaign="g2", store=str(store.root), settings=load_settings(), echo=lambda s: None)
     with pytest.raises(GoldenMismatch, match="worst rows") as err, second:
-        second.run_stage("fast_pass", args)
-    assert err.value.verdict["max_abs_dp"] > 1e-4 and len(err.value.verdict["worst"]) == 5
-    assert second.provider.list() == []
+        second.run_stage(job)
+    verdict = err.value.verdict
+    assert isinstance(verdict, GoldenVerdict) and verdict.max_abs_dp > 1e-4 and len(verdict.worst) == 5
+    assert second.report().golden == [verdict]  # machines.json lists it
+    assert second.provider.list_machines() == []
     assert [j.job for j in second.sessions[0].outcomes] == ["golden"]  # no shard job was started
     assert not list((tmp_path / "store" / "fast_pass").rglob("shard-*.parquet"))
 
@@ -398,6 +401,6 @@ def test_jex_infra_reconcile_deletes_orphans_from_the_command_line(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"{orphan.id} (no campaign): orphan" in out.stdout
-    assert LocalProvider(state / "machines").list() == []
+    assert LocalProvider(state / "machines").list_machines() == []
     ledger = Ledger(state / "ledger.json").get(orphan.id)
     assert ledger.end_reason == "reconcile: orphan" and ledger.deleted_at is not None

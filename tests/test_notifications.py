@@ -11,6 +11,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from jex.flows.reconcile import failure_notice
+from jex.infra.records import ReconciledMachine, ReconcileReport
 
 
 class Hook:
@@ -44,7 +45,8 @@ def test_the_notice_names_the_campaign_the_failed_stage_and_the_run_folder(tmp_p
     run_dir.mkdir(parents=True)
     (run_dir / "stages.json").write_text(json.dumps({"bundle": {}, "fast_pass": {}}))
     subject, body = failure_notice({"spec": spec.model_dump(mode="json")}, "Failed", "boom", "tidy-otter",
-                                   {"machines": [{}, {}], "errors": []})
+                                   ReconcileReport(machines=[ReconciledMachine(machine=m, campaign="nightly",
+                                                                               action="orphan") for m in "ab"]))
     assert subject == "jex: campaign nightly failed at stage gate"
     assert f"run folder: {run_dir.resolve()}" in body and "machines reconciled: 2" in body and "boom" in body
 

@@ -1,4 +1,4 @@
-"""Overlay rules on hand-computed cases; the gate, the ladder, no-degrade and reversibility."""
+"""Overlay rules on hand-computed cases; the pre-registered test, the ladder, no-degrade and reversibility."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from jex.overlays.apply import NoDegradeViolation, apply_overlays, no_degrade_ch
 from jex.overlays.rules import isotonic_apply, isotonic_fit
 from jex.tasks.lab.overlay_lab import (
     Capture,
-    OverlayGateSettings,
+    OverlayTestSettings,
     disclosure,
     ladder,
     mine,
-    overlay_gate,
-    overlay_gate_rule,
+    overlay_test,
+    overlay_test_rule,
 )
 from jex.tasks.scoring.inputs import CatalogSpec, ScoreSpec
 
@@ -140,16 +140,16 @@ def _rule(**kw):
                                   "label_index": 3, "tau": -3.0, **kw})
 
 
-def test_gate_passes_the_positional_rule_and_registers_settings_first(capture, tmp_path):
-    doc = overlay_gate(capture, [_rule()], OverlayGateSettings(draws=300, permutations=99), tmp_path)
+def test_the_preregistered_test_passes_the_positional_rule_and_registers_settings_first(capture, tmp_path):
+    doc = overlay_test(capture, [_rule()], OverlayTestSettings(draws=300, permutations=99), tmp_path)
     r = doc["results"][0]
     assert r["passed"] and r["ci_full"][0] > 0 and r["permutation_p"] < 0.05
     assert (tmp_path / "gate-settings.json").exists() and len(doc["settings_sha256"]) == 64
 
 
-def test_planted_harmful_rule_fails_the_gate(capture, tmp_path):
+def test_planted_harmful_rule_fails_the_preregistered_test(capture, tmp_path):
     harmful = _rule(id="H", label_index=0, tau=-6.0)  # emit option 0 nearly always: gold is at 3
-    r = overlay_gate(capture, [harmful], OverlayGateSettings(draws=300, permutations=99), tmp_path)["results"][0]
+    r = overlay_test(capture, [harmful], OverlayTestSettings(draws=300, permutations=99), tmp_path)["results"][0]
     assert not r["passed"] and not r["in_sample"]["checks"]["ci_above_zero"] and r["in_sample"]["gain_full"] < 0
 
 
@@ -163,7 +163,7 @@ class LeakyPositional(PositionalThreshold):
 def test_planted_rule_touching_a_second_catalog_fails_no_degrade(capture, tmp_path):
     leaky = LeakyPositional(id="L", target="pos", projection_class="positional-construction-reuse", label_index=3,
                             tau=-3.0)
-    r = overlay_gate(capture, [leaky], OverlayGateSettings(draws=100, permutations=19), tmp_path)["results"][0]
+    r = overlay_test(capture, [leaky], OverlayTestSettings(draws=100, permutations=19), tmp_path)["results"][0]
     assert not r["passed"] and "catalog 'other'" in r["no_degrade_error"]
     with pytest.raises(NoDegradeViolation, match="catalog 'other'"):
         ladder(capture, [leaky])
@@ -212,15 +212,15 @@ def noise_capture(seed: int, n: int = 200) -> Capture:
     return Capture(spec, rows_df, base)
 
 
-def test_a_rule_fitted_to_in_sample_noise_fails_the_out_of_fold_gate():
+def test_a_rule_fitted_to_in_sample_noise_fails_the_out_of_fold_test():
     # seed 6: the in-sample best threshold on option 1 happens to pass the in-sample interval and the
     # permutation test (found by scanning seeds 0-39; 3 of 80 noise fits passed in-sample)
     capture = noise_capture(6)
     target = capture.base.filter(pl.col("catalog") == "noise")
     rule = PositionalThreshold(id="N", target="noise", projection_class="positional-construction-reuse",
                                label_index=1, tau=0.0).fit(target)  # the threshold fitted on all rows
-    r = overlay_gate_rule(capture, rule, OverlayGateSettings(draws=300, permutations=99))
-    assert r["in_sample"]["passed"] and r["in_sample"]["ci_full"][0] > 0  # today's gate would pass it
+    r = overlay_test_rule(capture, rule, OverlayTestSettings(draws=300, permutations=99))
+    assert r["in_sample"]["passed"] and r["in_sample"]["ci_full"][0] > 0  # an in-sample test would pass it
     assert not r["passed"] and r["ci_full"][0] < 0 < r["ci_full"][1]  # its out-of-fold decisions do not
     assert len(r["fold_taus"]) == 5 and len(set(r["fold_taus"])) > 1  # one threshold refitted per fold
 
@@ -247,11 +247,11 @@ def test_abstain_below_flags_only_the_targets_unsure_rows_and_keeps_every_choice
         no_degrade_check(f, out.with_columns(abstain=pl.Series([True, False, True])), targets={"c"})
 
 
-def test_the_gate_and_the_ladder_refuse_a_rule_that_sets_abstain(capture):
+def test_the_preregistered_test_and_the_ladder_refuse_a_rule_that_sets_abstain(capture):
     from jex.overlays import AbstainBelow
 
     rule = AbstainBelow(id="u", target="pos", projection_class="fitted-on-public-oof")
-    with pytest.raises(InputError, match="sets the 'abstain' flag; the gate"):
-        overlay_gate_rule(capture, rule, OverlayGateSettings(draws=10, permutations=10))
+    with pytest.raises(InputError, match="sets the 'abstain' flag; the pre-registered test"):
+        overlay_test_rule(capture, rule, OverlayTestSettings(draws=10, permutations=10))
     with pytest.raises(InputError, match="sets the 'abstain' flag; the ladder"):
         ladder(capture, [rule])

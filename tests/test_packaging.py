@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -25,3 +27,67 @@ def test_the_rooms_are_not_importable_as_top_level_names(tmp_path):
     probe = f"import importlib.util as u, jex.tasks.store; print([n for n in {ROOMS!r} if u.find_spec(n)])"
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+_MACHINE_JOB = """
+import json, sys
+from pathlib import Path
+
+import jex
+from jex.infra.ledger import Ledger
+from jex.infra.machine import MachineSession, Policy, RemoteJob
+from jex.infra.providers import LocalProvider
+
+tmp, policy = Path(sys.argv[1]), Policy(**json.loads(sys.argv[2]))
+provider = LocalProvider(tmp / "machines")
+session = MachineSession(provider, campaign="c1", ledger=Ledger(tmp / "state" / "ledger.json"), policy=policy,
+                         python=sys.executable, state_dir=tmp / "state")
+imports = "import jex.engine.render, jex.tasks.records; open('where.txt', 'w').write(jex.engine.render.__file__)"
+with session:
+    session.run(RemoteJob("j", ["-c", imports], ["where.txt"], tmp / "got"))
+print(json.dumps({"installed": jex.__file__, "code": session.code_dir, "ran": (tmp / "got" / "where.txt").read_text(),
+                  "left": [m.id for m in provider.list_machines()]}))
+"""
+
+
+def _install_wheel(tmp_path: Path) -> Path:
+    """jex built as a wheel from this checkout and installed into a fresh virtualenv that sees this
+    one's dependencies (a .pth naming its site-packages: their own .pth files, the editable install's
+    import hook among them, are not run); returns the new interpreter."""
+    import shutil
+    import sysconfig
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for folder in ("jex", *ROOMS):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(tmp_path / "dist"), str(src)], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("jex-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "jex-test-dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
+                    str(wheel)], check=True, capture_output=True)
+    return python
+
+
+def test_a_wheel_install_runs_a_machine_job_with_the_code_it_installed(tmp_path):
+    """No checkout: the machine's code bundle is built from the installed package."""
+    from tests.test_machines import FAST
+
+    python = _install_wheel(tmp_path)
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing but the wheel's jex to import
+    out = subprocess.run([python, "-c", _MACHINE_JOB, str(run), json.dumps(FAST)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    done = json.loads(out.stdout.strip().splitlines()[-1])
+    assert Path(done["installed"]).is_relative_to(tmp_path / "venv")  # the wheel's jex, not the checkout's
+    assert Path(done["ran"]).is_relative_to(done["code"])  # the job imported the bundle the machine unpacked
+    assert done["left"] == []

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from jex.engine.render import DEFAULT_RENDER, Example, Renderer, RenderSpec
+from jex.engine.render import DEFAULT_RENDER, Example, Renderer
+from jex.engine_spec import RenderSpec
 from jex.tasks.capture.engine_calls import CaptureRow, examples_for
 
 
@@ -20,9 +21,9 @@ ROW = {"run_id": "r1", "prompt": "Which is warm?", "labels": ("A", "B"), "option
 def test_default_render_is_the_model_chat_template_around_the_question_then_the_answer_slot(embedded_model_dir):
     from transformers import AutoTokenizer
 
-    from jex.engine.base import TokenizedEngine
+    from jex.engine.base import ChatTokenizer
 
-    engine = TokenizedEngine()
+    engine = ChatTokenizer()
     engine.tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
     user = "Which is warm?\n\nA. ice\nB. fire\n\nAnswer with the letter of the correct option."
     expected = engine.tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,

@@ -47,7 +47,7 @@ def test_checkpointed_stages_come_back_verified_into_an_empty_store(tmp_path, s3
     run_dir = _run(tmp_path, store, {"fast_pass": a, "gate": b})
     for folder in (a, b):
         checkpoint(s3_bucket, run_dir, folder)
-    keys = [o.key for o in s3_bucket.list("jex/store/fast_pass/k1/")]
+    keys = [o.key for o in s3_bucket.list_objects("jex/store/fast_pass/k1/")]
     assert keys[-1].endswith("_SUCCESS.json") or len(keys) == 3
     shutil.rmtree(store)
     shutil.rmtree(run_dir)
@@ -130,7 +130,7 @@ def test_orchestrator_killed_and_local_store_deleted_resumes_from_s3_with_zero_e
     # the orchestrator dies after the reason stage's checkpoint: S3 holds nothing of later stages
     for stage in ("fold", "calibrate", "overlay", "score"):
         rel = "/".join(Path(stages[stage]["folder"]).parts[-2:])
-        for o in s3_bucket.list(f"jex/store/{rel}/") + s3_bucket.list(f"jex/runs/{run_dir.name}/"):
+        for o in s3_bucket.list_objects(f"jex/store/{rel}/") + s3_bucket.list_objects(f"jex/runs/{run_dir.name}/"):
             s3_bucket.client.delete_object(Bucket=s3_bucket.bucket, Key=o.key)
     kept = {k: v for k, v in stages.items() if k in ("bundle", "fast_pass", "gate", "reason")}
     (run_dir / "stages.json").write_text(json.dumps(kept))

@@ -35,8 +35,9 @@ def by_id(frame: pl.DataFrame) -> dict[str, dict]:
 
 
 def test_samples_record_equals_the_stage_artifacts_row_by_row(main_job_run):
+    from jex.engine_spec import EngineSpec
     from jex.tasks.capture.engine_calls import CaptureRow, question_prompts, reason_prompts
-    from jex.tasks.capture.engine_pool import EngineSpec, get_engine
+    from jex.tasks.capture.engine_pool import get_engine
     from jex.tasks.capture.stages import _bundle_rows, fewshot_pool
     from jex.tasks.store import LocalStore
 

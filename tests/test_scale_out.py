@@ -21,13 +21,13 @@ from jex.fileio import sha256_file
 def test_merged_capture_of_two_engines_is_byte_identical_to_one_process(tmp_path, monkeypatch, layout):
     import sys
 
+    from jex.engine_spec import EngineSpec
     from jex.flows.fleet import GpuFleet, MachinesSpec
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
-    from jex.tasks.capture.engine_pool import EngineSpec
     from jex.tasks.capture.stages import bundle_stage, fast_pass_stage, reason_stage
     from jex.tasks.cpu_stages import gate_stage
-    from jex.tasks.records import EngineStageArgs
+    from jex.tasks.inputs import EngineJob, FastPassInputs, ReasonInputs
     from jex.tasks.store import LocalStore
 
     monkeypatch.setenv("JEX_INFRA__STATE_DIR", str(tmp_path / "infra"))
@@ -45,21 +45,21 @@ def test_merged_capture_of_two_engines_is_byte_identical_to_one_process(tmp_path
 
     store = LocalStore(tmp_path / "store-fleet")
     bundle = bundle_stage(store, suite=suite)
-    args = EngineStageArgs(bundle=bundle, engine=engine, store=str(store.root), shard_rows=4)
     spec = MachinesSpec(provider="local", golden_rows=4, **layout)
     with GpuFleet(spec, campaign="scale-2", store=str(store.root), settings=load_settings(),
                   echo=lambda s: None) as fleet:
-        fleet.run_stage("fast_pass", args)
-        fast = fast_pass_stage(store, bundle=bundle, engine=engine, shard_rows=4, engine_fp=fleet.engine_fp)
+        job = fleet.run_stage(EngineJob(inputs=FastPassInputs(bundle=bundle, engine=engine, shard_rows=4),
+                                        store=str(store.root)))
+        fast = fast_pass_stage(store, job.inputs)
         gate = gate_stage(store, bundle=bundle, fast=fast, coverage=0.5)
-        fleet.run_stage("reason", args.model_copy(update={"gate": gate, "max_tokens": 4, "shard_rows": 3}))
-        reasoned = reason_stage(store, bundle=bundle, gate=gate, engine=engine, max_tokens=4, shard_rows=3,
-                                engine_fp=fleet.engine_fp)
+        job = fleet.run_stage(EngineJob(inputs=ReasonInputs(bundle=bundle, gate=gate, engine=engine, max_tokens=4,
+                                                            shard_rows=3), store=str(store.root)))
+        reasoned = reason_stage(store, job.inputs)
     report = fleet.report()
-    assert len(report["machines"]) == layout["workers"] and fleet.provider.list() == []
-    assert report["engine_starts"] == 2, "one start per engine process, not per job (golden, fast pass, reason)"
-    per_job = [json.loads(line)["computed_shards"] for m in report["machines"] for j in m["jobs"]
-               if j["job"] == "fast_pass" for line in j["log_tail"].splitlines() if line.startswith('{"stage"')]
+    assert len(report.machines) == layout["workers"] and fleet.provider.list_machines() == []
+    assert report.engine_starts == 2, "one start per engine process, not per job (golden, fast pass, reason)"
+    per_job = [json.loads(line)["computed_shards"] for m in report.machines for j in m.jobs
+               if j.job == "fast_pass" for line in j.log_tail.splitlines() if line.startswith('{"stage"')]
     assert sorted(set(sum(per_job, []))) == [0, 1, 2, 3, 4]
     if layout["workers"] == 2:  # two machines split the shards 3 + 2; two engines of one machine claim them
         assert sorted(sum(per_job, [])) == [0, 1, 2, 3, 4], "every shard computed exactly once"

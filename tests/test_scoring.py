@@ -35,7 +35,7 @@ def two_legs(tmp_path):
 
 def test_hand_computed_case(two_legs, tmp_path):
     p = preds(tmp_path / "p.jsonl", {"a1": 0, "a2": 1, "a3": 0, "b1": 0, "b2": 0, "c1": 0, "c2": None, "cx": 1})
-    doc = score_files(two_legs, p, tmp_path / "out", draws=50)
+    doc = score_files(two_legs, p, tmp_path / "out", draws=50).model_dump()
     a, b, c = (doc["catalogs"][k] for k in "abc")
     # a: 2 of 4 right, a4 has no prediction (unsupported); chance 1/4
     assert (a["n"], a["correct"], a["unsupported"], a["acc"], a["chance"]) == (4, 2, 1, 0.5, 0.25)
@@ -56,7 +56,7 @@ def test_hand_computed_case(two_legs, tmp_path):
 
 def test_json_keeps_full_float_precision(two_legs, tmp_path):
     p = preds(tmp_path / "p.jsonl", {"a1": 0, "b1": 0, "c1": 0})
-    doc = score_files(two_legs, p, tmp_path / "out", draws=10)
+    doc = score_files(two_legs, p, tmp_path / "out", draws=10).model_dump()
     on_disk = json.loads((tmp_path / "out" / "score.json").read_text())
     assert on_disk["full"] == doc["full"] and on_disk["catalogs"]["a"]["skill"] == (0.25 - 0.25) / 0.75
     assert "Full index" in (tmp_path / "out" / "score.md").read_text()
@@ -64,7 +64,7 @@ def test_json_keeps_full_float_precision(two_legs, tmp_path):
 
 def test_no_predictions_at_all_scores_every_row_unsupported(two_legs, tmp_path):
     doc = score_files(two_legs, preds(tmp_path / "p.jsonl", {}), tmp_path / "out", draws=10)
-    assert doc["catalogs"]["a"]["unsupported"] == 4 and doc["catalogs"]["a"]["skill"] == -1 / 3
+    assert doc.catalogs["a"].unsupported == 4 and doc.catalogs["a"].skill == -1 / 3
 
 
 def test_scorers_agree_bit_for_bit_on_sample_suite(sample_suite, tmp_path):
@@ -100,7 +100,7 @@ def test_scoring_a_bundle_equals_scoring_the_folder(sample_suite, tmp_path):
     p = preds(tmp_path / "p.jsonl", {rid: 0 for rid in table.rows["run_id"].to_list()[::3]})
     a = score_files(sample_suite, p, tmp_path / "o1", draws=20)
     b = score_files(tmp_path / "b.tar.gz", p, tmp_path / "o2", draws=20)
-    assert a["full"] == b["full"] and a["ci"] == b["ci"]
+    assert a.full == b.full and a.ci == b.ci
 
 
 @pytest.mark.parametrize("record, field, words", [

@@ -196,17 +196,32 @@ def _wait_for_run_named(name: str, timeout: float = 60) -> str:
     raise AssertionError(f"no campaign run named {name!r} was created")
 
 
-def test_the_calibration_schedule_creates_runs(server):
+def test_the_budget_projection_schedule_creates_runs(server):
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 
     deadline, runs = time.time() + 60, []
     while time.time() < deadline and not runs:
         with _client() as c:
-            runs = c.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["calibration"])))
+            runs = c.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["budget"])))
         time.sleep(1)
     assert runs and all(r.state_name == "Scheduled" for r in runs)
     assert {r.expected_start_time.astimezone().hour for r in runs} == {3} or \
         {r.expected_start_time.hour for r in runs} == {3}
+
+
+def test_registering_deletes_the_deployment_of_the_renamed_calibration_flow(server):
+    """The budget projection was the `calibration` flow and deployment: a server registered before the
+    rename loses that deployment (and its nightly schedule of a module that is gone) on registering."""
+    from prefect.exceptions import ObjectNotFound
+
+    from jex.deployments.register import retire_deployments
+
+    with _client() as c:
+        c.create_deployment(flow_id=c.create_flow_from_name("calibration"), name="calibration")
+        assert retire_deployments() == ["calibration/calibration"]  # inside the client's settings context
+        with pytest.raises(ObjectNotFound):
+            c.read_deployment_by_name("calibration/calibration")
+        assert retire_deployments() == []
 
 
 def test_a_failed_campaign_triggers_reconcile_through_the_automation(server):

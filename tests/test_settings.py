@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from jex.engine_spec import EngineSpec
 from jex.flows.campaign import CampaignSpec, campaign_spec
-from jex.settings import BOOTSTRAP_SEED, EngineDefaults, load_settings
-from jex.tasks.capture.engine_pool import EngineSpec
+from jex.settings import BOOTSTRAP_SEED, JexSettings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 NOT_DEFAULT = {"kind": "vllm", "profile": "audit-ngram", "model": "org/name@abc", "device": "cuda:1", "batch_size": 3,
                "max_num_seqs": 7, "max_num_batched_tokens": 4096, "dtype": "bfloat16", "gpu_memory_utilization": 0.5,
                "kv_cache_memory_gib": 6.0, "max_model_len": 2048, "cache_dir": "/tmp/jex-cache"}
-"""A value other than the default for every field of EngineDefaults."""
+"""A value other than the default for every plain field of the engine spec (its render is a table)."""
 
 
 @pytest.fixture(autouse=True)
@@ -33,10 +33,18 @@ def test_default_settings_give_the_default_campaign():
     assert campaign_spec(load_settings()) == CampaignSpec()
 
 
-def test_every_engine_setting_is_a_field_of_the_campaign_engine():
-    assert set(EngineDefaults.model_fields) <= set(EngineSpec.model_fields)
-    assert set(NOT_DEFAULT) == set(EngineDefaults.model_fields)
-    assert all(NOT_DEFAULT[k] != f.default for k, f in EngineDefaults.model_fields.items())
+def test_the_engine_settings_are_the_one_engine_spec():
+    assert JexSettings.model_fields["engine"].annotation is EngineSpec
+    assert set(NOT_DEFAULT) == set(EngineSpec.model_fields) - {"render"}
+    assert all(NOT_DEFAULT[k] != f.default for k, f in EngineSpec.model_fields.items() if k != "render")
+
+
+def test_a_misspelt_engine_setting_is_refused_by_name(monkeypatch):
+    import pydantic
+
+    monkeypatch.setenv("JEX_ENGINE__BATCH_SIZ", "4")
+    with pytest.raises(pydantic.ValidationError, match="batch_siz"):
+        load_settings()
 
 
 @pytest.mark.parametrize("field", sorted(NOT_DEFAULT))
@@ -67,6 +75,15 @@ def test_the_ui_form_defaults_come_from_settings(monkeypatch):
     monkeypatch.setenv("JEX_ENGINE__BATCH_SIZE", "4")
     form = {d["name"]: d for d in deployment_specs(load_settings(), {"coverage": 0.2})}["campaign"]["parameters"]
     assert (form["spec"]["engine"]["batch_size"], form["spec"]["coverage"]) == (4, 0.2)
+
+
+@pytest.mark.parametrize("variable", ["JEX_PREFECT__BUDGET_CRON", "JEX_PREFECT__CALIBRATION_CRON"])
+def test_the_budget_cron_reaches_its_deployment_under_either_name(variable, monkeypatch):
+    """The budget projection's schedule; JEX_PREFECT__CALIBRATION_CRON is its name from before the rename."""
+    from jex.deployments.register import deployment_specs
+
+    monkeypatch.setenv(variable, "15 4 * * *")
+    assert {d["name"]: d for d in deployment_specs(load_settings())}["budget"]["cron"] == "15 4 * * *"
 
 
 def test_the_prefect_api_url_setting_reaches_the_prefect_client(monkeypatch):

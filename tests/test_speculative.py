@@ -8,6 +8,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from jex.engine.fingerprint import EngineFingerprint, RenderDigest
 from jex.engine.types import EngineDeadError
 from jex.engine.vllm_engine import NGRAM, VLLMProfile
 from jex.tasks.capture.spec_proof import proof_sample, prove
@@ -31,11 +32,15 @@ def test_proof_sample_takes_the_gated_golden_rows_then_each_catalog_in_turn():
     assert proof_sample(gated, golden_ids=["g1"], rows=0) == ["g1"]  # the golden rows, whatever `rows` says
 
 
+FP = EngineFingerprint(kind="hf", engine_version=1, weights_sha256="cd" * 32, tokenizer_sha256="ef" * 32,
+                       device_type="cpu", renderer=RenderDigest(version="jex-render/2", sha256="01" * 32))
+
+
 def _reasoned(path: Path, tokens: dict[str, list[int]]) -> ReasonSummary:
     pl.DataFrame({"run_id": list(tokens), "token_ids": list(tokens.values())},
                  schema={"run_id": pl.String, "token_ids": pl.List(pl.Int64)}).write_parquet(path)
     return ReasonSummary(key=path.stem, sha256=path.stem, reasoned=str(path), rows=len(tokens), shards=1,
-                         rationale_tokens=RationaleTokens(mean=0.0, max=0, hit_max_tokens=0), engine={},
+                         rationale_tokens=RationaleTokens(mean=0.0, max=0, hit_max_tokens=0), engine=FP,
                          compute_seconds=2.0)
 
 
@@ -93,9 +98,9 @@ def tiny_suite(tmp_path_factory):
 
 
 def _campaign(suite, out: Path, **engine):
+    from jex.engine_spec import EngineSpec
     from jex.flows.campaign import CampaignSpec, run_campaign
     from jex.flows.fleet import MachinesSpec
-    from jex.tasks.capture.engine_pool import EngineSpec
 
     spec = CampaignSpec(name="spec", suite=str(suite), coverage=0.34, reason_max_tokens=8, bootstrap_draws=50,
                         engine=EngineSpec(**engine), spec_proof_rows=4, store=str(out / "store"), out=str(out),
@@ -148,7 +153,7 @@ def test_a_perturbed_speculative_engine_fails_the_proof_and_the_campaign_falls_b
     assert "Not exact: the reason stage was recomputed with the audited base profile" in (run / "report.md").read_text()
     stages = json.loads((run / "stages.json").read_text())
     reason = json.loads((Path(stages["reason"]["folder"]) / "_SUCCESS.json").read_text())
-    assert "profile" not in reason["engine"]  # the rationales the campaign used are the audited base's
+    assert reason["engine"]["profile"] is None  # the rationales the campaign used are the audited base's
 
 
 @pytest.mark.slow

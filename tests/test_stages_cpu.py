@@ -1,4 +1,5 @@
-"""Gate, fold and calibration on small hand-made frames."""
+"""The coverage gate, fold and calibration (temperature scaling) on small hand-made frames; the budget
+projection's arithmetic."""
 
 from __future__ import annotations
 
@@ -92,9 +93,9 @@ def test_calibration_is_out_of_fold_and_never_changes_a_choice():
     frame = pl.DataFrame({"run_id": [str(i) for i in range(n)], "question_id": [f"q{i // 2}" for i in range(n)],
                           "gold": rng.integers(0, 3, n), "folded_logprobs": lps})
     out, report = calibrate(frame, folds=4)
-    assert report["argmax_changed"] == 0 and len(report["folds"]) == 4
+    assert report.argmax_changed == 0 and len(report.folds) == 4
     assert [int(np.argmax(x)) for x in out["calibrated_logprobs"].to_list()] == [int(np.argmax(x)) for x in lps]
-    assert report["nll_after"] < report["nll_before"]  # random labels: flattening helps
+    assert report.nll_after < report.nll_before  # random labels: flattening helps
 
 
 def test_a_tie_made_by_rounding_is_counted_not_taken_for_a_changed_choice():
@@ -108,15 +109,15 @@ def test_a_tie_made_by_rounding_is_counted_not_taken_for_a_changed_choice():
 
 
 def test_projection_picks_the_largest_coverage_within_both_budgets():
-    from jex.flows.calibration import project
+    from jex.flows.budget import project
 
     # 100,000 rows: fast pass 0.3 s/row = 8.33 h; reason 3 s/row
     got = project(rows=100_000, fast_s_per_row=0.3, reason_s_per_row=3.0, coverages=[0.05, 0.15, 0.30], price=2.0,
                   gpus=1, budget_hours=30, budget_usd=1000)
-    hours = [t["hours"] for t in got["table"]]
+    hours = [t.hours for t in got.table]
     assert hours == pytest.approx([(30_000 + c * 300_000) / 3600 for c in (0.05, 0.15, 0.30)])
-    assert [t["fits"] for t in got["table"]] == [True, True, False] and got["recommended_coverage"] == 0.15
-    assert got["table"][0]["usd"] == pytest.approx(hours[0] * 2.0)
+    assert [t.fits for t in got.table] == [True, True, False] and got.recommended_coverage == 0.15
+    assert got.table[0].usd == pytest.approx(hours[0] * 2.0)
     two = project(rows=100_000, fast_s_per_row=0.3, reason_s_per_row=3.0, coverages=[0.30], price=2.0, gpus=2,
                   budget_hours=30, budget_usd=1000)
-    assert two["recommended_coverage"] == 0.30  # data parallel halves the wall time, not the cost
+    assert two.recommended_coverage == 0.30  # data parallel halves the wall time, not the cost

@@ -124,7 +124,8 @@ def suite(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def engine():
     """The engine the stages use in this process."""
-    from jex.tasks.capture.engine_pool import EngineSpec, get_engine
+    from jex.engine_spec import EngineSpec
+    from jex.tasks.capture.engine_pool import get_engine
 
     return get_engine(EngineSpec())
 
@@ -137,7 +138,7 @@ def rows(suite):
 
 
 def fast_pass_in(root: Path, suite: Path, monkeypatch, *, ahead: bool):
-    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.engine_spec import EngineSpec
     from jex.tasks.capture.stages import PREPARE_AHEAD_ENV, bundle_stage, fast_pass_stage
     from jex.tasks.store import LocalStore
 
@@ -216,7 +217,7 @@ def test_a_prompt_too_long_for_the_context_is_the_same_context_refusal_either_wa
 @pytest.mark.slow
 def test_the_reason_stage_output_has_the_same_bytes_with_and_without_preparing_ahead(engine, suite, tmp_path,
                                                                                       monkeypatch):
-    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.engine_spec import EngineSpec
     from jex.tasks.capture.stages import PREPARE_AHEAD_ENV, reason_stage
     from jex.tasks.cpu_stages import gate_stage
     from jex.tasks.store import LocalStore

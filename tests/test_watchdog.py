@@ -91,7 +91,7 @@ def test_frozen_orchestrator_its_machine_uploads_stops_itself_and_the_results_ar
     os.kill(orch.pid, signal.SIGSTOP)  # the laptop sleeps mid stage
     try:
         wait_until(lambda: s3_bucket.head(_marker_key(s3_bucket, machine)) is not None, 40, "SELF_TERMINATED.json")
-        wait_until(lambda: provider.list("c1") == [], 10, "the machine is gone")
+        wait_until(lambda: provider.list_machines("c1") == [], 10, "the machine is gone")
     finally:
         os.kill(orch.pid, signal.SIGCONT if after == "sigcont" else signal.SIGKILL)
     ledger = Ledger(tmp_path / "state/ledger.json")
@@ -143,7 +143,7 @@ def test_a_killed_watchdog_is_noticed_at_the_next_poll_and_the_machine_torn_down
     with pytest.raises(JobFailed) as err, session:
         session.run(_job(tmp_path, "echo x > a.bin; sleep 60"))
     assert err.value.outcome.status == "watchdog_lost"
-    assert LocalProvider(tmp_path / "machines").list("c1") == []
+    assert LocalProvider(tmp_path / "machines").list_machines("c1") == []
     assert [a.path for a in err.value.outcome.artifacts] == ["a.bin"]  # salvaged before the teardown
 
 
@@ -179,7 +179,7 @@ def test_s3_unreachable_at_lease_expiry_keeps_artifacts_on_disk_stops_at_ttl_and
     (entry,) = report["machines"]
     assert entry["jobs"][0]["status"] == "self_terminated" and entry["jobs"][0]["artifacts"] == 1
     assert s3_bucket.head(s3_bucket.key("campaigns", "c1", "machines", session.machine.id, "j", "a.bin"))
-    assert session.provider.list("c1") == []
+    assert session.provider.list_machines("c1") == []
     assert session.ledger.get(session.machine.id).end_reason.startswith("self-terminated")
 
 

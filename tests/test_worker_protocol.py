@@ -30,20 +30,20 @@ def wait_for_marker(run_dir: Path, timeout: float = 300) -> Marker:
 
 @pytest.mark.slow
 def test_detached_stage_run_writes_success_with_verified_artifacts(tmp_path):
+    from jex.engine_spec import EngineSpec
     from jex.sample_suite import write_sample_suite
-    from jex.tasks.capture.engine_pool import EngineSpec
     from jex.tasks.capture.stages import bundle_stage
-    from jex.tasks.records import EngineStageArgs
+    from jex.tasks.inputs import EngineJob, FastPassInputs
     from jex.tasks.store import LocalStore
 
     run_dir = tmp_path / "machine" / "run-1"
     store = run_dir / "store"
     bundle = bundle_stage(LocalStore(store), suite=write_sample_suite(tmp_path / "suite", rows=18, seed=2))
     args = run_dir / "args.json"
-    args.write_text(EngineStageArgs(bundle=bundle, engine=EngineSpec(), store=str(store),
-                                    shard_rows=6).model_dump_json())
+    args.write_text(EngineJob(inputs=FastPassInputs(bundle=bundle, engine=EngineSpec(), shard_rows=6),
+                              store=str(store)).model_dump_json())
     cmd = ["setsid", "nohup", *WRAP, str(run_dir), "--heartbeat", "0.5", "--artifacts", "store/fast_pass/**/*.parquet",
-           "--", sys.executable, "-m", "jex", "stage", "run", "fast_pass", "--args", str(args)]
+           "--", sys.executable, "-m", "jex", "stage", "run", "--args", str(args)]
     subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # not waited on
     marker = wait_for_marker(run_dir)
     assert marker.ok and marker.exit_code == 0 and not (run_dir / FAILED).exists()

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from jex.engine_spec import closest_name
 from jex.errors import InputError
 from jex.settings import JexSettings
 
@@ -34,11 +35,29 @@ def connect_prefect(settings: JexSettings) -> None:
     ensure_local_api()
 
 
-def input_error(err: ValidationError, *, file: Path | str | None = None) -> InputError:
-    """The first problem of a pydantic validation as an InputError naming the file and the field."""
+def input_error(err: ValidationError, *, file: Path | str | None = None,
+                model: type[BaseModel] | None = None) -> InputError:
+    """The first problem of a pydantic validation as an InputError naming the file and the field; an
+    unknown field of `model` (or of a record inside it) is told the closest valid name."""
     first = err.errors()[0]
-    return InputError(first["msg"].removeprefix("Value error, "), file=str(file) if file else None,
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden" and model is not None:
+        valid = _valid_names(model, [str(p) for p in first["loc"][:-1]])
+        closest = closest_name(str(first["loc"][-1]), valid)
+        message = f"unknown field; {'did you mean ' + repr(closest) + '? ' if closest else ''}valid: {', '.join(valid)}"
+    return InputError(message, file=str(file) if file else None,
                       field=".".join(str(p) for p in first["loc"]) or None)
+
+
+def _valid_names(model: type[BaseModel], path: list[str]) -> list[str]:
+    """The field names of the record at `path` inside `model` (following nested records)."""
+    for name in path:
+        field = model.model_fields.get(name)
+        inner = field.annotation if field else None
+        if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
+            return []
+        model = inner
+    return sorted(model.model_fields)
 
 
 def spec_fields(flags: Mapping[str, Any], field_of_flag: Mapping[str, str]) -> dict[str, Any]:

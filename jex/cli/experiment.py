@@ -31,7 +31,7 @@ def run(arms: Annotated[Path, typer.Option(help="Arms file (TOML): [base], [gate
         coverage: Annotated[float | None, typer.Option(help="Base coverage (an arm may change it) (default: "
                                                             "0.10)")] = None,
         reason_max_tokens: ReasonMaxTokens = None, store: Store = None, provider: Provider = None) -> None:
-    """Run the base and every arm (cached sub-runs), judge them by the pre-registered gate.
+    """Run the base and every arm (cached sub-runs), judge them by the pre-registered test ([gate]).
 
     The last line printed is the experiment folder (experiment.json, report.md, forest.png, ledger.toml).
     """
@@ -57,7 +57,7 @@ def run(arms: Annotated[Path, typer.Option(help="Arms file (TOML): [base], [gate
 
 @experiment_app.command("ledger")
 def ledger(out: Annotated[Path, typer.Argument(help="Experiment folder (holds ledger.toml)")]) -> None:
-    """Print the decision ledger: arm, verdict, effect and CI, placebo effect, gate hash, date, reopen-when."""
+    """Print the decision ledger: arm, verdict, effect and CI, placebo effect, test hash, date, reopen-when."""
     from jex.tasks.lab.experiment_report import format_ledger, read_ledger
 
     try:

@@ -21,12 +21,12 @@ def infra_reconcile(provider: Annotated[str | None, typer.Option(help="default: 
     from jex.flows.reconcile import reconcile_flow
 
     report = reconcile_flow(provider=provider, campaign=campaign)
-    for m in report["machines"]:
-        typer.echo(f"{m['machine']} ({m['campaign'] or 'no campaign'}): {m.get('action')}, jobs "
-                   f"{[(j['job'], j['status']) for j in m['jobs']]}, deleted after "
-                   f"{(m.get('teardown') or {}).get('attempts')} attempt(s)")
-    typer.echo(f"{len(report['machines'])} machine(s) reconciled, {len(report['errors'])} error(s)")
-    if report["errors"]:
+    for m in report.machines:
+        typer.echo(f"{m.machine} ({m.campaign or 'no campaign'}): {m.action}, jobs "
+                   f"{[(j.job, j.status) for j in m.jobs]}, deleted after "
+                   f"{m.teardown.attempts if m.teardown else None} attempt(s)")
+    typer.echo(f"{len(report.machines)} machine(s) reconciled, {len(report.errors)} error(s)")
+    if report.errors:
         raise typer.Exit(1)
 
 
@@ -35,11 +35,11 @@ def infra_ledger(campaign: Annotated[str | None, typer.Option(help="Only this ca
     """Every machine's life in seconds, its price and cost, and the running total."""
     from jex.infra.ledger import Ledger
 
-    report = Ledger(Path(load_settings().infra.state_dir) / "ledger.json").report(campaign)
-    for m in report["machines"]:
-        typer.echo(f"{m['machine_id']:<28} {m['campaign'] or '-':<28} {m['seconds']:>9.1f} s "
-                   f"${m['cost_usd']:>9.4f}  {m['end_reason'] or 'running'}")
-    typer.echo(f"total ${report['total_usd']:.4f} over {report['machine_seconds']:.0f} machine-seconds")
+    report = Ledger(Path(load_settings().infra.state_dir) / "ledger.json").usage(campaign)
+    for m in report.machines:
+        typer.echo(f"{m.machine_id:<28} {m.campaign or '-':<28} {m.seconds:>9.1f} s "
+                   f"${m.cost_usd:>9.4f}  {m.end_reason or 'running'}")
+    typer.echo(f"total ${report.total_usd:.4f} over {report.machine_seconds:.0f} machine-seconds")
 
 
 def register(app: typer.Typer) -> None:

@@ -4,12 +4,15 @@ other tools' outputs in. Thin shells over `tasks.samples` and `tasks.interop` (i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from jex.cli.common import fail
 from jex.errors import JexError
+
+if TYPE_CHECKING:
+    from jex.tasks.outputs.interop.common import MapMode
 
 export_app = typer.Typer(no_args_is_help=True, help="Export a run folder to another tool's format.")
 
@@ -43,6 +46,8 @@ def register(app: typer.Typer) -> None:
 
 
 FROM = ("lm-eval", "inspect")
+MAP_BY: dict[str, MapMode] = {"auto": "auto", "doc_id": "doc_id", "id": "id", "content": "content"}
+"""`--map-by` values: how another tool's documents map to run_ids."""
 
 
 def score_from(tool: str, source: Path | None, *, out: Path, suite: Path | None, draws: int, seed: int,
@@ -55,21 +60,21 @@ def score_from(tool: str, source: Path | None, *, out: Path, suite: Path | None,
             raise InputError(f"--from must be one of {list(FROM)}, got {tool!r}", field="--from")
         if source is None:
             raise InputError(f"--from {tool} needs the file or folder to read (jex score --from {tool} SOURCE -o OUT)")
-        if map_by not in ("auto", "doc_id", "id", "content"):
+        mode = MAP_BY.get(map_by)
+        if mode is None:
             raise InputError(f"--map-by must be auto, doc_id, id or content, got {map_by!r}", field="--map-by")
         if tool == "lm-eval":
             from jex.tasks.outputs.interop.lm_eval_files import score_lm_eval as score_tool
         else:
             from jex.tasks.outputs.interop.inspect_log import score_inspect as score_tool
-        doc = score_tool(source, out, suite=suite, draws=draws, seed=seed, mode=map_by,  # type: ignore[arg-type]
-                         id_field=id_field)
+        doc = score_tool(source, out, suite=suite, draws=draws, seed=seed, mode=mode, id_field=id_field)
     except JexError as e:
         fail(e)
-    lo, hi = doc["ci"]
-    typer.echo(f"full {doc['full']:.4f}  95% CI [{lo:.4f}, {hi:.4f}]  -> {out / 'score.json'}")
-    for cid, c in doc["catalogs"].items():
-        typer.echo(f"  {cid:<24} n {c['n']:>5}  acc {c['acc']:.4f}  skill {c['skill']:+.4f}  "
-                   f"CI [{c['ci'][0]:+.4f}, {c['ci'][1]:+.4f}]")
+    lo, hi = doc.ci
+    typer.echo(f"full {doc.full:.4f}  95% CI [{lo:.4f}, {hi:.4f}]  -> {out / 'score.json'}")
+    for cid, c in doc.catalogs.items():
+        typer.echo(f"  {cid:<24} n {c.n:>5}  acc {c.acc:.4f}  skill {c.skill:+.4f}  "
+                   f"CI [{c.ci[0]:+.4f}, {c.ci[1]:+.4f}]")
 
 
 @export_app.command("lm-eval")

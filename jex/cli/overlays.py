@@ -12,7 +12,8 @@ from jex.cli.common import fail
 from jex.errors import JexError
 from jex.settings import load_settings
 
-overlays_app = typer.Typer(no_args_is_help=True, help="Overlays on a finished run: mine, gate, ladder.")
+overlays_app = typer.Typer(no_args_is_help=True, help="Overlays on a finished run: mine, gate (the pre-registered "
+                                                       "test), ladder.")
 
 
 @overlays_app.command("mine")
@@ -40,16 +41,16 @@ def overlays_gate(run: Annotated[Path, typer.Argument(help="A finished run folde
                   = None,
                   seed: Annotated[int | None, typer.Option(help="Bootstrap seed (default: JEX_BOOTSTRAP_SEED)")]
                   = None) -> None:
-    """Pre-registered gate: settings hashed first; CI above zero, permutation p < alpha, no-degrade."""
+    """The pre-registered test: settings hashed first; CI above zero, permutation p < alpha, no-degrade."""
     from jex.overlays import load_rule_file
-    from jex.tasks.lab.overlay_lab import OverlayGateSettings, load_capture, overlay_gate
+    from jex.tasks.lab.overlay_lab import OverlayTestSettings, load_capture, overlay_test
 
     settings = load_settings()
     draws = settings.bootstrap_draws if draws is None else draws
     seed = settings.bootstrap_seed if seed is None else seed
     try:
-        doc = overlay_gate(load_capture(run), [r for r in load_rule_file(rules) if r.enabled],
-                           OverlayGateSettings(alpha=alpha, draws=draws, seed=seed, permutations=permutations), out)
+        doc = overlay_test(load_capture(run), [r for r in load_rule_file(rules) if r.enabled],
+                           OverlayTestSettings(alpha=alpha, draws=draws, seed=seed, permutations=permutations), out)
     except JexError as e:
         fail(e)
     for r in doc["results"]:

@@ -27,8 +27,8 @@ def early_exit(suite: Annotated[Path, typer.Option(help="Suite folder or bundle 
     from jex.flows.local_api import ensure_local_api
 
     ensure_local_api()
+    from jex.engine_spec import EngineSpec
     from jex.flows.probe import early_exit_probe
-    from jex.tasks.capture.engine_pool import EngineSpec
 
     try:
         res = early_exit_probe(suite=str(suite), rows=rows, every=every, max_tokens=max_tokens, out=str(out),

@@ -1,4 +1,4 @@
-"""`jex run` and `jex calibrate`: a campaign specified once, run or resumed.
+"""`jex run` and `jex calibrate`: a campaign specified once, run or resumed, or its time and cost projected.
 
 Every CampaignSpec field comes from settings (`jex config show`), then a `--spec campaign.toml`
 file, then the flags given (`jex.flows.campaign.campaign_spec`, the path the UI form's defaults
@@ -19,7 +19,7 @@ from jex.errors import InputError, JexError
 from jex.settings import JexSettings, load_settings
 
 if TYPE_CHECKING:
-    from jex.engine.render import RenderSpec
+    from jex.engine_spec import RenderSpec
     from jex.flows.campaign import CampaignSpec
 
 CAMPAIGN_FIELD_OF_FLAG = {
@@ -134,7 +134,7 @@ def spec_from(settings: JexSettings, *, spec_file: Path | None, flags: dict[str,
     """The campaign of `jex run`: settings, then the --spec file, then the flags given."""
     from pydantic import ValidationError
 
-    from jex.flows.campaign import campaign_spec
+    from jex.flows.campaign import CampaignSpec, campaign_spec
 
     layers = []
     try:
@@ -142,7 +142,7 @@ def spec_from(settings: JexSettings, *, spec_file: Path | None, flags: dict[str,
             layers.append(read_spec_file(spec_file))
             campaign_spec(settings, *layers)
     except ValidationError as e:
-        raise input_error(e, file=spec_file) from None
+        raise input_error(e, file=spec_file, model=CampaignSpec) from None
     layers.append(spec_fields(flags, CAMPAIGN_FIELD_OF_FLAG))
     render = render_fields(flags["render"], chat_template=flags["chat_template"],
                            system_prompt=flags["system_prompt"], num_fewshot=flags["num_fewshot"])
@@ -151,7 +151,7 @@ def spec_from(settings: JexSettings, *, spec_file: Path | None, flags: dict[str,
     try:
         return campaign_spec(settings, *layers)
     except ValidationError as e:
-        raise input_error(e) from None
+        raise input_error(e, model=CampaignSpec) from None
 
 
 def read_spec_file(path: Path) -> dict[str, Any]:
@@ -168,7 +168,7 @@ def render_fields(path: Path | None, *, chat_template: str | None, system_prompt
     bad file is named with its field."""
     from pydantic import ValidationError
 
-    from jex.engine.render import RenderSpec
+    from jex.engine_spec import RenderSpec
 
     fields: dict[str, Any] = read_spec_file(path) if path is not None else {}
     if chat_template is not None and chat_template not in ("auto", "none"):
@@ -189,7 +189,7 @@ def render_fields(path: Path | None, *, chat_template: str | None, system_prompt
 def render_spec_from(path: Path | None, *, chat_template: str = "auto", system_prompt: str | None = None,
                      num_fewshot: int = 0) -> RenderSpec:
     """A RenderSpec from a TOML file (any field), then the given flags ('auto' and 0 keep the file's)."""
-    from jex.engine.render import RenderSpec
+    from jex.engine_spec import RenderSpec
 
     return RenderSpec.model_validate(render_fields(path, chat_template=None if chat_template == "auto" else
                                                    chat_template, system_prompt=system_prompt,
@@ -218,21 +218,24 @@ def calibrate(coverage: Annotated[float, typer.Option(help="Coverage gated withi
               budget_hours: Annotated[float | None, typer.Option(help="default: settings")] = None,
               budget_usd: Annotated[float | None, typer.Option(help="default: settings")] = None,
               suite: Suite = None, out: Out = None) -> None:
-    """Measure reasoning cost and fix rate on a stratified sample; project time and cost per coverage."""
+    """Project a campaign's time and cost per coverage, and recommend a coverage that fits the budget.
+
+    Measured on a stratified sample (the budget projection; not the campaign's calibrate stage).
+    """
     settings = load_settings()
     connect_prefect(settings)
-    from jex.flows.calibration import CalibrationSpec, calibration
+    from jex.flows.budget import BudgetSpec, budget_projection
     from jex.flows.campaign import campaign_spec
 
     infra = settings.infra
-    spec = CalibrationSpec(campaign=campaign_spec(settings, spec_fields({"suite": suite, "out": out},
-                                                                        CAMPAIGN_FIELD_OF_FLAG)),
-                           coverage=coverage, sample_every=sample_every, target_rows=target_rows,
-                           price_per_gpu_hour=infra.price_per_hour if price is None else price,
-                           budget_hours=infra.budget_hours if budget_hours is None else budget_hours,
-                           budget_usd=infra.budget_usd if budget_usd is None else budget_usd)
-    doc = calibration(spec)
-    typer.echo(f"recommended coverage: {doc['projection']['recommended_coverage']}")
+    spec = BudgetSpec(campaign=campaign_spec(settings, spec_fields({"suite": suite, "out": out},
+                                                                   CAMPAIGN_FIELD_OF_FLAG)),
+                      coverage=coverage, sample_every=sample_every, target_rows=target_rows,
+                      price_per_gpu_hour=infra.price_per_hour if price is None else price,
+                      budget_hours=infra.budget_hours if budget_hours is None else budget_hours,
+                      budget_usd=infra.budget_usd if budget_usd is None else budget_usd)
+    doc = budget_projection(spec)
+    typer.echo(f"recommended coverage: {doc.projection.recommended_coverage}")
 
 
 def register(app: typer.Typer) -> None:

@@ -21,10 +21,11 @@ def bundle_build(suite: Annotated[Path, typer.Argument(help="Suite folder (holds
                  reference: Annotated[Path | None, typer.Option(help="Banked capture, 1:1 on run_id")] = None,
                  shard_rows: Annotated[int, typer.Option(help="Rows per Parquet shard")] = 16384) -> None:
     """Stream a suite into a byte-reproducible bundle; prints its sha256."""
-    from jex.tasks.capture.bundle import build_bundle
+    from jex.tasks.capture.bundle import build_bundle, provenance_sidecar
 
     try:
-        result = build_bundle(suite, out, reference=reference, shard_rows=shard_rows)
+        result = build_bundle(suite, out, reference=reference, shard_rows=shard_rows,
+                              provenance_out=provenance_sidecar(out))
     except JexError as e:
         fail(e)
     typer.echo(f"{result.sha256}  {result.path}  ({result.rows} rows)")
@@ -58,8 +59,8 @@ def score(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for scor
                           settings=settings.public_dict())
     except JexError as e:
         fail(e)
-    lo, hi = doc["ci"]
-    typer.echo(f"full {doc['full']:.4f}  95% CI [{lo:.4f}, {hi:.4f}]  -> {out / 'score.json'}")
+    lo, hi = doc.ci
+    typer.echo(f"full {doc.full:.4f}  95% CI [{lo:.4f}, {hi:.4f}]  -> {out / 'score.json'}")
 
 
 def register(app: typer.Typer) -> None:

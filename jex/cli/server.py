@@ -74,7 +74,7 @@ def runs_cmd(limit: Annotated[int, typer.Option(help="Newest N campaign runs")] 
 
     use_running_server(load_settings())
     rows = campaign_runs(limit)
-    typer.echo("\n".join(json.dumps(r) for r in rows) if as_json else format_runs(rows))
+    typer.echo("\n".join(json.dumps(r.to_json()) for r in rows) if as_json else format_runs(rows))
 
 
 def register(app: typer.Typer) -> None:

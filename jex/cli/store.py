@@ -9,17 +9,20 @@ continues on a fresh one with no engine call for what S3 already holds.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from jex.errors import InputError
 from jex.settings import load_settings
 
+if TYPE_CHECKING:
+    from jex.infra.s3 import PullReport, S3Store
+
 store_app = typer.Typer(no_args_is_help=True, help="The artifact store: bring campaigns back from S3.")
 
 
-def _s3():  # -> infra.s3.S3Store
+def _s3() -> S3Store:
     from jex.infra.s3 import S3Store
 
     settings = load_settings()
@@ -28,7 +31,7 @@ def _s3():  # -> infra.s3.S3Store
     return S3Store.from_settings(settings.store, settings.infra)
 
 
-def pull(campaign: str, out: Path, store: Path | None = None):  # -> infra.s3.PullReport
+def pull(campaign: str, out: Path, store: Path | None = None) -> PullReport:
     """Pull `campaign` (a campaign name with one run in S3, or a run folder name) into `out` and its store."""
     from jex.infra.s3 import pull_campaign
 
@@ -43,7 +46,7 @@ def resume_from_s3(run_dir: Path) -> None:
     typer.echo(_summary(report), err=True)
 
 
-def _summary(report) -> str:  # noqa: ANN001 - infra.s3.PullReport
+def _summary(report: PullReport) -> str:
     return (f"pulled {len(report.pulled)} stage folder(s) and {report.shards} machine shard(s) "
             f"({report.objects} objects, {report.bytes} bytes, sha256 verified) into {report.store}; "
             f"{len(report.present)} already here; incomplete in S3: {report.incomplete or 'none'}")

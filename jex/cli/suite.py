@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from jex.cli.common import fail
 from jex.errors import JexError
 
+if TYPE_CHECKING:
+    from jex.suite_import import ImportResult
+
 suite_app = typer.Typer(no_args_is_help=True, help="Suites: import, validate, list, and the sample generator.")
 import_app = typer.Typer(no_args_is_help=True, help="Import a suite from a Hugging Face dataset or an lm-eval task.")
 suite_app.add_typer(import_app, name="import")
 
 
-def _report(result) -> None:  # noqa: ANN001 - jex.suite_import.ImportResult
+def _report(result: ImportResult) -> None:
     for cat, n in result.rows.items():
         shots = result.fewshot_rows.get(cat, 0)
         typer.echo(f"{cat}: {n} rows" + (f", {shots} few-shot rows" if shots else ""))

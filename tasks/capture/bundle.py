@@ -2,8 +2,7 @@
 
 Layout of a bundle:
 
-    manifest.json              (first member) format, suite summary, per-catalog counts, sha256 of every member,
-                               provenance
+    manifest.json              (first member) format, suite summary, per-catalog counts, sha256 of every member
     suite.toml                 the suite manifest, verbatim
     rows/shard-00000.parquet   rows in suite order, `shard_rows` per shard
     fewshot/shard-00000.parquet   optional solved examples for few-shot prompts (never scored)
@@ -30,7 +29,7 @@ from typing import Any, TypedDict, cast
 import polars as pl
 
 from jex.errors import InputError, JexError
-from jex.fileio import atomic_path, canonical_json, sha256_file, write_tar_gz
+from jex.fileio import atomic_path, canonical_json, sha256_file, write_json, write_tar_gz
 from jex.provenance import provenance
 from jex.suite import (
     MANIFEST_NAME,
@@ -44,7 +43,9 @@ from jex.suite import (
 from jex.tasks.store import write_parquet
 
 PolarsType = pl.DataType | type[pl.DataType]
-BUNDLE_FORMAT = "jex-bundle/1"
+BUNDLE_FORMAT = "jex-bundle/2"
+READABLE_FORMATS = ("jex-bundle/1", BUNDLE_FORMAT)
+"""jex-bundle/1 carried provenance inside the hashed manifest; it is still read."""
 MANIFEST_MEMBER = "manifest.json"
 DEFAULT_SHARD_ROWS = 16384
 ROW_SCHEMA: dict[str, PolarsType] = {
@@ -90,7 +91,6 @@ class BundleManifest(TypedDict):
     row_shards: int
     reference: ReferenceInfo | None
     members: dict[str, MemberEntry]
-    provenance: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -237,9 +237,20 @@ def _catalog_entries(suite_dir: Path, manifest: SuiteManifest, census: _RowCensu
     return catalogs
 
 
+def provenance_sidecar(bundle: Path) -> Path:
+    """Where a bundle built outside the store keeps its provenance: `NAME.provenance.json` beside it."""
+    return bundle.with_name(bundle.name.removesuffix(".tar.gz") + ".provenance.json")
+
+
 def build_bundle(suite_dir: str | Path, out: str | Path, *, reference: str | Path | None = None,
-                 shard_rows: int = DEFAULT_SHARD_ROWS, settings: dict[str, Any] | None = None) -> BuildResult:
-    """Stream a suite into a deterministic bundle at `out`; returns its path, sha256 and manifest."""
+                 shard_rows: int = DEFAULT_SHARD_ROWS, settings: dict[str, Any] | None = None,
+                 provenance_out: Path | None = None) -> BuildResult:
+    """Stream a suite into a deterministic bundle at `out`; returns its path, sha256 and manifest.
+
+    The bundle's bytes hold only what decides the rows the engine reads (rows, suite manifest,
+    reference, format), so its sha256, and every key after it, is the same whatever jex commit or
+    library versions built it. Provenance (those versions, the input files' sha256, `settings`) is
+    written beside it, to `provenance_out` (a stage folder records its own: `StageDir.finish`)."""
     suite_dir, out = Path(suite_dir), Path(out)
     manifest = load_manifest(suite_dir)
     with tempfile.TemporaryDirectory(prefix="jex-bundle-", dir=out.parent if out.parent.exists() else None) as t:
@@ -263,10 +274,11 @@ def build_bundle(suite_dir: str | Path, out: str | Path, *, reference: str | Pat
             "rows": len(census.suite_ids), "shard_rows": shard_rows, "row_shards": census.shards,
             "reference": ref_info,
             "members": members,
-            "provenance": provenance(inputs=inputs, settings=settings or {}),
         }
         (stage / MANIFEST_MEMBER).write_text(canonical_json(doc), encoding="utf-8")
         _pack(stage, out)
+    if provenance_out is not None:
+        write_json(provenance_out, provenance(inputs=inputs, settings=settings or {}))
     return BuildResult(path=out, sha256=sha256_file(out), rows=len(census.suite_ids), manifest=doc)
 
 
@@ -333,7 +345,7 @@ def _read_manifest(tar: tarfile.TarFile, path: Path) -> tuple[tarfile.TarInfo, B
         manifest = json.loads(tar.extractfile(first).read().decode("utf-8"))  # type: ignore[union-attr]
     except (ValueError, UnicodeDecodeError) as e:
         raise BundleError(f"{path}: manifest.json unreadable ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in READABLE_FORMATS:
         raise BundleError(f"{path}: unknown bundle format "
                           f"{manifest.get('format') if isinstance(manifest, dict) else None!r}")
     if not isinstance(manifest.get("members"), dict):

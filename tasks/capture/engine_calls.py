@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from jex.engine.base import ChatTokenizer
-from jex.engine.render import DEFAULT_RENDER, Example, Renderer, RenderSpec, option_order
+from jex.engine.render import DEFAULT_RENDER, Example, Renderer, option_order
 from jex.engine.types import Engine, GenerateRequest, Generation, Readout, ReadoutMode, ReadoutRequest
+from jex.engine_spec import RenderSpec
 from jex.numerics import logit
 
 

@@ -8,17 +8,18 @@ run its shards. A re-run is a reproduction, not an improvisation, on every machi
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import polars as pl
 
+from jex.engine.fingerprint import EngineFingerprint, engine_fingerprint
+from jex.engine_spec import EngineSpec
 from jex.numerics import argmax
-from jex.tasks.capture.engine_pool import EngineSpec, audited_fingerprint, engine_fingerprint, get_engine
+from jex.tasks.capture.engine_pool import get_engine
 from jex.tasks.capture.stages import _as_rows, _bundle_rows, fewshot_pool, readouts_frame
-from jex.tasks.keys import stage_key
-from jex.tasks.records import BundleSummary, EngineStageArgs
+from jex.tasks.documents import GoldenRow, GoldenVerdict
+from jex.tasks.inputs import EngineJob, GoldenInputs
+from jex.tasks.records import BundleSummary
 from jex.tasks.store import LocalStore, write_parquet
 
 
@@ -31,16 +32,12 @@ def golden_readout(bundle: BundleSummary, engine: EngineSpec, store: LocalStore,
                                    fewshot=fewshot_pool(bundle, store, engine)))
 
 
-def golden_key(bundle: BundleSummary, engine_fp: dict[str, Any], rows: int) -> str:
-    return stage_key("fast_pass", params={"mode": "label_slot", "golden_rows": rows},
-                     inputs={"bundle": bundle.sha256}, engine=audited_fingerprint(engine_fp))
+def reference_path(store: LocalStore, bundle: BundleSummary, engine_fp: EngineFingerprint, rows: int) -> Path:
+    key = GoldenInputs(bundle=bundle, engine_fp=engine_fp, rows=rows).key()
+    return store.root / "golden" / key / "reference.parquet"
 
 
-def reference_path(store: LocalStore, bundle: BundleSummary, engine_fp: dict[str, Any], rows: int) -> Path:
-    return store.root / "golden" / golden_key(bundle, engine_fp, rows) / "reference.parquet"
-
-
-def find_reference(store: LocalStore, bundle: BundleSummary, engine_fp: dict[str, Any], rows: int,
+def find_reference(store: LocalStore, bundle: BundleSummary, engine_fp: EngineFingerprint, rows: int,
                    fast_pass_capture: str | None = None) -> tuple[pl.DataFrame | None, str]:
     """The stored reference, else the head of a complete fast-pass capture of the same engine; (None, why) if none."""
     ref = reference_path(store, bundle, engine_fp, rows)
@@ -51,23 +48,11 @@ def find_reference(store: LocalStore, bundle: BundleSummary, engine_fp: dict[str
     return None, "no reference yet"
 
 
-def store_reference(store: LocalStore, bundle: BundleSummary, engine_fp: dict[str, Any], frame: pl.DataFrame) -> Path:
+def store_reference(store: LocalStore, bundle: BundleSummary, engine_fp: EngineFingerprint,
+                    frame: pl.DataFrame) -> Path:
     path = reference_path(store, bundle, engine_fp, frame.height)
     write_parquet(frame, path)
     return path
-
-
-@dataclass
-class GoldenVerdict:
-    ok: bool
-    rows: int
-    max_abs_dp: float
-    tolerance: float
-    worst: list[dict[str, Any]] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def compare_golden(reference: pl.DataFrame, replay: pl.DataFrame, tolerance: float = 1e-4,
@@ -86,17 +71,17 @@ def compare_golden(reference: pl.DataFrame, replay: pl.DataFrame, tolerance: flo
         if a is None:
             continue
         dp = max(abs(math.exp(x) - math.exp(y)) for x, y in zip(a, b, strict=True))
-        diffs.append({"run_id": rid, "max_abs_dp": dp,
-                      "argmax_ref": argmax(a), "argmax_replay": argmax(b)})
-    diffs.sort(key=lambda d: (-d["max_abs_dp"], d["run_id"]))
-    top = diffs[0]["max_abs_dp"] if diffs else 0.0
+        diffs.append(GoldenRow(run_id=rid, max_abs_dp=dp, argmax_ref=argmax(a), argmax_replay=argmax(b)))
+    diffs.sort(key=lambda d: (-d.max_abs_dp, d.run_id))
+    top = diffs[0].max_abs_dp if diffs else 0.0
     return GoldenVerdict(ok=not problems and top <= tolerance, rows=len(ref), max_abs_dp=top, tolerance=tolerance,
                          worst=diffs[:worst], problems=problems[:worst])
 
 
-def golden_job(args: EngineStageArgs, rows: int, out: Path, fingerprint_out: Path) -> None:
+def golden_job(job: EngineJob, rows: int, out: Path, fingerprint_out: Path) -> None:
     """What `jex stage golden` runs on a machine: the replay and this machine's engine fingerprint."""
     from jex.fileio import write_json
 
-    write_json(fingerprint_out, engine_fingerprint(args.engine))
-    write_parquet(golden_readout(args.bundle, args.engine, LocalStore(args.store), rows), out)
+    engine = job.inputs.engine
+    write_json(fingerprint_out, engine_fingerprint(engine).model_dump(mode="json"))
+    write_parquet(golden_readout(job.inputs.bundle, engine, LocalStore(job.store), rows), out)

@@ -1,7 +1,8 @@
 """Engine stages: bundle, fast pass and reason, content-addressed in the store and sharded.
 
-Each function returns a small summary (paths, sha256s, counters): tasks hand each other these, never
-the frames. A completed stage folder is reused as is: the engine is not even loaded.
+Each is a `CachedStage` over its inputs record (`BundleInputs`, `FastPassInputs`, `ReasonInputs`) and
+returns a small summary (paths, sha256s, counters): tasks hand each other these, never the frames. A
+completed stage folder is reused as is: the engine is not even loaded.
 """
 
 from __future__ import annotations
@@ -9,18 +10,19 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypedDict, TypeVar
 
 import polars as pl
 
 from jex.engine.base import ChatTokenizer
-from jex.engine.render import RenderSpec
 from jex.engine.types import FinishReason, Generation, Readout, ReadoutMode, ReadoutRequest
+from jex.engine_spec import EngineSpec, RenderSpec
 from jex.fileio import sha256_file
 from jex.tasks.cached_stage import CachedStage
 from jex.tasks.capture.batch_errors import BATCH_ERROR, compute_resilient
-from jex.tasks.capture.bundle import PolarsType, build_bundle, open_bundle, suite_files
+from jex.tasks.capture.bundle import PolarsType, build_bundle, open_bundle
 from jex.tasks.capture.engine_calls import (
     CaptureRow,
     FewShotPool,
@@ -31,14 +33,12 @@ from jex.tasks.capture.engine_calls import (
     read_questions,
     reread,
 )
-from jex.tasks.capture.engine_pool import CALLS, EngineSpec, audited_fingerprint, engine_fingerprint, get_engine
-from jex.tasks.keys import stage_key
+from jex.tasks.capture.engine_pool import CALLS, get_engine
+from jex.tasks.inputs import BundleInputs, EngineStageInputs, FastPassInputs, ReasonInputs
 from jex.tasks.records import (
     BundleSummary,
-    EngineStageArgs,
     FastPassErrors,
     FastPassSummary,
-    GateSummary,
     PartialSummary,
     RationaleTokens,
     ReasonErrors,
@@ -65,29 +65,12 @@ REASON_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "rationale": pl.Str
                  "finish_reason": pl.String, "post_logprobs": pl.List(pl.Float64), "refusal": pl.String}
 
 
-def _suite_inputs(suite_dir: str | Path, reference: str | None = None) -> dict[str, str]:
-    """sha256 of every file the bundle is built from (and of the reference rows file, when the bundle
-    carries one: `tasks/scoring/reference_audit.py`)."""
-    from jex.suite import load_manifest
-
-    suite_dir = Path(suite_dir)
-    files = [suite_dir / "suite.toml", *suite_files(suite_dir, load_manifest(suite_dir))]
-    inputs = {p.relative_to(suite_dir).as_posix(): sha256_file(p) for p in files}
-    if reference:
-        inputs["reference"] = sha256_file(reference)
-    return inputs
-
-
-def _bundle_key(*, suite: str | Path, reference: str | None = None, **_: object) -> str:
-    return stage_key("bundle", params={}, inputs=_suite_inputs(suite, reference))
-
-
-def _bundle(out: StageDir, store: LocalStore, *, suite: str | Path, reference: str | None = None) -> BundleSummary:
-    result = build_bundle(Path(suite), out.path / "bundle.tar.gz", reference=reference)
+def _bundle(out: StageDir, store: LocalStore, inputs: BundleInputs) -> BundleSummary:
+    result = build_bundle(Path(inputs.suite), out.path / "bundle.tar.gz", reference=inputs.reference)
     return BundleSummary(key=out.key, bundle=str(result.path), sha256=result.sha256, rows=result.rows)
 
 
-bundle_stage = CachedStage("bundle", BundleSummary, key=_bundle_key, body=_bundle)
+bundle_stage = CachedStage(BundleInputs, BundleSummary, body=_bundle)
 """Build (or reuse) the bundle of a suite folder: `bundle_stage(store, suite=..., reference=None)`."""
 
 
@@ -121,43 +104,37 @@ def readouts_frame(readouts: list[Readout]) -> pl.DataFrame:
                          "refusal": [r.refusal for r in readouts]}, schema=READOUT_SCHEMA)
 
 
-def stage_plan(stage: str, args: EngineStageArgs, engine_fp: dict[str, Any] | None = None) -> StagePlan:
-    """Where an engine stage's shards go and how many there are, without loading anything heavy.
-
-    `engine_fp` is the fingerprint measured on the machine that computes the stage (default: here).
-    """
-    fp = engine_fp or engine_fingerprint(args.engine)
-    if stage == "fast_pass":
-        key, rows = _fast_pass_key(bundle=args.bundle, engine=args.engine, engine_fp=fp), args.bundle.rows
-    elif stage == "reason" and args.gate is not None and args.max_tokens is not None:
-        key = _reason_key(bundle=args.bundle, gate=args.gate, engine=args.engine, engine_fp=fp,
-                          max_tokens=args.max_tokens)
-        rows = args.gate.rows
-    else:
-        raise ValueError(f"unknown engine stage {stage!r} (or reason without gate and max_tokens)")
-    folder = Path(args.store) / stage / key
-    return StagePlan(stage=stage, key=key, folder=str(folder), shards_dir=str(folder / f"shards-{args.shard_rows}"),
-                     shards=-(-rows // args.shard_rows), complete=(folder / "_SUCCESS.json").exists(), engine=fp)
+def stage_plan(inputs: EngineStageInputs, store: str | Path) -> StagePlan:
+    """Where an engine stage's shards go and how many there are, without loading anything heavy."""
+    key = inputs.key()
+    rows = inputs.gate.rows if isinstance(inputs, ReasonInputs) else inputs.bundle.rows
+    folder = Path(store) / inputs.stage / key
+    return StagePlan(stage=inputs.stage, key=key, folder=str(folder),
+                     shards_dir=str(folder / f"shards-{inputs.shard_rows}"), shards=-(-rows // inputs.shard_rows),
+                     complete=(folder / "_SUCCESS.json").exists(), engine=inputs.fingerprint())
 
 
-def _fast_pass_key(*, bundle: BundleSummary, engine: EngineSpec, engine_fp: dict[str, Any] | None = None,
-                   **_: object) -> str:
-    return stage_key("fast_pass", params={"mode": "label_slot"}, inputs={"bundle": bundle.sha256},
-                     engine=audited_fingerprint(engine_fp or engine_fingerprint(engine)))
+@dataclass(frozen=True)
+class ShardShare:
+    """How one process takes part in an engine stage, never what it computes: worker `worker` of
+    `workers` takes shards w, w+N, ...; with `claim` processes take shards as they claim them;
+    `progress(stage, done, total)` after each shard."""
+
+    worker: int = 0
+    workers: int = 1
+    claim: bool = False
+    progress: Progress | None = None
 
 
-def _reason_key(*, bundle: BundleSummary, gate: GateSummary, engine: EngineSpec, max_tokens: int,
-                engine_fp: dict[str, Any] | None = None, **_: object) -> str:
-    return stage_key("reason", params={"max_tokens": max_tokens}, inputs={"bundle": bundle.sha256, "gate": gate.sha256},
-                     engine=engine_fp or engine_fingerprint(engine))
+ALONE = ShardShare()
+"""One process computes every shard."""
 
 
 def _sharded(stage: Literal["fast_pass", "reason"], out: StageDir, rows: list[CaptureRow],
              prepare: Callable[[ChatTokenizer, Sequence[CaptureRow]], list[Prepared]],
              read: Callable[[Sequence[Prepared]], pl.DataFrame],
              failed: Callable[[Sequence[Prepared], str], pl.DataFrame],
-             *, engine: EngineSpec, shard_rows: int, worker: int, workers: int, progress: Progress | None,
-             claim: bool) -> tuple[Path, ShardStats] | PartialSummary:
+             *, engine: EngineSpec, shard_rows: int, share: ShardShare) -> tuple[Path, ShardStats] | PartialSummary:
     """The shards of an engine stage: each rendered and tokenised (`prepare`; one shard ahead on a thread
     beside the engine, with the engine's `preparer()`, as `PREPARE_AHEAD_ENV` says), then read in one
     engine call (`read`; a batch that keeps failing is split, and its rows that still fail become
@@ -176,11 +153,12 @@ def _sharded(stage: Literal["fast_pass", "reason"], out: StageDir, rows: list[Ca
         return compute_resilient(prepared, read, failed)
 
     shards = out.path / f"shards-{shard_rows}"
-    stats = run_sharded(rows, shard_rows=shard_rows, folder=shards, compute=compute, worker=worker, workers=workers,
-                        on_shard=(lambda d, t: progress(stage, d, t)) if progress else None,
-                        prepare=tokenizer, claim=claim, prepare_chunk=lambda chunk: prepare(tokenizer(), chunk),
+    progress = share.progress
+    stats = run_sharded(rows, shard_rows=shard_rows, folder=shards, compute=compute, worker=share.worker,
+                        workers=share.workers, on_shard=(lambda d, t: progress(stage, d, t)) if progress else None,
+                        prepare=tokenizer, claim=share.claim, prepare_chunk=lambda chunk: prepare(tokenizer(), chunk),
                         prepare_ahead=ahead)
-    if (workers > 1 or claim) and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
+    if (share.workers > 1 or share.claim) and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
         return partial_summary(stage, out.key, stats)
     return shards, stats
 
@@ -200,9 +178,9 @@ class ShardFields(TypedDict):
     computed_rows: int
 
 
-def _fast_pass(out: StageDir, store: LocalStore, *, bundle: BundleSummary, engine: EngineSpec, shard_rows: int = 32,
-               worker: int = 0, workers: int = 1, progress: Progress | None = None,
-               engine_fp: dict[str, Any] | None = None, claim: bool = False) -> FastPassSummary | PartialSummary:
+def _fast_pass(out: StageDir, store: LocalStore, inputs: FastPassInputs,
+               share: ShardShare = ALONE) -> FastPassSummary | PartialSummary:
+    bundle, engine = inputs.bundle, inputs.engine
     rows = _as_rows(_bundle_rows(bundle, store))
     pool = fewshot_pool(bundle, store, engine)
 
@@ -215,28 +193,30 @@ def _fast_pass(out: StageDir, store: LocalStore, *, bundle: BundleSummary, engin
     def unread(requests: Sequence[ReadoutRequest], why: str) -> pl.DataFrame:
         return readouts_frame([Readout(r.run_id, None, None, None, ReadoutMode.LABEL_SLOT, why) for r in requests])
 
-    done = _sharded("fast_pass", out, rows, questions, readout, unread, engine=engine, shard_rows=shard_rows,
-                    worker=worker, workers=workers, progress=progress, claim=claim)
+    done = _sharded("fast_pass", out, rows, questions, readout, unread, engine=engine, shard_rows=inputs.shard_rows,
+                    share=share)
     if isinstance(done, PartialSummary):
         return done
     shards, stats = done
     merged = out.path / "capture.parquet"
     frame = merge_shards(shards, stats.shards, merged)
     return FastPassSummary(key=out.key, capture=str(merged), sha256=sha256_file(merged), rows=frame.height,
-                           shard_rows=shard_rows, **_shard_fields(stats), **fast_pass_error_counters(frame),
-                           engine=engine_fp or engine_fingerprint(engine))
+                           shard_rows=inputs.shard_rows, **_shard_fields(stats), **fast_pass_error_counters(frame),
+                           engine=inputs.fingerprint())
 
 
-fast_pass_stage = CachedStage("fast_pass", FastPassSummary, key=_fast_pass_key, body=_fast_pass)
+fast_pass_stage = CachedStage(FastPassInputs, FastPassSummary, body=_fast_pass)
 """Label-slot readout of every row, sharded; `capture.parquet` is the merge of the shards.
 
-`fast_pass_stage.run(store, bundle=..., engine=..., shard_rows=..., [worker, workers, claim, progress,
-engine_fp])`: `engine_fp` overrides the local fingerprint when the shards were computed on another
-machine; with `claim` or several `workers` a process may return a `PartialSummary` (`run_sharded`)."""
+`fast_pass_stage.run(store, FastPassInputs(...), share=ShardShare(...))` (`share` defaults to `ALONE`;
+`fast_pass_stage(store, inputs)` is the same, alone, and never partial). The inputs' `engine_fp`, when
+set, is the fingerprint measured where the shards were computed (a machine's), else this process's
+engine is fingerprinted; with `claim` or several `workers` in `share`, a process may return a
+`PartialSummary` (`run_sharded`). `reason_stage` is called the same way with a `ReasonInputs`."""
 
 
 def read_with_fallback(eng: Any, requests: Sequence[ReadoutRequest], *, render: RenderSpec) -> list[Readout]:
-    """Label-slot readout of the questions (`capture.prepared_questions`); a row whose labels are not
+    """Label-slot readout of the questions (`engine_calls.prepared_questions`); a row whose labels are not
     single tokens is read again through the fallback path, the options' continuation log-likelihoods
     (its `label_mass` stays null)."""
     readouts = read_questions(eng, requests, render=render)
@@ -288,10 +268,10 @@ def reason_frame(gens: list[Generation], posts: list[Readout]) -> pl.DataFrame:
         schema=REASON_SCHEMA)
 
 
-def _reason(out: StageDir, store: LocalStore, *, bundle: BundleSummary, gate: GateSummary, engine: EngineSpec,
-            max_tokens: int, shard_rows: int = 8, worker: int = 0, workers: int = 1, progress: Progress | None = None,
-            engine_fp: dict[str, Any] | None = None, claim: bool = False) -> ReasonSummary | PartialSummary:
-    gated = pl.read_parquet(gate.gated)["run_id"]
+def _reason(out: StageDir, store: LocalStore, inputs: ReasonInputs,
+            share: ShardShare = ALONE) -> ReasonSummary | PartialSummary:
+    bundle, engine, max_tokens = inputs.bundle, inputs.engine, inputs.max_tokens
+    gated = pl.read_parquet(inputs.gate.gated)["run_id"]
     rows = _as_rows(_bundle_rows(bundle, store).join(gated.to_frame(), on="run_id", how="semi", maintain_order="left"))
 
     def calls(tokenizer: ChatTokenizer, batch: Sequence[CaptureRow]) -> list[ReasonCall]:
@@ -303,8 +283,8 @@ def _reason(out: StageDir, store: LocalStore, *, bundle: BundleSummary, gate: Ga
         return reason_frame(gens, reread(eng, [c.row for c in batch], gens, render=engine.render,
                                          prompts=[c.request.prompt for c in batch]))
 
-    done = _sharded("reason", out, rows, calls, think, failed_reason_frame, engine=engine, shard_rows=shard_rows,
-                    worker=worker, workers=workers, progress=progress, claim=claim)
+    done = _sharded("reason", out, rows, calls, think, failed_reason_frame, engine=engine,
+                    shard_rows=inputs.shard_rows, share=share)
     if isinstance(done, PartialSummary):
         return done
     shards, stats = done
@@ -315,10 +295,10 @@ def _reason(out: StageDir, store: LocalStore, *, bundle: BundleSummary, gate: Ga
                              hit_max_tokens=frame.filter(pl.col("finish_reason") == "length").height)
     return ReasonSummary(key=out.key, reasoned=str(merged), sha256=sha256_file(merged), rows=frame.height,
                          **_shard_fields(stats), **reason_error_counters(frame), rationale_tokens=tokens,
-                         engine=engine_fp or engine_fingerprint(engine))
+                         engine=inputs.fingerprint())
 
 
-reason_stage = CachedStage("reason", ReasonSummary, key=_reason_key, body=_reason)
+reason_stage = CachedStage(ReasonInputs, ReasonSummary, body=_reason)
 """A greedy rationale for each gated row, then the options re-read after it (post-thought readout)."""
 
 

@@ -5,7 +5,7 @@ through CUDA_VISIBLE_DEVICES (tensor parallel 1: batch invariance survives data 
 tensor parallelism). The merge is the stage called once more with workers=1: every shard exists,
 so nothing is recomputed, and the merged capture is the same bytes as a one-worker run.
 
-    python -m jex.tasks.capture.workers STAGE ARGS.json WORKER WORKERS    (one worker; used by `run_workers`)
+    python -m jex.tasks.capture.workers JOB.json WORKER WORKERS    (one worker; used by `run_workers`)
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jex.tasks.records import EngineStageArgs, FastPassSummary, PartialSummary, ReasonSummary, Record
+from jex.tasks.inputs import EngineJob, FastPassInputs
+from jex.tasks.records import FastPassSummary, PartialSummary, ReasonSummary, Record
 from jex.tasks.store import LocalStore
 
 if TYPE_CHECKING:
-    from jex.tasks.capture.stages import Progress
+    from jex.tasks.capture.stages import ShardShare
 
 
 class WorkerReport(Record):
@@ -34,22 +35,23 @@ class WorkerReport(Record):
     device: str | None
 
 
-def run_workers(stage: str, args: EngineStageArgs, *, workers: int, devices: list[str] | None = None,
+def run_workers(job: EngineJob, *, workers: int, devices: list[str] | None = None,
                 timeout: float | None = None) -> tuple[FastPassSummary | ReasonSummary, list[WorkerReport]]:
-    """Run `stage` ('fast_pass' or 'reason') on `workers` processes, then merge; returns the stage
-    summary and each worker's report.
+    """Run the job's engine stage on `workers` processes, then merge; returns the stage summary and
+    each worker's report.
 
     `devices[i]` becomes worker i's CUDA_VISIBLE_DEVICES (None: inherit). Raises if any worker fails.
     """
-    spec_file = Path(args.store) / f".workers-{stage}-{os.getpid()}.json"
+    stage = job.inputs.stage
+    spec_file = Path(job.store) / f".workers-{stage}-{os.getpid()}.json"
     spec_file.parent.mkdir(parents=True, exist_ok=True)
-    spec_file.write_text(args.model_dump_json())
+    spec_file.write_text(job.model_dump_json())
     procs = []
     for w in range(workers):
         env = dict(os.environ)
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices[w]
-        procs.append(subprocess.Popen([sys.executable, "-m", "jex.tasks.capture.workers", stage, str(spec_file), str(w),
+        procs.append(subprocess.Popen([sys.executable, "-m", "jex.tasks.capture.workers", str(spec_file), str(w),
                                        str(workers)], env=env, stdout=subprocess.PIPE, text=True))
     reports = []
     for w, p in enumerate(procs):
@@ -57,37 +59,32 @@ def run_workers(stage: str, args: EngineStageArgs, *, workers: int, devices: lis
         if p.returncode != 0:
             raise RuntimeError(f"{stage} worker {w} exited {p.returncode}")
         reports.append(WorkerReport.model_validate_json(out.strip().splitlines()[-1]))
-    summary = stage_call(stage, args, worker=0, workers=1)
+    summary = stage_call(job)
     spec_file.unlink(missing_ok=True)
     if isinstance(summary, PartialSummary):
         raise RuntimeError(f"{stage}: shards missing after every worker finished")
     return summary, reports
 
 
-def stage_call(stage: str, args: EngineStageArgs, *, worker: int, workers: int, claim: bool = False,
-               progress: Progress | None = None) -> FastPassSummary | ReasonSummary | PartialSummary:
-    """Compute (this worker's share of) an engine stage in this process; `progress(stage, done,
-    total)` after each of its shards."""
-    from jex.tasks.capture.stages import fast_pass_stage, reason_stage
+def stage_call(job: EngineJob, share: ShardShare | None = None) -> FastPassSummary | ReasonSummary | PartialSummary:
+    """Compute (this process's share of) the job's engine stage in this process."""
+    from jex.tasks.capture.stages import ALONE, fast_pass_stage, reason_stage
 
-    store = LocalStore(args.store)
-    common = {"bundle": args.bundle, "engine": args.engine, "shard_rows": args.shard_rows, "worker": worker,
-              "workers": workers, "claim": claim, "progress": progress}
-    if stage == "fast_pass":
-        return fast_pass_stage.run(store, **common)
-    if stage == "reason":
-        return reason_stage.run(store, gate=args.gate, max_tokens=args.max_tokens, **common)
-    raise ValueError(f"unknown stage {stage!r}")
+    store, inputs = LocalStore(job.store), job.inputs
+    if isinstance(inputs, FastPassInputs):
+        return fast_pass_stage.run(store, inputs, share=share or ALONE)
+    return reason_stage.run(store, inputs, share=share or ALONE)
 
 
-def _main(stage: str, spec_file: str, worker: int, workers: int) -> None:
+def _main(spec_file: str, worker: int, workers: int) -> None:
     from jex.tasks.capture.engine_pool import get_engine
+    from jex.tasks.capture.stages import ShardShare
 
-    args = EngineStageArgs.model_validate_json(Path(spec_file).read_text())
+    job = EngineJob.model_validate_json(Path(spec_file).read_text())
     t0 = time.perf_counter()
-    get_engine(args.engine)
+    get_engine(job.inputs.engine)
     started = time.perf_counter()
-    summary = stage_call(stage, args, worker=worker, workers=workers)
+    summary = stage_call(job, ShardShare(worker=worker, workers=workers))
     done = time.perf_counter()
     print(WorkerReport(worker=worker, engine_start_s=started - t0, compute_s=done - started,
                        computed_shards=summary.computed_shards,
@@ -95,4 +92,4 @@ def _main(stage: str, spec_file: str, worker: int, workers: int) -> None:
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    _main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -1,15 +1,16 @@
 """Arms files: the base and each arm as a difference from it, validated before any engine starts.
 
 An arms file (TOML) has an optional `name`, an optional `[base]` table (settings applied to the
-campaign the CLI or the form describes), a `[gate]` table (the pre-registered gate) and one
-`[[arms]]` table per arm:
+campaign the CLI or the form describes), a `[gate]` table (the pre-registered test that decides
+each arm's verdict, `ExperimentTestSettings`; the table keeps its name `gate`) and one `[[arms]]`
+table per arm:
 
     [[arms]]
     name = "lettered"            # unique; letters, digits, '-', '_', '.'
     kind = "arm"                 # arm | placebo | twin | sweep
     hypothesis = "..."           # free text, copied to the report and the ledger
     reopen_when = "..."          # when a closed hypothesis may be reopened (ledger)
-    placebo = "reworded"         # the placebo this arm is judged against (default: the gate's)
+    placebo = "reworded"         # the placebo this arm is judged against (default: [gate]'s)
     fold_weight = 0.8            # campaign settings: CAMPAIGN_SETTINGS
     model = "/path/model.gguf"   # another model
     [arms.render]                # what the engine reads: any `RenderSpec` field
@@ -26,20 +27,19 @@ from __future__ import annotations
 
 import re
 import tomllib
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from jex.engine_spec import EngineSpec, RenderSpec
 from jex.errors import InputError
 from jex.fileio import sha256_bytes
 from jex.settings import BOOTSTRAP_SEED
-from jex.tasks.capture.engine_pool import EngineSpec, RenderSpec
 
 ArmKind = Literal["arm", "placebo", "twin", "sweep"]
 CAMPAIGN_SETTINGS = ("coverage", "per_catalog_cap", "reason_max_tokens", "fold_rule", "fold_weight",
                      "calibration_folds", "overlays")
-"""Campaign settings an arm may change (the CPU stages, and the gate's coverage)."""
+"""Campaign settings an arm may change (the CPU stages, and the coverage gate's coverage)."""
 ENGINE_SETTINGS = ("kind", "device", "batch_size", "max_num_seqs", "dtype", "gpu_memory_utilization",
                    "max_model_len")
 """Engine profile settings an arm may change (`[arms.engine]`)."""
@@ -52,11 +52,12 @@ ARM_KEYS = {"name", "kind", "hypothesis", "reopen_when", "placebo", "parameter",
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
-class ExperimentGateSettings(BaseModel):
-    """An experiment's pre-registered gate: written and hashed before any arm result is read."""
+class ExperimentTestSettings(BaseModel):
+    """An experiment's pre-registered test (the arms file's `[gate]` table): written and hashed before any
+    arm result is read; an arm is GO only when it passes every check (`experiment_report.verdict`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    metric: str = Field("full", description="full, or a leg name: the index the gate judges")
+    metric: str = Field("full", description="full, or a leg name: the index the test judges")
     alpha: float = Field(0.05, gt=0, lt=1, description="Permutation p must be below alpha")
     min_effect: float = Field(0.0, ge=0, description="The delta's CI lower end must exceed this (index points)")
     placebo: str | None = Field(None, description="Placebo arm arms are judged against (default: the only one)")
@@ -104,14 +105,14 @@ class ArmsFile(BaseModel):
     sha256: str
     name: str = "experiment"
     base: ArmDecl
-    gate: ExperimentGateSettings
+    test: ExperimentTestSettings = Field(description="The pre-registered test (the file's `[gate]` table)")
     arms: tuple[ArmDecl, ...]
 
     def arm(self, name: str) -> ArmDecl:
         return next(a for a in self.arms if a.name == name)
 
     def placebo_of(self, arm: ArmDecl) -> str | None:
-        return arm.placebo or self.gate.placebo
+        return arm.placebo or self.test.placebo
 
 
 def with_setting(arm: ArmDecl, dotted: str, value: Any) -> ArmDecl:
@@ -217,25 +218,18 @@ def parse_arms(text: str, *, path: str = "arms.toml") -> ArmsFile:
         _check_kind(decl, path)
         arms.append(decl)
     try:
-        gate = ExperimentGateSettings.model_validate(doc.get("gate", {}))
+        test = ExperimentTestSettings.model_validate(doc.get("gate", {}))
     except ValidationError as e:
         first = e.errors()[0]
         raise InputError(first["msg"], file=path, field="gate." + ".".join(str(p) for p in first["loc"])) from None
     placebos = [a.name for a in arms if a.kind in ("placebo", "twin")]
-    if gate.placebo is None and len([a for a in arms if a.kind == "placebo"]) == 1:
-        gate = gate.model_copy(update={"placebo": next(a.name for a in arms if a.kind == "placebo")})
-    if gate.placebo is not None and gate.placebo not in placebos:
-        raise InputError(f"gate placebo '{gate.placebo}' is not a placebo or twin arm ({placebos})", file=path,
+    if test.placebo is None and len([a for a in arms if a.kind == "placebo"]) == 1:
+        test = test.model_copy(update={"placebo": next(a.name for a in arms if a.kind == "placebo")})
+    if test.placebo is not None and test.placebo not in placebos:
+        raise InputError(f"[gate] placebo '{test.placebo}' is not a placebo or twin arm ({placebos})", file=path,
                          field="gate.placebo")
     for a in arms:
         if a.placebo is not None and a.placebo not in placebos:
             raise _err(path, a.name, "placebo", f"'{a.placebo}' is not a placebo or twin arm ({placebos})")
     return ArmsFile(path=path, sha256=sha256_bytes(text.encode()), name=doc.get("name", "experiment"),
-                    base=base, gate=gate, arms=tuple(arms))
-
-
-def load_arms(path: str | Path) -> ArmsFile:
-    p = Path(path)
-    if not p.is_file():
-        raise InputError("arms file not found", file=str(p))
-    return parse_arms(p.read_text(), path=str(p))
+                    base=base, test=test, arms=tuple(arms))

@@ -23,8 +23,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jex.engine.render import DEFAULT_RENDER, RenderSpec
+from jex.engine.render import DEFAULT_RENDER
 from jex.engine.types import NextTokenRequest, ReadoutMode, ReadoutRequest
+from jex.engine_spec import RenderSpec
 from jex.numerics import argmax
 from jex.tasks.capture.engine_calls import CaptureRow, as_row, reason, reason_prompts
 

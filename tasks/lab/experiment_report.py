@@ -1,5 +1,6 @@
-"""An experiment's products: the registered gate, verdicts, `experiment.json`, `report.md`, the forest
-and sweep plots, the twin audit and the append-only decision ledger.
+"""An experiment's products: the pre-registered test (the arms file's `[gate]`, registered before any arm
+runs), verdicts, `experiment.json`, `report.md`, the forest and sweep plots, the twin audit and the
+append-only decision ledger. The files keep the names `gate-settings.json`, `"gate"` and `gate_sha256`.
 
 Nothing here runs an engine: it reads finished run folders (predictions, provenance, stage summaries).
 """
@@ -19,8 +20,9 @@ import polars as pl
 
 from jex.errors import InputError
 from jex.fileio import canonical_json, read_json, write_json, write_text
-from jex.tasks.lab.arms import ArmsFile, ExperimentGateSettings
+from jex.tasks.lab.arms import ArmsFile, ExperimentTestSettings
 from jex.tasks.lab.experiment_stats import ArmStats, Delta, DeltaJson, OofChoice, versus
+from jex.tasks.records import CampaignSummaries, FinishedCampaign
 from jex.tasks.scoring.inputs import SuiteTable
 
 
@@ -115,7 +117,7 @@ class ExperimentDoc(TypedDict):
 
     name: str
     base: dict[str, Any]  # index, run, engine_calls, wall_s
-    gate: dict[str, Any]  # settings_sha256 and the registered gate settings
+    gate: dict[str, Any]  # the pre-registered test: settings_sha256 and its settings
     arms: dict[str, ArmEntry]
     twin: dict[str, TwinAudit]
     sweeps: dict[str, SweepDoc]
@@ -137,18 +139,19 @@ class LedgerEntry(TypedDict, total=False):
     placebo: str
     placebo_effect: float
     vs_placebo_ci: list[float]
-    gate_sha256: str
+    gate_sha256: str  # the pre-registered test's settings_sha256
     date: str
     reopen_when: str
 
 
-def register_experiment_gate(arms: ArmsFile, out: Path) -> str:
-    """Write `gate-settings.json` (the gate and every arm as declared) before any arm runs; its sha256.
+def register_experiment_test(arms: ArmsFile, out: Path) -> str:
+    """Write `gate-settings.json` (the pre-registered test and every arm as declared) before any arm runs;
+    its sha256.
 
-    Re-running the same experiment registers the same bytes; a changed gate or arm list is refused
+    Re-running the same experiment registers the same bytes; a changed test or arm list is refused
     (it would be a new experiment in the same folder: pick another OUT).
     """
-    doc = {"gate": arms.gate.model_dump(mode="json"), "arms_file_sha256": arms.sha256,
+    doc = {"gate": arms.test.model_dump(mode="json"), "arms_file_sha256": arms.sha256,
            "arms": [a.model_dump(mode="json") for a in arms.arms], "base": arms.base.model_dump(mode="json")}
     text = canonical_json(doc)
     path = out / "gate-settings.json"
@@ -176,26 +179,26 @@ def predictions(run_dir: Path) -> pl.DataFrame:
     return pl.read_parquet(run_dir / "predictions.parquet").select(pl.exclude("stage"))
 
 
-def stage_summaries(run_dir: Path) -> dict[str, Any]:
-    """The stage summaries a run used (`stages.json` names the folders; `_SUCCESS.json` holds them)."""
+def stage_summaries(run_dir: Path) -> FinishedCampaign:
+    """The stage summaries a finished run used (`stages.json` names the folders; `_SUCCESS.json` holds them)."""
     stages = read_json(run_dir / "stages.json")
-    return {k: read_json(Path(v["folder"]) / "_SUCCESS.json") for k, v in stages.items()}
+    return CampaignSummaries.model_validate({k: read_json(Path(v["folder"]) / "_SUCCESS.json")
+                                             for k, v in stages.items()}).finished()
 
 
 def engine_cost(run_dir: Path) -> tuple[float, float]:
     """(engine compute seconds of the capture, mean rationale tokens), whether computed now or reused."""
     s = stage_summaries(run_dir)
-    seconds = sum(float(s[k].get("compute_seconds") or 0.0) for k in ("fast_pass", "reason"))
-    return seconds, float(s["reason"].get("rationale_tokens", {}).get("mean") or 0.0)
+    return s.fast_pass.compute_seconds + s.reason.compute_seconds, s.reason.rationale_tokens.mean
 
 
-def verdict(stats: ArmStats, vs_placebo: Delta | None, gate: ExperimentGateSettings) -> tuple[str, dict[str, bool]]:
+def verdict(stats: ArmStats, vs_placebo: Delta | None, test: ExperimentTestSettings) -> tuple[str, dict[str, bool]]:
     """GO only when every pre-registered check passes (the checks come back with the verdict)."""
     worst = min(d.delta for d in stats.catalogs.values())
-    checks = {"ci_above_min_effect": stats.metric.ci[0] > gate.min_effect,
-              "p_below_alpha": stats.p < gate.alpha,
+    checks = {"ci_above_min_effect": stats.metric.ci[0] > test.min_effect,
+              "p_below_alpha": stats.p < test.alpha,
               "above_placebo": vs_placebo is not None and vs_placebo.ci[0] > 0,
-              "no_catalog_degrades": worst >= -gate.catalog_tolerance}
+              "no_catalog_degrades": worst >= -test.catalog_tolerance}
     return ("GO" if all(checks.values()) else "NO-GO"), checks
 
 
@@ -218,8 +221,8 @@ def first_difference(a: Path, b: Path) -> ParquetDifference | None:
 def twin_audit(base_dir: Path, twin_dir: Path) -> TwinAudit:
     """Compare the twin's capture, rationales and predictions with the base's, byte for byte."""
     b, t = stage_summaries(base_dir), stage_summaries(twin_dir)
-    files = {"fast_pass": (Path(b["fast_pass"]["capture"]), Path(t["fast_pass"]["capture"])),
-             "reason": (Path(b["reason"]["reasoned"]), Path(t["reason"]["reasoned"])),
+    files = {"fast_pass": (Path(b.fast_pass.capture), Path(t.fast_pass.capture)),
+             "reason": (Path(b.reason.reasoned), Path(t.reason.reasoned)),
              "predictions": (base_dir / "predictions.parquet", twin_dir / "predictions.parquet")}
     diffs = {k: first_difference(x, y) for k, (x, y) in files.items()}
     first: ArtifactDifference | None = None
@@ -228,13 +231,14 @@ def twin_audit(base_dir: Path, twin_dir: Path) -> TwinAudit:
             first = {"artifact": k, **v}
             break
     return {"identical": first is None, "first_difference": first,
-            "sha256": {k: [b[k]["sha256"], t[k]["sha256"]] for k in ("fast_pass", "reason")},
-            "folders": {k: [b[k]["key"], t[k]["key"]] for k in ("fast_pass", "reason")}}
+            "sha256": {"fast_pass": [b.fast_pass.sha256, t.fast_pass.sha256],
+                       "reason": [b.reason.sha256, t.reason.sha256]},
+            "folders": {"fast_pass": [b.fast_pass.key, t.fast_pass.key], "reason": [b.reason.key, t.reason.key]}}
 
 
 def forest_plot(arms: Mapping[str, ArmEntry], placebo: ArmEntry | None, path: Path,
                 metric: str) -> None:
-    """Each arm's delta with its 95% CI; the gate's placebo interval as a shaded band."""
+    """Each arm's delta with its 95% CI; the test's placebo's interval as a shaded band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -289,14 +293,14 @@ def _ci(ci: list[float] | tuple[float, float]) -> str:
 
 
 def render_report(doc: ExperimentDoc) -> str:
-    """`report.md`: the gate and its hash, the arms table, the twin audit, sweeps, panel projection."""
+    """`report.md`: the pre-registered test and its hash, the arms table, the twin audit, sweeps, panel projection."""
     g = doc["gate"]
     lines = [f"# Experiment: {doc['name']}", "",
              f"Base index **{doc['base']['index']:.3f}** ({doc['base']['run']}).", "",
-             f"Gate (registered before any arm ran, sha256 `{g['settings_sha256']}`): metric `{g['metric']}`, "
-             f"alpha {g['alpha']}, minimum effect {g['min_effect']}, placebo `{g['placebo']}`, catalog tolerance "
-             f"{g['catalog_tolerance']}; {g['draws']} paired clustered draws (seed {g['seed']}), "
-             f"{g['permutations']} sign-flip permutations.", "",
+             f"Pre-registered test (`[gate]`, registered before any arm ran, sha256 `{g['settings_sha256']}`): "
+             f"metric `{g['metric']}`, alpha {g['alpha']}, minimum effect {g['min_effect']}, placebo "
+             f"`{g['placebo']}`, catalog tolerance {g['catalog_tolerance']}; {g['draws']} paired clustered draws "
+             f"(seed {g['seed']}), {g['permutations']} sign-flip permutations.", "",
              "| arm | kind | delta | 95% CI | p | vs placebo | verdict | wall ratio | engine calls (fast/reason) |",
              "|---|---|---:|---|---:|---|---|---:|---|"]
     for name, a in doc["arms"].items():
@@ -354,7 +358,7 @@ def _toml_value(v: Any) -> str:
 
 def append_ledger(path: Path, doc: ExperimentDoc, reopen: Mapping[str, str], *, date: str | None = None) -> int:
     """Append one `[[decisions]]` entry per decided arm (GO / NO-GO) not yet in the ledger for this
-    gate hash; the file is only ever appended to (one write, then fsync). Returns entries added."""
+    test's hash (`gate_sha256`); the file is only ever appended to (one write, then fsync). Returns entries added."""
     seen = set()
     if path.exists():
         for d in tomllib.loads(path.read_text()).get("decisions", []):
@@ -393,9 +397,9 @@ def read_ledger(path: Path) -> list[LedgerEntry]:
 
 
 def format_ledger(entries: list[LedgerEntry]) -> str:
-    """One line per decision: date, arm, verdict, effect and CI, placebo effect, gate hash, reopen-when."""
+    """One line per decision: date, arm, verdict, effect and CI, placebo effect, test hash, reopen-when."""
     lines = [f"{'date':<21} {'arm':<22} {'verdict':<6} {'effect':>8}  {'95% CI':<20} {'placebo':>8}  "
-             "gate   reopen when"]
+             "test   reopen when"]
     for e in entries:
         ci = e.get("ci") or [float("nan")] * 2
         interval = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
@@ -424,7 +428,7 @@ def arm_entry(run: ArmRun, stats: ArmStats, vs: Delta | None, verdict_: str, che
     return entry
 
 
-def analyse(arms: ArmsFile, *, base: ArmRun, runs: list[ArmRun], gate_sha256: str, out: Path,
+def analyse(arms: ArmsFile, *, base: ArmRun, runs: list[ArmRun], test_sha256: str, out: Path,
             twins: Mapping[str, TwinAudit] | None = None, panel: PanelSpec | None = None,
             settings: Mapping[str, Any] | None = None) -> ExperimentDoc:
     """Paired statistics, verdicts, sweeps and panel projection of finished sub-runs; writes
@@ -433,27 +437,27 @@ def analyse(arms: ArmsFile, *, base: ArmRun, runs: list[ArmRun], gate_sha256: st
     from jex.tasks.lab.experiment_stats import paired_arms
     from jex.tasks.scoring.inputs import load_suite_table
 
-    gate = arms.gate
-    bundle = stage_summaries(base.run_dir)["bundle"]
-    table = load_suite_table(bundle["bundle"])
+    test = arms.test
+    bundle = stage_summaries(base.run_dir).bundle
+    table = load_suite_table(bundle.bundle)
     base_preds = predictions(base.run_dir)
     base_index, stats = paired_arms(table.rows, table.spec, base_preds,
-                                    {r.name: predictions(r.run_dir) for r in runs}, metric=gate.metric,
-                                    draws=gate.draws, seed=gate.seed, permutations=gate.permutations)
+                                    {r.name: predictions(r.run_dir) for r in runs}, metric=test.metric,
+                                    draws=test.draws, seed=test.seed, permutations=test.permutations)
     entries = _arm_entries(arms, runs, stats, twins or {}, engine_cost(base.run_dir))
     doc: ExperimentDoc = {
         "name": arms.name, "base": {"index": base_index, "run": str(base.run_dir), "engine_calls": base.engine_calls,
                                     "wall_s": base.wall_s},
-        "gate": {"settings_sha256": gate_sha256, **gate.model_dump(mode="json")},
+        "gate": {"settings_sha256": test_sha256, **test.model_dump(mode="json")},
         "arms": entries, "twin": dict(twins or {}),
         "sweeps": _sweeps(arms, runs, entries, table, base_preds, out),
         "provenance": {}}
     if panel:
         doc["panel"] = _panel(panel, stats)
-    doc["provenance"] = provenance(inputs={"arms_file": arms.sha256, "bundle": bundle["sha256"]},
-                                   settings=dict(settings or {}), gate_sha256=gate_sha256)
-    placebo_entry = entries.get(gate.placebo) if gate.placebo else None
-    forest_plot(entries, placebo_entry, out / "forest.png", gate.metric)
+    doc["provenance"] = provenance(inputs={"arms_file": arms.sha256, "bundle": bundle.sha256},
+                                   settings=dict(settings or {}), gate_sha256=test_sha256)
+    placebo_entry = entries.get(test.placebo) if test.placebo else None
+    forest_plot(entries, placebo_entry, out / "forest.png", test.metric)
     write_json(out / "experiment.json", doc)
     write_text(out / "report.md", render_report(doc))
     return doc
@@ -461,7 +465,7 @@ def analyse(arms: ArmsFile, *, base: ArmRun, runs: list[ArmRun], gate_sha256: st
 
 def _arm_entries(arms: ArmsFile, runs: list[ArmRun], stats: Mapping[str, ArmStats],
                  twins: Mapping[str, TwinAudit], base_cost: tuple[float, float]) -> dict[str, ArmEntry]:
-    """Each sub-run's entry: arms and sweep points get the gate's verdict (against their placebo),
+    """Each sub-run's entry: arms and sweep points get the test's verdict (against their placebo),
     placebos are marked, twins say whether they were byte-identical."""
     entries: dict[str, ArmEntry] = {}
     for r in runs:
@@ -469,7 +473,7 @@ def _arm_entries(arms: ArmsFile, runs: list[ArmRun], stats: Mapping[str, ArmStat
         placebo = arms.placebo_of(decl) if r.kind in ("arm", "sweep") else None
         vs = versus(stats[r.name], stats[placebo]) if placebo else None
         if r.kind in ("arm", "sweep"):
-            v, checks = verdict(stats[r.name], vs, arms.gate)
+            v, checks = verdict(stats[r.name], vs, arms.test)
         elif r.kind == "placebo":
             v, checks = "placebo", {}
         else:
@@ -484,7 +488,7 @@ def _sweeps(arms: ArmsFile, runs: list[ArmRun], entries: Mapping[str, ArmEntry],
     """Per declared sweep: its points, the out-of-fold choice of its value, and its plot (written)."""
     from jex.tasks.lab.experiment_stats import oof_choice, row_contributions
 
-    metric = arms.gate.metric
+    metric = arms.test.metric
     sweeps: dict[str, SweepDoc] = {}
     for decl in (a for a in arms.arms if a.kind == "sweep"):
         points = [r for r in runs if r.sweep == decl.name]
@@ -513,4 +517,4 @@ def _panel(panel: PanelSpec, stats: Mapping[str, ArmStats]) -> PanelDoc:
 
 
 __all__ = ["ArmRun", "analyse", "append_ledger", "arm_entry", "first_difference", "forest_plot", "format_ledger",
-           "read_ledger", "register_experiment_gate", "render_report", "sweep_plot", "twin_audit", "verdict", "versus"]
+           "read_ledger", "register_experiment_test", "render_report", "sweep_plot", "twin_audit", "verdict", "versus"]

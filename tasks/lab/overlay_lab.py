@@ -1,15 +1,16 @@
-"""Overlay research on a frozen capture: mining, the pre-registered gate, the ladder, the disclosure.
+"""Overlay research on a frozen capture: mining, the pre-registered test, the ladder, the disclosure.
 
 Everything here reads a finished run folder (predictions + the bundle's rows) and never an engine.
 
 - `mine`: per catalog, where are errors systematic? Gold-position against predicted-position
   distributions, and per-option threshold sweeps whose gain is measured out-of-fold (thresholds
   chosen on the other folds, by question).
-- `gate`: settings are written and hashed before any candidate is scored. A candidate passes only if
-  (1) the paired clustered bootstrap interval of the full-index delta of its out-of-fold decisions
-  lies above zero (each fold's threshold refitted on the other folds, folds by question, as
-  calibration does; the in-sample interval is recorded beside it), (2) a permutation test gives
-  p < alpha, and (3) no catalog but its target moves. The permutation null is that option position
+- the pre-registered test (`overlay_test`, `jex overlays gate`): settings are written and hashed
+  before any candidate is scored. A candidate passes only if (1) the paired clustered bootstrap
+  interval of the full-index delta of its out-of-fold decisions lies above zero (each fold's
+  threshold refitted on the other folds, folds by question, as the calibrate stage does; the
+  in-sample interval is recorded beside it), (2) a permutation test gives p < alpha, and (3) no
+  catalog but its target moves. The permutation null is that option position
   carries no information: each permutation shuffles the option positions of every row of the target
   catalog (probabilities, base choice and gold together), re-applies the rule and
   measures its gain; p = (1 + #{gain_perm >= gain}) / (1 + permutations).
@@ -55,7 +56,7 @@ def load_capture(run_dir: str | Path) -> Capture:
     table = load_suite_table(Path(prov["stages"]["bundle"]["folder"]) / "bundle.tar.gz")
     preds = pl.read_parquet(run_dir / "predictions.parquet")
     base = table.rows.join(preds, on="run_id", how="left", maintain_order="left")
-    return Capture(table.spec.as_accuracy(), table.rows, base)  # rules change choices: gated on accuracy
+    return Capture(table.spec.as_accuracy(), table.rows, base)  # rules change choices: tested on accuracy
 
 
 def _oof_positional(frame: pl.DataFrame, index: int, folds: int = 5) -> tuple[np.ndarray, float]:
@@ -113,26 +114,26 @@ class MiningDoc(TypedDict):
     candidates: list[Candidate]  # best first
 
 
-class _GateChecks(TypedDict):
+class _Checks(TypedDict):
     gain_full: float
     ci_full: list[float]
     checks: dict[str, bool]
     passed: bool
 
 
-class RuleVerdict(_GateChecks):
-    """One rule through the gate: out-of-fold numbers (what decides), in-sample ones beside them."""
+class RuleVerdict(_Checks):
+    """One rule through the pre-registered test: out-of-fold numbers (what decides), in-sample ones beside them."""
 
     rule: dict[str, Any]  # the rule's parameters (`OverlayRuleBase.record`)
     fold_taus: list[Any]
     target_acc_gain: float
     permutation_p: float
     no_degrade_error: str | None
-    in_sample: _GateChecks
+    in_sample: _Checks
 
 
-class GateDoc(TypedDict):
-    """`gate.json`."""
+class OverlayTestDoc(TypedDict):
+    """`gate.json`: the pre-registered test's settings, their sha256 and each rule's verdict."""
 
     settings: dict[str, Any]
     settings_sha256: str
@@ -203,7 +204,7 @@ def mine(capture: Capture, *, folds: int = 5) -> MiningDoc:
 
 
 def candidate_rules_toml(candidates: list[Candidate], top: int = 5) -> str:
-    """A rule file for the best candidates (disabled: a person enables what the gate passed)."""
+    """A rule file for the best candidates (a person keeps what the pre-registered test passed)."""
     out = []
     for i, c in enumerate(candidates[:top]):
         params = {k: v for k, v in c.items() if k in ("label_index", "tau", "positive_index", "shrink", "folds")}
@@ -215,9 +216,9 @@ def candidate_rules_toml(candidates: list[Candidate], top: int = 5) -> str:
 
 
 @dataclass(frozen=True)
-class OverlayGateSettings:
-    """The overlay lab's pre-registered gate (an overlay rule must pass it to be applied); not the
-    campaign's coverage gate, nor an experiment's gate (`tasks/lab/arms.py`)."""
+class OverlayTestSettings:
+    """The overlay lab's pre-registered test (an overlay rule must pass it to be applied), as an
+    experiment's arms are judged by theirs (`tasks/lab/arms.py: ExperimentTestSettings`)."""
 
     alpha: float = 0.05
     draws: int = 2000
@@ -283,10 +284,10 @@ def _choice_rules_only(rules: list[OverlayRuleBase], what: str) -> None:
                              "catalog)", field="kind")
 
 
-def overlay_gate_rule(capture: Capture, rule: OverlayRuleBase, settings: OverlayGateSettings) -> RuleVerdict:
-    """One rule through the gate. The interval is of the out-of-fold decisions (`out_of_fold_choices`),
-    so a rule cannot pass on its own fit; the in-sample numbers are recorded beside them."""
-    _choice_rules_only([rule], "the gate")
+def overlay_test_rule(capture: Capture, rule: OverlayRuleBase, settings: OverlayTestSettings) -> RuleVerdict:
+    """One rule through the pre-registered test. The interval is of the out-of-fold decisions
+    (`out_of_fold_choices`), so a rule cannot pass on its own fit; the in-sample numbers are recorded beside them."""
+    _choice_rules_only([rule], "the pre-registered test")
     base = capture.base
     new = rule.apply(base)
     overlaid = base.with_columns(new.alias("choice"))
@@ -323,12 +324,13 @@ def overlay_gate_rule(capture: Capture, rule: OverlayRuleBase, settings: Overlay
                           "passed": all(in_checks.values())}}
 
 
-def overlay_gate(capture: Capture, rules: list[OverlayRuleBase], settings: OverlayGateSettings,
-                 out_dir: Path) -> GateDoc:
-    """Register the settings, then score each rule; writes gate-settings.json and gate.json."""
+def overlay_test(capture: Capture, rules: list[OverlayRuleBase], settings: OverlayTestSettings,
+                 out_dir: Path) -> OverlayTestDoc:
+    """The pre-registered test: register the settings, then score each rule; writes gate-settings.json and
+    gate.json."""
     sha = settings.register(out_dir / "gate-settings.json")
-    results = [overlay_gate_rule(capture, r, settings) for r in rules]
-    doc: GateDoc = {"settings": asdict(settings), "settings_sha256": sha, "results": results,
+    results = [overlay_test_rule(capture, r, settings) for r in rules]
+    doc: OverlayTestDoc = {"settings": asdict(settings), "settings_sha256": sha, "results": results,
            "passed": [r["rule"]["id"] for r in results if r["passed"]]}
     write_json(out_dir / "gate.json", doc)
     return doc

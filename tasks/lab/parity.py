@@ -19,6 +19,7 @@ from typing import Any, TypedDict, cast
 import numpy as np
 import polars as pl
 
+from jex.engine.base import TokenizedEngine
 from jex.engine.types import Generation, Readout, ReadoutMode
 from jex.errors import InputError
 from jex.fileio import sha256_file
@@ -154,13 +155,20 @@ def run_parity(engine_a: Any, engine_b: Any, rows: Sequence[RowLike], *, reason_
     return out
 
 
+def _engine(kind: str, *, model: str | None, device: str, batch_size: int) -> TokenizedEngine:
+    """An engine of `kind` (validated against the engine spec: an unknown kind is refused by name)."""
+    from jex.engine.factory import make_engine
+    from jex.engine_spec import EngineSpec
+
+    return make_engine(EngineSpec.model_validate({"kind": kind, "model": model, "device": device,
+                                                  "batch_size": batch_size}))
+
+
 def parity_of_kinds(kind_a: str, kind_b: str, rows: Sequence[RowLike], *, model: str | None, device: str,
                     batch_size: int, reason_rows: int = 0, max_tokens: int = 96) -> ParityResult:
     """`run_parity` on two engines built from their kinds, with both engines' provenance."""
-    from jex.engine.factory import make_engine
-
-    a = make_engine(kind_a, model=model, device=device, batch_size=batch_size)
-    b = make_engine(kind_b, model=model, device=device, batch_size=batch_size)
+    a = _engine(kind_a, model=model, device=device, batch_size=batch_size)
+    b = _engine(kind_b, model=model, device=device, batch_size=batch_size)
     res = run_parity(a, b, rows, reason_rows=reason_rows, max_tokens=max_tokens)
     res["provenance"] = {"a": a.provenance(), "b": b.provenance()}
     return res
@@ -214,14 +222,13 @@ def parity_with_capture(engine: Any, capture: str | Path, rows: Sequence[RowLike
 def capture_parity_files(suite: str | Path, capture: str | Path, out: str | Path, *, kind: str, model: str | None,
                          device: str, batch_size: int, rows: int = 0) -> ParityResult:
     """`jex parity --reference CAPTURE`: engine `kind` live against the capture; parity.json + parity.md."""
-    from jex.engine.factory import make_engine
     from jex.fileio import write_json, write_text
     from jex.suite import iter_rows
 
     picked = list(iter_rows(suite))
     picked = picked[:rows] if rows else picked
     capture_readouts(capture, [r.run_id for r in picked])  # a bad capture fails before the engine loads
-    res = parity_with_capture(make_engine(kind, model=model, device=device, batch_size=batch_size), capture, picked)
+    res = parity_with_capture(_engine(kind, model=model, device=device, batch_size=batch_size), capture, picked)
     write_json(Path(out) / "parity.json", res)
     write_text(Path(out) / "parity.md", markdown(res, (kind, f"capture {Path(capture).name}")))
     return res

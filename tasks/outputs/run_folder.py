@@ -8,33 +8,31 @@ from typing import Any
 
 from jex.fileio import read_json, write_json, write_text
 from jex.provenance import provenance
-from jex.tasks.outputs.report import MachinesDoc, RunDocs, reliability_plot, render_report, skill_plot
+from jex.tasks.documents import CalibrationDoc, FoldDoc, ScoreDoc, read_doc, write_doc
+from jex.tasks.outputs.report import MachinesSection, RunDocs, reliability_plot, render_report, skill_plot
 from jex.tasks.outputs.samples import write_samples
 from jex.tasks.records import CampaignSummaries
 
 
 def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: dict[str, Any], timings: dict[str, float],
-                     machines: MachinesDoc | None = None) -> str:
+                     machines: MachinesSection | None = None) -> str:
     """predictions.parquet, samples.parquet, score.json, fold.json, report.md, plots and provenance.json.
-    `spec`: the campaign's spec as JSON (`campaign.json`); `machines`: its machines report, if any."""
+    `spec`: the campaign's spec as JSON (`campaign.json`); `machines`: its machines section, if any."""
     s = summaries.finished()
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(s.overlay.predictions, run_dir / "predictions.parquet")
     write_samples(run_dir, s, spec, prompts=spec.get("samples_prompts", "full"))
-    policy, baseline = read_json(s.score.score_json), read_json(s.score.baseline_json)
-    fold, calibration = read_json(s.fold.fold_json), read_json(s.calibrate.calibration_json)
+    docs = run_docs(summaries)
     prov = provenance(inputs={"bundle": s.bundle.sha256, "fast_pass": s.fast_pass.sha256,
                               "reason": s.reason.sha256, "predictions": s.overlay.sha256},
-                      settings=spec, engine=s.fast_pass.engine,
+                      settings=spec, engine=s.fast_pass.engine.model_dump(mode="json"),
                       stages={k: {"key": v.key, "folder": v.folder} for k, v in summaries.done().items()})
-    policy["provenance"] = prov
-    write_json(run_dir / "score.json", policy)
-    write_json(run_dir / "fold.json", fold)
+    write_doc(run_dir / "score.json", docs.policy.model_copy(update={"provenance": prov}))
+    write_doc(run_dir / "fold.json", docs.fold)
     write_json(run_dir / "provenance.json", prov)
-    skill_plot(baseline, policy, run_dir / "skill.png")
-    reliability_plot(calibration, run_dir / "reliability.png")
-    report = render_report(spec["name"], RunDocs(policy=policy, baseline=baseline, fold=fold, calibration=calibration),
-                           s, timings, machines)
+    skill_plot(docs.baseline, docs.policy, run_dir / "skill.png")
+    reliability_plot(docs.calibration, run_dir / "reliability.png")
+    report = render_report(spec["name"], docs, s, timings, machines)
     if (run_dir / "spec_proof.json").exists():  # a speculative profile: its exactness proof on this run
         from jex.tasks.capture.spec_proof import ExactnessProof, proof_section
 
@@ -44,3 +42,10 @@ def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: dict[str
     write_text(run_dir / "report.md", report)
     return report
 
+
+def run_docs(summaries: CampaignSummaries) -> RunDocs:
+    """The documents the score, fold and calibrate stages of a finished campaign wrote."""
+    s = summaries.finished()
+    return RunDocs(policy=read_doc(ScoreDoc, s.score.score_json), baseline=read_doc(ScoreDoc, s.score.baseline_json),
+                   fold=read_doc(FoldDoc, s.fold.fold_json),
+                   calibration=read_doc(CalibrationDoc, s.calibrate.calibration_json))

@@ -152,10 +152,10 @@ def tokenizer_engine(engine_spec: Any) -> Any:
     """A tokenizer-only engine (chat template + renderer) for the campaign's model, without the weights."""
     from transformers import AutoTokenizer
 
-    from jex.engine.base import TokenizedEngine
+    from jex.engine.base import ChatTokenizer
     from jex.engine.models import resolve_model
 
-    eng = TokenizedEngine()
+    eng = ChatTokenizer()
     eng.tokenizer = AutoTokenizer.from_pretrained(resolve_model(engine_spec.model, Path(engine_spec.cache_dir)).path)
     return eng
 
@@ -180,7 +180,7 @@ def write_samples(run_dir: Path, summaries: FinishedCampaign, spec: dict[str, An
                   prompts: PromptMode = "full") -> Path:
     """`samples.parquet` of a finished campaign (`summaries`: the flow's stage summaries; `spec`: its
     CampaignSpec as JSON). With `prompts="sha256"` the texts go to the store and the run keeps hashes."""
-    from jex.tasks.capture.engine_pool import EngineSpec
+    from jex.engine_spec import EngineSpec
     from jex.tasks.capture.stages import _as_rows, _bundle_rows
     from jex.tasks.cpu_stages import _suite
     from jex.tasks.store import write_parquet

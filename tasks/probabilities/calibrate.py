@@ -10,12 +10,12 @@ counted, not a change: `choice_reversals`).
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 import polars as pl
 
 from jex.numerics import argmax, question_folds
+from jex.tasks.documents import CalibrationDoc, FoldTemperature, Reliability, ReliabilityBin
 
 LOG_T_RANGE = (math.log(0.05), math.log(20.0))
 
@@ -56,7 +56,7 @@ def fit_temperature(lp: np.ndarray, gold: np.ndarray, iters: int = 60) -> float:
     return math.exp((lo + hi) / 2)
 
 
-def reliability(probs: np.ndarray, gold: np.ndarray, bins: int = 10) -> dict[str, Any]:
+def reliability(probs: np.ndarray, gold: np.ndarray, bins: int = 10) -> Reliability:
     conf = probs.max(axis=1)
     correct = probs.argmax(axis=1) == gold
     edges = np.linspace(0, 1, bins + 1)
@@ -65,10 +65,10 @@ def reliability(probs: np.ndarray, gold: np.ndarray, bins: int = 10) -> dict[str
     for b in range(bins):
         m = which == b
         if m.any():
-            table.append({"bin": b, "n": int(m.sum()), "confidence": float(conf[m].mean()),
-                          "accuracy": float(correct[m].mean())})
+            table.append(ReliabilityBin(bin=b, n=int(m.sum()), confidence=float(conf[m].mean()),
+                                        accuracy=float(correct[m].mean())))
             ece += m.mean() * abs(conf[m].mean() - correct[m].mean())
-    return {"ece": float(ece), "bins": table}
+    return Reliability(ece=float(ece), bins=table)
 
 
 def choice_reversals(before: list[list[float]], after: list[list[float]]) -> tuple[int, int]:
@@ -87,7 +87,7 @@ def choice_reversals(before: list[list[float]], after: list[list[float]]) -> tup
     return reversed_, tied
 
 
-def calibrate(frame: pl.DataFrame, *, folds: int = 5) -> tuple[pl.DataFrame, dict[str, Any]]:
+def calibrate(frame: pl.DataFrame, *, folds: int = 5) -> tuple[pl.DataFrame, CalibrationDoc]:
     """`frame`: run_id, question_id, gold, folded_logprobs (non-null). Adds `calibrated_logprobs`."""
     lp_list = frame["folded_logprobs"].to_list()
     lp = _padded(lp_list)
@@ -101,15 +101,15 @@ def calibrate(frame: pl.DataFrame, *, folds: int = 5) -> tuple[pl.DataFrame, dic
             continue
         train = ~test
         t = fit_temperature(lp[train], gold[train]) if train.sum() >= 2 else 1.0
-        temps.append({"fold": k, "temperature": t, "rows": int(test.sum())})
+        temps.append(FoldTemperature(fold=k, temperature=t, rows=int(test.sum())))
         out[test] = _log_softmax(lp[test] / t)
     before, after = np.exp(_log_softmax(lp)), np.exp(out)
     cal_list = [list(out[i, : len(x)]) for i, x in enumerate(lp_list)]
     changed, ties = choice_reversals(lp_list, cal_list)
     if changed:
         raise AssertionError(f"temperature scaling changed {changed} choices; it must be argmax-invariant")
-    report = {"folds": temps, "nll_before": nll(lp, gold, 1.0),
-              "nll_after": float(-out[np.arange(len(gold)), gold].mean()),
-              "reliability_before": reliability(before, gold), "reliability_after": reliability(after, gold),
-              "argmax_changed": changed, "rounding_ties": ties}
+    report = CalibrationDoc(folds=temps, nll_before=nll(lp, gold, 1.0),
+                            nll_after=float(-out[np.arange(len(gold)), gold].mean()),
+                            reliability_before=reliability(before, gold), reliability_after=reliability(after, gold),
+                            argmax_changed=changed, rounding_ties=ties)
     return frame.with_columns(pl.Series("calibrated_logprobs", cal_list, dtype=pl.List(pl.Float64))), report

@@ -10,18 +10,25 @@ readout (refused) keeps them too and is counted `fold_missing`.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import NamedTuple
 
 import polars as pl
 
 from jex.errors import JexError
 from jex.numerics import argmax
+from jex.tasks.documents import (
+    ErrorCounters,
+    ErrorRow,
+    FoldCatalog,
+    FoldCounters,
+    FoldOverall,
+    FoldRule,
+    Interval,
+)
 from jex.tasks.records import FastPassErrors, ReasonErrors
 from jex.tasks.scoring.bootstrap_ci import paired_bootstrap_ci
 from jex.tasks.scoring.index import catalog_chances, scored_frame, skill_of
 from jex.tasks.scoring.inputs import ScoreSpec
-
-FoldRule = Literal["replace", "mix"]
 
 
 def fold_logprobs(fast: list[float], post: list[float], *, rule: FoldRule, weight: float) -> list[float]:
@@ -64,8 +71,17 @@ def fold_predictions(panel: pl.DataFrame, reasoned: pl.DataFrame, gated: pl.Data
         pl.Series("choice", [argmax(x) for x in folded_lp], dtype=pl.Int32))
 
 
+class FoldMeasures(NamedTuple):
+    """What `fold_counters` measures; the fold stage adds the error counters, rule and tokens (`FoldDoc`)."""
+
+    overall: FoldOverall
+    catalogs: dict[str, FoldCatalog]
+    delta_full_ci: Interval
+    delta_legs_ci: dict[str, Interval]
+
+
 def fold_counters(rows: pl.DataFrame, folded: pl.DataFrame, reasoned: pl.DataFrame, spec: ScoreSpec, *,
-                  draws: int, seed: int) -> dict[str, Any]:
+                  draws: int, seed: int) -> FoldMeasures:
     """The dry-run counters: overall and per catalog, with the paired bootstrap of the index delta.
 
     The fold changes choices, so its counters and delta are measured by accuracy whatever each
@@ -76,18 +92,17 @@ def fold_counters(rows: pl.DataFrame, folded: pl.DataFrame, reasoned: pl.DataFra
         ok=(pl.col("choice") == pl.col("gold")).fill_null(False))
     reasoned_ok = reasoned.filter(pl.col("refusal").is_null()).height
 
-    def counts(d: pl.DataFrame) -> dict[str, Any]:
+    def counts(d: pl.DataFrame) -> FoldCounters:
         gated = d.filter(pl.col("gated"))
         wrong_before = gated.filter(~pl.col("fast_ok")).height
         fixed = gated.filter(~pl.col("fast_ok") & pl.col("ok")).height
         flipped = gated.filter(pl.col("fast_ok") & ~pl.col("ok")).height
-        return {"panel_rows": d.height, "gated": gated.height, "folded": gated.filter(pl.col("folded")).height,
-                "fold_missing": gated.filter(~pl.col("folded")).height, "fixed": fixed, "flipped": flipped,
-                "gated_wrong_before": wrong_before, "fix_rate": fixed / wrong_before if wrong_before else None,
-                "baseline_acc": d["fast_ok"].mean(), "policy_acc": d["ok"].mean()}
+        return FoldCounters(panel_rows=d.height, gated=gated.height, folded=gated.filter(pl.col("folded")).height,
+                            fold_missing=gated.filter(~pl.col("folded")).height, fixed=fixed, flipped=flipped,
+                            gated_wrong_before=wrong_before, fix_rate=fixed / wrong_before if wrong_before else None,
+                            baseline_acc=_mean(d["fast_ok"]), policy_acc=_mean(d["ok"]))
 
-    overall = counts(df)
-    overall["reasoned"] = reasoned_ok
+    overall = FoldOverall(**dict(counts(df)), reasoned=reasoned_ok)
     fast = df.select("run_id", choice="fast_choice")
     pol = df.select("run_id", "choice")
     base_frame, pol_frame = scored_frame(rows, fast, spec), scored_frame(rows, pol, spec)
@@ -96,18 +111,28 @@ def fold_counters(rows: pl.DataFrame, folded: pl.DataFrame, reasoned: pl.DataFra
     per_catalog = {}
     for c in spec.catalogs:
         sub = counts(df.filter(pl.col("catalog") == c.id))
-        sub["delta_skill"] = skill_of(sub["policy_acc"], chance[c.id]) - skill_of(sub["baseline_acc"], chance[c.id])
-        sub["delta_skill_ci"] = ci["catalogs"][c.id]
-        per_catalog[c.id] = sub
-    return {"overall": overall, "catalogs": per_catalog, "delta_full_ci": ci["full"],
-            "delta_legs_ci": ci["legs"]}
+        delta = skill_of(sub.policy_acc, chance[c.id]) - skill_of(sub.baseline_acc, chance[c.id])
+        per_catalog[c.id] = FoldCatalog(**dict(sub), delta_skill=delta, delta_skill_ci=ci["catalogs"][c.id])
+    return FoldMeasures(overall=overall, catalogs=per_catalog, delta_full_ci=_interval(ci["full"]),
+                        delta_legs_ci={k: _interval(v) for k, v in ci["legs"].items()})
+
+
+def _mean(flags: pl.Series) -> float | None:
+    """The share of True (None for no rows)."""
+    m = flags.mean()
+    return None if m is None else float(m)  # type: ignore[arg-type]
+
+
+def _interval(ci: list[float]) -> Interval:
+    lo, hi = ci
+    return lo, hi
 
 
 ERROR_COUNTERS = ("context_refusals", "readout_errors", "unmatched_rows", "key_fallbacks", "batch_errors",
                   "mechanism_failures")
 
 
-def error_counters(fast: FastPassErrors, reason: ReasonErrors, unmatched: int) -> dict[str, int]:
+def error_counters(fast: FastPassErrors, reason: ReasonErrors, unmatched: int) -> ErrorCounters:
     """Every error of the capture, disjoint per stage (see `docs/stages.md`); all zero on a clean run.
 
     context_refusals: prompts that do not fit (fast pass, rationale prompts); readout_errors: fast-pass
@@ -115,13 +140,14 @@ def error_counters(fast: FastPassErrors, reason: ReasonErrors, unmatched: int) -
     the continuation fallback; batch_errors: rows whose engine batch still failed after retry and
     split (both stages); mechanism_failures: rationales that could not be re-read; unmatched_rows.
     """
-    return {"context_refusals": fast["context_refusals"] + reason["context_refusals"],
-            "readout_errors": fast["readout_errors"], "unmatched_rows": unmatched,
-            "key_fallbacks": fast["key_fallbacks"], "batch_errors": fast["batch_errors"] + reason["batch_errors"],
-            "mechanism_failures": reason["mechanism_failures"]}
+    return ErrorCounters(context_refusals=fast["context_refusals"] + reason["context_refusals"],
+                         readout_errors=fast["readout_errors"], unmatched_rows=unmatched,
+                         key_fallbacks=fast["key_fallbacks"],
+                         batch_errors=fast["batch_errors"] + reason["batch_errors"],
+                         mechanism_failures=reason["mechanism_failures"])
 
 
-def error_rows(panel: pl.DataFrame, reasoned: pl.DataFrame, limit: int = 50) -> dict[str, list[dict[str, Any]]]:
+def error_rows(panel: pl.DataFrame, reasoned: pl.DataFrame, limit: int = 50) -> dict[str, list[ErrorRow]]:
     """The rows behind the non-zero counters (first `limit` of each): run_id and why."""
     refusal = pl.col("refusal")
     fast_batch = refusal.str.starts_with("batch error").fill_null(False)
@@ -138,7 +164,7 @@ def error_rows(panel: pl.DataFrame, reasoned: pl.DataFrame, limit: int = 50) -> 
                                               & ~refusal.str.starts_with("batch error").fill_null(False))
         .select("run_id", why=refusal.fill_null("no re-read")),
     }
-    return {k: v.head(limit).to_dicts() for k, v in picks.items() if v.height}
+    return {k: [ErrorRow(**r) for r in v.head(limit).to_dicts()] for k, v in picks.items() if v.height}
 
 
 class ErrorCountersNotZero(JexError):

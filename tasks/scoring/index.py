@@ -18,8 +18,8 @@ Definitions (the contract; `docs/suite-and-scoring.md` has them with examples):
     composite    full = sum(leg_weight * leg_index) / sum(leg_weight)
 
 Sums over rows, catalogs and legs are correctly rounded (`math.fsum`, or exact rationals rounded
-once), so the result does not depend on summation order: the plain scorer in `scoring_plain.py`
-reproduces it bit for bit.
+once), so the result does not depend on summation order: the plain scorer (`tasks/scoring/plain.py`)
+reproduces it bit for bit, and `score.py: score_twice` compares the two on every score.
 """
 
 from __future__ import annotations
@@ -28,11 +28,14 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
 from jex.tasks.scoring.inputs import ScoreSpec
+
+if TYPE_CHECKING:  # the shape only: the plain scorer shares no code with this one
+    from jex.tasks.scoring.plain import PlainScore
 
 LOG_LOSS_FLOOR = 1e-15
 BEST = {"accuracy": 1.0, "calibrated_accuracy": 1.0, "brier": 0.0, "log_loss": 0.0}
@@ -60,10 +63,14 @@ class Score:
     legs: dict[str, dict[str, float]]  # leg -> {"index", "raw"}
     catalogs: dict[str, CatalogScore]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> PlainScore:
+        """The plain scorer's shape (`tasks/scoring/plain.py`), to compare the two key by key."""
         return {"full": self.full, "full_raw": self.full_raw,
-                "legs": {k: dict(v) for k, v in self.legs.items()},
-                "catalogs": {k: vars(v).copy() for k, v in self.catalogs.items()}}
+                "legs": {k: {"index": v["index"], "raw": v["raw"]} for k, v in self.legs.items()},
+                "catalogs": {k: {"n": v.n, "correct": v.correct, "unsupported": v.unsupported, "acc": v.acc,
+                                 "chance": v.chance, "skill": v.skill, "weight": v.weight, "leg": v.leg,
+                                 "kind": v.kind, "value": v.value, "abstained": v.abstained}
+                             for k, v in self.catalogs.items()}}
 
 
 def skill_of(value: Any, chance: float, best: float = 1.0) -> Any:

@@ -1,7 +1,9 @@
 """The second scorer: a plain loop over rows in pure Python, written from the definitions alone.
 
-It shares nothing with `scoring.py` but the files it reads. `jex score` runs both and fails on any
-difference, so an implementation slip in either one cannot reach a report.
+It shares nothing with the vectorised scorer (`tasks/scoring/index.py`) but the rows and predictions
+it reads. Every score runs both (`tasks/scoring/score.py: score_twice`, for the campaign's score stage,
+`jex score` and the interop imports alike) and fails on any difference, float bits included, so an
+implementation slip in either one cannot reach a report.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ from typing import Any
 import polars as pl
 
 from jex.errors import JexError
-from jex.fileio import sha256_file, write_json, write_text
+from jex.fileio import sha256_file, write_text
 from jex.provenance import provenance
+from jex.tasks.documents import BootstrapParams, CatalogResult, LegScore, ScoreDoc, write_doc
 from jex.tasks.scoring.bootstrap_ci import DEFAULT_DRAWS, DEFAULT_SEED, bootstrap_ci
 from jex.tasks.scoring.index import Score, catalog_chances, score_predictions, scored_frame
 from jex.tasks.scoring.inputs import ScoreSpec, load_predictions, load_suite_table
@@ -52,52 +53,49 @@ def score_twice(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec) 
 
 
 def score_with_ci(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec, *,
-                  draws: int = DEFAULT_DRAWS, seed: int = DEFAULT_SEED) -> dict[str, Any]:
-    """The scoring contract's JSON body (without provenance)."""
+                  draws: int = DEFAULT_DRAWS, seed: int = DEFAULT_SEED) -> ScoreDoc:
+    """The scoring contract's document (without provenance)."""
     score = score_twice(rows, predictions, spec)
     frame = scored_frame(rows, predictions, spec)
     ci = bootstrap_ci(frame, spec, catalog_chances(frame, spec), draws=draws, seed=seed)
-    doc = score.to_json()
-    doc["ci"] = ci["full"]
-    for leg, v in doc["legs"].items():
-        v["ci"] = ci["legs"][leg]
-    for cid, v in doc["catalogs"].items():
-        v["ci"] = ci["catalogs"][cid]
-    doc["bootstrap"] = {"draws": draws, "seed": seed, "cluster": "question_id", "strata": "catalog",
-                        "interval": "95% percentile"}
-    return doc
+    return ScoreDoc(full=score.full, full_raw=score.full_raw,
+                    legs={leg: LegScore(index=v["index"], raw=v["raw"], ci=ci["legs"][leg])
+                          for leg, v in score.legs.items()},
+                    catalogs={cid: CatalogResult(**vars(v), ci=ci["catalogs"][cid])
+                              for cid, v in score.catalogs.items()},
+                    ci=ci["full"], bootstrap=BootstrapParams(draws=draws, seed=seed))
 
 
-def render_markdown(doc: dict[str, Any], title: str = "Score") -> str:
-    lo, hi = doc["ci"]
-    lines = [f"# {title}", "", f"**Full index: {doc['full']:.2f}** (95% CI {lo:.2f} to {hi:.2f}; "
-             f"raw {doc['full_raw']:.2f}); {doc['bootstrap']['draws']} clustered draws, "
-             f"seed {doc['bootstrap']['seed']}.", "", "| leg | index | 95% CI | raw |", "|---|---:|---|---:|"]
-    for leg, v in doc["legs"].items():
-        lines.append(f"| {leg} | {v['index']:.2f} | {v['ci'][0]:.2f} to {v['ci'][1]:.2f} | {v['raw']:.2f} |")
+def render_markdown(doc: ScoreDoc, title: str = "Score") -> str:
+    lo, hi = doc.ci
+    lines = [f"# {title}", "", f"**Full index: {doc.full:.2f}** (95% CI {lo:.2f} to {hi:.2f}; "
+             f"raw {doc.full_raw:.2f}); {doc.bootstrap.draws} clustered draws, "
+             f"seed {doc.bootstrap.seed}.", "", "| leg | index | 95% CI | raw |", "|---|---:|---|---:|"]
+    for leg, v in doc.legs.items():
+        lines.append(f"| {leg} | {v.index:.2f} | {v.ci[0]:.2f} to {v.ci[1]:.2f} | {v.raw:.2f} |")
     return "\n".join(lines + catalog_table(doc)) + "\n"
 
 
-def catalog_table(doc: dict[str, Any]) -> list[str]:
+def catalog_table(doc: ScoreDoc) -> list[str]:
     """Per catalog: its scoring kind, the kind's value and chance level, skill and its interval."""
     lines = ["", "| catalog | leg | scoring | n | correct | unsupported | abstained | acc | value | chance | skill | "
              "95% CI | weight |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
-    for cid, v in doc["catalogs"].items():
-        lines.append(f"| {cid} | {v['leg']} | {v['kind']} | {v['n']} | {v['correct']} | {v['unsupported']} | "
-                     f"{v['abstained']} | {v['acc']:.4f} | {v['value']:.4f} | {v['chance']:.4f} | {v['skill']:.4f} | "
-                     f"{v['ci'][0]:.4f} to {v['ci'][1]:.4f} | {v['weight']:g} |")
+    for cid, v in doc.catalogs.items():
+        lines.append(f"| {cid} | {v.leg} | {v.kind} | {v.n} | {v.correct} | {v.unsupported} | "
+                     f"{v.abstained} | {v.acc:.4f} | {v.value:.4f} | {v.chance:.4f} | {v.skill:.4f} | "
+                     f"{v.ci[0]:.4f} to {v.ci[1]:.4f} | {v.weight:g} |")
     return lines
 
 
 def score_files(suite: str | Path, predictions: str | Path, out_dir: str | Path, *, draws: int = DEFAULT_DRAWS,
-                seed: int = DEFAULT_SEED, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+                seed: int = DEFAULT_SEED, settings: dict[str, Any] | None = None) -> ScoreDoc:
     """`jex score`: read, score twice, bootstrap, write `score.json` and `score.md` atomically."""
     table = load_suite_table(suite)
     preds = load_predictions(predictions, table.rows)
-    doc = score_with_ci(table.rows, preds, table.spec, draws=draws, seed=seed)
-    doc["provenance"] = provenance(inputs={**table.sha256, "predictions": sha256_file(predictions)},
-                                   settings=settings or {})
+    doc = score_with_ci(table.rows, preds, table.spec, draws=draws, seed=seed).model_copy(update={
+        "provenance": provenance(inputs={**table.sha256, "predictions": sha256_file(predictions)},
+                                 settings=settings or {})})
     out = Path(out_dir)
-    write_json(out / "score.json", doc)
+    write_doc(out / "score.json", doc)
     write_text(out / "score.md", render_markdown(doc))
     return doc

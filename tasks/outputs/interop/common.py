@@ -1,5 +1,5 @@
 """What both importers share: another tool's per-document answers, mapped onto a suite's run_ids, then
-scored by jex's own scorers (`tasks.score.score_files`: both scorers and the clustered bootstrap).
+scored by jex's own scorers (`tasks/scoring/score.py: score_files`: both scorers and the clustered bootstrap).
 
 A document maps to a run_id in one of three ways (`MapMode`):
     doc_id   the suite row's metadata holds the tool's task and document id ({"task", "doc_id"}, what
@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jex.errors import InputError
 from jex.fileio import read_json
+from jex.tasks.documents import ScoreDoc, read_doc
 
 MapMode = Literal["auto", "doc_id", "id", "content"]
 LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -119,7 +120,7 @@ class RunToExport:
     run_dir: Path
     samples: pl.DataFrame  # samples.parquet
     spec: dict[str, Any]  # campaign.json
-    score: dict[str, Any]  # score.json
+    score: ScoreDoc  # score.json
 
 
 def read_run_to_export(run_dir: str | Path, *, as_what: str) -> RunToExport:
@@ -132,7 +133,8 @@ def read_run_to_export(run_dir: str | Path, *, as_what: str) -> RunToExport:
     if samples["prompt"].null_count() and samples["prompt_ref"].null_count() == samples.height:
         raise InputError(f"the run has no rendered prompts to export as {as_what} ({samples['prompt_missing'][0]})",
                          file=str(run_dir / "samples.parquet"), field="prompt")
-    return RunToExport(run_dir, samples, read_json(run_dir / "campaign.json"), read_json(run_dir / "score.json"))
+    return RunToExport(run_dir, samples, read_json(run_dir / "campaign.json"),
+                       read_doc(ScoreDoc, run_dir / "score.json"))
 
 
 class CatalogSummary(TypedDict):
@@ -147,8 +149,8 @@ class CatalogSummary(TypedDict):
 
 def catalog_summary(run: RunToExport) -> dict[str, CatalogSummary]:
     """Per catalog of the run's score: leg, n, acc, skill and its interval."""
-    return {c: {"leg": v["leg"], "n": v["n"], "acc": v["acc"], "skill": v["skill"], "ci": v["ci"]}
-            for c, v in run.score["catalogs"].items()}
+    return {c: {"leg": v.leg, "n": v.n, "acc": v.acc, "skill": v.skill, "ci": list(v.ci)}
+            for c, v in run.score.catalogs.items()}
 
 
 def _norm(text: str) -> str:
@@ -157,12 +159,6 @@ def _norm(text: str) -> str:
 
 def options_hash(options: Sequence[str]) -> str:
     return hashlib.sha256(json.dumps([_norm(o) for o in options], ensure_ascii=False).encode()).hexdigest()
-
-
-def content_hash(question: str, options: Sequence[str]) -> str:
-    """sha256 of the normalised question and options (whitespace runs collapsed)."""
-    return hashlib.sha256(json.dumps([_norm(question), [_norm(o) for o in options]],
-                                     ensure_ascii=False).encode()).hexdigest()
 
 
 def load_suite_rows(source: str | Path) -> SuiteRows:
@@ -352,7 +348,7 @@ def _slug(name: str) -> str:
 
 
 def score_mapped(mapped: MappedPredictions, suite: str | Path, out: str | Path, *, draws: int, seed: int,
-                 record: ImportRecord, extra: Iterable[tuple[str, Path]] = ()) -> dict[str, Any]:
+                 record: ImportRecord, extra: Iterable[tuple[str, Path]] = ()) -> ScoreDoc:
     """Write predictions.jsonl, score.json, score.md and import.json (+ `extra` (name, path) items) into
     `out`: everything is made in a staging folder beside it and moved in only when scoring succeeded.
     Returns the score document (`score.json`)."""

@@ -26,6 +26,7 @@ import polars as pl
 
 from jex.errors import InputError
 from jex.fileio import atomic_path, read_json
+from jex.tasks.documents import ScoreDoc
 from jex.tasks.outputs.interop.common import (
     LABELS,
     ImportRecord,
@@ -126,7 +127,7 @@ def _eval_spec(run: RunToExport, suite: str, model: str, created: str, task_id: 
                          model=model, config=ilog.EvalConfig(),
                          packages={"inspect_ai": inspect_ai.__version__, "jex": _jex_version()},
                          metadata={"jex": {"run": run.run_dir.name, "suite": suite, "campaign": run.spec,
-                                           "provenance": run.score.get("provenance")}})
+                                           "provenance": run.score.provenance}})
 
 
 def _eval_results(run: RunToExport) -> Any:
@@ -138,14 +139,15 @@ def _eval_results(run: RunToExport) -> Any:
     mean = sum(acc) / len(acc)
     stderr = math.sqrt(sum((a - mean) ** 2 for a in acc) / (len(acc) - 1) / len(acc)) if len(acc) > 1 else 0.0
     score = run.score
-    metrics = {"accuracy": mean, "stderr": stderr, "jex_index": score["full"], "jex_index_ci_low": score["ci"][0],
-               "jex_index_ci_high": score["ci"][1]}
+    metrics = {"accuracy": mean, "stderr": stderr, "jex_index": score.full, "jex_index_ci_low": score.ci[0],
+               "jex_index_ci_high": score.ci[1]}
     return ilog.EvalResults(
         total_samples=total, completed_samples=total,
         scores=[ilog.EvalScore(name=SCORER, scorer=SCORER, scored_samples=scored.height,
                                unscored_samples=total - scored.height,
                                metrics={k: ilog.EvalMetric(name=k, value=v) for k, v in metrics.items()})],
-        metadata={"jex_legs": score["legs"], "jex_catalogs": catalog_summary(run)})
+        metadata={"jex_legs": {k: v.model_dump(mode="json") for k, v in score.legs.items()},
+                  "jex_catalogs": catalog_summary(run)})
 
 
 def _jex_version() -> str:
@@ -212,7 +214,7 @@ def _decision(s: Any, labels: list[str], bad: Any) -> tuple[int | None, tuple[fl
 
 
 def score_inspect(source: str | Path, out: str | Path, *, suite: str | Path | None = None, draws: int, seed: int,
-                  mode: MapMode = "auto", id_field: str | None = None) -> dict[str, Any]:
+                  mode: MapMode = "auto", id_field: str | None = None) -> ScoreDoc:
     """`jex score --from inspect LOG.eval [--suite DIR]`: the log's decisions through jex's index."""
     from jex.fileio import sha256_file
 

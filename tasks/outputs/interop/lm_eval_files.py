@@ -32,6 +32,7 @@ import polars as pl
 from jex.errors import InputError
 from jex.fileio import read_json
 from jex.numerics import argmax  # ties to the first, as numpy (and so lm-eval) does
+from jex.tasks.documents import ScoreDoc
 from jex.tasks.outputs.interop.common import (
     ImportRecord,
     MapMode,
@@ -220,7 +221,7 @@ def _write_results(run: RunToExport, tasks: list[_ExportedTask], model: str, mod
     configs = {t.catalog: {"task": t.catalog, "output_type": "multiple_choice", "target_delimiter": " ",
                            "num_fewshot": spec["engine"]["render"]["num_fewshot"],
                            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
-                           "metadata": {"jex_catalog": t.catalog, "jex_leg": score["catalogs"][t.catalog]["leg"]}}
+                           "metadata": {"jex_catalog": t.catalog, "jex_leg": score.catalogs[t.catalog].leg}}
                for t in tasks}
     doc = {"results": results, "group_subtasks": {c: [] for c in results}, "configs": configs,
            "versions": {c: "jex" for c in results}, "n-shot": {c: configs[c]["num_fewshot"] for c in results},
@@ -230,11 +231,12 @@ def _write_results(run: RunToExport, tasks: list[_ExportedTask], model: str, mod
                       "batch_size": spec["engine"]["batch_size"], "device": spec["engine"]["device"]},
            "model_name": model, "model_name_sanitized": model_dir,
            "date": datetime.now().timestamp(),
-           "jex": {"run": run.run_dir.name, "full": score["full"], "ci": score["ci"], "legs": score["legs"],
+           "jex": {"run": run.run_dir.name, "full": score.full, "ci": list(score.ci),
+                   "legs": {k: v.model_dump(mode="json") for k, v in score.legs.items()},
                    "catalogs": catalog_summary(run),
                    "note": "acc is jex's final choice (after fold, calibration and overlays); filtered_resps "
                            "hold the final log-probabilities of the label continuations",
-                   "provenance": score.get("provenance")}}
+                   "provenance": score.provenance}}
     path.write_text(canonical_json(doc), encoding="utf-8")
 
 
@@ -282,7 +284,7 @@ def _export_line(r: dict[str, Any], index: int, catalog: str) -> LmEvalSampleLin
 
 
 def score_lm_eval(source: str | Path, out: str | Path, *, suite: str | Path | None = None, draws: int, seed: int,
-                  mode: MapMode = "auto", id_field: str | None = None) -> dict[str, Any]:
+                  mode: MapMode = "auto", id_field: str | None = None) -> ScoreDoc:
     """`jex score --from lm-eval`: map the documents to run_ids, score them with jex's scorers and the
     clustered bootstrap; without a suite, against a suite made of the documents themselves."""
     from jex.fileio import sha256_file

@@ -1,0 +1,141 @@
+"""The budget projection (`jex calibrate`): measure the reason stage on a stratified sample, and project a
+campaign's time and cost. (Not the campaign's `calibrate` stage, which is temperature scaling.)
+
+The fast pass runs on the whole suite (cached, shared with the campaign); the coverage gate picks `coverage`
+of a stratified sample (whole questions, ~1/`sample_every` of every catalog); the reason stage runs
+on those rows. From the measured seconds per fast-pass row and per reasoned row, and the fix rate
+at that coverage, it projects wall time and cost for each coverage of a target suite size under a
+price per GPU-hour, and recommends the largest coverage that fits the budget of hours and money.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prefect import flow
+from pydantic import BaseModel, ConfigDict, Field
+
+from jex.fileio import write_json, write_text
+from jex.flows.campaign import CampaignSpec, sample_suite_dir
+from jex.tasks.cpu_stages import gate_stage
+from jex.tasks.documents import FoldDoc, read_doc
+from jex.tasks.inputs import BundleInputs, FoldInputs
+from jex.tasks.prefect_tasks import bundle_task, fast_pass_task, fold_task, reason_task
+from jex.tasks.store import LocalStore
+
+
+class BudgetSpec(BaseModel):
+    campaign: CampaignSpec = CampaignSpec()
+    coverage: float = Field(0.30, gt=0, le=1, description="Coverage gated within the sample")
+    sample_every: int = Field(4, ge=1, description="Sample ~1/k of the questions of every catalog")
+    coverages: list[float] = Field([0.05, 0.10, 0.15, 0.25, 0.30], description="Coverages to project")
+    target_rows: int | None = Field(None, ge=1, description="Rows of the suite to project for (default: this one)")
+    price_per_gpu_hour: float = Field(3.5, ge=0)
+    gpus: int = Field(1, ge=1, description="GPU workers of the projected run (data parallel)")
+    budget_hours: float = Field(72.0, gt=0)
+    budget_usd: float = Field(100.0, gt=0)
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ProjectedCoverage(_Doc):
+    coverage: float
+    reasoned_rows: int
+    hours: float = Field(description="Projected wall hours")
+    usd: float = Field(description="Projected machine cost")
+    fits: bool = Field(description="Within both budgets (hours and money)")
+
+
+class Projection(_Doc):
+    table: list[ProjectedCoverage]
+    recommended_coverage: float | None = Field(description="The largest coverage that fits; None: none fits")
+
+
+class Measured(_Doc):
+    """What the budget projection measured on its sample."""
+
+    sample_rows: int | None = Field(description="Panel rows of the stratified sample")
+    gated: int
+    fast_s_per_row: float = Field(description="0.0 when the capture was reused (no timing)")
+    reason_s_per_row: float
+    fix_rate: float | None
+    fixed: int
+    flipped: int
+
+
+class BudgetRun(_Doc):
+    """`OUT/<run>-budget/budget.json`: the measure and the projection."""
+
+    spec: BudgetSpec
+    measured: Measured
+    projection_rows: int = Field(description="Rows of the suite projected for")
+    projection: Projection
+
+
+def project(*, rows: int, fast_s_per_row: float, reason_s_per_row: float, coverages: list[float], price: float,
+            gpus: int, budget_hours: float, budget_usd: float) -> Projection:
+    """Wall hours and cost per coverage, and the largest coverage within both budgets."""
+    table = []
+    for c in sorted(coverages):
+        hours = (rows * fast_s_per_row + c * rows * reason_s_per_row) / 3600 / gpus
+        cost = hours * gpus * price
+        table.append(ProjectedCoverage(coverage=c, reasoned_rows=round(c * rows), hours=hours, usd=cost,
+                                       fits=hours <= budget_hours and cost <= budget_usd))
+    fitting = [t.coverage for t in table if t.fits]
+    return Projection(table=table, recommended_coverage=max(fitting) if fitting else None)
+
+
+def render(doc: BudgetRun) -> str:
+    m, spec = doc.measured, doc.spec
+    lines = ["# Budget projection", "", f"Sample: {m.sample_rows} panel rows, {m.gated} gated at coverage "
+             f"{spec.coverage}; fast pass {m.fast_s_per_row:.4f} s/row, reason "
+             f"{m.reason_s_per_row:.3f} s/reasoned row, fix rate {m.fix_rate}.", "",
+             f"Projection for {doc.projection_rows} rows on {spec.gpus} GPU(s) at "
+             f"${spec.price_per_gpu_hour}/GPU-hour (budget {spec.budget_hours} h, "
+             f"${spec.budget_usd}):", "", "| coverage | reasoned rows | wall | cost | fits |",
+             "|---:|---:|---:|---:|---|"]
+    for t in doc.projection.table:
+        lines.append(f"| {t.coverage:.2f} | {t.reasoned_rows} | ~{t.hours:.1f} h | ~${t.usd:.0f} | "
+                     f"{'yes' if t.fits else 'no'} |")
+    lines += ["", f"**Recommended coverage: {doc.projection.recommended_coverage}**"]
+    return "\n".join(lines) + "\n"
+
+
+@flow(name="budget-projection", log_prints=True)
+def budget_projection(spec: BudgetSpec = BudgetSpec()) -> BudgetRun:  # noqa: B008
+    c = spec.campaign
+    store = LocalStore(c.store)
+    bundle = bundle_task(BundleInputs(suite=c.suite or sample_suite_dir(c)), c.store)
+    fast = fast_pass_task(c.fast_pass_inputs(bundle), c.store)
+    gate = gate_stage(store, bundle=bundle, fast=fast, coverage=spec.coverage, sample_every=spec.sample_every)
+    t0 = time.perf_counter()
+    reason = reason_task(c.reason_inputs(bundle, gate), c.store)
+    wall = time.perf_counter() - t0
+    fold = fold_task(FoldInputs(bundle=bundle, fast=fast, gate=gate, reason=reason, rule=c.fold_rule,
+                                weight=c.fold_weight, draws=c.bootstrap_draws, seed=c.bootstrap_seed), c.store)
+    counters = read_doc(FoldDoc, fold.fold_json).overall
+    fast_rate = fast.compute_seconds / fast.computed_rows if fast.computed_rows else None
+    reason_rate = reason.compute_seconds / reason.computed_rows if reason.computed_rows else wall / max(reason.rows, 1)
+    if fast_rate is None:  # a fully reused capture carries no timing: use the reason stage's measure only
+        fast_rate = 0.0
+    measured = Measured(sample_rows=gate.panel_rows, gated=gate.rows, fast_s_per_row=fast_rate,
+                        reason_s_per_row=reason_rate, fix_rate=counters.fix_rate, fixed=counters.fixed,
+                        flipped=counters.flipped)
+    rows = spec.target_rows or fast.rows
+    doc = BudgetRun(spec=spec, measured=measured, projection_rows=rows,
+                         projection=project(rows=rows, fast_s_per_row=fast_rate, reason_s_per_row=reason_rate,
+                                            coverages=spec.coverages, price=spec.price_per_gpu_hour, gpus=spec.gpus,
+                                            budget_hours=spec.budget_hours, budget_usd=spec.budget_usd))
+    out = c.run_dir().with_name(c.run_dir().name + "-budget")
+    write_json(out / "budget.json", doc.model_dump(mode="json"))
+    write_text(out / "budget.md", render(doc))
+    try:
+        from prefect.artifacts import create_markdown_artifact
+
+        create_markdown_artifact(markdown=render(doc), key="budget-projection")
+    except Exception:  # noqa: BLE001 - the artifact is a copy of what is on disk
+        pass
+    print(render(doc))
+    return doc

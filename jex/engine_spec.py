@@ -1,0 +1,136 @@
+"""The one engine spec: which engine a stage uses and what it reads, in the core so that settings
+(`JEX_ENGINE__*`), command-line flags, the campaign form, `--spec` files and the engine factory all
+map to the same record (`engine/factory.py: make_engine(spec)`).
+
+`RenderSpec` holds every setting that changes what the engine reads besides the row itself; its
+digest is part of the engine fingerprint (`engine/fingerprint.py`), so of every engine stage key.
+Both records refuse unknown keys, so a misspelt key in a `--spec` file is an error, not ignored.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from jex.fileio import sha256_json
+
+EngineKind = Literal["hf", "hf-batched", "vllm", "vllm-control"]
+"""`hf`: the batch-invariant reference; `hf-batched`: padded batches; `vllm`: batch-invariant vLLM (the
+audit profile); `vllm-control`: vLLM without batch invariance (a bake-off's control arm)."""
+ENGINE_KINDS: tuple[EngineKind, ...] = ("hf", "hf-batched", "vllm", "vllm-control")
+EngineProfile = Literal["audit", "audit-ngram"]
+
+RENDERER_VERSION = "jex-render/2"
+
+QUESTION_TEMPLATE = "{prompt}\n\n{options}\n\nAnswer with the letter of the correct option."
+REASON_TEMPLATE = ("{prompt}\n\n{options}\n\nThink step by step in a few short sentences, then give the "
+                   "letter of the correct option.")
+OPTION_FORMAT = "{label}. {option}"
+ANSWER_SLOT = "Answer:"
+AFTER_THOUGHT = "\nSo the correct option is"  # re-read slot after a rationale
+
+_PLACEHOLDERS = {"question_template": {"prompt", "options"}, "reason_template": {"prompt", "options"},
+                 "option_format": {"label", "option"}}
+
+
+def _fields(template: str) -> set[str]:
+    return {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+
+
+class RenderSpec(BaseModel):
+    """What the engine reads, besides the row itself. Part of every engine stage's cache key."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    question_template: str = Field(QUESTION_TEMPLATE, description="Fast-pass user turn; {prompt} and {options}")
+    reason_template: str = Field(REASON_TEMPLATE, description="Reasoning user turn; {prompt} and {options}")
+    option_format: str = Field(OPTION_FORMAT, description="One option line; {label} and {option}")
+    answer_slot: str = Field(ANSWER_SLOT, description="Text after the assistant turn opens; the label is read next")
+    after_thought: str = Field(AFTER_THOUGHT, description="Appended to a rationale before the options are re-read")
+    system_prompt: str | None = Field(None, description="System turn (plain text before the question without a "
+                                                        "chat template)")
+    chat_template: str = Field("auto", description="auto (the model's, plain text if it has none) | none | "
+                                                   "the Jinja template text")
+    num_fewshot: int = Field(0, ge=0, description="Solved examples before each fast-pass question, taken in "
+                                                  "order from the catalog's few-shot rows")
+    option_order_seed: int | None = Field(None, description="Show each row's options in an order shuffled by "
+                                                            "(seed, run_id), restored before scoring (a placebo); "
+                                                            "empty = the row's order")
+
+    @field_validator("question_template", "reason_template", "option_format")
+    @classmethod
+    def _placeholders(cls, value: str, info: Any) -> str:
+        want = _PLACEHOLDERS[info.field_name]
+        try:
+            got = _fields(value)
+        except ValueError as e:
+            raise ValueError(f"not a format string ({e}); write literal braces as {{{{ and }}}}") from None
+        if got != want:
+            raise ValueError(f"needs exactly the placeholders {sorted(want)}, found {sorted(got)}")
+        return value
+
+    def digest(self) -> dict[str, str]:
+        """Version plus the sha256 of every setting; equal specs give equal digests (part of the engine
+        fingerprint, so of every engine stage key)."""
+        doc = self.model_dump(mode="json")
+        if doc["option_order_seed"] is None:  # added later: absent at its default, so older keys stay valid
+            del doc["option_order_seed"]
+        return {"version": RENDERER_VERSION, "sha256": sha256_json(doc)}
+
+
+class EngineSpec(BaseModel):
+    """Which engine a stage uses and how it runs. This is what the campaign form shows under 'engine'."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: EngineKind = Field("hf", description="Engine and profile")
+    profile: EngineProfile = Field("audit", description="audit-ngram: n-gram speculative decoding, kept only if "
+                                                        "proven exact on this run")
+    model: str | None = Field(None, description="Model folder, GGUF file or Hub id org/name[@revision]; empty = "
+                                                "the embedded SmolLM2")
+    device: str = "cpu"
+    batch_size: int = Field(8, ge=0, description="Requests per engine call; 0 (vLLM only): all the stage hands "
+                                                 "over (a shard) in one call, scheduled by vLLM")
+    max_num_seqs: int = Field(32, ge=1, description="vLLM: sequences per scheduler step")
+    max_num_batched_tokens: int | None = Field(None, ge=16, description="vLLM: tokens per scheduler step; "
+                                                                        "empty = vLLM's default")
+    dtype: str | None = Field(None, description="Weights dtype; empty = the engine's (hf float32, vllm bfloat16 "
+                                                "under the audit profile)")
+    gpu_memory_utilization: float = Field(0.30, gt=0, le=0.95, description="vLLM: share of GPU memory")
+    kv_cache_memory_gib: float | None = Field(None, gt=0, description="vLLM: KV cache size, fixed instead of "
+                                              "profiled; engines with it start together on one GPU")
+    max_model_len: int | None = Field(None, ge=16, description="vLLM: context limit; empty = the model's")
+    cache_dir: str = Field(str(Path.home() / ".cache" / "jex"), description="Converted-model and Hub cache")
+    render: RenderSpec = Field(RenderSpec(), description="Templates, system prompt, chat template, few-shot count")
+
+    @model_validator(mode="after")
+    def _profile_fits_kind(self) -> EngineSpec:
+        if self.batch_size == 0 and self.kind != "vllm":
+            raise ValueError(f"batch_size 0 (one call per shard) is for the audited vLLM engine, whose results do "
+                             f"not depend on the batch; {self.kind!r} needs >= 1")
+        if self.profile != "audit" and self.kind not in ("hf", "vllm"):
+            raise ValueError(f"profile {self.profile!r} needs an audited engine kind (hf or vllm), not {self.kind!r}")
+        return self
+
+    def starts_alone(self) -> bool:
+        """Whether this engine's start must not overlap another's on the machine: vLLM sizes its KV
+        cache by profiling the GPU's free memory, which an engine starting beside it distorts (measured:
+        two starting together fail), unless the size is fixed (`kv_cache_memory_gib`)."""
+        return self.kind.startswith("vllm") and self.kv_cache_memory_gib is None
+
+    def audited_base(self) -> EngineSpec:
+        """The same engine under the plain audit profile (what a speculative profile is proven against)."""
+        return self.model_copy(update={"profile": "audit"})
+
+    def loaded_key(self) -> str:
+        """Engines are shared by every spec that differs only in what it renders."""
+        return self.model_copy(update={"render": RenderSpec()}).model_dump_json()
+
+
+def closest_name(name: str, valid: list[str] | tuple[str, ...]) -> str | None:
+    """The valid name closest to a misspelt one (None when nothing is close)."""
+    import difflib
+
+    found = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
+    return found[0] if found else None
