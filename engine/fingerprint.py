@@ -18,9 +18,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import Field, JsonValue
 
 from jex.engine_spec import EngineKind, EngineSpec
+from jex.record import Record
 
 ENGINE_VERSIONS: dict[EngineKind, int] = {"hf": 1, "hf-batched": 1, "vllm": 1, "vllm-control": 1}
 """Bump an engine's version by hand when its numerics change (its code, or a pinned library)."""
@@ -30,22 +31,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 """The files of a model folder that decide how text becomes token ids (and the chat template)."""
 
 
-class HubRevision(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class HubRevision(Record):
     repo: str
     commit: str
 
 
-class RenderDigest(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class RenderDigest(Record):
     version: str
     sha256: str
 
 
-class EngineFingerprint(BaseModel):
+class EngineFingerprint(Record):
     """What an engine's numbers depend on. Equal fingerprints on equal inputs give equal bytes."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     kind: EngineKind
     engine_version: int = Field(description="jex's numerics version of this engine kind (ENGINE_VERSIONS)")
     weights_sha256: str

@@ -13,10 +13,11 @@ from __future__ import annotations
 import time
 
 from prefect import flow
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from jex.fileio import write_json, write_text
 from jex.flows.campaign import CampaignSpec, sample_suite_dir
+from jex.record import Record
 from jex.tasks.cpu_stages import gate_stage
 from jex.tasks.documents import FoldDoc, read_doc
 from jex.tasks.inputs import BundleInputs, FoldInputs
@@ -36,11 +37,7 @@ class BudgetSpec(BaseModel):
     budget_usd: float = Field(100.0, gt=0)
 
 
-class _Doc(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class ProjectedCoverage(_Doc):
+class ProjectedCoverage(Record):
     coverage: float
     reasoned_rows: int
     hours: float = Field(description="Projected wall hours")
@@ -48,12 +45,12 @@ class ProjectedCoverage(_Doc):
     fits: bool = Field(description="Within both budgets (hours and money)")
 
 
-class Projection(_Doc):
+class Projection(Record):
     table: list[ProjectedCoverage]
     recommended_coverage: float | None = Field(description="The largest coverage that fits; None: none fits")
 
 
-class Measured(_Doc):
+class Measured(Record):
     """What the budget projection measured on its sample."""
 
     sample_rows: int | None = Field(description="Panel rows of the stratified sample")
@@ -65,7 +62,7 @@ class Measured(_Doc):
     flipped: int
 
 
-class BudgetRun(_Doc):
+class BudgetRun(Record):
     """`OUT/<run>-budget/budget.json`: the measure and the projection."""
 
     spec: BudgetSpec

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from jex.errors import InfraError
 from jex.infra.shell import LocalShell, Shell, ShellError, SSHShell
 from jex.infra.worker_protocol import DETACHED_PGIDS, PGID
+from jex.record import Record
 
 log = logging.getLogger(__name__)
 TAG_CAMPAIGN, TAG_MACHINE, TAG_MANAGED = "jex:campaign", "jex:machine", "jex:managed"
@@ -61,10 +62,9 @@ class Machine(BaseModel):
         return json.dumps(self.model_dump(), sort_keys=True)
 
 
-class SSHAuth(BaseModel):
+class SSHAuth(Record):
     """How SSH shells authenticate and pin host keys (the `SSHShell` keywords of the same names)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     key_path: Path | None = None
     key_text: str | None = Field(default=None, repr=False)
     """A private key's text (a secret: never logged, never written)."""

@@ -12,24 +12,9 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import Field
 
-
-class Record(BaseModel):
-    """A frozen record that refuses unknown fields."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    omit_if_none: ClassVar[frozenset[str]] = frozenset()
-    """Fields left out of the dump while None (their key was absent from the JSON before)."""
-
-    @model_serializer(mode="wrap")
-    def _omit_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
-        doc: dict[str, object] = handler(self)
-        for name in self.omit_if_none:
-            if doc.get(name, False) is None:
-                del doc[name]
-        return doc
-
+from jex.record import Record
 
 # -- the worker protocol (written on the machine) -----------------------------------------------------
 

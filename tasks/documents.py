@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import Field
 
 from jex.fileio import read_json, write_json
 from jex.tasks.records import RationaleTokens, Record
@@ -25,18 +25,7 @@ FoldRule = Literal["replace", "mix"]
 
 
 class Document(Record):
-    """A frozen, closed record written as one JSON file (or a part of one)."""
-
-    omit_if_none: ClassVar[frozenset[str]] = frozenset()
-    """Fields left out of the dump while None (their key was absent from the JSON before)."""
-
-    @model_serializer(mode="wrap")
-    def _omit_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
-        doc: dict[str, object] = handler(self)
-        for name in self.omit_if_none:
-            if doc.get(name, False) is None:
-                del doc[name]
-        return doc
+    """A record written as one JSON file (or a part of one)."""
 
 
 D = TypeVar("D", bound=Document)

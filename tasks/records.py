@@ -10,15 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from jex.engine.fingerprint import EngineFingerprint
-
-
-class Record(BaseModel):
-    """A frozen record that refuses unknown fields."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
+from jex.record import Record
 
 
 class StageSummary(Record):

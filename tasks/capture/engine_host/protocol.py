@@ -17,11 +17,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from jex.engine.compile_cache import slot_dir
 from jex.engine_spec import EngineSpec
 from jex.fileio import atomic_path
+from jex.record import Record
 from jex.tasks.inputs import EngineJob
 from jex.tasks.records import FastPassSummary, PartialSummary, ReasonSummary
 
@@ -37,12 +38,11 @@ STALL_S = 600.0
 """Default `stall_s`: a request with no finished shard for this long means a wedged host."""
 
 
-class HostOptions(BaseModel):
+class HostOptions(Record):
     """How a machine's jobs use its engine hosts: built by the orchestrator (`MachinesSpec.host_options`),
     read by `jex stage run|golden --host-options FILE` (JSON). Every setting of the hosts is here: a
     host reads none from the environment (a job hands the host it starts a `HostLaunch`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     home: str = Field(description="The machine's engine folder (HOME); a relative path is taken against the job's "
                                   "working folder")
     slots: int = Field(1, ge=1, description="The machine's engine slots, one host each; a stage job's shards are "
@@ -68,11 +68,10 @@ class HostOptions(BaseModel):
         return self.model_copy(update={"slots": n, "devices": self.devices[:n] if self.devices else None})
 
 
-class HostLaunch(BaseModel):
+class HostLaunch(Record):
     """What a job hands the host it starts (`python -m jex.tasks.capture.engine_host serve LAUNCH`, as
     JSON): where and which slot it serves, its settings, and the engine to load as soon as it listens."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     home: str
     slot: int = Field(ge=0)
     max_requests: int = Field(0, ge=0, description="Requests to serve before exiting (0: any)")
@@ -80,11 +79,10 @@ class HostLaunch(BaseModel):
     warm: EngineSpec | None = Field(None, description="Load this engine at once (`prestart`), not at the first request")
 
 
-class HostRequest(BaseModel):
+class HostRequest(Record):
     """One piece of engine work for a host: the golden replay of the job's rows, or the job's stage.
     Paths in `engine_job` are absolute."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     job: Literal["golden", "fast_pass", "reason"]
     engine_job: EngineJob
     worker: int = 0

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jex.errors import InputError
 from jex.fileio import read_json
+from jex.record import Record
 from jex.tasks.documents import ScoreDoc, read_doc
 
 MapMode = Literal["auto", "doc_id", "id", "content"]
@@ -68,10 +69,9 @@ class SuiteRows:
     rows: pl.DataFrame  # run_id, catalog, question_id, prompt, options, labels, gold, metadata (JSON text)
 
 
-class TaskAgreement(BaseModel):
+class TaskAgreement(Record):
     """One lm-eval task in `import.json`: its documents, and the accuracy lm-eval reported for them."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     documents: int
     lm_eval_results_acc: float | None = Field(description="`acc,none` of the results file, if any")
