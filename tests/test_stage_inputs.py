@@ -187,7 +187,7 @@ def test_a_measured_fingerprint_equal_to_the_local_one_gives_the_same_key(model_
     assert local.model_copy(update={"engine_fp": engine_fingerprint(engine)}).key() == local.key()
 
 
-@pytest.mark.parametrize("change", ["weights", "tokenizer", "render", "dtype"])
+@pytest.mark.parametrize("change", ["weights", "tokenizer", "render", "dtype", "batch-invariance"])
 def test_what_changes_the_numbers_changes_the_fingerprint(change, model_folder, tmp_path):
     import shutil
 
@@ -201,8 +201,10 @@ def test_what_changes_the_numbers_changes_the_fingerprint(change, model_folder, 
         (folder / "tokenizer.json").write_text('{"vocab": 2}')
     elif change == "render":
         spec = spec.model_copy(update={"render": spec.render.model_copy(update={"system_prompt": "Be brief."})})
-    else:
+    elif change == "dtype":
         spec = spec.model_copy(update={"dtype": "bfloat16"})
+    else:
+        spec = spec.model_copy(update={"kind": "hf-batched"})
     assert engine_fingerprint(spec) != before
 
 
