@@ -1,8 +1,14 @@
-"""CPU readout throughput of the HF engine on the embedded model: batch 1 and 8, invariant on and off.
+"""CPU throughput of the HF engine on the embedded model, every arm side by side on the same rows.
 
-    .venv/bin/python bench/engine_cpu.py [--rows 64] [--out bench/out/engine_cpu.json]
-All four arms run in one process on the same rows, side by side, so the ratios are meaningful on a
-noisy machine; each arm is timed twice and the faster run kept.
+    .venv/bin/python bench/engine_cpu.py [--rows 64] [--gen-rows 16] [--gen-tokens 48] [--rounds 2]
+        [--out bench/out/engine_cpu.json]
+Readout (the fast pass's label slot): jex batch-invariant (one forward per row), jex batched at 8, and a
+plain `transformers` forward at batch 8 of the same prompts (left-padded, last position only).
+Generation (the reason stage's greedy rationales): jex batch-invariant as before this change (one
+`model.generate` per request), jex batch-invariant row-exact (`engine/hf_decode.py`, lock-step at 8),
+and plain batched `generate` at 8 (not batch-invariant: the CPU audit tax is the ratio to it).
+The arms are interleaved round by round (a loaded machine slows them alike) and each keeps its fastest
+round; the token ids of the two invariant generation arms are compared.
 """
 
 from __future__ import annotations
@@ -13,42 +19,80 @@ import tempfile
 import time
 from pathlib import Path
 
-from jex.engine.hf import HFEngine  # noqa: E402
-from jex.sample_suite import write_sample_suite  # noqa: E402
-from jex.suite import iter_rows  # noqa: E402
-from jex.tasks.capture.engine_calls import fast_pass  # noqa: E402
+import torch
+
+from jex.engine.hf import HFEngine
+from jex.engine_spec import RenderSpec
+from jex.sample_suite import write_sample_suite
+from jex.suite import iter_rows
+from jex.tasks.capture.engine_calls import _reason_requests, fast_pass, question_prompts
+
+
+def plain_forward(engine: HFEngine, prompts: list[str], batch: int = 8) -> None:
+    """What a plain transformers user would run: tokenise with padding, one forward per batch."""
+    tok = engine.tokenizer
+    tok.padding_side = "left"
+    for start in range(0, len(prompts), batch):
+        enc = tok(prompts[start:start + batch], return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.inference_mode():
+            engine.model(**enc, logits_to_keep=1)
+
+
+def timed(fn) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--gen-rows", type=int, default=16)
+    p.add_argument("--gen-tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default="bench/out/engine_cpu.json")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = list(iter_rows(write_sample_suite(Path(tmp) / "s", rows=max(args.rows, 18))))[: args.rows]
-    engines = {"invariant": HFEngine(batch_invariant=True), "batched": HFEngine(batch_invariant=False)}
-    results = {}
-    for mode, engine in engines.items():
-        fast_pass(engine, rows[:4])  # warm-up
-        for batch in (1, 8):
-            engine.batch_size = batch
-            best = min(_timed(engine, rows) for _ in range(2))
-            results[f"{mode}_batch{batch}"] = {"rows_per_s": len(rows) / best, "seconds": best,
-                                               "effective_batch": engine.batch_size}
-    base = results["batched_batch1"]["rows_per_s"]
-    for v in results.values():
-        v["relative_to_batched_batch1"] = v["rows_per_s"] / base
+        rows = list(iter_rows(write_sample_suite(Path(tmp) / "s", rows=max(args.rows, args.gen_rows, 18))))
+    read_rows, gen_rows = rows[: args.rows], rows[: args.gen_rows]
+    inv, batched, before = HFEngine(batch_invariant=True), HFEngine(batch_invariant=False), HFEngine()
+    before._row_exact_model = False  # the generation path before row-exact decoding: one generate per request
+    batched.batch_size = 8
+    prompts = [r.prompt for r in question_prompts(inv, read_rows, RenderSpec(), None, None)]
+    reqs = _reason_requests(inv, gen_rows, args.gen_tokens, RenderSpec(), ())
+    arms = {
+        "readout_jex_invariant": lambda: fast_pass(inv, read_rows),
+        "readout_jex_batched8": lambda: fast_pass(batched, read_rows),
+        "readout_plain_transformers_batch8": lambda: plain_forward(inv, prompts),
+        "generate_invariant_before": lambda: before.generate(reqs),
+        "generate_invariant_row_exact8": lambda: inv.generate(reqs),
+        "generate_batched8_not_invariant": lambda: batched.generate(reqs),
+    }
+    fast_pass(inv, read_rows[:2])  # warm-up
+    best: dict[str, float] = {}
+    outs: dict[str, object] = {}
+    for _ in range(args.rounds):
+        for name, fn in arms.items():
+            seconds, outs[name] = timed(fn)
+            best[name] = min(best.get(name, seconds), seconds)
+    gens = {k: [g.token_ids for g in outs[k]] for k in arms if k.startswith("generate")}  # type: ignore[attr-defined]
+    tokens = sum(map(len, gens["generate_invariant_before"]))
+    res = {name: ({"rows_per_s": len(read_rows) / s} if name.startswith("readout") else
+                  {"tokens_per_s": sum(map(len, gens[name])) / s, "tokens": sum(map(len, gens[name]))}) | {"seconds": s}
+           for name, s in best.items()}
+    g_before, g_new = best["generate_invariant_before"], best["generate_invariant_row_exact8"]
+    summary = {"rows": len(read_rows), "gen_rows": len(gen_rows), "gen_max_tokens": args.gen_tokens,
+               "tokens_before": tokens, "threads": torch.get_num_threads(), "rounds": args.rounds,
+               "row_exact_identical_to_before": gens["generate_invariant_row_exact8"]
+               == gens["generate_invariant_before"],
+               "speedup_row_exact_vs_before": g_before / g_new,
+               "audit_tax_generation": g_new / best["generate_batched8_not_invariant"],
+               "readout_plain_vs_jex_invariant_seconds": best["readout_jex_invariant"]
+               / best["readout_plain_transformers_batch8"],
+               "results": res}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": len(rows), "results": results,
-                                          "threads": __import__("torch").get_num_threads()}, indent=1))
-    for k, v in results.items():
-        print(f"{k:20s} {v['rows_per_s']:7.2f} rows/s  ({v['relative_to_batched_batch1']:.2f}x)")
-
-
-def _timed(engine: HFEngine, rows: list) -> float:
-    t0 = time.perf_counter()
-    fast_pass(engine, rows)
-    return time.perf_counter() - t0
+    Path(args.out).write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -22,6 +23,7 @@ from jex.engine.types import (
     Readout,
     ReadoutMode,
     ReadoutRequest,
+    renormalise,
 )
 from jex.engine_spec import RenderSpec
 from jex.provenance import ProvenanceBlock
@@ -43,12 +45,16 @@ class ChatTokenizer:
         return self.tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
                                                   add_generation_prompt=True)
 
-    def chat_function(self, spec: RenderSpec) -> ChatFn | None:
+    def chat_function(self, spec: RenderSpec, *, verbatim: bool = False) -> ChatFn | None:
         """The chat template `spec` asks for: the model's (`auto`; None when it has none), none, or the
-        spec's own Jinja text."""
-        if spec.chat_template == "none" or (spec.chat_template == "auto" and not self.has_chat_template()):
+        spec's own Jinja text. For a verbatim prompt (an imported harness's own text) `auto` means none,
+        as lm-eval applies no template unless asked; `model` asks for the model's template always."""
+        wanted = spec.chat_template
+        if wanted == "none" or (wanted == "auto" and (verbatim or not self.has_chat_template())):
             return None
-        template = None if spec.chat_template == "auto" else spec.chat_template
+        if wanted == "model" and not self.has_chat_template():
+            raise ValueError("chat_template = 'model', but the model's tokenizer has no chat template")
+        template = None if wanted in ("auto", "model") else wanted
 
         def chat(messages: Sequence[Message]) -> str:
             return self.tokenizer.apply_chat_template(list(messages), chat_template=template, tokenize=False,
@@ -60,10 +66,30 @@ class ChatTokenizer:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     def renderer(self, spec: RenderSpec) -> Renderer:
-        return Renderer(spec, self.chat_function(spec))
+        return Renderer(spec, self.chat_function(spec), verbatim_chat=self.chat_function(spec, verbatim=True))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prefix_token_id(self) -> int:
+        """What an empty context reads as (lm-eval's `prefix_token_id`): BOS, else EOS."""
+        bos = self.tokenizer.bos_token_id
+        return int(bos if bos is not None else self.tokenizer.eos_token_id)
+
+    def harness_encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids as lm-eval's `HFLM.tok_encode` gives them by default: the tokenizer's own special
+        tokens (a BOS only where the tokenizer adds one), none where the text already starts with the
+        prefix token's text."""
+        prefix = self.tokenizer.decode(self.prefix_token_id())
+        plain = [i for i, t in enumerate(texts) if not (prefix and t.startswith(prefix))]
+        marked = [i for i, t in enumerate(texts) if prefix and t.startswith(prefix)]
+        out: list[list[int]] = [[] for _ in texts]
+        for group, special in ((plain, True), (marked, False)):
+            if group:
+                ids = self.tokenizer([texts[i] for i in group], add_special_tokens=special)["input_ids"]
+                for i, row in zip(group, ids, strict=True):
+                    out[i] = list(row)
+        return out
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text: one batch call of the fast tokenizer (which encodes in parallel
@@ -154,18 +180,93 @@ class TokenizedEngine(ChatTokenizer, ABC):
                 todo.append((i, ids, labels))
         return refused, todo  # type: ignore[return-value]
 
+    feeds_last_token = False
+    """Whether the engine reads a continuation's last token as input too (vLLM's prompt log-probs) or
+    stops one before it (a causal forward, as lm-eval's HF backend)."""
+
+    def continuation_window(self) -> int:
+        """Most tokens of context + continuation scored at once: lm-eval's left truncation keeps the last
+        `max_length + 1` (the last one is never an input); an engine that must read it and sample one
+        token after it keeps fewer."""
+        return self.max_context + (0 if self.feeds_last_token else 1) - self.continuation_reserve
+
     def plan_continuation(self, requests: Sequence[ReadoutRequest]
-                          ) -> tuple[dict[int, Readout], list[tuple[int, list[int], list[list[int]]]]]:
-        """Counted refusals, and (index, context ids, ids of each ' option') for the rest."""
+                          ) -> tuple[dict[int, Readout], list[ContinuationPlan]]:
+        """Counted refusals, and each other request's context and continuation ids, encoded as lm-eval's
+        `loglikelihood` encodes a (context, delimiter + option) pair (`encode_pairs`)."""
         refused: dict[int, Readout] = {}
         todo = []
-        contexts = self.encode_prompts(requests)
-        options = iter(self.encode_many([" " + o for r in requests for o in r.options]))
-        for i, (r, ctx) in enumerate(zip(requests, contexts, strict=True)):
-            opts = [next(options) for _ in r.options]
-            if len(ctx) + max(map(len, opts)) + self.continuation_reserve > self.max_context:
-                refused[i] = Readout(r.run_id, None, None, None, ReadoutMode.OPTION_CONTINUATION,
-                                     f"context: {len(ctx)} prompt tokens + option > {self.max_context}")
-            else:
-                todo.append((i, ctx, opts))
+        window = self.continuation_window()
+        for i, (r, pair) in enumerate(zip(requests, self.encode_pairs(requests), strict=True)):
+            reason = pair if isinstance(pair, str) else None
+            if not isinstance(pair, str) and max(map(len, pair[1])) >= window:
+                reason = f"context: an option of {max(map(len, pair[1]))} tokens leaves no context in {window}"
+            if reason is not None:
+                refused[i] = Readout(r.run_id, None, None, None, ReadoutMode.OPTION_CONTINUATION, reason)
+            elif not isinstance(pair, str):
+                todo.append(ContinuationPlan(i, tuple(pair[0]), tuple(tuple(c) for c in pair[1]), window))
         return refused, todo
+
+    def encode_pairs(self, requests: Sequence[ReadoutRequest]) -> list[tuple[list[int], list[list[int]]] | str]:
+        """(context ids, continuation ids per option) of each request, or why it cannot be read. As
+        lm-eval 0.4.13: trailing whitespace of the context moves to the continuation; continuation ids
+        = encode(context + continuation)[len(encode(context)):]; an empty context is the prefix token."""
+        texts: list[str] = []
+        contexts = []
+        for r in requests:
+            n = len(r.prompt) - len(r.prompt.rstrip())
+            ctx, lead = (r.prompt[:-n], r.prompt[-n:]) if n else (r.prompt, "")
+            contexts.append(ctx)
+            if r.prompt:
+                texts += [ctx] + [ctx + lead + r.delimiter + o for o in r.options]
+        ids = iter(self.harness_encode_many(texts))
+        plain = iter(self.encode_many([r.delimiter + o for r in requests if not r.prompt for o in r.options]))
+        out: list[tuple[list[int], list[list[int]]] | str] = []
+        for r, ctx in zip(requests, contexts, strict=True):
+            if not r.prompt:
+                out.append(_empty_context([next(plain) for _ in r.options], self.prefix_token_id()))
+                continue
+            ctx_ids = next(ids)
+            conts = [next(ids)[len(ctx_ids):] for _ in r.options]
+            if not ctx:
+                out.append("context: the prompt is only whitespace")
+            elif not all(conts):
+                out.append(f"continuation: option {[len(c) for c in conts].index(0)} encodes to no tokens")
+            else:
+                out.append((ctx_ids, conts))
+        return out
+
+
+def continuation_readout(run_id: str, raw: Sequence[float], greedy: Sequence[bool]) -> Readout:
+    """A continuation readout: the options' summed log-likelihoods, renormalised over the options."""
+    return Readout(run_id, renormalise(tuple(raw)), tuple(raw), None, ReadoutMode.OPTION_CONTINUATION,
+                   greedy=tuple(greedy))
+
+
+def _empty_context(conts: list[list[int]], prefix: int) -> tuple[list[int], list[list[int]]] | str:
+    """lm-eval's empty context: the prefix token, unless a continuation starts with it (then its first token).
+    One context for every option is needed here; options that disagree on it are refused."""
+    pairs = [([prefix], c) if c and c[0] != prefix else (c[:1], c[1:]) for c in conts]
+    if any(not c for _, c in pairs) or len({tuple(p) for p, _ in pairs}) > 1:
+        return "continuation: an empty context and options that start with the prefix token"
+    return pairs[0][0], [c for _, c in pairs]
+
+
+@dataclass(frozen=True)
+class ContinuationPlan:
+    """One request's continuation readout: context ids, each option's continuation ids, the window."""
+
+    index: int
+    context: tuple[int, ...]
+    continuations: tuple[tuple[int, ...], ...]
+    window: int
+
+    def sequence(self, k: int) -> list[int]:
+        """Option k's context + continuation, left-truncated to the window as lm-eval does."""
+        return list(self.context + self.continuations[k])[-self.window:]
+
+    @property
+    def single_token(self) -> bool:
+        """Every option is one token: one read of the shared context gives them all (lm-eval's one-token
+        continuation cache; the label slot's computation)."""
+        return all(len(c) == 1 for c in self.continuations)

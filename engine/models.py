@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -79,6 +80,26 @@ def weights_sha256(folder: Path) -> str:
     except OSError:
         pass  # read-only model folder: hash again next time
     return digest
+
+
+def parameter_count(folder: Path) -> int | None:
+    """Parameters of a model folder, from its safetensors headers (no tensor is read); None when its
+    weights are in another format or a header does not parse."""
+    import struct
+
+    files = sorted(folder.glob("*.safetensors"))
+    total = 0
+    try:
+        for p in files:
+            with open(p, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            for name, t in header.items():
+                if name != "__metadata__":
+                    total += math.prod(t["shape"])
+    except (OSError, ValueError, KeyError, struct.error):
+        return None
+    return total or None
 
 
 def _combine(files: list[Path]) -> str:

@@ -37,10 +37,11 @@ class Example:
 
 
 class Renderer:
-    """A `RenderSpec` applied with one engine's chat function (None: no chat template at all)."""
+    """A `RenderSpec` applied with one engine's chat function (None: no chat template at all), and the one
+    verbatim prompts get (`ChatTokenizer.chat_function(spec, verbatim=True)`: none unless asked for)."""
 
-    def __init__(self, spec: RenderSpec, chat: ChatFn | None):
-        self.spec, self.chat = spec, chat
+    def __init__(self, spec: RenderSpec, chat: ChatFn | None, verbatim_chat: ChatFn | None = None):
+        self.spec, self.chat, self.verbatim_chat = spec, chat, verbatim_chat
 
     def _messages(self, user: str, examples: Sequence[Example] = ()) -> list[Message]:
         out: list[Message] = [{"role": "system", "content": self.spec.system_prompt}] if self.spec.system_prompt \
@@ -65,6 +66,15 @@ class Renderer:
         text = self._plain(user, examples) if self.chat is None else \
             self.chat(self._messages(user, examples)) + self.spec.answer_slot
         return ReadoutRequest(run_id, text, tuple(labels), tuple(options))
+
+    def verbatim(self, *, run_id: str, prompt: str, labels: Sequence[str], options: Sequence[str],
+                 delimiter: str = " ") -> ReadoutRequest:
+        """The fast-pass request of a verbatim row: its prompt exactly as the row holds it (an imported
+        harness's description, few-shot examples and question), no template, option block or answer
+        slot; with a chat template only when the spec asks for one (`model` or Jinja text), the prompt as
+        one user turn after the system prompt. Labels are read, or options continued, right after it."""
+        text = prompt if self.verbatim_chat is None else self.verbatim_chat(self._messages(prompt))
+        return ReadoutRequest(run_id, text, tuple(labels), tuple(options), delimiter)
 
     def reason(self, *, prompt: str, labels: Sequence[str], options: Sequence[str]) -> str:
         """The prompt a rationale is generated from (zero-shot: examples carry no rationale)."""

@@ -20,7 +20,8 @@ class ReadoutMode(str, enum.Enum):
     LABEL_SLOT = "label_slot"
     """One forward pass; log-probs of the label tokens (" A", " B", ...) at the answer slot."""
     OPTION_CONTINUATION = "option_continuation"
-    """Sum of the log-probs of each option's text after the prompt (lm-evaluation-harness style)."""
+    """Each option's continuation log-likelihood after the prompt, as lm-evaluation-harness's `loglikelihood`
+    computes it (`TokenizedEngine.plan_continuation`)."""
 
 
 class FinishReason(str, enum.Enum):
@@ -50,6 +51,8 @@ class ReadoutRequest:
     """Label texts, e.g. ('A', 'B', 'C', 'D'); read as the tokens ' A', ' B', ..."""
     options: tuple[str, ...] = ()
     """Option texts, used by OPTION_CONTINUATION."""
+    delimiter: str = " "
+    """OPTION_CONTINUATION: option i's continuation is `delimiter + options[i]` (lm-eval's target_delimiter)."""
     prompt_ids: tuple[int, ...] | None = None
     """The prompt's token ids under this engine's tokenizer, when already tokenised; None: the engine
     tokenises `prompt`."""
@@ -67,6 +70,8 @@ class Readout:
     mode: ReadoutMode
     refusal: str | None = None
     """Why the request was not read (counted, never a silent answer)."""
+    greedy: tuple[bool, ...] | None = None
+    """OPTION_CONTINUATION: whether each option's continuation is the greedy one (lm-eval's `is_greedy`)."""
 
     @property
     def probs(self) -> tuple[float, ...] | None:

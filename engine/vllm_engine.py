@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jex.engine.base import TokenizedEngine, package_version
+from jex.engine.base import ContinuationPlan, TokenizedEngine, continuation_readout, package_version
 from jex.engine.models import weights_sha256
 from jex.engine.types import (
     EngineDeadError,
@@ -139,6 +139,7 @@ def import_vllm(profile: VLLMProfile) -> Any:
 class VLLMEngine(TokenizedEngine):
     name = "vllm"
     continuation_reserve = 1  # vLLM must sample one token after the scored prompt
+    feeds_last_token = True  # a continuation's log-probs are the prompt log-probs of context + continuation
 
     def __init__(self, model: str | Path, profile: VLLMProfile | None = None, *, batch_size: int = 32):
         self.profile = profile or VLLMProfile()
@@ -219,21 +220,39 @@ class VLLMEngine(TokenizedEngine):
         return [results[i] for i in range(len(requests))]
 
     def _continuation(self, requests: Sequence[ReadoutRequest]) -> list[Readout]:
-        params = self.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+        """lm-eval's `loglikelihood` of each option (`plan_continuation`): options of one token each are
+        read at the shared context's next position, as the label slot reads them (greedy: the sampled
+        token); longer ones from the prompt log-probs of context + continuation (greedy: rank 1 at each
+        of the continuation's positions)."""
         results, todo = self.plan_continuation(requests)
-        seqs: list[list[int]] = []
-        spans = []
-        for i, ctx, opts in todo:
-            spans.append((i, [(len(seqs) + k, len(o)) for k, o in enumerate(opts)]))
-            seqs += [ctx + o for o in opts]
-        outs = self._run(seqs, params)
-        for i, parts in spans:
-            raw = []
-            for idx, n_opt in parts:
-                seq, plp = seqs[idx], outs[idx].prompt_logprobs
-                raw.append(sum(float(plp[p][seq[p]].logprob) for p in range(len(seq) - n_opt, len(seq))))
-            raw_t = tuple(raw)
-            results[i] = Readout(requests[i].run_id, renormalise(raw_t), raw_t, None, ReadoutMode.OPTION_CONTINUATION)
+        shared = [p for p in todo if p.single_token]
+        by_tokens: dict[tuple[int, ...], list[ContinuationPlan]] = {}
+        for p in shared:
+            by_tokens.setdefault(tuple(c[0] for c in p.continuations), []).append(p)
+        for toks, plans in by_tokens.items():
+            params = self.SamplingParams(temperature=0, max_tokens=1, logprob_token_ids=list(toks)) \
+                if self.has_token_ids_api else self.SamplingParams(temperature=0, max_tokens=1, logprobs=20)
+            for p, res in zip(plans, self._run([p.sequence(0)[:-1] for p in plans], params), strict=True):
+                lp, sampled = res.outputs[0].logprobs[0], int(res.outputs[0].token_ids[0])
+                if any(t not in lp for t in toks):
+                    results[p.index] = Readout(requests[p.index].run_id, None, None, None,
+                                               ReadoutMode.OPTION_CONTINUATION,
+                                               "continuation: a token not among the returned top-k log-probs")
+                    continue
+                results[p.index] = continuation_readout(requests[p.index].run_id,
+                                                        [float(lp[t].logprob) for t in toks],
+                                                        [t == sampled for t in toks])
+        multi = [(p, k) for p in todo if not p.single_token for k in range(len(p.continuations))]
+        params = self.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+        outs = self._run([p.sequence(k) for p, k in multi], params) if multi else []
+        scores: dict[int, list[tuple[float, bool]]] = {}
+        for (p, k), res in zip(multi, outs, strict=True):
+            seq, plp, n = p.sequence(k), res.prompt_logprobs, len(p.continuations[k])
+            picked = [plp[pos][seq[pos]] for pos in range(len(seq) - n, len(seq))]
+            scores.setdefault(p.index, []).append((sum(float(e.logprob) for e in picked),
+                                                   all(getattr(e, "rank", None) == 1 for e in picked)))
+        for i, got in scores.items():
+            results[i] = continuation_readout(requests[i].run_id, [x for x, _ in got], [g for _, g in got])
         return [results[i] for i in range(len(requests))]
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Generation]:

@@ -27,6 +27,15 @@ from jex.infra.s3 import checkpoint
 from jex.settings import BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, JexSettings
 from jex.tasks.capture.engine_pool import CALLS
 from jex.tasks.capture.spec_proof import ExactnessProof, prove, write_proof
+from jex.tasks.decisions import (
+    Decision,
+    append_decisions,
+    ledger_path,
+    model_facts,
+    now,
+    read_decisions,
+    ungated_rules,
+)
 from jex.tasks.inputs import (
     BundleInputs,
     CalibrateInputs,
@@ -52,7 +61,13 @@ from jex.tasks.prefect_tasks import (
     report_task,
     score_task,
 )
-from jex.tasks.records import BundleSummary, CampaignSummaries, FinishedCampaign, GateSummary
+from jex.tasks.records import (
+    BundleSummary,
+    CampaignSummaries,
+    FastPassSummary,
+    FinishedCampaign,
+    GateSummary,
+)
 
 AUDIT_SETTINGS = {"require_zero_errors", "reference_min_agreement"}
 """Settings that decide whether a run passes, not what it computes (so not in the run's identity)."""
@@ -90,10 +105,13 @@ class CampaignSpec(BaseModel):
     reference_min_agreement: float | None = Field(
         None, ge=0, le=1, description="With reference rows in the bundle: fail the run when the final choices "
         "agree with them on fewer than this share of rows")
+    unverified_overlays: bool = Field(False, description="Apply the overlay rules even without a passed gate record "
+                                                         "for each (the report and samples mark them); off: refused")
 
     def identity(self) -> str:
         """Hash of what defines the results (not where they are written, nor on which machines)."""
-        where = ("store", "out", "fast_shard_rows", "reason_shard_rows", "machines", "samples_prompts", *AUDIT_SETTINGS)
+        where = ("store", "out", "fast_shard_rows", "reason_shard_rows", "machines", "samples_prompts", *AUDIT_SETTINGS,
+                 *(() if self.unverified_overlays else ("unverified_overlays",)))  # set: its own run folder
         # scheduler and memory limits: under the audit profile the results do not depend on them
         limits = {"max_num_batched_tokens": True, "kv_cache_memory_gib": True}
         doc = self.model_dump(exclude={**dict.fromkeys(where, True), "engine": limits})
@@ -169,6 +187,8 @@ class CampaignRun:
     s3: Any = None
     summaries: CampaignSummaries = field(default_factory=CampaignSummaries)
     timings: dict[str, float] = field(default_factory=dict)
+    overlays_unverified: bool = False
+    """Overlay rules applied under `unverified_overlays` although some rule has no passed gate record."""
 
     def stage(self, name: str, task: Any, inputs: StageInputs) -> Any:
         """Run one stage task on its inputs record: an engine stage has its missing shards computed by
@@ -226,6 +246,7 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[str] | None = None)
     if any(s.fold.errors.values()):
         print(f"WARNING: error counters are not all zero: {s.fold.errors}")
     enforce_audit(spec, s)
+    record_campaign(spec, run_dir, s, unverified=run.overlays_unverified)
     print(f"run folder: {run_dir.resolve()} (retry a stage: the retry-stage deployment with this run_dir)")
     return str(run_dir)
 
@@ -239,7 +260,9 @@ def capture_stages(run: CampaignRun) -> ExactnessProof | None:
         with run.runner:
             bundle = run.stage("bundle", bundle_task, BundleInputs(suite=spec.suite or sample_suite_dir(spec),
                                                                    reference=spec.reference))
+            check_overlay_gate(run, bundle)  # before any engine stage: an ungated rule file is refused here
             fast = run.stage("fast_pass", fast_pass_task, spec.fast_pass_inputs(bundle))
+            check_overlay_gate(run, bundle, fast)  # and gated on this capture, before the reason stage
             gate = run.stage("gate", gate_task, GateInputs(bundle=bundle, fast=fast, coverage=spec.coverage,
                                                            per_catalog_cap=spec.per_catalog_cap))
             run.stage("reason", reason_task, spec.reason_inputs(bundle, gate))
@@ -259,7 +282,8 @@ def decision_stages(run: CampaignRun) -> None:
                                                    draws=spec.bootstrap_draws, seed=spec.bootstrap_seed))
     calibrated = run.stage("calibrate", calibrate_task, CalibrateInputs(bundle=s.bundle, fold=fold,
                                                                         folds=spec.calibration_folds))
-    overlay = run.stage("overlay", overlay_task, OverlayInputs.from_file(calibrated, spec.overlays))
+    overlay = run.stage("overlay", overlay_task, OverlayInputs.from_file(calibrated, spec.overlays,
+                                                                         unverified=run.overlays_unverified))
     run.stage("score", score_task, ScoreInputs(bundle=s.bundle, overlay=overlay, fold=fold,
                                                draws=spec.bootstrap_draws, seed=spec.bootstrap_seed))
 
@@ -280,6 +304,43 @@ def prove_speculation(run: CampaignRun) -> ExactnessProof:
     if not proof.exact:
         run.stage("reason", reason_task, spec.reason_inputs(s.bundle, s.gate, engine=base))
     return proof
+
+
+def check_overlay_gate(run: CampaignRun, bundle: BundleSummary, fast: FastPassSummary | None = None) -> None:
+    """The binding overlay gate: each enabled rule of the campaign's rule file needs a passed gate record
+    (`jex overlays gate`, in the store's ledger) of its hash on this suite (and, once the fast pass is
+    there, this capture). Otherwise the campaign is refused, unless `unverified_overlays` is set: then the
+    rules are applied and marked (`OverlayInputs.unverified`)."""
+    from jex.overlays.loading import load_rules
+
+    spec = run.spec
+    rules, _ = load_rules(spec.overlays)
+    if not rules:
+        return
+    ledger = ledger_path(spec.store)
+    missing = ungated_rules(read_decisions(ledger), [(r.id, r.sha256()) for r in rules], suite_sha256=bundle.sha256,
+                            capture_sha256=fast.sha256 if fast else None)
+    if not missing:
+        return
+    if not spec.unverified_overlays:
+        raise FlowError(f"overlay rules {spec.overlays} are not gated for this {'capture' if fast else 'suite'} "
+                        f"({ledger}): {'; '.join(missing)}. Run `jex overlays gate` on a run of this suite and "
+                        "engine first, or pass --unverified-overlays (the report and samples then mark them)")
+    run.overlays_unverified = True
+    print(f"WARNING: applying UNVERIFIED overlays (--unverified-overlays): {'; '.join(missing)}")
+
+
+def record_campaign(spec: CampaignSpec, run_dir: Path, s: FinishedCampaign, *, unverified: bool) -> None:
+    """One ledger entry per finished campaign run: its suite, model, coverage and index (what the
+    reopen conditions of earlier decisions are evaluated against)."""
+    fp = s.fast_pass.engine
+    name, params = model_facts(spec.engine)
+    decision = Decision(kind="campaign", subject=run_dir.name, status="UNVERIFIED" if unverified else "DONE",
+                        source=str(run_dir.resolve()), date=now(), suite_sha256=s.bundle.sha256,
+                        model=sha256_json({"weights": fp.weights_sha256, "tokenizer": fp.tokenizer_sha256}),
+                        model_name=name, model_params=params, coverage=spec.coverage, index=s.score.full)
+    if append_decisions(ledger_path(spec.store), [decision]):
+        print(f"ledger: campaign recorded in {ledger_path(spec.store)}")
 
 
 def enforce_audit(spec: CampaignSpec, summaries: FinishedCampaign) -> None:

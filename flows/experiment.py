@@ -23,14 +23,17 @@ from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jex.errors import FlowError, InputError
+from jex.fileio import write_json
 from jex.flows.campaign import CampaignSpec, campaign, sample_suite_dir
+from jex.tasks.decisions import append_decisions, ledger_path, model_facts
 from jex.tasks.lab.arms import ArmDecl, ArmsFile, parse_arms
 from jex.tasks.lab.experiment_report import (
     ArmRun,
     TwinAudit,
     analyse,
-    append_ledger,
+    experiment_decisions,
     register_experiment_test,
+    register_with_base,
     twin_audit,
 )
 
@@ -73,7 +76,8 @@ class ExperimentSpec(BaseModel):
     campaign: CampaignSpec = Field(CampaignSpec(), description="The base campaign (suite, engine, store, ...)")
     arms_toml: str = Field(EXAMPLE_ARMS, description="The arms file (TOML text): [base], [gate], [[arms]]")
     arms_path: str = Field("arms.toml", description="Where the arms file came from (named in errors)")
-    out: str = Field("runs/experiment", description="Experiment folder: experiment.json, report.md, ledger.toml")
+    out: str = Field("runs/experiment", description="Experiment folder: experiment.json, report.md (decisions "
+                                                        "go to the store's ledger.toml)")
     panel_catalogs: list[str] | None = Field(None, description="Run on these catalogs of the suite; project onto "
                                                                "the full index")
     panel_share: float | None = Field(None, gt=0, le=1, description="Declared share of the full weight of the "
@@ -201,6 +205,9 @@ def experiment(spec: ExperimentSpec = ExperimentSpec()) -> str:  # noqa: B008 - 
     test_sha = register_experiment_test(plan.arms, out)
     print(f"pre-registered test ([gate]) written: sha256 {test_sha}")
     base_dir, base_calls, base_wall = _sub_run(plan.base)
+    name, params = model_facts(plan.base.engine)
+    registered = register_with_base(test_sha, base_dir, model_name=name, model_params=params)
+    print(f"registered on the base's suite and model (before any arm): sha256 {registered.sha256}")
     base = ArmRun("base", "base", base_dir, base_calls, base_wall)
     runs: list[ArmRun] = []
     twins: dict[str, TwinAudit] = {}
@@ -214,8 +221,10 @@ def experiment(spec: ExperimentSpec = ExperimentSpec()) -> str:  # noqa: B008 - 
         print(f"arm {p.name}: {run_dir} engine calls {calls} ({wall:.1f} s)")
     doc = analyse(plan.arms, base=base, runs=runs, test_sha256=test_sha, out=out, twins=twins,
                   panel={"shares": plan.shares, "asserted_share": spec.panel_share} if plan.shares else None,
-                  settings=spec.model_dump(mode="json"))
-    added = append_ledger(out / "ledger.toml", doc, {a.name: a.reopen_when for a in plan.arms.arms})
+                  settings=spec.model_dump(mode="json"), registered=registered)
+    ledger = ledger_path(plan.base.store)
+    added = len(append_decisions(ledger, experiment_decisions(doc, plan.arms, registered, source=out)))
+    write_json(out / "experiment.json", {**doc, "ledger": str(ledger.resolve())})
     report = _inline_images((out / "report.md").read_text(), out)
     try:
         create_markdown_artifact(markdown=report, key="experiment-report", description=f"experiment {doc['name']}")
@@ -225,7 +234,7 @@ def experiment(spec: ExperimentSpec = ExperimentSpec()) -> str:  # noqa: B008 - 
                               key="experiment-arms", description=f"arms of {doc['name']}")
     except Exception as e:  # noqa: BLE001 - the files are written; a display failure must not hide the result
         print(f"could not publish the experiment artifacts: {e}")
-    print(f"ledger: {added} decision(s) appended to {out / 'ledger.toml'}")
+    print(f"ledger: {added} decision(s) appended to {ledger}")
     different = [n for n, t in twins.items() if not t["identical"]]
     if different:
         first = twins[different[0]]["first_difference"]

@@ -31,7 +31,7 @@ from jex.tasks.capture.engine_host import COMPILE_CACHE, STARTS, HostOptions, pa
 from jex.tasks.capture.engine_host.protocol import EngineStart
 from jex.tasks.capture.engine_pool import compile_cache_key
 from jex.tasks.capture.golden import compare_golden, find_reference, store_reference
-from jex.tasks.capture.stages import stage_plan
+from jex.tasks.capture.stages import WORK_RECORDS, stage_plan
 from jex.tasks.documents import GoldenVerdict
 from jex.tasks.inputs import EngineJob, FastPassInputs, ReasonInputs
 from jex.tasks.records import EngineFingerprint, StagePlan
@@ -131,6 +131,8 @@ class GpuFleet:
         self.engine_fp: EngineFingerprint | None = None
         """Its fingerprint, measured by the first machine's golden replay."""
         self.engine_starts: dict[str, list[EngineStart]] = {}
+        self._job_keys: dict[str, str] = {}
+        """The first key each engine stage ran under (`_job_name`)."""
         self._lock = threading.Lock()
 
     def __enter__(self) -> GpuFleet:
@@ -181,7 +183,11 @@ class GpuFleet:
                                      on_poll=self.on_poll, pip_args=self.settings.infra.pip_args,
                                      machine_credentials=self._machine_credentials)
             self.sessions.append(session)
-            session.start()
+            try:
+                session.start()
+            except JexError as e:  # its real cause, named with the machine that never started
+                raise InfraError(f"machine {session.label} of provider {self.provider.name!r} did not start: "
+                                 f"{e}") from e
         with ThreadPoolExecutor(len(self.sessions) if self.spec.concurrent else 1) as pool:
             list(pool.map(lambda s: self._golden(s, golden), self.sessions))
 
@@ -275,17 +281,18 @@ class GpuFleet:
 
     def _compute(self, job: EngineJob, plan: StagePlan) -> None:
         """Worker i of N on each machine; the verified shards land in this store's stage folder."""
-        n, stage = len(self.sessions), job.inputs.stage
+        n, stage, name = len(self.sessions), job.inputs.stage, self._job_name(job.inputs.stage, plan.key)
+        shards = f"store/{stage}/{plan.key}/shards-{job.inputs.shard_rows}"
 
         def one(i: int) -> None:
             session = self.sessions[i]
             host = _machine(session)
-            inbox = self.store.root / ".machines" / host.id / stage
+            inbox = self.store.root / ".machines" / host.id / name
             files = _job_files(job, inbox)
-            remote = RemoteJob(stage, ["-m", "jex", "stage", "run", "--args", "args.json", "--worker", str(i),
-                                       "--workers", str(n),
-                                       *self._host_options_argv(host, job.inputs.engine, inbox, files)],
-                               [f"store/{stage}/{plan.key}/shards-{job.inputs.shard_rows}/shard-*.parquet"],
+            remote = RemoteJob(name, ["-m", "jex", "stage", "run", "--args", "args.json", "--worker", str(i),
+                                      "--workers", str(n),
+                                      *self._host_options_argv(host, job.inputs.engine, inbox, files)],
+                               [f"{shards}/shard-*.parquet", f"{shards}/{WORK_RECORDS}"],
                                self.store.root, files=files, strip_prefix="store/")
             self._run(session, remote)
 
@@ -295,6 +302,14 @@ class GpuFleet:
         if have != plan.shards:
             raise FlowError(f"{stage}: {have} of {plan.shards} shards came back under key {plan.key}; the "
                             "machines computed a different key (their engine or its inputs differ)")
+
+    def _job_name(self, stage: str, key: str) -> str:
+        """A machine job's name, one per stage key: the stage's name for its first key, then `STAGE-KEY8`
+        (a speculative campaign's proof and fallback are reason stages of their own; a job's name is its
+        folder on the machine, so two keys never share one)."""
+        with self._lock:
+            first = self._job_keys.setdefault(stage, key)
+        return stage if first == key else f"{stage}-{key[:8]}"
 
     def _run(self, session: MachineSession, job: RemoteJob) -> None:
         """Run one job; then read the machine's engine starts (its engine hosts append one line per start)."""
@@ -308,7 +323,8 @@ class GpuFleet:
     def report(self) -> MachinesDoc:
         """`machines.json`: the machines so far, their golden replays and jobs, and the campaign's cost."""
         machines = [FleetMachine(**dict(s.record()), engine_starts=len(starts), engine_start_records=starts)
-                    for s in self.sessions for starts in [self.engine_starts.get(_machine(s).id, [])]]
+                    for s in self.sessions if s.machine is not None  # one whose creation failed never ran
+                    for starts in [self.engine_starts.get(s.machine.id, [])]]
         return MachinesDoc(provider=self.provider.name, workers=self.spec.workers, slots=self.spec.slots,
                            engine_hosts=self.spec.engine_hosts, golden=list(self.golden), machines=machines,
                            engine_starts=sum(m.engine_starts for m in machines),

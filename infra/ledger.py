@@ -32,8 +32,15 @@ class Ledger:
         self.path = Path(path)
 
     def _read(self) -> dict[str, CostLedgerEntry]:
-        doc = json.loads(self.path.read_text()) if self.path.exists() else {"machines": {}}
-        return {k: CostLedgerEntry.model_validate(e) for k, e in doc["machines"].items()}
+        """The entries; a ledger that cannot be read is one InfraError naming the file (never guessed empty)."""
+        if not self.path.exists():
+            return {}
+        try:
+            doc = json.loads(self.path.read_bytes().decode("utf-8"))
+            return {k: CostLedgerEntry.model_validate(e) for k, e in doc["machines"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # ValidationError is a ValueError
+            raise InfraError(f"file {self.path}: the cost ledger is unreadable ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}); repair or move it aside") from None
 
     @contextmanager
     def _locked(self) -> Iterator[dict[str, CostLedgerEntry]]:

@@ -206,6 +206,7 @@ class SSHProvider(HostProvider):
         self.port, self.user = port, user
         self._ssh = SSHAuth(key_path=key_path, key_text=key_text, known_hosts=known_hosts,
                             accept_new_host_keys=accept_new_host_keys)
+        self._ssh.shell("", port, user).private_key()  # checked before the first connection
         self._shells: dict[str, SSHShell] = {}
 
     def _shell_for(self, host: str) -> Shell:

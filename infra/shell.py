@@ -102,6 +102,12 @@ class SSHShell:
     def where(self) -> str:
         return f"{self.user}@{self.host}:{self.port}"
 
+    def private_key(self) -> Any:
+        """The key this shell signs in with (its text, else its file), loaded and checked; None: none given."""
+        if self.key_text:
+            return load_private_key(self.key_text)
+        return load_private_key_file(self.key_path) if self.key_path else None
+
     def _host_pattern(self) -> str:
         return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
 
@@ -109,6 +115,7 @@ class SSHShell:
         """A connected `paramiko.SSHClient`."""
         import paramiko
 
+        logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)  # its tracebacks: retry logs the cause
         client = paramiko.SSHClient()
         if self.known_hosts and Path(self.known_hosts).exists():
             client.load_host_keys(str(self.known_hosts))
@@ -117,9 +124,7 @@ class SSHShell:
             client.get_host_keys().add(self._host_pattern(), kind, paramiko.PKey.from_type_string(kind, _b64(b64)))
         client.set_missing_host_key_policy(paramiko.AutoAddPolicy() if self.accept_new_host_keys
                                            else paramiko.RejectPolicy())
-        pkey = load_private_key(self.key_text) if self.key_text else None
-        client.connect(self.host, port=self.port, username=self.user, pkey=pkey,
-                       key_filename=str(self.key_path) if self.key_path and not pkey else None,
+        client.connect(self.host, port=self.port, username=self.user, pkey=self.private_key(),
                        timeout=self.connect_timeout, banner_timeout=self.connect_timeout,
                        auth_timeout=self.connect_timeout, allow_agent=False, look_for_keys=False)
         return client
@@ -130,6 +135,8 @@ class SSHShell:
         if transport is not None and transport.is_active():
             return self._client
         import paramiko
+
+        self.private_key()  # a broken key is one line now, not "unreachable after N attempts" later
 
         def connect() -> Any:
             try:
@@ -211,7 +218,7 @@ class SSHShell:
 _PEM_KINDS = {"RSA": "ssh-rsa", "EC": "ecdsa"}
 
 
-def private_key_type(text: str) -> str:
+def private_key_type(text: str, where: str = "the SSH private key") -> str:
     """The key type ('ssh-ed25519', 'ssh-rsa', 'ecdsa-sha2-nistp256', ...) of a private key's text.
 
     OpenSSH format (`ssh-keygen`'s default): the type is the first field of the public key inside
@@ -242,27 +249,60 @@ def private_key_type(text: str) -> str:
             (n,) = struct.unpack(">I", public[:4])
             return public[4:4 + n].decode("ascii")
         except (ValueError, struct.error, UnicodeDecodeError) as e:
-            raise InfraError(f"the SSH private key is not a readable OpenSSH key ({e})") from None
+            raise InfraError(f"{where} is not a readable OpenSSH key ({e})") from None
     for word, kind in _PEM_KINDS.items():
         if header == f"-----BEGIN {word} PRIVATE KEY-----":
             return kind
-    raise InfraError("the SSH private key is neither OpenSSH nor PEM (RSA/EC) text; "
+    raise InfraError(f"{where} is neither OpenSSH nor PEM (RSA/EC/PKCS#8) text; "
                      "write it with `ssh-keygen -t ed25519|rsa|ecdsa`")
 
 
-def load_private_key(text: str) -> Any:
-    """A `paramiko.PKey` of the key's actual type (Ed25519, RSA or ECDSA), in OpenSSH or PEM format."""
+def load_private_key(text: str, *, where: str = "the SSH private key") -> Any:
+    """A `paramiko.PKey` of the key's actual type (Ed25519, RSA or ECDSA), in OpenSSH, PEM or PKCS#8
+    PEM format; any malformed key is one `InfraError` (paramiko raises bare AssertionError,
+    ValueError or IndexError on a corrupted one)."""
     import paramiko
 
-    kind = private_key_type(text)
+    if text.lstrip().startswith("-----BEGIN ENCRYPTED PRIVATE KEY-----"):
+        raise InfraError(f"{where} is encrypted; give an unencrypted key (jex asks for no passphrase)")
+    if text.lstrip().startswith("-----BEGIN PRIVATE KEY-----"):
+        text = _pkcs8_as_openssh(text, where)
+    kind = private_key_type(text, where)
     cls = (paramiko.Ed25519Key if kind == "ssh-ed25519" else paramiko.RSAKey if kind == "ssh-rsa"
            else paramiko.ECDSAKey if kind.startswith("ecdsa") else None)
     if cls is None:
         raise InfraError(f"SSH private keys of type {kind} are not supported; use ed25519, rsa or ecdsa")
     try:
         return cls.from_private_key(io.StringIO(text))
-    except paramiko.SSHException as e:
-        raise InfraError(f"the {kind} SSH private key could not be loaded: {e}") from None
+    except Exception as e:  # noqa: BLE001 - paramiko's parsers raise anything on a corrupted key
+        raise InfraError(f"{where} ({kind}) could not be loaded: {type(e).__name__}"
+                         f"{': ' + str(e) if str(e) else ''}; is it corrupted or truncated?") from None
+
+
+def _pkcs8_as_openssh(text: str, where: str) -> str:
+    """A PKCS#8 PEM key ('BEGIN PRIVATE KEY', as openssl writes it) as OpenSSH text, via `cryptography`."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        key = serialization.load_pem_private_key(text.encode(), password=None)
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                 serialization.NoEncryption()).decode()
+    except (ValueError, TypeError, UnicodeError, UnsupportedAlgorithm) as e:
+        raise InfraError(f"{where} is not a readable PKCS#8 key ({str(e).splitlines()[0] if str(e) else e!r})"
+                         ) from None
+
+
+def load_private_key_file(path: Path) -> Any:
+    """The key of a key file (`JEX_INFRA__SSH_KEY_PATH`): read, then loaded as `load_private_key` does."""
+    where = f"the SSH private key file {path}"
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except OSError as e:
+        raise InfraError(f"{where} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise InfraError(f"{where} is not key text (not UTF-8)") from None
+    return load_private_key(text, where=where)
 
 
 def _b64(text: str) -> bytes:

@@ -34,6 +34,8 @@ AFTER_THOUGHT = "\nSo the correct option is"  # re-read slot after a rationale
 
 _PLACEHOLDERS = {"question_template": {"prompt", "options"}, "reason_template": {"prompt", "options"},
                  "option_format": {"label", "option"}}
+_OPTIONAL = {"question_template": {"options"}}
+"""A question template may leave the option block out: for rows whose prompt already lists the choices."""
 
 
 def _fields(template: str) -> set[str]:
@@ -44,15 +46,18 @@ class RenderSpec(BaseModel):
     """What the engine reads, besides the row itself. Part of every engine stage's cache key."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    question_template: str = Field(QUESTION_TEMPLATE, description="Fast-pass user turn; {prompt} and {options}")
+    question_template: str = Field(QUESTION_TEMPLATE, description="Fast-pass user turn; {prompt} and {options} "
+                                                                  "({options} may be left out for rows whose "
+                                                                  "prompt already lists the choices)")
     reason_template: str = Field(REASON_TEMPLATE, description="Reasoning user turn; {prompt} and {options}")
     option_format: str = Field(OPTION_FORMAT, description="One option line; {label} and {option}")
     answer_slot: str = Field(ANSWER_SLOT, description="Text after the assistant turn opens; the label is read next")
     after_thought: str = Field(AFTER_THOUGHT, description="Appended to a rationale before the options are re-read")
     system_prompt: str | None = Field(None, description="System turn (plain text before the question without a "
                                                         "chat template)")
-    chat_template: str = Field("auto", description="auto (the model's, plain text if it has none) | none | "
-                                                   "the Jinja template text")
+    chat_template: str = Field("auto", description="auto (the model's, plain text if it has none; none for "
+                                                   "verbatim catalogs, as lm-eval) | model (the model's "
+                                                   "always, verbatim catalogs too) | none | the Jinja text")
     num_fewshot: int = Field(0, ge=0, description="Solved examples before each fast-pass question, taken in "
                                                   "order from the catalog's few-shot rows")
     option_order_seed: int | None = Field(None, description="Show each row's options in an order shuffled by "
@@ -67,7 +72,7 @@ class RenderSpec(BaseModel):
             got = _fields(value)
         except ValueError as e:
             raise ValueError(f"not a format string ({e}); write literal braces as {{{{ and }}}}") from None
-        if got != want:
+        if got != want and not (want - _OPTIONAL.get(info.field_name, set()) <= got <= want):
             raise ValueError(f"needs exactly the placeholders {sorted(want)}, found {sorted(got)}")
         return value
 

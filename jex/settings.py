@@ -11,13 +11,17 @@ rest configure the store, the machines and the Prefect server and client.
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, Field, SecretStr
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsError as PydanticSettingsError
 
 from jex.engine_spec import EngineSpec
+from jex.errors import SettingsError
 
 BOOTSTRAP_SEED = 20260929
 """The one default seed of every bootstrap and permutation draw (scores, pre-registered tests, experiments)."""
@@ -31,6 +35,8 @@ class StoreSettings(BaseModel):
     s3_prefix: str = "jex"
     s3_endpoint_url: str | None = None
     s3_region: str = "us-east-1"
+    bundle_member_max_bytes: int = Field(4 << 30, ge=1, description="Largest member a bundle may unpack (4 GiB)")
+    bundle_total_max_bytes: int = Field(64 << 30, ge=1, description="Most a bundle may unpack in all (64 GiB)")
 
 
 class InfraSettings(BaseModel):
@@ -99,7 +105,7 @@ class JexSettings(BaseSettings):
     infra: InfraSettings = InfraSettings()
     prefect: PrefectSettings = PrefectSettings()
     bootstrap_draws: int = Field(BOOTSTRAP_DRAWS, ge=1)
-    bootstrap_seed: int = BOOTSTRAP_SEED
+    bootstrap_seed: int = Field(BOOTSTRAP_SEED, ge=0)
 
     def public_dict(self) -> dict[str, Any]:
         """Settings with every secret field removed: safe for logs, artifacts and provenance."""
@@ -118,4 +124,89 @@ def _drop_secrets(model: BaseModel) -> dict[str, Any]:
 
 
 def load_settings(**overrides: Any) -> JexSettings:
-    return JexSettings(**overrides)
+    """The settings; a malformed `JEX_*` variable or `.env` file is a `SettingsError` naming it."""
+    settings, problems = settings_and_problems(**overrides)
+    if problems:
+        raise problems[0]
+    return settings
+
+
+def settings_and_problems(**overrides: Any) -> tuple[JexSettings, list[SettingsError]]:
+    """The settings with every malformed variable left out (a `.env` that cannot be read: the whole
+    file), and one `SettingsError` per variable left out: what `jex config show` prints."""
+    problems: list[SettingsError] = []
+    env_file: str | None = ".env"
+    skipped: dict[str, str] = {}
+    try:
+        for _ in range(len(os.environ) + 2):
+            try:
+                return JexSettings(_env_file=env_file, **overrides), problems
+            except (UnicodeDecodeError, OSError) as e:
+                problems.append(SettingsError(f"cannot read the settings file: {_reason(e)}", file=".env"))
+                env_file = None
+            except (ValidationError, PydanticSettingsError) as e:
+                name, problem = _culprit(e)
+                problems.append(problem)
+                if name in os.environ:
+                    skipped[name] = os.environ.pop(name)
+                elif env_file is not None:
+                    env_file = None  # the variable is in .env: leave the file out
+                else:
+                    break
+        return JexSettings(_env_file=None), problems
+    finally:
+        os.environ.update(skipped)
+
+
+def _reason(e: Exception) -> str:
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 ({e.reason} at byte {e.start})"
+    return getattr(e, "strerror", None) or str(e)
+
+
+def _culprit(e: ValidationError | PydanticSettingsError) -> tuple[str, SettingsError]:
+    """The variable a settings error comes from, and the error naming it."""
+    if isinstance(e, ValidationError):
+        first = e.errors()[0]
+        name = "JEX_" + "__".join(str(p) for p in first["loc"]).upper()
+        if first["type"] == "extra_forbidden":
+            return name, SettingsError(f"unknown setting{_closest(name)}", field=name)
+        return name, SettingsError(f"{first['msg']} (got {str(first.get('input'))[:80]!r})", field=name)
+    section = e.args[0].split('"')[1] if '"' in e.args[0] else ""
+    prefix = f"JEX_{section.upper()}"
+    names = sorted(n for n in os.environ if n.upper() == prefix or n.upper().startswith(prefix + "__"))
+    for name in names:
+        try:
+            json.loads(os.environ[name])
+        except ValueError:
+            if not _plain_text_field(name):
+                return name, SettingsError(f"not valid JSON (got {os.environ[name][:80]!r}); a list or table "
+                                           "setting is JSON, e.g. '[\"h1\", \"h2\"]'", field=name)
+    name = names[0] if names else prefix + "__*"
+    return name, SettingsError(f"cannot parse the value: {e}", field=name)
+
+
+def _closest(name: str) -> str:
+    """'; did you mean JEX_...?' for a misspelt variable whose section is known, else ''."""
+    from jex.engine_spec import closest_name
+
+    *section, leaf = name.lower().removeprefix("jex_").split("__")
+    model: Any = JexSettings
+    for part in section:
+        model = getattr(model, "model_fields", {}).get(part)
+        model = model.annotation if model is not None else None
+    fields = sorted(getattr(model, "model_fields", {}))
+    best = closest_name(leaf, fields) if fields else None
+    return f"; did you mean {name.rsplit('__', 1)[0]}__{best.upper()}?" if best else ""
+
+
+def _plain_text_field(name: str) -> bool:
+    """Whether variable `name` sets a scalar field (its value needs no JSON)."""
+    model: Any = JexSettings
+    for part in name.lower().removeprefix("jex_").split("__"):
+        fields = getattr(model, "model_fields", {})
+        if part not in fields:
+            return True
+        model = fields[part].annotation
+    return not (isinstance(model, type) and issubclass(model, BaseModel)) and "list" not in str(model) and \
+        "dict" not in str(model)

@@ -36,8 +36,28 @@ class Catalog(BaseModel):
     files: tuple[str, ...] = Field(min_length=1, description="Row files, relative to the suite dir")
     exclusions: tuple[str, ...] = Field((), description="run_ids dropped at scoring time")
     fewshot_files: tuple[str, ...] = Field((), description="Solved example rows for few-shot prompts (not scored)")
-    scoring: Literal["accuracy", "brier", "log_loss", "calibrated_accuracy"] = Field(
-        "accuracy", description="What the catalog's skill is computed from (docs/suite-and-scoring.md)")
+    scoring: Literal["accuracy", "acc_norm", "brier", "log_loss", "calibrated_accuracy"] = Field(
+        "accuracy", description="What the catalog's skill is computed from (docs/suite-and-scoring.md); "
+                                "acc_norm: lm-eval's length-normalised accuracy (loglikelihood readout only)")
+    readout: Literal["label_slot", "loglikelihood"] = Field(
+        "label_slot", description="How the fast pass reads a row: label_slot (one forward, the label tokens "
+                                  "after the answer slot) or loglikelihood (lm-eval's: each choice's "
+                                  "continuation log-likelihood given the prompt)")
+    prompt_format: Literal["template", "verbatim"] = Field(
+        "template", description="template: the row's prompt goes through jex's question template and option "
+                                "block; verbatim: the row's prompt is the exact context the model reads "
+                                "(an imported harness's own prompt, choices already in it where it shows them)")
+    target_delimiter: str = Field(" ", description="loglikelihood: the text between the context and each "
+                                                   "choice (lm-eval's target_delimiter)")
+
+    def declared(self) -> dict[str, Any]:
+        """The catalog as JSON, leaving out the readout fields at their defaults, so a bundle of a suite
+        that does not use them keeps the bytes (and so the identity) it had before they existed."""
+        doc = self.model_dump(mode="json")
+        for name in ("readout", "prompt_format", "target_delimiter"):
+            if doc[name] == Catalog.model_fields[name].default:
+                del doc[name]
+        return doc
     secondary: tuple[Literal["abstain"], ...] = Field(
         (), description="Secondary prediction fields the scorer reads: 'abstain' (a row the predictor declined)")
 

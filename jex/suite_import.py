@@ -47,6 +47,28 @@ class ImportedRow:
 
 
 @dataclass(frozen=True)
+class ReadoutSettings:
+    """How a catalog's rows are read (the `Catalog` fields of the same names; written only when not
+    the default, so a suite that does not use them keeps its bytes)."""
+
+    readout: str = "label_slot"
+    prompt_format: str = "template"
+    target_delimiter: str = " "
+    scoring: str = "accuracy"
+
+    def lines(self) -> list[str]:
+        default = ReadoutSettings()
+        return [f"{k} = {_toml_str(getattr(self, k))}" for k in ("readout", "prompt_format", "target_delimiter",
+                                                                  "scoring")
+                if getattr(self, k) != getattr(default, k)]
+
+
+LM_EVAL_READOUT = ReadoutSettings(readout="loglikelihood", prompt_format="verbatim")
+"""An lm-eval multiple_choice task: lm-eval's own context read as it is, each choice's continuation
+log-likelihood (its target_delimiter set per task), accuracy (acc_norm reported beside it)."""
+
+
+@dataclass(frozen=True)
 class ImportedCatalog:
     id: str
     rows: list[ImportedRow]
@@ -54,6 +76,7 @@ class ImportedCatalog:
     weight: float = 1.0
     leg: str = "public"
     name: str | None = None
+    readout: ReadoutSettings = ReadoutSettings()
 
 
 @dataclass(frozen=True)
@@ -166,7 +189,8 @@ def write_suite(out: str | Path, catalogs: Sequence[ImportedCatalog], *, name: s
             slug = _slug(cat.id)
             _write_jsonl(tmp / "rows" / f"{slug}.jsonl", (r.record(cat.id) for r in cat.rows))
             lines += ["", "[[catalogs]]", f"id = {_toml_str(cat.id)}", f"name = {_toml_str(cat.name or cat.id)}",
-                      f"leg = {_toml_str(cat.leg)}", f"weight = {cat.weight!r}", f'files = ["rows/{slug}.jsonl"]']
+                      f"leg = {_toml_str(cat.leg)}", f"weight = {cat.weight!r}", f'files = ["rows/{slug}.jsonl"]',
+                      *cat.readout.lines()]
             if cat.fewshot:
                 _write_jsonl(tmp / "rows" / f"{slug}.fewshot.jsonl", (r.record(cat.id) for r in cat.fewshot))
                 lines.append(f'fewshot_files = ["rows/{slug}.fewshot.jsonl"]')
@@ -221,10 +245,24 @@ def _column(ds: Any, col: str | None, flag: str, dataset: str) -> None:
         raise InputError(f"no column {col!r} (columns: {ds.column_names})", file=dataset, field=f"{flag} {col}")
 
 
+def cluster_of(record: Any, column: str | None, *, catalog: str, default: str, where: Where) -> str:
+    """The row's question_id: `<catalog>-<record[column]>` (rows of one question resample together in
+    the clustered bootstrap), or `default` (the run_id: every row its own cluster) without a column."""
+    if column is None:
+        return default
+    value = record.get(column) if isinstance(record, dict) else None
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise where.at(column).error(f"no cluster value in {column!r} (--cluster): every row needs one")
+    if isinstance(value, dict | list):
+        raise where.at(column).error(f"cluster value {value!r} is not a scalar (--cluster names an id column)")
+    return f"{catalog}-{value}"
+
+
 def mc_rows_from_records(records: Iterable[dict[str, Any]], *, catalog: str, question: str, choices: str,
-                         answer: str, id_col: str | None, file: str,
+                         answer: str, id_col: str | None, file: str, cluster: str | None = None,
                          prompt_of: Callable[[dict[str, Any]], str] | None = None) -> list[ImportedRow]:
-    """Records with a question, a choices list and an answer into validated rows (unique ids)."""
+    """Records with a question, a choices list and an answer into validated rows (unique ids); with
+    `cluster`, the column whose value is the row's question_id (its bootstrap cluster)."""
     rows: list[ImportedRow] = []
     seen: dict[str, int] = {}
     for i, rec in enumerate(records):
@@ -241,8 +279,9 @@ def mc_rows_from_records(records: Iterable[dict[str, Any]], *, catalog: str, que
         prompt = prompt_of(rec) if prompt_of else rec[question]
         if not isinstance(prompt, str) or not prompt.strip():
             raise where.at(question).error("empty or non-text question")
-        rows.append(ImportedRow(f"{catalog}-{ident}", f"{catalog}-{ident}", prompt, tuple(options), tuple(labels), gold,
-                          {"source_row": i, **({"id": rec[id_col]} if id_col else {})}))
+        qid = cluster_of(rec, cluster, catalog=catalog, default=f"{catalog}-{ident}", where=where)
+        rows.append(ImportedRow(f"{catalog}-{ident}", qid, prompt, tuple(options), tuple(labels), gold,
+                                {"source_row": i, **({"id": rec[id_col]} if id_col else {})}))
     if not rows:
         raise InputError("the split has no rows", file=file)
     return rows
@@ -250,14 +289,17 @@ def mc_rows_from_records(records: Iterable[dict[str, Any]], *, catalog: str, que
 
 def import_hf(dataset: str, out: str | Path, *, split: str, question: str, choices: str, answer: str,
               config: str | None = None, id_col: str | None = None, catalog: str | None = None,
-              revision: str | None = None, fewshot_split: str | None = None, force: bool = False) -> ImportResult:
-    """A Hugging Face dataset (Hub id through the local cache, or local files) as a one-catalog suite."""
+              revision: str | None = None, fewshot_split: str | None = None, cluster: str | None = None,
+              force: bool = False) -> ImportResult:
+    """A Hugging Face dataset (Hub id through the local cache, or local files) as a one-catalog suite;
+    `cluster`: the column that names a row's question (its question_id, the bootstrap cluster)."""
     ds, source = _load_dataset(dataset, config=config, split=split, revision=revision)
-    for col, flag in ((question, "--question"), (choices, "--choices"), (answer, "--answer"), (id_col, "--id")):
+    for col, flag in ((question, "--question"), (choices, "--choices"), (answer, "--answer"), (id_col, "--id"),
+                      (cluster, "--cluster")):
         _column(ds, col, flag, dataset)
     cat = _slug(catalog or (Path(dataset).stem if Path(dataset).exists() else dataset.split("/")[-1]))
     rows_of = partial(mc_rows_from_records, catalog=cat, question=question, choices=choices, answer=answer,
-                      id_col=id_col)
+                      id_col=id_col, cluster=cluster)
     rows = rows_of(ds, file=f"{dataset} [{split}]")
     fewshot: list[ImportedRow] = []
     if fewshot_split:
@@ -265,7 +307,8 @@ def import_hf(dataset: str, out: str | Path, *, split: str, question: str, choic
         fewshot = [ImportedRow(f"{r.run_id}-shot", r.question_id + "-shot", r.prompt, r.options, r.labels, r.gold,
                          r.metadata) for r in rows_of(shots, file=f"{dataset} [{fewshot_split}]")]
     src = {"importer": "hf", "split": split, **source, "columns": {"question": question, "choices": choices,
-                                                                    "answer": answer, "id": id_col}}
+                                                                    "answer": answer, "id": id_col,
+                                                                    "cluster": cluster}}
     return write_suite(out, [ImportedCatalog(cat, rows, fewshot)], name=cat, source=src, force=force)
 
 
@@ -328,36 +371,137 @@ def _leaf_tasks(loaded: dict[str, Any]) -> list[tuple[str, Any, bool]]:
     return [(name, task, name in by_size) for name, task in loaded["tasks"].items()]
 
 
+@dataclass(frozen=True)
+class LmEvalRequest:
+    """What lm-eval sends the model for one document: the context (`arguments[i][0]`, the same for
+    every choice) and each choice's continuation (`arguments[i][1]` = target_delimiter + choice)."""
+
+    context: str
+    continuations: tuple[str, ...]
+
+
+def lm_eval_requests(task: Any, *, file: str) -> dict[int, LmEvalRequest]:
+    """Every evaluation document's request, built by the harness itself as `lm_eval run` builds it:
+    num_fewshot unset means 0, the few-shot sampler seeded with the CLI's default seed (1234), no
+    chat template, no system instruction, documents in order (so `--limit N` gives the same first N)."""
+    from lm_eval.defaults import DEFAULT_OTHER_SEED
+
+    if task.get_config("num_fewshot") is None:
+        task.set_config(key="num_fewshot", value=0)
+    task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)
+    import lm_eval.api.task as task_module
+
+    bar = task_module.tqdm
+    task_module.tqdm = partial(bar, disable=True)  # its progress bar per task
+    try:
+        task.build_all_requests(limit=None, rank=0, world_size=1)
+    except Exception as e:  # noqa: BLE001 - a template or sampler failure is a bad task
+        raise InputError(f"lm-eval cannot build the task's requests: {type(e).__name__}: {e}", file=file) from None
+    finally:
+        task_module.tqdm = bar
+    by_doc: dict[int, list[Any]] = {}
+    for inst in task.instances:
+        by_doc.setdefault(int(inst.doc_id), []).append(inst)
+    out = {}
+    for doc_id, insts in by_doc.items():
+        args = [i.arguments for i in sorted(insts, key=lambda i: i.idx)]
+        contexts = {a[0] for a in args if a[0]}  # acc_mutual_info adds ("", continuation) requests
+        if len(contexts) != 1:
+            raise Where(file, doc_id, "doc_to_text").error(
+                f"{len(contexts)} contexts for one document (a multiple-input task, Winogrande style): a jex "
+                "row has one prompt")
+        out[doc_id] = LmEvalRequest(contexts.pop(), tuple(a[1] for a in args if a[0]))
+    return out
+
+
+def _lm_eval_gold(target: Any, options: Sequence[str], labels: Sequence[str], *, where: Where) -> int:
+    """The gold index as lm-eval reads it (an index, or the choice's text), else as `answer_index` does."""
+    if isinstance(target, list):
+        raise where.error("multiple targets per document are not supported")
+    if isinstance(target, str) and target in options:
+        return list(options).index(target)
+    return answer_index(target, options, labels, where=where)
+
+
 def _task_rows(name: str, task: Any, docs: Iterable[Any], *, file: str, run_suffix: str = "",
-               description: str = "") -> list[ImportedRow]:
+               requests: dict[int, LmEvalRequest] | None = None, cluster: str | None = None) -> list[ImportedRow]:
+    """One row per document: with `requests`, the prompt is lm-eval's own context for it (description,
+    few-shot examples and doc_to_text, as the harness joins them) and the options its choices exactly as
+    lm-eval continues the context with them; without (few-shot rows), the prompt is doc_to_text."""
     rows = []
     for doc_id, doc in enumerate(docs):
         where = Where(file, doc_id)
         options, _ = choices_of(task.doc_to_choice(doc), where=where.at("doc_to_choice"))
         labels = list(LETTERS[:len(options)])
-        target = task.doc_to_target(doc)
-        if isinstance(target, list):
-            raise where.at("doc_to_target").error("multiple targets per document are not supported")
-        gold = answer_index(target, options, labels, where=where.at("doc_to_target"))
-        text = task.doc_to_text(doc)
+        gold = _lm_eval_gold(task.doc_to_target(doc), options, labels, where=where.at("doc_to_target"))
+        text = task.doc_to_text(doc) if requests is None else requests[doc_id].context
         if not isinstance(text, str) or not text.strip():
             raise where.at("doc_to_text").error(f"doc_to_text gave {text!r}")
+        if requests is not None:
+            delimiter = task.config.target_delimiter
+            if list(requests[doc_id].continuations) != [f"{delimiter}{o}" for o in options]:
+                raise where.at("doc_to_choice").error(
+                    f"lm-eval's continuations {list(requests[doc_id].continuations)[:4]} are not the choices "
+                    f"{options[:4]} after the target delimiter {delimiter!r}")
         run_id = f"{name}-{doc_id}{run_suffix}"
-        rows.append(ImportedRow(run_id, run_id, description + text, tuple(options), tuple(labels), gold,
-                          {"task": name, "doc_id": doc_id}))
+        qid = cluster_of(doc, cluster, catalog=name, default=run_id, where=where)
+        rows.append(ImportedRow(run_id, qid + run_suffix if cluster else qid, text, tuple(options), tuple(labels),
+                                gold, {"task": name, "doc_id": doc_id}))
     return rows
 
 
 def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | None = None, leg: str = "public",
-                   force: bool = False) -> ImportResult:
+                   cluster: str | None = None, force: bool = False) -> ImportResult:
     """An lm-evaluation-harness `multiple_choice` task (or a group of them) as a jex suite.
 
     Documents are read through the harness's own machinery (`doc_to_text`, `doc_to_choice`,
-    `doc_to_target`, Jinja or `!function`); each row keeps the task's document id (its index in the
-    task's evaluation docs) as `metadata.doc_id` and `run_id = f"{task}-{doc_id}"`. A group's tasks
-    become catalogs, weighted by size when the group aggregates with `weight_by_size`. The task's
-    few-shot split becomes the catalog's few-shot rows; its `num_fewshot` is recorded in `[source]`.
+    `doc_to_target`, Jinja or `!function`); each row's prompt is the context lm-eval sends for it
+    (`lm_eval_requests`: description, few-shot examples and delimiters included), read verbatim with
+    the log-likelihood readout; each row keeps the task's document id (its index in the task's
+    evaluation docs) as `metadata.doc_id` and `run_id = f"{task}-{doc_id}"`; `cluster` names the doc
+    field whose value is the row's question_id. A group's tasks become catalogs, weighted by size when
+    the group aggregates with `weight_by_size`. The task's few-shot split becomes the catalog's few-shot
+    rows; its `num_fewshot` is recorded in `[source]`.
     """
+    loaded, shown = _load_lm_eval(task, data_files)
+    catalogs, settings = [], {}
+    for name, t, by_size in _leaf_tasks(loaded):
+        if t.OUTPUT_TYPE != "multiple_choice":
+            raise InputError(f"task '{name}' is {t.OUTPUT_TYPE!r}, not multiple_choice", file=shown,
+                             field="output_type")
+        file = f"{shown} [{name}]"
+        fields = list(getattr(t, "features", None) or [])
+        if cluster is not None and cluster not in fields:
+            raise InputError(f"no doc field {cluster!r} (fields: {fields})", file=file,
+                             field=f"--cluster {cluster}")
+        rows = _task_rows(name, t, t.eval_docs, file=file, requests=lm_eval_requests(t, file=file), cluster=cluster)
+        shots_docs = t.fewshot_docs() if t.config.fewshot_split else None
+        shots = _task_rows(name, t, list(shots_docs)[:MAX_FEWSHOT_ROWS], file=f"{shown} [{name} few-shot]",
+                           run_suffix="-shot", cluster=cluster) if shots_docs is not None else []
+        readout = replace(LM_EVAL_READOUT, target_delimiter=t.config.target_delimiter)
+        catalogs.append(ImportedCatalog(_slug(name), rows, shots, float(len(rows)) if by_size else 1.0, leg, name,
+                                        readout))
+        settings[name] = {"num_fewshot": t.config.num_fewshot, "fewshot_split": t.config.fewshot_split,
+                          "target_delimiter": t.config.target_delimiter,
+                          "fewshot_delimiter": t.config.fewshot_delimiter,
+                          "description": t.config.description or None,
+                          "version": (t.config.metadata or {}).get("version")}
+    from importlib import metadata
+
+    from lm_eval.defaults import DEFAULT_OTHER_SEED
+
+    source = {"importer": "lm-eval", "task": shown, "lm_eval": metadata.version("lm_eval"),
+              "yaml_sha256": sha256_file(Path(task)) if Path(task).is_file() else None,
+              "data_files": {k: sha256_file(Path(v)) for k, v in (data_files or {}).items()} or None,
+              "prompts": "lm-eval", "chat_template": "none", "fewshot_seed": DEFAULT_OTHER_SEED,
+              "cluster": cluster, "tasks": settings}
+    suite_name = catalogs[0].name if len(catalogs) == 1 else Path(shown).stem
+    return write_suite(out, catalogs, name=suite_name or "suite", source=source, force=force)
+
+
+def _load_lm_eval(task: str, data_files: dict[str, str] | None) -> tuple[dict[str, Any], str]:
+    """`TaskManager.load` of the task (a YAML alone first: indexing the ~10,000 built-in tasks is slow),
+    and the name to report errors under."""
     import logging
 
     import datasets
@@ -367,36 +511,10 @@ def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | N
     for defaults in (False, True):  # a task YAML rarely needs the ~10,000 built-in tasks indexed (slow)
         manager, spec, shown = _lm_eval_spec(task, data_files, defaults=defaults)
         try:
-            loaded = manager.load([spec])
-            break
+            return manager.load([spec]), shown
         except KeyError as e:  # a name only the built-in index knows (a group of built-in tasks)
             error: Exception = e
         except (ValueError, FileNotFoundError, OSError) as e:
             error = e
             break
-    else:
-        loaded = None
-    if loaded is None:
-        raise InputError(f"lm-eval cannot load task {shown!r}: {type(error).__name__}: {error}", file=shown) from None
-    catalogs, settings = [], {}
-    for name, t, by_size in _leaf_tasks(loaded):
-        if t.OUTPUT_TYPE != "multiple_choice":
-            raise InputError(f"task '{name}' is {t.OUTPUT_TYPE!r}, not multiple_choice", file=shown,
-                             field="output_type")
-        description = t.config.description or ""
-        rows = _task_rows(name, t, t.eval_docs, file=f"{shown} [{name}]", description=description)
-        shots_docs = t.fewshot_docs() if t.config.fewshot_split else None
-        shots = _task_rows(name, t, list(shots_docs)[:MAX_FEWSHOT_ROWS], file=f"{shown} [{name} few-shot]",
-                           run_suffix="-shot") if shots_docs is not None else []
-        catalogs.append(ImportedCatalog(_slug(name), rows, shots, float(len(rows)) if by_size else 1.0, leg, name))
-        settings[name] = {"num_fewshot": t.config.num_fewshot, "fewshot_split": t.config.fewshot_split,
-                          "target_delimiter": t.config.target_delimiter, "description": description or None,
-                          "version": (t.config.metadata or {}).get("version")}
-    from importlib import metadata
-
-    source = {"importer": "lm-eval", "task": shown, "lm_eval": metadata.version("lm_eval"),
-              "yaml_sha256": sha256_file(Path(task)) if Path(task).is_file() else None,
-              "data_files": {k: sha256_file(Path(v)) for k, v in (data_files or {}).items()} or None,
-              "tasks": settings}
-    suite_name = catalogs[0].name if len(catalogs) == 1 else Path(shown).stem
-    return write_suite(out, catalogs, name=suite_name or "suite", source=source, force=force)
+    raise InputError(f"lm-eval cannot load task {shown!r}: {type(error).__name__}: {error}", file=shown) from None

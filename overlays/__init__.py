@@ -40,7 +40,7 @@ def load_rule_file(path: str | Path) -> list[OverlayRuleBase]:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise InputError(f"cannot read overlay rules: {e}", file=str(path)) from None
     rules, seen = [], set()
-    for i, raw in enumerate(doc.get("rules", [])):
+    for i, raw in enumerate(_rule_tables(doc, path)):
         try:
             rule = rule_from_dict(raw)
         except (TypeError, ValueError) as e:
@@ -53,3 +53,16 @@ def load_rule_file(path: str | Path) -> list[OverlayRuleBase]:
         seen.add(rule.id)
         rules.append(rule)
     return rules
+
+
+def _rule_tables(doc: dict[str, object], path: Path) -> list[dict[str, object]]:
+    """The file's `[[rules]]` tables; any other top-level key (say `[[rule]]`, a typo that would load
+    no rule at all) or a `rules` that is not a list of tables is refused."""
+    unknown = sorted(set(doc) - {"rules"})
+    if unknown:
+        raise InputError(f"unknown top-level key {unknown[0]!r}; a rule file holds only [[rules]] tables",
+                         file=str(path), field=unknown[0])
+    tables = doc.get("rules", [])
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise InputError("expected [[rules]] tables (id, kind, target, ...)", file=str(path), field="rules")
+    return tables

@@ -65,6 +65,13 @@ class OverlayRuleBase:
     def record(self) -> dict[str, Any]:
         return {"kind": self.kind, **asdict(self)}
 
+    def sha256(self) -> str:
+        """The rule's hash: its kind and parameters (not its `enabled` flag). A gate record names the rule
+        by it, and a campaign applies the rule only with a passed gate record of this hash."""
+        from jex.fileio import sha256_json
+
+        return sha256_json({k: v for k, v in self.record().items() if k != "enabled"})
+
     def describe(self) -> str:
         raise NotImplementedError
 

@@ -53,9 +53,13 @@ def _panel(bundle: BundleSummary, fast: FastPassSummary) -> pl.DataFrame:
 # -- gate ------------------------------------------------------------------------------------------
 def _gate(out: StageDir, store: LocalStore, inputs: GateInputs) -> GateSummary:
     """Gate the panel; with `sample_every` = k, only a stratified sample is gated: the questions whose
-    crc32(question_id) % k == 0 (about 1/k of every catalog, whole clusters)."""
+    crc32(question_id) % k == 0 (about 1/k of every catalog, whole clusters). Rows of loglikelihood and
+    verbatim catalogs are never gated (`CatalogSpec.final_at_fast_pass`): `coverage` is a share of the rest."""
     coverage, sample_every = inputs.coverage, inputs.sample_every
     panel = _panel(inputs.bundle, inputs.fast)
+    final = [c.id for c in _suite(inputs.bundle).spec.catalogs if c.final_at_fast_pass]
+    if final:  # loglikelihood and verbatim catalogs: the fast pass's answer is final (CatalogSpec)
+        panel = panel.filter(~pl.col("catalog").is_in(final))
     if sample_every:
         keep = question_folds(panel["question_id"].to_list(), sample_every) == 0
         panel = panel.filter(pl.Series(keep))
@@ -118,10 +122,15 @@ def _overlay(out: StageDir, store: LocalStore, inputs: OverlayInputs) -> Overlay
         probs=pl.col("calibrated_logprobs").list.eval(pl.element().exp()))
     reversibility_check(base, apply_overlays(base, [])[0])
     frame, applied = apply_overlays(base, rules)
+    if inputs.unverified:  # no passed gate record: every row a rule decided says so, as does each rule's record
+        frame = frame.with_columns(pl.col("stage").str.replace("^overlay:", "overlay-unverified:"))
+        applied = [{**a, "unverified": True} for a in applied]
     predictions = frame.select("run_id", "choice", probs=pl.col("calibrated_logprobs").list.eval(pl.element().exp()),
                                stage="stage")
     if "abstain" in frame.columns:  # only when a rule set it: runs without one keep their bytes
         predictions = predictions.with_columns(frame["abstain"])
+    if "acc_norm_choice" in frame.columns:  # a loglikelihood catalog's fast-pass acc_norm choice, as it is
+        predictions = predictions.with_columns(frame["acc_norm_choice"])
     path = out.path / "predictions.parquet"
     write_parquet(predictions, path)
     return OverlaySummary(key=out.key, predictions=str(path), sha256=sha256_file(path), applied=applied)
@@ -136,7 +145,8 @@ def _score(out: StageDir, store: LocalStore, inputs: ScoreInputs) -> ScoreSummar
     table = _suite(bundle)
     preds = pl.read_parquet(overlay.predictions).select(pl.exclude("stage"))  # run_id, choice, probs[, abstain]
     folded = pl.read_parquet(fold.folded)
-    fast = folded.select("run_id", choice="fast_choice", probs=pl.col("logprobs").list.eval(pl.element().exp()))
+    norm = ["acc_norm_choice"] if "acc_norm_choice" in folded.columns else []
+    fast = folded.select("run_id", *norm, choice="fast_choice", probs=pl.col("logprobs").list.eval(pl.element().exp()))
     policy = score_with_ci(table.rows, preds, table.spec, draws=draws, seed=seed)
     baseline = score_with_ci(table.rows, fast, table.spec, draws=draws, seed=seed)
     reference = bundle_reference(bundle.bundle, bundle.sha256)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import Field
+from pydantic import Field, model_serializer
 
 from jex.fileio import read_json, write_json
 from jex.tasks.records import RationaleTokens, Record
@@ -64,6 +64,16 @@ class CatalogResult(Document):
     value: float = Field(description="The kind's value: accuracy, mean p[gold], Brier score or log loss")
     abstained: int = Field(description="Rows flagged `abstain` in a catalog that declares it")
     ci: Interval = Field(description="95% clustered bootstrap interval of `skill`")
+    acc_norm: float | None = Field(None, description="lm-eval's length-normalised accuracy, for loglikelihood "
+                                                     "catalogs and those scored by it (absent elsewhere)")
+
+    @model_serializer(mode="wrap")
+    def _without_absent(self, handler: Any) -> Any:
+        """`acc_norm` is left out where it is None, so catalogs without it keep their bytes."""
+        doc = handler(self)
+        if doc.get("acc_norm", 0) is None:
+            del doc["acc_norm"]
+        return doc
 
 
 class BootstrapParams(Document):

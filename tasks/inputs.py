@@ -196,17 +196,24 @@ class OverlayInputs(StageInputs):
     model_config = ConfigDict(arbitrary_types_allowed=True)
     stage: Literal["overlay"] = "overlay"
     calibrated: CalibrateSummary
-    rules: Annotated[list[OverlayRuleBase], KeyedBy(lambda i: [r.record() for r in i.rules],
-                                                    "by each rule's record (kind and parameters)")] = []
+    rules: Annotated[list[OverlayRuleBase], KeyedBy(lambda i: [r.record() for r in i.rules]
+                                                    + (["unverified"] if i.unverified else []),
+                                                    "by each rule's record (kind and parameters), and "
+                                                    "whether they are applied unverified")] = []
     rules_sha256: str | None = Field(None, description="sha256 of the rule file the rules came from")
+    unverified: Annotated[bool, KeyedThrough("rules", "an unverified application adds its mark to the rules' "
+                                                      "entry (absent otherwise: keys of verified runs unchanged)")] = \
+        Field(False, description="Applied with --unverified-overlays: some rule has no passed gate record; its "
+                                 "rows are marked `overlay-unverified:<id>`")
 
     @classmethod
-    def from_file(cls, calibrated: CalibrateSummary, rules_file: str | None) -> OverlayInputs:
+    def from_file(cls, calibrated: CalibrateSummary, rules_file: str | None, *,
+                  unverified: bool = False) -> OverlayInputs:
         """The enabled rules of a TOML rule file (none without a file)."""
         from jex.overlays.loading import load_rules
 
         rules, sha = load_rules(rules_file)
-        return cls(calibrated=calibrated, rules=rules, rules_sha256=sha)
+        return cls(calibrated=calibrated, rules=rules, rules_sha256=sha, unverified=unverified and bool(rules))
 
 
 class ScoreInputs(StageInputs):

@@ -144,11 +144,25 @@ def score_task(inputs: ScoreInputs, store: str) -> ScoreSummary:
 @task(name="report", cache_policy=NO_CACHE)
 def report_task(run_dir: str, summaries: CampaignSummaries, spec: dict[str, Any], timings: dict[str, float],
                 machines: MachinesSection | None = None) -> str:
-    from jex.tasks.outputs.run_folder import run_docs, write_run_folder
+    from jex.tasks.outputs.run_folder import (
+        REPORT_MARKER,
+        mark_rendered,
+        rendered,
+        report_key,
+        run_docs,
+        write_run_folder,
+    )
 
-    report = write_run_folder(Path(run_dir), summaries, spec, timings, machines)
-    publish_report(report, Path(run_dir), run_docs(summaries))
-    return str(Path(run_dir) / "report.md")
+    folder = Path(run_dir)
+    key = report_key(folder, summaries, spec)
+    if rendered(folder, key):  # an unchanged run: the report of these stages is in the folder already
+        print(f"report: cached ({key})")
+        return str(folder / "report.md")
+    (folder / REPORT_MARKER).unlink(missing_ok=True)
+    report = write_run_folder(folder, summaries, spec, timings, machines)
+    publish_report(report, folder, run_docs(summaries))
+    mark_rendered(folder, key)
+    return str(folder / "report.md")
 
 
 def publish_report(report: str, run_dir: Path, docs: RunDocs) -> None:

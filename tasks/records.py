@@ -36,6 +36,7 @@ class ShardWork(Record):
     computed_shards: list[int] = Field(default_factory=list)
     compute_seconds: float = 0.0
     computed_rows: int = 0
+    engine_start_seconds: float = Field(0.0, description="Seconds spent starting the engine for this work")
 
 
 class PartialSummary(ShardWork):

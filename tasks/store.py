@@ -91,6 +91,8 @@ class ShardStats:
     compute_seconds: float = 0.0
     """Wall seconds spent computing the shards this call computed (reused ones cost nothing)."""
     computed_rows: int = 0
+    start_seconds: float = 0.0
+    """Wall seconds `prepare` (the engine start) took in this call, off the compute clock."""
 
 
 def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
@@ -123,8 +125,10 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
     n_shards = (len(items) + shard_rows - 1) // shard_rows
     run = _ShardRun(items, shard_rows, folder, range(worker, n_shards, workers), claim, on_shard, compute)
     current = run.next_to_compute()
+    started = time.perf_counter()
     if current is not None and prepare is not None:
         prepare()
+    start_seconds = time.perf_counter() - started if current is not None and prepare is not None else 0.0
     if prepare_chunk is None or not prepare_ahead:
         while current is not None:
             t0 = time.perf_counter()
@@ -135,7 +139,7 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
         given_back = (lambda i: _claim_path(folder, i).unlink(missing_ok=True)) if claim else (lambda i: None)
         _compute_prepared_ahead(current, run.next_to_compute, lambda i: prepare_chunk(run.chunk(i)),
                                 run.compute_shard, given_back)
-    return ShardStats(n_shards, run.computed, run.reused, run.seconds, run.rows)
+    return ShardStats(n_shards, run.computed, run.reused, run.seconds, run.rows, start_seconds)
 
 
 @dataclass
@@ -216,7 +220,8 @@ def _claim_path(folder: Path, shard: int) -> Path:
 def partial_summary(stage: Literal["fast_pass", "reason"], key: str, stats: ShardStats) -> PartialSummary:
     """What one of several workers sharing a stage returns: its own shards and their compute time."""
     return PartialSummary(stage=stage, key=key, computed_shards=stats.computed,
-                          compute_seconds=stats.compute_seconds, computed_rows=stats.computed_rows)
+                          compute_seconds=stats.compute_seconds, computed_rows=stats.computed_rows,
+                          engine_start_seconds=stats.start_seconds)
 
 
 def _claim(path: Path) -> bool:

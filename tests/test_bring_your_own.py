@@ -154,11 +154,67 @@ def test_lm_eval_task_is_read_through_the_harness_with_doc_ids_and_few_shot_rows
     rows = list(iter_rows(lm_eval_suite))
     assert [(r.run_id, r.metadata) for r in rows] == [(f"trivia-{i}", {"task": "trivia", "doc_id": i})
                                                       for i in range(len(QUESTIONS))]
-    assert [r.prompt for r in rows] == [f"Answer the question.\n\nQuestion: {t}\nAnswer:" for _, t, _ in QUESTIONS]
+    # lm-eval's own context: the description, its one few-shot example (answered, fewshot_delimiter after
+    # it), then the question; read verbatim, each option a continuation after the target delimiter
+    assert [r.prompt for r in rows] == [f"Answer the question.\n\nQuestion: What is 1 + 1?\nAnswer: 2\n\n"
+                                        f"Question: {t}\nAnswer:" for _, t, _ in QUESTIONS]
     assert [(r.options, r.gold) for r in rows] == [(c, GOLD[q]) for q, c in ((q, c) for q, _, c in QUESTIONS)]
+    assert [r.question_id for r in rows] == [r.run_id for r in rows]  # no --cluster: every row its own cluster
     shots = list(iter_fewshot_rows(lm_eval_suite))
     assert [(s.prompt, s.options, s.gold) for s in shots] == [("Question: What is 1 + 1?\nAnswer:", ["2", "3"], 0)]
-    assert load_manifest(lm_eval_suite).source["tasks"]["trivia"]["num_fewshot"] == 1
+    manifest = load_manifest(lm_eval_suite)
+    assert manifest.source["tasks"]["trivia"]["num_fewshot"] == 1
+    assert (manifest.source["importer"], manifest.source["chat_template"]) == ("lm-eval", "none")
+    cat = manifest.catalogs[0]
+    assert (cat.readout, cat.prompt_format, cat.target_delimiter, cat.scoring) == \
+        ("loglikelihood", "verbatim", " ", "accuracy")
+
+
+MMLU_YAML = """\
+task: letters
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{question}}}}\\n{{% for c in choices %}}{{{{'ABCD'[loop.index0]}}}}. {{{{c}}}}\\n{{% endfor %}}Answer:"
+doc_to_choice: ["A", "B", "C", "D"]
+doc_to_target: answer
+"""
+
+
+def test_lm_eval_letter_task_keeps_the_letters_as_options_and_clusters_by_a_doc_field(tmp_path):
+    """MMLU style: the options are in the prompt already, the choices are the letters (once, not as a
+    second option block), and --cluster makes rows of one question one bootstrap cluster."""
+    data = tmp_path / "letters.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Q{i}?", "choices": ["w", "x", "y", "z"], "answer": i % 4,
+                                        "topic": f"t{i // 2}"}) + "\n" for i in range(4)))
+    (tmp_path / "letters.yaml").write_text(MMLU_YAML.format(data=data))
+    result = run_cli("suite", "import", "lm-eval", "--task", tmp_path / "letters.yaml", "--cluster", "topic",
+                     "-o", tmp_path / "suite")
+    assert result.exit_code == 0, result.output
+    rows = list(iter_rows(tmp_path / "suite"))
+    assert rows[1].prompt == "Q1?\nA. w\nB. x\nC. y\nD. z\nAnswer:"
+    assert [(r.options, r.labels, r.gold) for r in rows][:2] == [(["A", "B", "C", "D"], ["A", "B", "C", "D"], 0),
+                                                               (["A", "B", "C", "D"], ["A", "B", "C", "D"], 1)]
+    assert [r.question_id for r in rows] == ["letters-t0", "letters-t0", "letters-t1", "letters-t1"]
+    missing = run_cli("suite", "import", "lm-eval", "--task", tmp_path / "letters.yaml", "--cluster", "nope",
+                      "-o", tmp_path / "suite2")
+    assert missing.exit_code != 0 and "field '--cluster nope'" in missing.output and "topic" in missing.output
+    assert not (tmp_path / "suite2").exists()
+
+
+def test_hf_import_clusters_by_a_column(parquet_dataset, tmp_path):
+    pl.read_parquet(parquet_dataset).with_columns(topic=pl.Series(["a", "a", "b", "b", "c", "c"])) \
+        .write_parquet(parquet_dataset)
+    result = run_cli("suite", "import", "hf", "--dataset", parquet_dataset, "--split", "test", "--question",
+                     "question", "--choices", "choices", "--answer", "answer", "--id", "id", "--cluster", "topic",
+                     "-o", tmp_path / "suite")
+    assert result.exit_code == 0, result.output
+    rows = list(iter_rows(tmp_path / "suite"))
+    assert [r.question_id for r in rows] == ["test-a", "test-a", "test-b", "test-b", "test-c", "test-c"]
+    assert load_manifest(tmp_path / "suite").source["columns"]["cluster"] == "topic"
 
 
 def test_lm_eval_group_becomes_catalogs_weighted_by_size(tmp_path):
@@ -174,7 +230,7 @@ def test_lm_eval_group_becomes_catalogs_weighted_by_size(tmp_path):
 def test_lm_eval_task_that_is_not_multiple_choice_is_refused(tmp_path):
     task = write_lm_eval_task(tmp_path / "t", "gen", output_type="generate_until")
     result = run_cli("suite", "import", "lm-eval", "--task", task, "-o", tmp_path / "suite")
-    assert result.exit_code == 2 and "task 'gen' is 'generate_until', not multiple_choice" in result.output
+    assert result.exit_code == 1 and "task 'gen' is 'generate_until', not multiple_choice" in result.output
     assert not (tmp_path / "suite").exists()
 
 

@@ -42,7 +42,7 @@ def test_a_user_error_prints_one_line_and_no_traceback(argv, tmp_path):
     env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # never reached: the input is refused first
     p = subprocess.run([JEX, *[a.format(tmp=tmp_path) for a in argv]], capture_output=True, text=True, env=env,
                        cwd=tmp_path, timeout=120)
-    assert p.returncode == 2, p.stderr
+    assert p.returncode == 1, p.stderr
     assert "Traceback" not in p.stderr and p.stderr.startswith("error: "), p.stderr
 
 

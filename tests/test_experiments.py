@@ -77,7 +77,7 @@ def test_a_good_arms_file_parses_into_arms_and_sweep_points():
     ('[[arms]]\nname = "p"\nkind = "placebo"\n[arms.render]\nanswer_slot = "Reply:"\n', "p", "render.answer_slot"),
     ('[[arms]]\nname = "p"\nkind = "placebo"\nfold_weight = 0.9\n', "p", "fold_weight"),
     ('[[arms]]\nname = "t"\nkind = "twin"\nmodel = "other.gguf"\n', "t", "model"),
-    ('[[arms]]\nname = "r"\n[arms.render]\nquestion_template = "{prompt} only"\n', "r", "render.question_template"),
+    ('[[arms]]\nname = "r"\n[arms.render]\nquestion_template = "{options} only"\n', "r", "render.question_template"),
 ])
 def test_a_bad_arms_file_names_the_arm_and_the_field(text, arm, field):
     with pytest.raises(InputError) as err:
@@ -97,7 +97,7 @@ def test_a_bad_arms_file_fails_in_the_cli_before_any_engine_or_prefect_starts(tm
     before = dict(CALLS)
     result = CliRunner().invoke(app, ["experiment", "run", "--arms", str(bad), "-o", str(tmp_path / "out"),
                                       "--sample-rows", "18", "--provider", "inprocess"])
-    assert result.exit_code == 2
+    assert result.exit_code == 1
     assert "arm 'p'" in result.output and "render.answer_slot" in result.output and str(bad) in result.output
     assert dict(CALLS) == before and not (tmp_path / "out" / "runs").exists()
 
@@ -333,33 +333,58 @@ def test_the_preregistered_test_is_registered_once_and_a_changed_one_is_refused(
         register_experiment_test(parse_arms(changed), tmp_path)
 
 
-def _doc(test_sha: str, verdicts: dict[str, str]) -> dict:
+def _doc(verdicts: dict[str, str]) -> dict:
     arms = {n: {"kind": "arm", "verdict": v, "delta": -1.5, "ci": [-2.0, -1.0], "p": 0.01, "placebo_delta": 0.2,
                 "vs_placebo": {"delta": -1.7, "ci": [-2.5, -0.9]}} for n, v in verdicts.items()}
-    return {"name": "e", "gate": {"settings_sha256": test_sha, "metric": "full", "placebo": "reworded"}, "arms": arms}
+    return {"name": "e", "gate": {"settings_sha256": "a" * 64, "metric": "full", "placebo": "reworded"}, "arms": arms}
 
 
-def test_the_ledger_is_appended_never_rewritten_and_printed_by_the_cli(tmp_path):
+def test_one_ledger_per_store_keyed_by_test_suite_and_model_and_the_ledger_command(tmp_path):
+    """Decisions of experiments and campaigns go to the store's one ledger, append-only; the same test on
+    another model is a new registration (a new decision), and a typed reopen condition comes true when
+    the ledger learns of a large enough model."""
     from typer.testing import CliRunner
 
     from jex.cli import app
-    from jex.tasks.lab.experiment_report import append_ledger, read_ledger
+    from jex.fileio import write_json
+    from jex.tasks.decisions import Decision, append_decisions, ledger_path, read_decisions
+    from jex.tasks.lab.arms import parse_arms
+    from jex.tasks.lab.experiment_report import RegisteredTest, experiment_decisions
 
-    path = tmp_path / "ledger.toml"
-    assert append_ledger(path, _doc("a" * 64, {"x": "NO-GO", "p": "placebo"}), {"x": "a larger model"},
-                         date="2026-12-01T00:00:00Z") == 1
+    arms = parse_arms(GOOD.replace('name = "system"\n', 'name = "system"\nreopen_when = "a model of 1B parameters '
+                                   'or more"\nreopen_if = {model_params_at_least = 1e9}\n', 1))
+    small = RegisteredTest(settings_sha256="a" * 64, suite_sha256="s" * 64, model="m" * 64, model_name="small",
+                           model_params=1.35e8)
+    other = small.model_copy(update={"model": "n" * 64, "model_name": "other"})
+    assert len({small.sha256, other.sha256, small.model_copy(update={"suite_sha256": "t" * 64}).sha256}) == 3
+    path, exp = ledger_path(tmp_path / "store"), tmp_path / "exp"
+    exp.mkdir()
+    doc = _doc({"system": "NO-GO", "reworded": "placebo"})
+    assert len(append_decisions(path, experiment_decisions(doc, arms, small, source=exp, date="2026-12-01"))) == 1
     first = path.read_bytes()
-    assert append_ledger(path, _doc("a" * 64, {"x": "NO-GO"}), {}) == 0  # already decided under this test
-    assert append_ledger(path, _doc("b" * 64, {"x": "GO"}), {}, date="2026-12-02T00:00:00Z") == 1
+    assert append_decisions(path, experiment_decisions(doc, arms, small, source=exp)) == []  # decided already
+    assert len(append_decisions(path, experiment_decisions(doc, arms, other, source=exp))) == 1  # another model
     assert path.read_bytes().startswith(first)
-    entries = read_ledger(path)
-    assert [(e["arm"], e["verdict"], e["reopen_when"]) for e in entries] == [
-        ("x", "NO-GO", "a larger model"), ("x", "GO", "not given")]
-    assert entries[0]["ci"] == [-2.0, -1.0] and entries[0]["placebo_effect"] == 0.2
-    out = CliRunner().invoke(app, ["experiment", "ledger", str(tmp_path)])
-    assert out.exit_code == 0 and "NO-GO" in out.output and "a larger model" in out.output and "aaaaaa" in out.output
-    missing = CliRunner().invoke(app, ["experiment", "ledger", str(tmp_path / "none")])
-    assert missing.exit_code == 2 and "ledger.toml" in missing.output
+    system = read_decisions(path)[0]
+    assert (system.kind, system.subject, system.status, system.reopen_when, system.gate_sha256) == (
+        "experiment-arm", "system", "NO-GO", "a model of 1B parameters or more", small.sha256)
+    assert system.reopen_if.model_params_at_least == 1e9 and system.ci == [-2.0, -1.0]
+    write_json(exp / "experiment.json", {"ledger": str(path)})
+    out = CliRunner().invoke(app, ["experiment", "ledger", str(exp)])
+    assert out.exit_code == 0 and "2 decision(s)" in out.output and "NO-GO" in out.output, out.output
+    listed = CliRunner().invoke(app, ["ledger", "--store", str(tmp_path / "store"), "--reopened"])
+    assert listed.exit_code == 0 and "0 of 2 decision(s)" in listed.output and "REOPEN" not in listed.output
+    append_decisions(path, [Decision(kind="campaign", subject="big-run", status="DONE", source="/r", date="d",
+                                     model_name="big", model_params=1.7e9, coverage=0.1, index=12.0)])
+    listed = CliRunner().invoke(app, ["ledger", "--store", str(tmp_path / "store"), "--reopened"])
+    assert listed.exit_code == 0 and "2 of 3 decision(s)" in listed.output, listed.output
+    assert "REOPEN experiment-arm system" in listed.output and "big (1.7e+09 parameters" in listed.output
+    campaigns = CliRunner().invoke(app, ["ledger", "--store", str(tmp_path / "store"), "--kind", "campaign"])
+    assert "1 of 3 decision(s)" in campaigns.output and "big-run" in campaigns.output
+    assert "0 of 3" in CliRunner().invoke(app, ["ledger", "--store", str(tmp_path / "store"), "--status",
+                                                "GO"]).output
+    missing = CliRunner().invoke(app, ["ledger", "--store", str(tmp_path / "none")])
+    assert missing.exit_code == 1 and "ledger.toml" in missing.output
 
 
 def test_the_twin_audit_reports_the_first_differing_row(tmp_path):
@@ -496,13 +521,14 @@ def test_arms_that_change_only_cpu_stages_make_no_engine_calls(finished):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_experiment_ledger_records_the_decided_arms(finished):
-    from jex.tasks.lab.experiment_report import read_ledger
+    from jex.tasks.lab.experiment_report import experiment_ledger
 
     out, doc = finished
-    entries = read_ledger(out / "ledger.toml")
+    path, entries = experiment_ledger(out)
+    assert path.parent.name == "store"  # the store's one ledger, beside the stage folders
     decided = {n for n, a in doc["arms"].items() if a["verdict"] in ("GO", "NO-GO")}
-    assert {e["arm"] for e in entries} == decided
-    system = next(e for e in entries if e["arm"] == "system")
-    assert system["reopen_when"] == "a model of 1B parameters or more"
-    assert system["gate_sha256"] == doc["gate"]["settings_sha256"]
-    assert system["effect"] == doc["arms"]["system"]["delta"]
+    assert {e.subject for e in entries if e.kind == "experiment-arm"} == decided
+    system = next(e for e in entries if e.subject == "system")
+    assert system.reopen_when == "a model of 1B parameters or more"
+    assert system.gate_sha256 == doc["gate"]["sha256"] != doc["gate"]["settings_sha256"]  # suite and model in it
+    assert system.effect == doc["arms"]["system"]["delta"] and system.model_params > 1e8

@@ -145,3 +145,33 @@ def test_label_ids_are_computed_once_per_label(engine, requests, monkeypatch):
     monkeypatch.setattr(engine, "encode", lambda text: calls.append(text) or [])
     engine.readout(requests[:2])
     assert calls == []  # prompts go through encode_many; no label is encoded again
+
+
+def _batch1_reference(engine, prompt: str, max_tokens: int) -> tuple[int, ...]:
+    """The algorithm before row-exact decoding: `model.generate` on the one request (batch 1, KV cache)."""
+    import torch
+
+    ids = torch.tensor([engine.encode(prompt)])
+    with torch.inference_mode():
+        gen = engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=max_tokens, pad_token_id=engine.pad_id, temperature=None,
+                                    top_p=None, top_k=None)
+    new = gen[0, ids.shape[1]:].tolist()
+    return tuple(new[: new.index(engine.pad_id) + 1] if engine.pad_id in new else new)
+
+
+def test_row_exact_generation_gives_the_batch1_tokens_at_every_batch_size(engine):
+    """Batch-invariant generation decodes several requests in lock-step (engine/hf_decode.py): its token
+    ids are those of the batch-1 `generate`, whatever the batch size, prompt lengths and finish order."""
+    prompts = [engine.chat_prompt("Count from 1 to 20, separated by commas."),
+               engine.chat_prompt("Name a colour."),
+               engine.chat_prompt("Explain in one sentence why the sky is blue, and then say which planet is "
+                                  "the largest in the solar system.")]
+    ref = [_batch1_reference(engine, p, 16) for p in prompts]
+    assert engine._row_exact(GenerateRequest("x", prompts[0], 16))
+    for batch in (1, 2, 3):
+        engine.batch_size = batch
+        got = engine.generate([GenerateRequest(f"r{i}", p, 16) for i, p in enumerate(prompts)])
+        assert [g.token_ids for g in got] == ref, batch
+    engine.batch_size = 8
+    assert got[0].text == engine.tokenizer.decode(list(ref[0]), skip_special_tokens=True)

@@ -158,6 +158,7 @@ def test_a_jex_run_of_the_imported_task_exports_to_lm_eval_and_back(imported_run
     assert [ln["doc_id"] for ln in lines] == list(range(len(QUESTIONS)))  # the task's own document ids
     assert [ln["arguments"]["gen_args_0"]["arg_0"] for ln in lines] == samples["prompt"].to_list()
     assert [ln["acc"] for ln in lines] == [float(c) for c in samples["correct"].to_list()]
+    assert "Every row is its own cluster" in (imported_run / "report.md").read_text()  # imported without --cluster
     back = cli("score", "--from", "lm-eval", str(tmp_path / "out"), "--suite", bundle_of(imported_run), "-o",
                str(tmp_path / "s"), "--bootstrap", "200")
     assert back.exit_code == 0, back.output
@@ -205,10 +206,46 @@ def test_score_from_inspect_reproduces_the_run_index(main_job_run, tmp_path):
         {c: "auto-id" for c in run_score["catalogs"]}
 
 
+def test_score_from_inspect_without_a_suite_keys_rows_by_sample_id(main_job_run, tmp_path):
+    """A log jex exported needs no --suite: the suite made from it keeps the run's run_ids (the sample
+    ids), question_ids and labels, so every catalog scores to the run's accuracy."""
+    log = cli("export", "inspect", str(main_job_run), "-o", str(tmp_path / "logs")).output.strip().splitlines()[-1]
+    back = cli("score", "--from", "inspect", log, "-o", str(tmp_path / "s"), "--bootstrap", "200")
+    assert back.exit_code == 0, back.output
+    run_score = json.loads((main_job_run / "score.json").read_text())
+    doc = json.loads((tmp_path / "s" / "score.json").read_text())
+    assert {c: (v["n"], v["acc"]) for c, v in doc["catalogs"].items()} == \
+        {c: (v["n"], v["acc"]) for c, v in run_score["catalogs"].items()}
+    assert json.loads((tmp_path / "s" / "import.json").read_text())["mapping"] == \
+        {c: "auto-id" for c in run_score["catalogs"]}
+    made = pl.read_parquet(main_job_run / "samples.parquet")
+    rows = [json.loads(x) for f in sorted((tmp_path / "s" / "suite" / "rows").glob("*.jsonl"))
+            for x in f.read_text().splitlines()]
+    assert sorted((r["run_id"], r["question_id"]) for r in rows) == sorted(made.select("run_id", "question_id").rows())
+
+
+def test_renamed_lm_eval_samples_keep_their_task_and_doc_ids(lm_run, tmp_path):
+    """The task is read from the files' contents (the results file's task hash), not their names."""
+    import shutil
+
+    results, samples_files = lm_results(lm_run)
+    folder = tmp_path / "renamed"
+    folder.mkdir()
+    shutil.copyfile(samples_files[0], folder / "answers.jsonl")
+    shutil.copyfile(get_results(lm_run)[0], folder / "summary_results.json")
+    for source in (folder, folder / "answers.jsonl"):
+        out = tmp_path / f"s-{source.name}"
+        result = cli("score", "--from", "lm-eval", str(source), "-o", str(out), "--bootstrap", "200")
+        assert result.exit_code == 0, result.output
+        doc = json.loads((out / "score.json").read_text())
+        assert doc["catalogs"][TASK]["acc"] == results["results"][TASK]["acc,none"]
+        assert json.loads((out / "import.json").read_text())["mapping"] == {TASK: "doc_id"}
+
+
 # --- bad inputs: a clear error naming what and where, nothing written ----------------------------------
 
 def assert_refused(result, out: Path, *needles: str) -> None:
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 1, result.output
     for n in needles:
         assert n in result.output, result.output
     assert not out.exists() or sorted(p.name for p in out.iterdir()) == ["old.txt"]

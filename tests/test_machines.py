@@ -349,8 +349,10 @@ def test_jex_run_over_ssh_runs_the_gpu_stages_through_the_full_lifecycle(sshd, t
     assert SSHProvider(str(tmp_path / "remote"), ["127.0.0.1"], port=sshd["port"], key_path=sshd["key_path"],
                        known_hosts=sshd["known_hosts"]).list_machines() == []
     keys = {o["Key"] for o in s3_bucket.client.list_objects_v2(Bucket=s3_bucket.bucket)["Contents"]}
-    shards = [j for j in m["jobs"] if j["job"] == "fast_pass"][0]["artifacts"]
-    assert len(shards) == 4 and all(a["s3_key"] in keys for a in shards)
+    collected = [j for j in m["jobs"] if j["job"] == "fast_pass"][0]["artifacts"]
+    shards = [a for a in collected if "/shard-" in a["s3_key"]]
+    assert len(shards) == 4 and all(a["s3_key"] in keys for a in collected)
+    assert len(collected) == 5, "the four shards and the machine's work record (its compute seconds)"
     for f in [*run_dir.rglob("*.json"), *run_dir.rglob("*.md"), tmp_path / "infra" / "ledger.json"]:
         assert "s3cr3t-not-logged" not in f.read_text()
     assert "s3cr3t-not-logged" not in out.stdout + out.stderr

@@ -255,3 +255,79 @@ def test_the_preregistered_test_and_the_ladder_refuse_a_rule_that_sets_abstain(c
         overlay_test_rule(capture, rule, OverlayTestSettings(draws=10, permutations=10))
     with pytest.raises(InputError, match="sets the 'abstain' flag; the ladder"):
         ladder(capture, [rule])
+
+
+# --- the binding gate: no-degrade as the seeds had it, settings written once, campaigns refuse ungated rules ---
+
+def test_no_degrade_fails_a_rule_that_lowers_a_catalogs_skill_and_passes_a_helpful_one(capture, tmp_path):
+    """Rules write only their target's rows, so 'other catalogs bit-identical' alone cannot fail; the check
+    also refuses any catalog (the target's included) losing skill beyond the tolerance."""
+    degrading = _rule(id="D", label_index=0, tau=-6.0)  # emit option 0 nearly always: gold is at 3
+    settings = OverlayTestSettings(draws=100, permutations=19, catalog_tolerance=1.0)
+    doc = overlay_test(capture, [degrading, _rule(id="R")], settings, tmp_path)
+    bad, good = doc["results"]
+    assert bad["checks"]["no_degrade"] is False and "lowers the skill of catalog 'pos'" in bad["no_degrade_error"]
+    assert "catalog 'other'" not in bad["no_degrade_error"]  # the other catalog stayed bit-identical
+    assert good["checks"]["no_degrade"] is True and good["no_degrade_error"] is None
+
+
+def test_the_gate_settings_are_written_once(capture, tmp_path):
+    OverlayTestSettings(draws=100, permutations=19).register(tmp_path / "gate-settings.json")
+    OverlayTestSettings(draws=100, permutations=19).register(tmp_path / "gate-settings.json")  # the same: fine
+    with pytest.raises(InputError, match="other settings"):
+        overlay_test(capture, [_rule()], OverlayTestSettings(draws=100, permutations=19, alpha=0.2), tmp_path)
+
+
+def test_the_ledger_gate_check_needs_a_pass_of_the_rules_hash_on_the_suite_and_capture():
+    from jex.tasks.decisions import Decision, ungated_rules
+
+    rule = _rule()
+    passed = Decision(kind="overlay-rule", subject="R", status="PASS", source="/g", date="d", rule_sha256=rule.sha256(),
+                      suite_sha256="s1", capture_sha256="c1")
+    ids = [("R", rule.sha256())]
+    assert ungated_rules([passed], ids, suite_sha256="s1", capture_sha256="c1") == []
+    assert ungated_rules([passed], ids, suite_sha256="s1") == []  # before the fast pass: the suite alone
+    assert "another capture" in ungated_rules([passed], ids, suite_sha256="s1", capture_sha256="c2")[0]
+    assert "another suite" in ungated_rules([passed], ids, suite_sha256="s2")[0]
+    assert "no gate record" in ungated_rules([passed], [("R", _rule(tau=-2.0).sha256())], suite_sha256="s1")[0]
+    failed = passed.model_copy(update={"status": "FAIL"})
+    assert "['FAIL']" in ungated_rules([failed], ids, suite_sha256="s1")[0]
+    assert _rule(enabled=False).sha256() == rule.sha256()  # the flag is not the rule
+
+
+def test_unverified_overlays_mark_the_rows_they_decide_and_their_records(tmp_path):
+    from jex.tasks.cpu_stages import overlay_stage
+    from jex.tasks.inputs import OverlayInputs
+    from jex.tasks.records import CalibrateSummary
+    from jex.tasks.store import LocalStore
+
+    frame = pl.DataFrame({"run_id": ["a", "b"], "catalog": ["pos", "other"], "choice": [0, 1], "folded": [False, True],
+                          "calibrated_logprobs": [[-3.0, -3.0, -3.0, -0.2], [-0.5, -1.0, -3.0, -3.0]]},
+                         schema_overrides={"choice": pl.Int32})
+    frame.write_parquet(tmp_path / "calibrated.parquet")
+    calibrated = CalibrateSummary(key="k", sha256="ab" * 32, calibrated=str(tmp_path / "calibrated.parquet"),
+                                  calibration_json="")
+    store = LocalStore(tmp_path / "store")
+    inputs = OverlayInputs(calibrated=calibrated, rules=[_rule()])
+    marked = overlay_stage(store, inputs.model_copy(update={"unverified": True}))
+    plain = overlay_stage(store, inputs)
+    assert marked.key != plain.key
+    assert pl.read_parquet(marked.predictions)["stage"].to_list() == ["overlay-unverified:R", "fold"]
+    assert pl.read_parquet(plain.predictions)["stage"].to_list() == ["overlay:R", "fold"]
+    assert marked.applied[0]["unverified"] is True and "unverified" not in plain.applied[0]
+
+
+@pytest.mark.slow
+def test_a_campaign_refuses_an_ungated_rule_file_before_any_engine_stage(tmp_path, prefect_harness):
+    from jex.errors import FlowError
+    from jex.flows.campaign import CampaignSpec, campaign
+    from jex.flows.fleet import MachinesSpec
+
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rules]]\nid = "R"\nkind = "positional-threshold"\ntarget = "arith"\n'
+                     'projection_class = "positional-construction-reuse"\nlabel_index = 0\ntau = -1.0\n')
+    spec = CampaignSpec(sample_rows=18, overlays=str(rules), store=str(tmp_path / "store"), out=str(tmp_path),
+                        machines=MachinesSpec(provider="inprocess"))
+    with pytest.raises(FlowError, match="not gated for this suite.*rule 'R': no gate record.*--unverified-overlays"):
+        campaign(spec)
+    assert not (tmp_path / "store" / "fast_pass").exists()  # refused before any engine stage

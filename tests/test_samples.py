@@ -138,6 +138,23 @@ def test_show_limits_and_names_an_unknown_catalog(main_job_run):
     result = CliRunner().invoke(app, ["show", str(main_job_run), "--limit", "3"])
     assert result.exit_code == 0 and "3 of 36 rows shown" in result.output
     bad = CliRunner().invoke(app, ["show", str(main_job_run), "--catalog", "nope"])
-    assert bad.exit_code == 2 and "no catalog 'nope' in this run" in bad.output
+    assert bad.exit_code == 1 and "no catalog 'nope' in this run" in bad.output
     missing = CliRunner().invoke(app, ["show", str(main_job_run.parent)])
-    assert missing.exit_code == 2 and "no samples.parquet in this run folder" in missing.output
+    assert missing.exit_code == 1 and "no samples.parquet in this run folder" in missing.output
+
+
+def test_results_table_ends_with_the_run_folder_and_json_holds_the_same_figures(main_job_run, capsys):
+    import json
+
+    from jex.cli.results import print_results
+
+    print_results(main_job_run, "table")
+    table = capsys.readouterr().out
+    assert table.strip().splitlines()[-1] == str(main_job_run)
+    assert "full index" in table and "95% CI" in table
+    print_results(main_job_run, "quiet")
+    assert capsys.readouterr().out.strip() == str(main_job_run)
+    print_results(main_job_run, "json")
+    doc = json.loads(capsys.readouterr().out)
+    score = json.loads((main_job_run / "score.json").read_text())
+    assert doc["full"] == score["full"] and {c["catalog"] for c in doc["catalogs"]} == set(score["catalogs"])

@@ -40,10 +40,11 @@ def test_the_engine_settings_are_the_one_engine_spec():
 
 
 def test_a_misspelt_engine_setting_is_refused_by_name(monkeypatch):
-    import pydantic
+    from jex.errors import SettingsError
 
     monkeypatch.setenv("JEX_ENGINE__BATCH_SIZ", "4")
-    with pytest.raises(pydantic.ValidationError, match="batch_siz"):
+    with pytest.raises(SettingsError, match="JEX_ENGINE__BATCH_SIZ': unknown setting; did you mean "
+                                            "JEX_ENGINE__BATCH_SIZE"):
         load_settings()
 
 

@@ -172,3 +172,75 @@ def test_early_exit_probe_reports_the_gate_and_every_checkpoint(tiny_suite, tmp_
     assert probe["gate_checkpoints"] == sum(c["still_thinking"] for c in probe["checkpoints"])
     assert 0 <= probe["gate_fire_rate"] <= 1
     assert (tmp_path / "probe" / "probe.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_a_speculative_campaign_on_local_machines_proves_itself_and_reports_machine_seconds(
+        tiny_suite, tmp_path, prefect_harness, monkeypatch):
+    """The default provider (`local`): the proof and the speculative stage are two machine jobs whose keys
+    both sides compute alike, and the seconds the machines spent come back into the stage summaries."""
+    import sys
+
+    from jex.engine_spec import EngineSpec
+    from jex.flows.campaign import CampaignSpec, run_campaign
+    from jex.flows.fleet import MachinesSpec
+    from jex.tasks.lab.experiment_report import stage_summaries
+
+    for k, v in {"JEX_INFRA__STATE_DIR": str(tmp_path / "infra"), "JEX_INFRA__POLL_S": "0.3",
+                 "JEX_INFRA__WORKER_PYTHON": sys.executable}.items():
+        monkeypatch.setenv(k, v)
+    spec = CampaignSpec(name="spec-local", suite=str(tiny_suite), coverage=0.12, reason_max_tokens=4,
+                        bootstrap_draws=20, engine=EngineSpec(profile="audit-ngram"), spec_proof_rows=1,
+                        store=str(tmp_path / "store"), out=str(tmp_path),
+                        machines=MachinesSpec(provider="local", golden_rows=2))
+    run = run_campaign(spec)
+    proof = json.loads((run / "spec_proof.json").read_text())
+    assert (proof["exact"], proof["fell_back"]) == (True, False) and proof["tokens_compared"] > 0
+    assert proof["speculative_tokens_per_s"] > 0 and proof["base_tokens_per_s"] > 0  # seconds came back
+    s = stage_summaries(run)
+    assert s.fast_pass.computed_shards == [] and s.fast_pass.computed_rows == 18  # computed there, merged here
+    stages = json.loads((run / "stages.json").read_text())
+    (machine,) = json.loads((run / "machines.json").read_text())["machines"]
+    jobs = {j["job"]: j for j in machine["jobs"]}
+    assert set(jobs) == {"golden", "fast_pass", "reason", f"reason-{stages['spec_proof']['key'][:8]}"}
+    for name, summary in (("fast_pass", s.fast_pass), ("reason", s.reason)):
+        assert 0 < summary.compute_seconds <= jobs[name]["seconds"], name  # the machine's, within its job's time
+    proved = json.loads((Path(stages["spec_proof"]["folder"]) / "_SUCCESS.json").read_text())
+    assert proved["engine"]["profile"] is None and proved["engine_start_seconds"] > 0  # the base engine's own start
+    calls = json.loads((run / "engine_calls.json").read_text())["calls"]
+    assert calls["fast_pass"] == 1 and calls["reason"] == 2  # the speculative stage and the proof
+
+
+def test_on_machines_the_proof_and_the_fallback_are_jobs_of_their_own_keyed_alike_on_both_sides(tmp_path,
+                                                                                               monkeypatch):
+    """The fleet's view of a speculative campaign's three reason jobs (no machine started): the audited
+    base's jobs carry the fleet's measured fingerprint made audited, a machine reading the job file computes
+    the key the orchestrator expects, and no two keys share a job name (a job's folder on the machine)."""
+    from jex.engine_spec import EngineSpec
+    from jex.flows.fleet import GpuFleet, MachinesSpec
+    from jex.tasks.inputs import EngineJob, ReasonInputs
+    from jex.tasks.records import BundleSummary, GateSummary
+
+    monkeypatch.setenv("JEX_INFRA__STATE_DIR", str(tmp_path / "infra"))
+    fleet = GpuFleet(MachinesSpec(provider="local"), campaign="c", store=str(tmp_path / "store"), echo=lambda s: None)
+    fleet.engine = EngineSpec(profile="audit-ngram")
+    fleet.engine_fp = FP.model_copy(update={"profile": "audit-ngram"})
+    bundle = BundleSummary(key="b", sha256="b" * 64, bundle="b.tar.gz", rows=18)
+    gated, sample = (GateSummary(key=k, sha256=k * 64, gated=f"{k}.parquet", rows=2) for k in ("g", "s"))
+
+    def job(gate, engine):
+        return fleet._measured(EngineJob(inputs=ReasonInputs(bundle=bundle, gate=gate, engine=engine, max_tokens=4),
+                                         store=str(tmp_path / "store")))
+
+    speculative, proof, fallback = job(gated, fleet.engine), job(sample, fleet.engine.audited_base()), \
+        job(gated, fleet.engine.audited_base())
+    assert speculative.inputs.engine_fp.profile == "audit-ngram"
+    assert proof.inputs.engine_fp == fallback.inputs.engine_fp == fleet.engine_fp.audited()
+    keys = [j.inputs.key() for j in (speculative, proof, fallback)]
+    assert len(set(keys)) == 3
+    for j in (speculative, proof, fallback):  # what `jex stage run --args` reads on the machine
+        assert EngineJob.model_validate_json(j.with_paths(store="store", bundle="in/b").model_dump_json()) \
+            .inputs.key() == j.inputs.key()
+    names = [fleet._job_name("reason", k) for k in keys]
+    assert names == ["reason", f"reason-{keys[1][:8]}", f"reason-{keys[2][:8]}"]
+    assert fleet._job_name("reason", keys[0]) == "reason"

@@ -7,17 +7,25 @@ package version and the git commit; `--install-completion` / `--show-completion`
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
-import typer
+# Prefect reads its settings once, when first imported (a command's pre-flight may import it before
+# `connect_prefect` runs): the temporary API's defaults are set before anything can import it.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
-from jex.cli import (
+import typer  # noqa: E402
+from typer.core import TyperGroup  # noqa: E402
+
+from jex.cli import (  # noqa: E402
     config,
     engines,
     experiment,
     infra,
     interop,
+    ledger,
     overlays,
     probe,
     run,
@@ -27,16 +35,35 @@ from jex.cli import (
     store,
     suite,
 )
-from jex.cli.run import render_spec_from
-from jex.errors import JexError
+from jex.cli.common import boundary_error  # noqa: E402
+from jex.cli.run import render_spec_from  # noqa: E402
 
 __all__ = ["app", "main", "render_spec_from"]
 
-COMMAND_GROUPS = (run, suite, score, interop, engines, overlays, experiment, probe, stage, server, infra, store,
-                  config)
+COMMAND_GROUPS = (run, suite, score, interop, engines, overlays, experiment, ledger, probe, stage, server, infra,
+                  store, config)
 """Modules whose `register(app)` adds their commands, in the order `jex --help` lists them."""
 
-app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
+BUG_LINE = ("this is a bug in jex, not in your input: please report it with the traceback above "
+            "(jex --version, the command line) at the project's issue tracker")
+
+
+class JexGroup(TyperGroup):
+    """The root command group: every command runs inside the error boundary. A user's error prints
+    `error: ...` on one line and exits 1 (typer's usage errors keep exit 2); a bug is re-raised."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as exc:  # typer's Exit, Abort and usage errors are no user error here: re-raised
+            err = boundary_error(exc)
+            if err is None or os.environ.get("JEX_TRACEBACK") == "1":
+                raise
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(1) from None
+
+
+app = typer.Typer(cls=JexGroup, no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   help="jex: reproducible LLM benchmark campaigns.")
 for group in COMMAND_GROUPS:
     group.register(app)
@@ -64,20 +91,16 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_print_ver
 
 
 def main() -> None:
-    """The console entry (`jex`, `python -m jex`): user errors print one line, never a traceback.
-
-    A `JexError` (bad input, machines, S3, flows, server), invalid parameters (pydantic) and a path
-    that does not exist are user errors; anything else is a bug and keeps its traceback.
+    """The console entry (`jex`, `python -m jex`): user errors print one line, never a traceback (exit 1;
+    usage errors exit 2). A bug prints its traceback and a line asking to report it.
     `JEX_TRACEBACK=1` shows the traceback of a user error too.
     """
-    import os
-
-    from pydantic import ValidationError
+    import traceback
 
     try:
         app()
-    except (JexError, ValidationError, FileNotFoundError) as e:
-        if os.environ.get("JEX_TRACEBACK") == "1":
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except Exception as exc:  # a bug (or a user error under JEX_TRACEBACK=1): the traceback, then one line
+        traceback.print_exc()
+        err = boundary_error(exc)
+        print(f"error: {err if err is not None else BUG_LINE}", file=sys.stderr)
+        sys.exit(1)

@@ -3,7 +3,9 @@ API a flow reports to."""
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
@@ -12,27 +14,73 @@ import typer
 from pydantic import BaseModel, ValidationError
 
 from jex.engine_spec import closest_name
-from jex.errors import InputError
+from jex.errors import InputError, JexError, user_error
 from jex.settings import JexSettings
 
 
 def fail(err: Exception) -> NoReturn:
-    """Print a user error as one line on stderr and exit 2 (no traceback)."""
+    """Print a user error as one line on stderr and exit 1 (no traceback; typer's usage errors exit 2)."""
     typer.echo(f"error: {err}", err=True)
-    raise typer.Exit(2)
+    raise typer.Exit(1)
+
+
+def boundary_error(exc: BaseException) -> JexError | None:
+    """The CLI's one error boundary: `exc` as a one-line JexError, or None when it is a bug. Beyond
+    `jex.errors.user_error`: invalid parameters (pydantic) and the engine's refusals of a model or device."""
+    if isinstance(exc, ValidationError):
+        return input_error(exc)
+    if type(exc).__module__ == "jex.engine.types":  # EngineError, EngineDeadError
+        return JexError(str(exc))
+    return user_error(exc)
+
+
+class _UserErrorOnConsole(logging.Filter):
+    """On the console only: a flow or task run's record of a user's error (its traceback) is dropped;
+    the run's own log (Prefect's API handler) keeps it, and jex prints the error as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return exc is None or boundary_error(exc) is None
+
+
+def quiet_user_errors_in_flows() -> None:
+    """Install `_UserErrorOnConsole` on Prefect's console handlers (after its logging is set up)."""
+    from prefect.logging.configuration import ensure_logging_setup
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    ensure_logging_setup()
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not any(
+                isinstance(f, _UserErrorOnConsole) for f in handler.filters):
+            handler.addFilter(_UserErrorOnConsole())
+            # the handler keeps the stderr of the moment logging was set up; a command run in-process (a
+            # test's CliRunner) swaps stderr and closes it after, so write to whatever stderr is now
+            handler.console.file = _CurrentStderr()  # type: ignore[assignment]
+
+
+class _CurrentStderr:
+    """`sys.stderr` as it is at each write (not as it was when Prefect's console handler was made)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sys.stderr, name)
 
 
 def connect_prefect(settings: JexSettings) -> None:
-    """Before a flow runs in this process: PREFECT_API_URL if set, else `JEX_PREFECT__API_URL`, else
-    Prefect's local API (its database made ready). The server's basic-auth secret, if any, goes along."""
-    from jex.deployments.server import client_env
+    """Before a flow runs in this process: PREFECT_API_URL if set, else `JEX_PREFECT__API_URL`, else the
+    running `jex server` (its state file, if it answers), else Prefect's local API (its database made
+    ready). The server's basic-auth secret, if any, goes along."""
+    from jex.deployments.server import client_env, running_api_url
     from jex.flows.local_api import ensure_local_api
 
-    if settings.prefect.api_url:
-        os.environ.setdefault("PREFECT_API_URL", settings.prefect.api_url)
+    url = settings.prefect.api_url
+    if not url and not os.environ.get("PREFECT_API_URL"):
+        url = running_api_url(settings)  # a running `jex server`: no temporary server to start
+    if url:
+        os.environ.setdefault("PREFECT_API_URL", url)
         for name, value in client_env(settings).items():
             os.environ.setdefault(name, value)
     ensure_local_api()
+    quiet_user_errors_in_flows()
 
 
 def input_error(err: ValidationError, *, file: Path | str | None = None,

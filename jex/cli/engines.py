@@ -7,9 +7,10 @@ from typing import Annotated
 
 import typer
 
+from jex.cli import preflight
 from jex.cli.common import connect_prefect, fail
 from jex.engine.types import EngineDeadError, EngineError
-from jex.errors import JexError
+from jex.errors import InputError, JexError
 from jex.settings import load_settings
 
 
@@ -21,11 +22,24 @@ def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for ba
             prompts: int = 32, tokens: int = 256, ladder: str = "1,8,16,32", repeats: int = 2,
             max_num_seqs: int = 32, device: str = "cpu") -> None:
     """Batch-invariance bake-off: the ladder for an invariant arm and a control arm, each in its own process."""
-    from jex.tasks.lab.bakeoff import run_bakeoff
+    from jex.tasks.lab.bakeoff import ARMS, run_bakeoff
 
-    res = run_bakeoff(arms.split(","), model=model, prompts=prompts, tokens=tokens,
-                      ladder=[int(x) for x in ladder.split(",")], repeats=repeats, max_num_seqs=max_num_seqs,
-                      device=device, out_dir=out)
+    chosen = [a.strip() for a in arms.split(",") if a.strip()]
+    try:
+        unknown = [a for a in chosen if a not in ARMS]
+        if unknown or not chosen:
+            raise InputError(f"--arms: unknown arm {unknown[0] if unknown else arms!r}; expected some of "
+                             f"{', '.join(ARMS)}")
+        rungs = preflight.int_list(ladder, "--ladder")
+        for flag, value in (("--prompts", prompts), ("--tokens", tokens), ("--repeats", repeats),
+                            ("--max-num-seqs", max_num_seqs)):
+            preflight.at_least(value, flag, 1)
+        preflight.model(model)
+        preflight.writable_dir(out, "--out")
+    except JexError as e:
+        fail(e)
+    res = run_bakeoff(chosen, model=model, prompts=prompts, tokens=tokens, ladder=rungs, repeats=repeats,
+                      max_num_seqs=max_num_seqs, device=device, out_dir=out)
     typer.echo(res["verdict"])
     if res["errors"]:
         fail(JexError(f"arms failed: {res['errors']}"))
@@ -42,6 +56,20 @@ def parity(suite: Annotated[Path, typer.Option(help="Suite folder")],
            reference: Annotated[Path | None, typer.Option(help="Stored capture (capture.parquet or reference "
                                                           "rows): engine A against it, no engine B")] = None) -> None:
     """Parity of two engines on the same rows: readout agreement, |dp|, flips; choices after a rationale."""
+    try:
+        preflight.suite(suite)
+        preflight.model(model)
+        preflight.choice(engine_a, "--engine-a", preflight.ENGINE_KINDS)
+        preflight.choice(engine_b, "--engine-b", preflight.ENGINE_KINDS)
+        for flag, value in (("--rows", rows), ("--reason-rows", reason_rows)):
+            preflight.at_least(value, flag, 0)
+        for flag, value in (("--max-tokens", max_tokens), ("--batch-size", batch_size)):
+            preflight.at_least(value, flag, 1)
+        if reference is not None:
+            preflight.existing_file(reference, "--reference")
+        preflight.writable_dir(out, "--out")
+    except JexError as e:
+        fail(e)
     if reference is not None:
         from jex.tasks.lab.parity import capture_parity_files
 

@@ -7,9 +7,10 @@ from typing import Annotated
 
 import typer
 
+from jex.cli import preflight
 from jex.cli.common import connect_prefect, fail, spec_fields
 from jex.cli.run import CAMPAIGN_FIELD_OF_FLAG, Device, EngineKind, Model, Provider, ReasonMaxTokens, Store
-from jex.errors import JexError
+from jex.errors import InputError, JexError
 from jex.settings import load_settings
 
 experiment_app = typer.Typer(no_args_is_help=True, help="Experiments: arms against the base, placebos, twin "
@@ -36,8 +37,26 @@ def run(arms: Annotated[Path, typer.Option(help="Arms file (TOML): [base], [gate
     The last line printed is the experiment folder (experiment.json, report.md, forest.png, ledger.toml).
     """
     flags = {**locals(), "name": "base"}  # every option by name; one not given is None
-    if not arms.is_file():
-        fail(JexError(f"file {arms}: arms file not found"))
+    try:  # pre-flight: before Prefect starts or anything is written
+        arms_toml = preflight.text_file(arms, "--arms")
+        if not preflight.toml_file(arms, "--arms").get("arms"):
+            raise InputError("--arms: the arms file holds no [[arms]] table", file=str(arms))
+        from jex.tasks.lab.arms import parse_arms
+
+        parse_arms(arms_toml, path=str(arms))  # every arm and field, before Prefect starts
+        preflight.writable_dir(out, "--out")
+        if suite is not None:
+            preflight.suite(suite)
+        preflight.model(model)
+        preflight.choice(provider, "--provider", preflight.PROVIDERS)
+        preflight.choice(engine, "--engine", preflight.ENGINE_KINDS)
+        preflight.share(coverage, "--coverage")
+        preflight.share(panel_share, "--panel-share")
+        preflight.at_least(sample_rows, "--sample-rows", 18)
+        if store is not None:
+            preflight.writable_dir(store, "--store")
+    except JexError as e:
+        fail(e)
     settings = load_settings()
     connect_prefect(settings)
     from jex.flows.campaign import campaign_spec
@@ -45,7 +64,7 @@ def run(arms: Annotated[Path, typer.Option(help="Arms file (TOML): [base], [gate
 
     try:
         base = campaign_spec(settings, spec_fields(flags, {**CAMPAIGN_FIELD_OF_FLAG, "sample_rows": "sample_rows"}))
-        spec = ExperimentSpec(campaign=base, arms_toml=arms.read_text(), arms_path=str(arms), out=str(out),
+        spec = ExperimentSpec(campaign=base, arms_toml=arms_toml, arms_path=str(arms), out=str(out),
                               panel_catalogs=[c.strip() for c in panel_catalogs.split(",") if c.strip()]
                               if panel_catalogs else None, panel_share=panel_share)
         plan_experiment(spec)  # a bad arms file fails here: before any engine
@@ -56,14 +75,19 @@ def run(arms: Annotated[Path, typer.Option(help="Arms file (TOML): [base], [gate
 
 
 @experiment_app.command("ledger")
-def ledger(out: Annotated[Path, typer.Argument(help="Experiment folder (holds ledger.toml)")]) -> None:
-    """Print the decision ledger: arm, verdict, effect and CI, placebo effect, test hash, date, reopen-when."""
-    from jex.tasks.lab.experiment_report import format_ledger, read_ledger
+def ledger(out: Annotated[Path, typer.Argument(help="Experiment folder (its experiment.json names the store's "
+                                                    "ledger.toml)")]) -> None:
+    """Print this experiment's decisions from its store's ledger: arm, verdict, effect and CI, test hash, model,
+    reopen-when (`jex ledger` lists every decision of a store)."""
+    from jex.tasks.decisions import format_decisions
+    from jex.tasks.lab.experiment_report import experiment_ledger
 
     try:
-        typer.echo(format_ledger(read_ledger(out / "ledger.toml")))
+        path, decisions = experiment_ledger(out)
     except JexError as e:
         fail(e)
+    typer.echo(f"{path}: {len(decisions)} decision(s) of {out}")
+    typer.echo(format_decisions(decisions))
 
 
 def register(app: typer.Typer) -> None:

@@ -17,6 +17,9 @@ infra_app = typer.Typer(no_args_is_help=True, help="Machines: reconcile, ledger,
 def infra_reconcile(provider: Annotated[str | None, typer.Option(help="default: settings")] = None,
                     campaign: Annotated[str | None, typer.Option(help="Only this campaign's machines")] = None) -> None:
     """Supervise, collect and delete every machine the provider tags as jex's (after a restart, or scheduled)."""
+    from jex.cli import preflight
+
+    preflight.choice(provider, "--provider", preflight.PROVIDERS)
     connect_prefect(load_settings())
     from jex.flows.reconcile import reconcile_flow
 

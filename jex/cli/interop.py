@@ -24,9 +24,12 @@ def show(run: Annotated[Path, typer.Argument(help="A run folder (holds samples.p
          run_id: Annotated[list[str] | None, typer.Option("--run-id", help="Only this run_id (repeatable)")] = None,
          prompt: Annotated[bool, typer.Option("--prompt", help="Also print the rendered prompt")] = False) -> None:
     """Print a run's per-sample record: options, readouts, rationale, fold/overlay decision, verdict."""
+    from jex.cli import preflight
     from jex.tasks.outputs.samples import format_sample, read_samples, select_samples
 
     try:
+        preflight.existing_dir(run, "RUN")
+        preflight.at_least(limit, "--limit", 0)
         frame = read_samples(run)
         picked = select_samples(frame, catalog=catalog, wrong=wrong, run_ids=run_id or (),
                                 limit=limit or None)
@@ -53,6 +56,7 @@ MAP_BY: dict[str, MapMode] = {"auto": "auto", "doc_id": "doc_id", "id": "id", "c
 def score_from(tool: str, source: Path | None, *, out: Path, suite: Path | None, draws: int, seed: int,
                map_by: str, id_field: str | None) -> None:
     """`jex score --from lm-eval|inspect SOURCE [--suite DIR]`: another tool's documents through jex's index."""
+    from jex.cli import preflight
     from jex.errors import InputError
 
     try:
@@ -60,6 +64,8 @@ def score_from(tool: str, source: Path | None, *, out: Path, suite: Path | None,
             raise InputError(f"--from must be one of {list(FROM)}, got {tool!r}", field="--from")
         if source is None:
             raise InputError(f"--from {tool} needs the file or folder to read (jex score --from {tool} SOURCE -o OUT)")
+        if tool == "lm-eval" and source.is_file():
+            preflight.text_head(source, "SOURCE")
         mode = MAP_BY.get(map_by)
         if mode is None:
             raise InputError(f"--map-by must be auto, doc_id, id or content, got {map_by!r}", field="--map-by")
@@ -73,8 +79,9 @@ def score_from(tool: str, source: Path | None, *, out: Path, suite: Path | None,
     lo, hi = doc.ci
     typer.echo(f"full {doc.full:.4f}  95% CI [{lo:.4f}, {hi:.4f}]  -> {out / 'score.json'}")
     for cid, c in doc.catalogs.items():
-        typer.echo(f"  {cid:<24} n {c.n:>5}  acc {c.acc:.4f}  skill {c.skill:+.4f}  "
-                   f"CI [{c.ci[0]:+.4f}, {c.ci[1]:+.4f}]")
+        norm = getattr(c, "acc_norm", None)
+        typer.echo(f"  {cid:<24} n {c.n:>5}  acc {c.acc:.4f}  " + (f"acc_norm {norm:.4f}  " if norm is not None else "")
+                   + f"skill {c.skill:+.4f}  CI [{c.ci[0]:+.4f}, {c.ci[1]:+.4f}]")
 
 
 @export_app.command("lm-eval")

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
+from jex.cli import preflight
 from jex.cli.common import fail
-from jex.errors import JexError
+from jex.errors import InputError, JexError
 from jex.settings import load_settings
 
 overlays_app = typer.Typer(no_args_is_help=True, help="Overlays on a finished run: mine, gate (the pre-registered "
@@ -24,7 +24,12 @@ def overlays_mine(run: Annotated[Path, typer.Argument(help="A finished run folde
     from jex.fileio import write_json, write_text
     from jex.tasks.lab.overlay_lab import candidate_rules_toml, load_capture, mine
 
-    doc = mine(load_capture(run))
+    try:
+        preflight.writable_dir(out, "--out")
+        preflight.at_least(top, "--top", 1)
+        doc = mine(load_capture(run))
+    except JexError as e:
+        fail(e)
     write_json(out / "mining.json", doc)
     write_text(out / "candidates.toml", candidate_rules_toml(doc["candidates"], top=top))
     for c in doc["candidates"][:top]:
@@ -40,8 +45,12 @@ def overlays_gate(run: Annotated[Path, typer.Argument(help="A finished run folde
                   draws: Annotated[int | None, typer.Option(help="Bootstrap draws (default: JEX_BOOTSTRAP_DRAWS)")]
                   = None,
                   seed: Annotated[int | None, typer.Option(help="Bootstrap seed (default: JEX_BOOTSTRAP_SEED)")]
-                  = None) -> None:
-    """The pre-registered test: settings hashed first; CI above zero, permutation p < alpha, no-degrade."""
+                  = None,
+                  catalog_tolerance: Annotated[float, typer.Option(help="No-degrade: the most any catalog's skill "
+                                                                        "may drop (index points)")] = 1.0) -> None:
+    """The pre-registered test: settings hashed first (written once per folder); CI above zero, permutation
+    p < alpha, no-degrade (other catalogs bit-identical, no catalog's skill dropping beyond the tolerance).
+    Each rule's verdict goes to the run's store ledger: a campaign applies a rule only with a PASS there."""
     from jex.overlays import load_rule_file
     from jex.tasks.lab.overlay_lab import OverlayTestSettings, load_capture, overlay_test
 
@@ -49,15 +58,37 @@ def overlays_gate(run: Annotated[Path, typer.Argument(help="A finished run folde
     draws = settings.bootstrap_draws if draws is None else draws
     seed = settings.bootstrap_seed if seed is None else seed
     try:
-        doc = overlay_test(load_capture(run), [r for r in load_rule_file(rules) if r.enabled],
-                           OverlayTestSettings(alpha=alpha, draws=draws, seed=seed, permutations=permutations), out)
+        preflight.writable_dir(out, "--out")
+        for flag, value in (("--permutations", permutations), ("--draws", draws)):
+            preflight.at_least(value, flag, 1)
+        preflight.at_least(seed, "--seed", 0)
+        if not 0 < alpha < 1:
+            raise InputError(f"--alpha: expected a number between 0 and 1, got {alpha:g}")
+        chosen = [r for r in load_rule_file(preflight.existing_file(rules, "--rules")) if r.enabled]
+        doc = overlay_test(load_capture(run), chosen, OverlayTestSettings(
+            alpha=alpha, draws=draws, seed=seed, permutations=permutations, catalog_tolerance=catalog_tolerance), out)
+        path, added = record_gate(doc, chosen, run, out)
     except JexError as e:
         fail(e)
+    typer.echo(f"ledger: {added} gate record(s) appended to {path}")
     for r in doc["results"]:
         failed = [k for k, v in r["checks"].items() if not v]
         typer.echo(f"{r['rule']['id']}: {'PASS' if r['passed'] else 'FAIL ' + ', '.join(failed)} "
                    f"(gain {r['gain_full']:+.3f}, CI {r['ci_full'][0]:+.3f}..{r['ci_full'][1]:+.3f}, "
                    f"p {r['permutation_p']:.4f})" + (f": {r['no_degrade_error']}" if r["no_degrade_error"] else ""))
+
+
+def record_gate(doc: Any, rules: list[Any], run: Path, out: Path) -> tuple[Path, int]:
+    """Append each rule's verdict to the store ledger of the run (its `campaign.json` names the store)."""
+    from jex.flows.campaign import load_spec
+    from jex.tasks.decisions import append_decisions, ledger_path, model_facts
+    from jex.tasks.lab.overlay_lab import gate_decisions
+
+    spec = load_spec(run)
+    name, params = model_facts(spec.engine)
+    path = ledger_path(spec.store)
+    return path, len(append_decisions(path, gate_decisions(doc, rules, run, source=out, model_name=name,
+                                                           model_params=params)))
 
 
 @overlays_app.command("ladder")
@@ -71,11 +102,15 @@ def overlays_ladder(run: Annotated[Path, typer.Argument(help="A finished run fol
     from jex.overlays import load_rule_file
     from jex.tasks.lab.overlay_lab import disclosure, ladder, load_capture
 
-    chosen = [r for r in load_rule_file(rules) if r.enabled]
-    if gate_record is not None:
-        passed = set(json.loads(gate_record.read_text())["passed"])
-        chosen = [r for r in chosen if r.id in passed]
     try:
+        preflight.writable_dir(out, "--out")
+        chosen = [r for r in load_rule_file(preflight.existing_file(rules, "--rules")) if r.enabled]
+        if gate_record is not None:
+            passed = preflight.json_file(gate_record, "--gate").get("passed")
+            if not isinstance(passed, list):
+                raise InputError("--gate: expected a gate.json of `jex overlays gate` (a 'passed' list)",
+                                 file=str(gate_record), field="passed")
+            chosen = [r for r in chosen if r.id in set(map(str, passed))]
         doc = ladder(load_capture(run), chosen)
     except JexError as e:
         fail(e)

@@ -23,19 +23,31 @@ def early_exit(suite: Annotated[Path, typer.Option(help="Suite folder or bundle 
                device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
                batch_size: Annotated[int, typer.Option(help="Requests per engine call")] = 8) -> None:
     """For N gated rows: the free gate's fire rate and, per checkpoint, accuracy, flips and tokens saved."""
+    from jex.cli import preflight
+    from jex.cli.common import connect_prefect, fail
     from jex.engine.types import EngineDeadError, EngineError
-    from jex.flows.local_api import ensure_local_api
-
-    ensure_local_api()
     from jex.engine_spec import EngineSpec
+    from jex.settings import load_settings
+
+    try:  # pre-flight
+        preflight.suite(suite)
+        preflight.model(model)
+        for flag, value in (("--rows", rows), ("--every", every), ("--max-tokens", max_tokens),
+                            ("--batch-size", batch_size)):
+            preflight.at_least(value, flag, 1)
+        preflight.writable_dir(out, "--out")
+        spec = EngineSpec(kind=engine, model=model, device=device, batch_size=batch_size)
+        settings = load_settings()
+    except JexError as e:
+        fail(e)
+    connect_prefect(settings)
     from jex.flows.probe import early_exit_probe
 
     try:
         res = early_exit_probe(suite=str(suite), rows=rows, every=every, max_tokens=max_tokens, out=str(out),
-                               engine=EngineSpec(kind=engine, model=model, device=device, batch_size=batch_size))
+                               engine=spec)
     except (JexError, ValueError, EngineError, EngineDeadError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(e)
     typer.echo(f"full accuracy {res['full_accuracy']:.3f}, free gate fired at {100 * res['gate_fire_rate']:.2f} % of "
                f"checkpoints -> {out}")
 

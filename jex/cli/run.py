@@ -7,12 +7,13 @@ take too). A flag left out is None and changes nothing, so the defaults live in 
 
 from __future__ import annotations
 
-import tomllib
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from jex.cli import preflight
 from jex.cli.common import connect_prefect, fail, input_error, spec_fields
 from jex.cli.store import resume_from_s3
 from jex.errors import InputError, JexError
@@ -27,6 +28,7 @@ CAMPAIGN_FIELD_OF_FLAG = {
     "overlays": "overlays", "shard_rows": "fast_shard_rows", "reason_shard_rows": "reason_shard_rows",
     "reason_max_tokens": "reason_max_tokens", "spec_proof_rows": "spec_proof_rows", "reference": "reference",
     "reference_min_agreement": "reference_min_agreement", "require_zero_errors": "require_zero_errors",
+    "unverified_overlays": "unverified_overlays",
     "engine": "engine.kind", "model": "engine.model", "device": "engine.device", "batch_size": "engine.batch_size",
     "dtype": "engine.dtype", "gpu_memory_utilization": "engine.gpu_memory_utilization",
     "max_model_len": "engine.max_model_len", "engine_profile": "engine.profile",
@@ -37,6 +39,8 @@ CAMPAIGN_FIELD_OF_FLAG = {
     "gpus_per_machine": "machines.gpus_per_machine", "engines_per_gpu": "machines.engines_per_gpu",
 }
 """`jex run` flag -> the CampaignSpec field it sets (a dotted path into the `engine` and `machines` tables)."""
+HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:]*:[0-9A-Fa-f:.]+|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?)$")
+"""A host name, an IPv4 address or an IPv6 address (bracketed or not)."""
 
 SpecFile = Annotated[Path | None, typer.Option("--spec", help="Campaign TOML: any CampaignSpec field, with [engine], "
                                                                "[engine.render] and [machines] tables; flags override")]
@@ -60,8 +64,9 @@ Hosts = Annotated[list[str] | None, typer.Option(help="ssh provider: host (repea
 Workers = Annotated[int | None, typer.Option(help="Machines sharing each engine stage (default: 1)")]
 BudgetUsd = Annotated[float | None, typer.Option(help="Campaign machine budget (default: settings)")]
 Resume = Annotated[Path | None, typer.Option(help="Continue the campaign of this run folder")]
-ChatTemplate = Annotated[str | None, typer.Option(help="auto (the model's; plain text if it has none) | none | "
-                                                       "a Jinja template FILE (default: auto)")]
+ChatTemplate = Annotated[str | None, typer.Option(help="auto (the model's; plain text if it has none, and none "
+                                                       "for verbatim catalogs) | model (the model's, verbatim "
+                                                       "catalogs too) | none | a Jinja template FILE (default: auto)")]
 SystemPrompt = Annotated[str | None, typer.Option(help="System turn before every question")]
 NumFewshot = Annotated[int | None, typer.Option(help="Solved examples before each question (the catalogs' "
                                                      "few-shot rows) (default: 0)")]
@@ -80,6 +85,11 @@ Reference = Annotated[Path | None, typer.Option(help="Reference rows (run_id, ch
                                                      "audit this run against them")]
 ReferenceMin = Annotated[float | None, typer.Option(help="Fail below this final agreement with the reference")]
 ZeroErrors = Annotated[bool | None, typer.Option(help="Fail unless every error counter is zero (default: no)")]
+Quiet = Annotated[bool, typer.Option("--quiet", help="Print only the run folder (for scripts)")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the results as one JSON object")]
+UnverifiedOverlays = Annotated[bool | None, typer.Option(help="Apply --overlays rules that have no passed gate record "
+                                                              "(`jex overlays gate`) on this suite and capture; the "
+                                                              "report and samples mark them (default: refused)")]
 ReasonShardRows = Annotated[int | None, typer.Option(help="Rows per reason shard (default: 8)")]
 MaxNumSeqs = Annotated[int | None, typer.Option(help="vLLM: sequences per scheduler step (default: 32)")]
 MaxBatchedTokens = Annotated[int | None, typer.Option(help="vLLM: tokens per scheduler step (default: vLLM's)")]
@@ -106,28 +116,112 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
         reason_shard_rows: ReasonShardRows = None, max_num_seqs: MaxNumSeqs = None,
         max_num_batched_tokens: MaxBatchedTokens = None, engine_hosts: EngineHosts = None,
         gpus_per_machine: GpusPerMachine = None, engines_per_gpu: EnginesPerGpu = None,
-        kv_cache_memory_gib: KvCacheGib = None, host_stall_s: HostStall = None, spec: SpecFile = None) -> None:
+        kv_cache_memory_gib: KvCacheGib = None, host_stall_s: HostStall = None, spec: SpecFile = None,
+        unverified_overlays: UnverifiedOverlays = None, quiet: Quiet = False, as_json: AsJson = False) -> None:
     """Run a whole campaign (embedded defaults: sample suite, SmolLM2, local Prefect, local store).
 
-    Settings first, then --spec FILE, then the flags given. The last line printed is the run folder.
+    Settings first, then --spec FILE, then the flags given. At the end, the results table (the full
+    index, legs and catalogs with their intervals); its last line is the run folder (`--quiet`: only
+    that line; `--json`: the results as JSON).
     """
     flags = dict(locals())  # every option by name; one not given is None
     settings = load_settings()
-    connect_prefect(settings)  # before Prefect is imported: it reads its settings once
-    from jex.engine.types import EngineDeadError, EngineError
-    from jex.flows.campaign import load_spec, run_campaign
-
-    try:
+    try:  # pre-flight: every input checked before Prefect starts or anything is written
+        check_flags(flags, settings)  # the flags' own paths first: no import of the flows room (prefect) needed
         campaign = spec_from(settings, spec_file=spec, flags=flags)
         if resume is not None:
-            resume_from_s3(resume)
-            resumed = load_spec(resume)
+            resume_from_s3(resume)  # with S3 configured, the run folder may exist only there until now
+            resumed = resumed_spec(resume)
             campaign = resumed.model_copy(update={"machines": campaign.machines}) if provider else resumed
+        check_campaign(campaign)
         check_hub_model(campaign.engine.model)
+    except JexError as e:
+        fail(e)
+    connect_prefect(settings)  # before Prefect is imported: it reads its settings once
+    from jex.engine.types import EngineDeadError, EngineError
+    from jex.flows.campaign import run_campaign
+
+    try:
         run_dir = run_campaign(campaign)
     except (JexError, EngineError, EngineDeadError) as e:
         fail(e)
-    typer.echo(run_dir)
+    from jex.cli.results import print_results
+
+    print_results(Path(run_dir), "json" if as_json else "quiet" if quiet else "table")
+
+
+def resumed_spec(run_dir: Path) -> CampaignSpec:
+    """The campaign recorded in a run folder's `campaign.json`, named with its field when it is bad."""
+    from pydantic import ValidationError
+
+    from jex.flows.campaign import CampaignSpec
+
+    path = run_dir / "campaign.json"
+    try:
+        return CampaignSpec.model_validate_json(preflight.text_file(path, "--resume"))
+    except ValidationError as e:
+        raise input_error(e, file=path, model=CampaignSpec) from None
+
+
+def check_flags(flags: dict[str, Any], settings: JexSettings) -> None:
+    """Pre-flight of the flags given that name paths, models, providers, hosts and numbers (in a
+    fraction of a second: the whole campaign is checked again by `check_campaign`)."""
+    preflight.model(flags["model"])
+    for flag in ("spec", "render"):
+        if flags[flag] is not None:
+            preflight.existing_file(flags[flag], f"--{flag}")
+    if flags["reference"] is not None:
+        preflight.rows_file(flags["reference"], "--reference", needs=("run_id", "choice"))
+    preflight.rules(flags["overlays"])
+    if flags["suite"] is not None:
+        preflight.suite(flags["suite"])
+    if flags["resume"] is not None:  # with S3, `jex run --resume` first pulls a run folder that is not here
+        s3 = settings.store.s3_bucket
+        if Path(flags["resume"]).exists() or not s3:
+            preflight.existing_dir(flags["resume"], "--resume", holds=None if s3 else "campaign.json")
+    for flag in ("out", "store"):
+        if flags[flag] is not None:
+            preflight.writable_dir(flags[flag], f"--{flag}")
+    preflight.choice(flags["provider"], "--provider", preflight.PROVIDERS)
+    preflight.choice(flags["engine"], "--engine", preflight.ENGINE_KINDS)
+    check_hosts(flags["host"] or [])
+    preflight.share(flags["coverage"], "--coverage")
+    for flag in ("shard_rows", "reason_shard_rows", "reason_max_tokens", "workers", "spec_proof_rows",
+                 "gpus_per_machine", "engines_per_gpu", "max_num_seqs"):
+        preflight.at_least(flags[flag], "--" + flag.replace("_", "-"), 1)
+    preflight.at_least(flags["batch_size"], "--batch-size", 0)
+
+
+def check_campaign(campaign: CampaignSpec) -> None:
+    """Pre-flight of a campaign: its suite, model, rule file, reference rows, output folders and machines."""
+    if campaign.suite:
+        preflight.suite(campaign.suite)
+    preflight.model(campaign.engine.model)
+    preflight.rules(campaign.overlays)
+    if campaign.reference:
+        preflight.rows_file(campaign.reference, "--reference", needs=("run_id", "choice"))
+    preflight.writable_dir(campaign.out, "--out")
+    preflight.writable_dir(campaign.store, "--store")
+    if campaign.machines.provider == "ssh":
+        from jex.infra.shell import load_private_key, load_private_key_file
+
+        infra = load_settings().infra
+        check_hosts(campaign.machines.hosts or infra.hosts)
+        if infra.ssh_private_key:  # the machines' key, loaded now: a broken one is one line before any flow
+            load_private_key(infra.ssh_private_key.get_secret_value(), where="JEX_INFRA__SSH_PRIVATE_KEY")
+        elif infra.ssh_key_path:
+            load_private_key_file(infra.ssh_key_path)
+        for host in campaign.machines.hosts or infra.hosts:
+            preflight.reachable(host, infra.ssh_port, "--host")
+
+
+def check_hosts(hosts: list[str]) -> None:
+    """Every `--host` is a host name or an IP address (the user and port are settings: JEX_INFRA__SSH_USER,
+    JEX_INFRA__SSH_PORT)."""
+    for host in hosts:
+        if not HOST.match(host):
+            raise InputError(f"--host: expected a host name or an IP address (user and port are the settings "
+                             f"JEX_INFRA__SSH_USER and _SSH_PORT), got {host!r}")
 
 
 def spec_from(settings: JexSettings, *, spec_file: Path | None, flags: dict[str, Any]) -> CampaignSpec:
@@ -154,12 +248,12 @@ def spec_from(settings: JexSettings, *, spec_file: Path | None, flags: dict[str,
         raise input_error(e, model=CampaignSpec) from None
 
 
-def read_spec_file(path: Path) -> dict[str, Any]:
+def read_spec_file(path: Path, flag: str = "--spec") -> dict[str, Any]:
     """The fields of a campaign TOML file (any CampaignSpec field; `[engine]`, `[machines]` tables)."""
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read the campaign spec: {e}", file=str(path)) from None
+        return preflight.toml_file(path, flag)
+    except InputError as e:
+        raise InputError(f"cannot read the campaign spec: {str(e).partition(': ')[2]}", file=str(path)) from None
 
 
 def render_fields(path: Path | None, *, chat_template: str | None, system_prompt: str | None,
@@ -170,12 +264,12 @@ def render_fields(path: Path | None, *, chat_template: str | None, system_prompt
 
     from jex.engine_spec import RenderSpec
 
-    fields: dict[str, Any] = read_spec_file(path) if path is not None else {}
-    if chat_template is not None and chat_template not in ("auto", "none"):
-        template = Path(chat_template)
-        if not template.is_file():
-            raise InputError("--chat-template: neither auto, none nor a readable Jinja file", file=chat_template)
-        fields["chat_template"] = template.read_text(encoding="utf-8")
+    fields: dict[str, Any] = read_spec_file(path, "--render") if path is not None else {}
+    if chat_template is not None and chat_template not in ("auto", "none", "model"):
+        if not Path(chat_template).is_file():
+            raise InputError("--chat-template: neither auto, model, none nor a readable Jinja file",
+                             file=chat_template)
+        fields["chat_template"] = preflight.text_file(chat_template, "--chat-template")
     elif chat_template is not None:
         fields["chat_template"] = chat_template
     fields.update({k: v for k, v in (("system_prompt", system_prompt), ("num_fewshot", num_fewshot)) if v is not None})
@@ -223,6 +317,18 @@ def calibrate(coverage: Annotated[float, typer.Option(help="Coverage gated withi
     Measured on a stratified sample (the budget projection; not the campaign's calibrate stage).
     """
     settings = load_settings()
+    try:  # pre-flight
+        if suite is not None:
+            preflight.suite(suite)
+        if out is not None:
+            preflight.writable_dir(out, "--out")
+        preflight.share(coverage, "--coverage")
+        preflight.at_least(sample_every, "--sample-every", 1)
+        preflight.at_least(target_rows, "--target-rows", 1)
+        for flag, value in (("--price", price), ("--budget-hours", budget_hours), ("--budget-usd", budget_usd)):
+            preflight.at_least(value, flag, 0)
+    except JexError as e:
+        fail(e)
     connect_prefect(settings)
     from jex.flows.budget import BudgetSpec, budget_projection
     from jex.flows.campaign import campaign_spec

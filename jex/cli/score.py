@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from jex.cli import interop as cli_interop
+from jex.cli import preflight
 from jex.cli.common import fail
 from jex.errors import JexError
 from jex.settings import load_settings
@@ -24,6 +25,11 @@ def bundle_build(suite: Annotated[Path, typer.Argument(help="Suite folder (holds
     from jex.tasks.capture.bundle import build_bundle, provenance_sidecar
 
     try:
+        preflight.suite(suite, "SUITE", bundle_ok=False)
+        preflight.writable_file(out, "--out")
+        if reference is not None:
+            preflight.rows_file(reference, "--reference", needs=("run_id", "choice"))
+        preflight.at_least(shard_rows, "--shard-rows", 1)
         result = build_bundle(suite, out, reference=reference, shard_rows=shard_rows,
                               provenance_out=provenance_sidecar(out))
     except JexError as e:
@@ -46,6 +52,18 @@ def score(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for scor
     """Score predictions twice (vectorised and plain), with clustered bootstrap intervals."""
     from jex.tasks.scoring.score import score_files
 
+    try:  # pre-flight
+        preflight.at_least(bootstrap, "--bootstrap", 1)
+        preflight.at_least(seed, "--seed", 0)
+        preflight.writable_dir(out, "--out")
+        if suite is not None:
+            preflight.suite(suite)
+        if predictions is not None:
+            preflight.rows_file(predictions, "--predictions", needs=("run_id", "choice"))
+        if source is not None and not source.exists():
+            raise JexError(f"SOURCE {source}: no such file or folder")
+    except JexError as e:
+        fail(e)
     settings = load_settings()
     bootstrap = settings.bootstrap_draws if bootstrap is None else bootstrap
     seed = settings.bootstrap_seed if seed is None else seed

@@ -9,7 +9,9 @@ from typing import Annotated
 
 import typer
 
+from jex.cli import preflight
 from jex.cli.common import fail
+from jex.errors import JexError, ServerError
 from jex.settings import JexSettings, load_settings
 
 server_app = typer.Typer(no_args_is_help=True, help="The orchestrator's Prefect server, worker and deployments.")
@@ -25,9 +27,34 @@ def use_running_server(settings: JexSettings) -> None:
         os.environ.setdefault("PREFECT_API_URL", settings.prefect.api_url)
     sf = state_file(settings)
     if not os.environ.get("PREFECT_API_URL") and sf.exists():
-        url = json.loads(sf.read_text())["api_url"]
+        url = preflight.json_file(sf, "the server's state file").get("api_url")
+        if not isinstance(url, str):
+            raise ServerError(f"file {sf}: no 'api_url' in the server's state file; `jex server stop` forgets it")
         if healthy(url):
             os.environ["PREFECT_API_URL"] = url
+
+
+def check_api(url: str, timeout: float = 5.0) -> None:
+    """The Prefect API at `url` answers and accepts this client's credentials (one line if not)."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{url.rstrip('/')}/admin/version")
+    auth = os.environ.get("PREFECT_API_AUTH_STRING")
+    if auth:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout):
+            return
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            raise ServerError(f"the Prefect API at {url} refused this client ({e.code}): set JEX_PREFECT__AUTH_STRING "
+                              "to the server's 'user:password'") from None
+        raise ServerError(f"the Prefect API at {url} answered {e.code} {e.reason}") from None
+    except (OSError, ValueError) as e:
+        raise ServerError(f"no Prefect API answers at {url} ({getattr(e, 'reason', e)}): start one with "
+                          "`jex server start`, or set PREFECT_API_URL / JEX_PREFECT__API_URL") from None
 
 
 @server_app.command("start")
@@ -48,8 +75,8 @@ def server_start(port: Annotated[int | None, typer.Option(help="default: setting
                                                **{k: v for k, v in flags.items() if v}})
     settings = settings.model_copy(update={"prefect": prefect})
     try:
-        state = start(settings, campaign_defaults=json.loads(defaults.read_text()) if defaults else None,
-                      worker=worker)
+        form = preflight.json_file(defaults, "--defaults") if defaults else None
+        state = start(settings, campaign_defaults=form, worker=worker)
     except ServerError as e:
         fail(e)
     typer.echo(f"Prefect UI: {state['ui_url']}  (API {state['api_url']}, {state['database']})")
@@ -72,7 +99,13 @@ def runs_cmd(limit: Annotated[int, typer.Option(help="Newest N campaign runs")] 
     """Campaign runs known to the Prefect API: state, index, coverage, machine cost."""
     from jex.flows.history import campaign_runs, format_runs
 
-    use_running_server(load_settings())
+    try:  # pre-flight: the API answers and takes our credentials, before Prefect's client retries for seconds
+        preflight.at_least(limit, "--limit", 1)
+        use_running_server(load_settings())
+        if os.environ.get("PREFECT_API_URL"):
+            check_api(os.environ["PREFECT_API_URL"])
+    except JexError as e:
+        fail(e)
     rows = campaign_runs(limit)
     typer.echo("\n".join(json.dumps(r.to_json()) for r in rows) if as_json else format_runs(rows))
 

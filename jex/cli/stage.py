@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
+from pydantic import BaseModel
 
 if TYPE_CHECKING:
     from jex.engine_spec import EngineSpec
     from jex.tasks.capture.engine_host import HostOptions
     from jex.tasks.inputs import EngineJob
+
+R = TypeVar("R", bound=BaseModel)
 
 stage_app = typer.Typer(no_args_is_help=True, help="Run one engine stage without Prefect (what a GPU worker runs).")
 
@@ -82,7 +85,7 @@ def _job(path: Path) -> EngineJob:
     """The job file (`EngineJob` JSON: the stage's inputs record and the store), paths made absolute."""
     from jex.tasks.inputs import EngineJob
 
-    return EngineJob.model_validate_json(path.read_text()).resolved(Path.cwd())
+    return _record(EngineJob, path, "--args").resolved(Path.cwd())
 
 
 def _host_options(path: Path | None) -> HostOptions | None:
@@ -91,8 +94,21 @@ def _host_options(path: Path | None) -> HostOptions | None:
 
     if path is None:
         return None
-    options = HostOptions.model_validate_json(path.read_text())
+    options = _record(HostOptions, path, "--host-options")
     return options.model_copy(update={"home": str(Path(options.home).resolve())})
+
+
+def _record(model: type[R], path: Path, flag: str) -> R:
+    """The JSON record of a file given by `flag`: one line naming the file and the first bad field."""
+    from pydantic import ValidationError
+
+    from jex.cli import preflight
+    from jex.cli.common import input_error
+
+    try:
+        return model.model_validate(preflight.json_file(path, flag))
+    except ValidationError as e:
+        raise input_error(e, file=path, model=model) from None
 
 
 def _prestart(options: HostOptions, engine: EngineSpec) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from jex.errors import InputError
+from jex.errors import InfraError, InputError
 from jex.settings import load_settings
 
 if TYPE_CHECKING:
@@ -33,9 +33,22 @@ def _s3() -> S3Store:
 
 def pull(campaign: str, out: Path, store: Path | None = None) -> PullReport:
     """Pull `campaign` (a campaign name with one run in S3, or a run folder name) into `out` and its store."""
+    from jex.cli import preflight
+    from jex.errors import user_error
     from jex.infra.s3 import pull_campaign
 
-    return pull_campaign(_s3(), campaign, out=out, store=store)
+    preflight.writable_dir(out, "--out")
+    if store is not None:
+        preflight.writable_dir(store, "--store")
+    s3 = _s3()
+    try:
+        return pull_campaign(s3, campaign, out=out, store=store)
+    except Exception as e:  # a dead endpoint, refused credentials: botocore's errors, named with the bucket
+        err = user_error(e)
+        if err is None or not type(e).__module__.startswith(("botocore", "boto3", "s3transfer")):
+            raise
+        settings = load_settings().store
+        raise InfraError(f"S3 bucket {settings.s3_bucket!r} at {settings.s3_endpoint_url or 'AWS'}: {err}") from None
 
 
 def resume_from_s3(run_dir: Path) -> None:

@@ -40,6 +40,9 @@ def import_hf_cmd(dataset: Annotated[str, typer.Option(help="Hub dataset id (loc
                   revision: Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit)")] = None,
                   fewshot_split: Annotated[str | None, typer.Option(help="Split whose rows become few-shot "
                                                                          "examples")] = None,
+                  cluster: Annotated[str | None, typer.Option(help="Column naming each row's question: rows of one "
+                                                                   "question resample together in the bootstrap "
+                                                                   "(default: every row its own cluster)")] = None,
                   force: Annotated[bool, typer.Option(help="Replace a non-empty output folder")] = False) -> None:
     """A Hugging Face dataset as a one-catalog jex suite (prints the suite folder last)."""
     from jex.suite_import import import_hf
@@ -47,7 +50,7 @@ def import_hf_cmd(dataset: Annotated[str, typer.Option(help="Hub dataset id (loc
     try:
         result = import_hf(dataset, out, split=split, question=question, choices=choices, answer=answer,
                            config=config, id_col=id, catalog=catalog, revision=revision,
-                           fewshot_split=fewshot_split, force=force)
+                           fewshot_split=fewshot_split, cluster=cluster, force=force)
     except JexError as e:
         fail(e)
     _report(result)
@@ -59,8 +62,12 @@ def import_lm_eval_cmd(task: Annotated[str, typer.Option(help="lm-eval task or g
                        data_files: Annotated[list[str] | None, typer.Option(
                            "--data-files", help="SPLIT=FILE, repeatable: read the task's data from local files")
                        ] = None,
+                       cluster: Annotated[str | None, typer.Option(
+                           help="Doc field naming each document's question: rows of one question resample "
+                                "together in the bootstrap (default: every row its own cluster)")] = None,
                        force: Annotated[bool, typer.Option(help="Replace a non-empty output folder")] = False) -> None:
-    """An lm-evaluation-harness multiple_choice task (or group) as a jex suite, one catalog per task."""
+    """An lm-evaluation-harness multiple_choice task (or group) as a jex suite, one catalog per task: each
+    row's prompt is lm-eval's own context, read verbatim with its log-likelihood readout."""
     try:
         from jex.suite_import import import_lm_eval
     except ImportError as e:
@@ -72,7 +79,7 @@ def import_lm_eval_cmd(task: Annotated[str, typer.Option(help="lm-eval task or g
             fail(JexError(f"--data-files {item!r}: expected SPLIT=FILE, e.g. test=rows.jsonl"))
         files[split] = path
     try:
-        result = import_lm_eval(task, out, data_files=files or None, force=force)
+        result = import_lm_eval(task, out, data_files=files or None, cluster=cluster, force=force)
     except JexError as e:
         fail(e)
     _report(result)
@@ -82,8 +89,14 @@ def import_lm_eval_cmd(task: Annotated[str, typer.Option(help="lm-eval task or g
 def suite_validate(suite: Annotated[Path, typer.Argument(help="Suite folder (holds suite.toml)")],
                    limit: Annotated[int, typer.Option(help="Stop after this many problems")] = 1000) -> None:
     """Check a suite and print every problem with its file, row and field (exit 1 if any)."""
+    from jex.cli import preflight
     from jex.suite import validate_suite
 
+    try:
+        preflight.existing_dir(suite, "SUITE")
+        preflight.at_least(limit, "--limit", 1)
+    except JexError as e:
+        fail(e)
     problems = validate_suite(suite, limit=limit)
     for p in problems:
         typer.echo(f"{p}")
@@ -96,11 +109,12 @@ def suite_validate(suite: Annotated[Path, typer.Argument(help="Suite folder (hol
 @suite_app.command("ls")
 def suite_ls(suite: Annotated[Path, typer.Argument(help="Suite folder (holds suite.toml)")]) -> None:
     """Catalogs with their rows, options, chance, leg and weight; the legs and their weights."""
+    from jex.cli import preflight
     from jex.suite import iter_fewshot_rows, iter_rows, load_manifest
     from jex.tasks.capture.bundle import catalog_chance
 
     try:
-        manifest = load_manifest(suite)
+        manifest = load_manifest(preflight.existing_dir(suite, "SUITE"))
         options: dict[str, Counter[int]] = {c.id: Counter() for c in manifest.catalogs}
         for row in iter_rows(suite, manifest):
             options[row.catalog][len(row.options)] += 1
@@ -125,9 +139,12 @@ def suite_sample(out: Annotated[Path, typer.Option("-o", "--out", help="Suite fo
                  rows: Annotated[int, typer.Option(help="Total rows over all catalogs")] = 360,
                  seed: Annotated[int, typer.Option(help="Generator seed")] = 0) -> None:
     """Write the embedded sample suite (deterministic for a given --rows and --seed)."""
+    from jex.cli import preflight
     from jex.sample_suite import write_sample_suite
 
     try:
+        preflight.writable_dir(out, "--out")
+        preflight.at_least(seed, "--seed", 0)
         typer.echo(write_sample_suite(out, rows=rows, seed=seed))
     except (JexError, ValueError) as e:
         fail(e)

@@ -231,7 +231,7 @@ def _catalog_entries(suite_dir: Path, manifest: SuiteManifest, census: _RowCensu
         if scored == 0:
             raise InputError(f"catalog '{c.id}' excludes every row", file=str(suite_dir / MANIFEST_NAME),
                              field="exclusions")
-        catalogs.append({**c.model_dump(mode="json"), "rows": census.counts[c.id], "scored_rows": scored,
+        catalogs.append({**c.declared(), "rows": census.counts[c.id], "scored_rows": scored,
                          "chance": c.chance if c.chance is not None else catalog_chance(census.options_hist[c.id]),
                          "chance_source": "manifest" if c.chance is not None else "mean 1/len(options)"})
     return catalogs
@@ -388,6 +388,58 @@ def _publish(fresh: Path, dest: Path, listed: dict[str, MemberEntry]) -> None:
     raise BundleError(f"{dest}: could not publish the extracted bundle")
 
 
+@dataclass(frozen=True)
+class BundleLimits:
+    """The most a bundle may unpack to: per member and in all (`JEX_STORE__BUNDLE_MEMBER_MAX_BYTES`,
+    `JEX_STORE__BUNDLE_TOTAL_MAX_BYTES`), checked from the manifest before a byte is written."""
+
+    member_bytes: int = 4 << 30
+    total_bytes: int = 64 << 30
+
+    @classmethod
+    def from_settings(cls) -> BundleLimits:
+        from jex.settings import load_settings
+
+        store = load_settings().store
+        return cls(member_bytes=store.bundle_member_max_bytes, total_bytes=store.bundle_total_max_bytes)
+
+
+def _check_sizes(listed: dict[str, MemberEntry], path: Path, limits: BundleLimits) -> None:
+    """The manifest's sizes: each a whole number within the member cap, all within the total cap."""
+    total = 0
+    for name, meta in listed.items():
+        size = meta.get("bytes") if isinstance(meta, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise BundleError(f"{path}: manifest.json: member '{name}' has no valid size (bytes: {size!r})")
+        if size > limits.member_bytes:
+            raise BundleError(f"{path}: member '{name}' is {size} bytes, over the limit of {limits.member_bytes} "
+                              "per member (JEX_STORE__BUNDLE_MEMBER_MAX_BYTES)")
+        total += size
+    if total > limits.total_bytes:
+        raise BundleError(f"{path}: the members add up to {total} bytes, over the limit of {limits.total_bytes} "
+                          "(JEX_STORE__BUNDLE_TOTAL_MAX_BYTES)")
+
+
+def _extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], fresh: Path, path: Path) -> None:
+    """Stream each checked member into `fresh`, never past its declared size (a member that grows
+    past it is cut off there and refused)."""
+    for m in members:
+        target = fresh / m.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source = tar.extractfile(m)
+        if source is None:
+            raise BundleError(f"{path}: member '{m.name}' has no data")
+        written = 0
+        with open(target, "wb") as out:
+            while block := source.read(min(1 << 20, m.size - written + 1)):
+                written += len(block)
+                if written > m.size:
+                    raise BundleError(f"{path}: member '{m.name}' grows past its declared {m.size} bytes; cut off")
+                out.write(block)
+        if written != m.size:
+            raise BundleError(f"{path}: member '{m.name}' is {written} bytes, declared {m.size} (truncated bundle)")
+
+
 def _check_members(tar: tarfile.TarFile, path: Path, listed: dict[str, MemberEntry]) -> list[tarfile.TarInfo]:
     """Every member's header against the manifest, one header at a time: an unlisted, oversized or
     duplicated member is refused before its data is read, and before anything is written."""
@@ -408,9 +460,9 @@ def _check_members(tar: tarfile.TarFile, path: Path, listed: dict[str, MemberEnt
     return members
 
 
-def open_bundle(path: str | Path, dest: str | Path) -> Bundle:
+def open_bundle(path: str | Path, dest: str | Path, *, limits: BundleLimits | None = None) -> Bundle:
     """Extract `path` into `dest` after checking every member's name, type and size against the
-    manifest (nothing is written before all passed); then verify every member's sha256.
+    manifest and the size limits (nothing is written before all passed); then verify every member's sha256.
 
     Safe for several processes at once (the engine processes of one machine): an intact `dest` is
     reused as is, and a new extraction is verified in a private folder, then renamed into place."""
@@ -419,12 +471,13 @@ def open_bundle(path: str | Path, dest: str | Path) -> Bundle:
         with tarfile.open(path, mode="r:gz") as tar:
             first, manifest = _read_manifest(tar, path)
             listed = manifest["members"]
+            _check_sizes(listed, path, limits or BundleLimits.from_settings())
             if not _intact(dest, listed):
                 members = _check_members(tar, path, listed)
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 fresh = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
                 try:
-                    tar.extractall(fresh, members=[first, *members], filter="data")
+                    _extract(tar, [first, *members], fresh, path)
                     _verify(fresh, listed, path)
                 except BaseException:
                     shutil.rmtree(fresh, ignore_errors=True)

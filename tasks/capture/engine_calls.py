@@ -13,13 +13,13 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from jex.engine.base import ChatTokenizer
 from jex.engine.render import DEFAULT_RENDER, Example, Renderer, option_order
 from jex.engine.types import Engine, GenerateRequest, Generation, Readout, ReadoutMode, ReadoutRequest
 from jex.engine_spec import RenderSpec
-from jex.numerics import logit
+from jex.numerics import argmax, logit
 
 
 class RowLike(Protocol):
@@ -66,6 +66,40 @@ FewShotPool = Mapping[str, Sequence[CaptureRow]]
 """Solved example rows by catalog id, in the order they are used."""
 
 
+@dataclass(frozen=True)
+class CatalogRead:
+    """How the fast pass reads one catalog's rows: the suite catalog's `readout`, `prompt_format` and
+    `target_delimiter` (`jex.suite.Catalog`)."""
+
+    readout: Literal["label_slot", "loglikelihood"] = "label_slot"
+    prompt_format: Literal["template", "verbatim"] = "template"
+    target_delimiter: str = " "
+
+
+LABEL_SLOT_TEMPLATE = CatalogRead()
+CatalogReads = Mapping[str, CatalogRead]
+"""The catalogs read otherwise than the label slot of a templated question, by catalog id."""
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """Which rows of a fast pass are read by continuation (loglikelihood catalogs) and which keep their
+    own option order whatever `option_order_seed` says (verbatim prompts already show them), by run_id."""
+
+    continuation: frozenset[str] = frozenset()
+    verbatim: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, rows: Sequence[RowLike], reads: CatalogReads | None) -> ReadPlan:
+        got = [(r.run_id, _read(r, reads)) for r in rows] if reads else []
+        return cls(frozenset(rid for rid, c in got if c.readout == "loglikelihood"),
+                   frozenset(rid for rid, c in got if c.prompt_format == "verbatim"))
+
+
+def _read(row: RowLike, reads: CatalogReads | None) -> CatalogRead:
+    return (reads or {}).get(getattr(row, "catalog", None) or "", LABEL_SLOT_TEMPLATE)
+
+
 def examples_for(row: RowLike, pool: FewShotPool | None, k: int) -> tuple[Example, ...]:
     """The first `k` examples of the row's catalog, skipping any that share its question or run id.
 
@@ -87,21 +121,29 @@ def examples_for(row: RowLike, pool: FewShotPool | None, k: int) -> tuple[Exampl
 
 
 def question_prompts(engine: Renders, rows: Sequence[RowLike], render: RenderSpec = DEFAULT_RENDER,
-                     fewshot: FewShotPool | None = None) -> list[ReadoutRequest]:
-    """The fast-pass requests: each row rendered as `render` says, with its few-shot examples."""
+                     fewshot: FewShotPool | None = None, reads: CatalogReads | None = None) -> list[ReadoutRequest]:
+    """The fast-pass requests: each row rendered as `render` says, with its few-shot examples; a row of a
+    verbatim catalog (`reads`) as its prompt stands (`Renderer.verbatim`), its options in its own order."""
     renderer = engine.renderer(render)
     requests = []
     for r in rows:
-        requests.append(renderer.question(run_id=r.run_id, prompt=r.prompt, labels=r.labels, options=_shown(render, r),
-                                          examples=examples_for(r, fewshot, render.num_fewshot)))
+        read = _read(r, reads)
+        if read.prompt_format == "verbatim":
+            requests.append(renderer.verbatim(run_id=r.run_id, prompt=r.prompt, labels=r.labels, options=r.options,
+                                              delimiter=read.target_delimiter))
+            continue
+        req = renderer.question(run_id=r.run_id, prompt=r.prompt, labels=r.labels, options=_shown(render, r),
+                                examples=examples_for(r, fewshot, render.num_fewshot))
+        requests.append(req if read.target_delimiter == " " else dataclasses.replace(req,
+                                                                                   delimiter=read.target_delimiter))
     return requests
 
 
 def prepared_questions(tokenizer: ChatTokenizer, rows: Sequence[RowLike], render: RenderSpec = DEFAULT_RENDER,
-                       fewshot: FewShotPool | None = None) -> list[ReadoutRequest]:
+                       fewshot: FewShotPool | None = None, reads: CatalogReads | None = None) -> list[ReadoutRequest]:
     """`question_prompts` with their token ids (`prompt_ids`) under `tokenizer` (the engine or its
     `preparer()`): what the engine reads without rendering or tokenising anything."""
-    return with_prompt_ids(tokenizer, question_prompts(tokenizer, rows, render, fewshot))
+    return with_prompt_ids(tokenizer, question_prompts(tokenizer, rows, render, fewshot, reads))
 
 
 def with_prompt_ids(tokenizer: ChatTokenizer, requests: Sequence[Request]) -> list[Request]:
@@ -111,16 +153,29 @@ def with_prompt_ids(tokenizer: ChatTokenizer, requests: Sequence[Request]) -> li
 
 
 def fast_pass(engine: Engine, rows: Sequence[RowLike], mode: ReadoutMode = ReadoutMode.LABEL_SLOT, *,
-              render: RenderSpec = DEFAULT_RENDER, fewshot: FewShotPool | None = None) -> list[Readout]:
-    """One forward per row: the label-slot (or continuation) readout of the rendered question."""
-    return read_questions(engine, question_prompts(engine, rows, render, fewshot), mode, render=render)
+              render: RenderSpec = DEFAULT_RENDER, fewshot: FewShotPool | None = None,
+              reads: CatalogReads | None = None) -> list[Readout]:
+    """One forward per row: the label-slot (or continuation) readout of the rendered question; rows of a
+    loglikelihood catalog (`reads`) by continuation."""
+    return read_questions(engine, question_prompts(engine, rows, render, fewshot, reads), mode, render=render,
+                          plan=ReadPlan.of(rows, reads))
 
 
 def read_questions(engine: Engine, requests: Sequence[ReadoutRequest], mode: ReadoutMode = ReadoutMode.LABEL_SLOT,
-                   *, render: RenderSpec = DEFAULT_RENDER) -> list[Readout]:
+                   *, render: RenderSpec = DEFAULT_RENDER, plan: ReadPlan | None = None) -> list[Readout]:
     """The readout of questions rendered with `render` (`question_prompts`, `prepared_questions`), each
-    back in its row's own option order."""
-    return _restored(render, engine.readout(requests, mode))
+    back in its row's own option order; the rows `plan` reads by continuation in one call of their own."""
+    plan = plan or ReadPlan()
+    if not plan.continuation:
+        return _restored(render, engine.readout(requests, mode), plan)
+    out: list[Readout | None] = [None] * len(requests)
+    label = [i for i, r in enumerate(requests) if r.run_id not in plan.continuation]
+    continued = [i for i, r in enumerate(requests) if r.run_id in plan.continuation]
+    for picked, want in ((label, mode), (continued, ReadoutMode.OPTION_CONTINUATION)):
+        if picked:
+            for i, got in zip(picked, engine.readout([requests[i] for i in picked], want), strict=True):
+                out[i] = got
+    return _restored(render, [r for r in out if r is not None], plan)
 
 
 def _shown(render: RenderSpec, row: RowLike) -> Sequence[str]:
@@ -129,23 +184,34 @@ def _shown(render: RenderSpec, row: RowLike) -> Sequence[str]:
     return row.options if order is None else [row.options[j] for j in order]
 
 
-def _restored(render: RenderSpec, readouts: list[Readout]) -> list[Readout]:
-    """Readouts back in the row's own option order (position i showed option order[i])."""
+def _restored(render: RenderSpec, readouts: list[Readout], plan: ReadPlan | None = None) -> list[Readout]:
+    """Readouts back in the row's own option order (position i showed option order[i]); verbatim rows
+    were shown in their own order."""
     if render.option_order_seed is None:
         return readouts
     out = []
     for r in readouts:
         order = option_order(render, r.run_id, len(r.logprobs or r.raw_logprobs or ()))
-        if order is None or r.logprobs is None:
+        if order is None or r.logprobs is None or (plan is not None and r.run_id in plan.verbatim):
             out.append(r)
             continue
-        lp, raw = [0.0] * len(order), [0.0] * len(order)
-        for pos, j in enumerate(order):
-            lp[j] = r.logprobs[pos]
-            raw[j] = r.raw_logprobs[pos] if r.raw_logprobs is not None else 0.0
-        out.append(dataclasses.replace(r, logprobs=tuple(lp),
-                                       raw_logprobs=tuple(raw) if r.raw_logprobs is not None else None))
+        out.append(dataclasses.replace(r, logprobs=_unshuffled(order, r.logprobs),
+                                       raw_logprobs=_unshuffled(order, r.raw_logprobs),
+                                       greedy=_unshuffled(order, r.greedy)))
     return out
+
+
+Item = TypeVar("Item", float, bool)
+
+
+def _unshuffled(order: Sequence[int], shown: Sequence[Item] | None) -> tuple[Item, ...] | None:
+    """Values by shown position back to the row's own order (position i showed option order[i])."""
+    if shown is None:
+        return None
+    out = list(shown)
+    for pos, j in enumerate(order):
+        out[j] = shown[pos]
+    return tuple(out)
 
 
 def reason_prompts(engine: Renders, rows: Sequence[RowLike], render: RenderSpec = DEFAULT_RENDER) -> list[str]:
@@ -194,6 +260,13 @@ def reread(engine: Engine, rows: Sequence[RowLike], rationales: Sequence[Generat
     requests = [ReadoutRequest(r.run_id, renderer.after_thought(p, g.text), tuple(r.labels), tuple(_shown(render, r)))
                 for r, p, g in zip(rows, prompts, rationales, strict=True)]
     return _restored(render, engine.readout(requests, ReadoutMode.LABEL_SLOT))
+
+
+def length_normalised_choice(loglikelihoods: Sequence[float], options: Sequence[str]) -> int:
+    """lm-eval's `acc_norm` prediction (0.4.13 `ConfigurableTask.process_results`): argmax of each option's
+    log-likelihood divided by its length in characters (`len(choice)`, the delimiter left out), ties to
+    the first."""
+    return argmax([ll / float(len(o)) for ll, o in zip(loglikelihoods, options, strict=True)])
 
 
 def margin(logprobs: Sequence[float] | None) -> float | None:

@@ -16,7 +16,14 @@ from jex.engine.fingerprint import EngineFingerprint, engine_fingerprint
 from jex.engine_spec import EngineSpec
 from jex.numerics import argmax
 from jex.tasks.capture.engine_pool import get_engine
-from jex.tasks.capture.stages import _as_rows, _bundle_rows, fewshot_pool, readouts_frame
+from jex.tasks.capture.stages import (
+    _as_rows,
+    _bundle_rows,
+    catalog_reads,
+    continued_options,
+    fewshot_pool,
+    readouts_frame,
+)
 from jex.tasks.documents import GoldenRow, GoldenVerdict
 from jex.tasks.inputs import EngineJob, GoldenInputs
 from jex.tasks.records import BundleSummary
@@ -25,11 +32,13 @@ from jex.tasks.store import LocalStore, write_parquet
 
 def golden_readout(bundle: BundleSummary, engine: EngineSpec, store: LocalStore, rows: int) -> pl.DataFrame:
     """The label-slot readout of the bundle's first `rows` rows (the same code path as the fast pass)."""
-    from jex.tasks.capture.engine_calls import fast_pass
+    from jex.tasks.capture.engine_calls import ReadPlan, fast_pass
 
     chunk = _as_rows(_bundle_rows(bundle, store).head(rows))
+    reads = catalog_reads(bundle, store)
     return readouts_frame(fast_pass(get_engine(engine), chunk, render=engine.render,
-                                   fewshot=fewshot_pool(bundle, store, engine)))
+                                   fewshot=fewshot_pool(bundle, store, engine), reads=reads),
+                          continued_options(chunk, ReadPlan.of(chunk, reads)))
 
 
 def reference_path(store: LocalStore, bundle: BundleSummary, engine_fp: EngineFingerprint, rows: int) -> Path:

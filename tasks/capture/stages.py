@@ -25,9 +25,13 @@ from jex.tasks.capture.batch_errors import BATCH_ERROR, compute_resilient
 from jex.tasks.capture.bundle import PolarsType, build_bundle, open_bundle
 from jex.tasks.capture.engine_calls import (
     CaptureRow,
+    CatalogRead,
+    CatalogReads,
     FewShotPool,
+    ReadPlan,
     ReasonCall,
     as_row,
+    length_normalised_choice,
     prepared_questions,
     prepared_reasons,
     read_questions,
@@ -43,6 +47,7 @@ from jex.tasks.records import (
     RationaleTokens,
     ReasonErrors,
     ReasonSummary,
+    ShardWork,
     StagePlan,
 )
 from jex.tasks.store import LocalStore, ShardStats, StageDir, merge_shards, partial_summary, run_sharded
@@ -61,6 +66,11 @@ AHEAD_BY_DEFAULT = {"fast_pass": True, "reason": False}
 
 READOUT_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "logprobs": pl.List(pl.Float64), "label_mass": pl.Float64,
                   "refusal": pl.String}
+LOGLIKELIHOOD_SCHEMA: dict[str, PolarsType] = {"choice_loglikelihoods": pl.List(pl.Float64),
+                                               "choice_is_greedy": pl.List(pl.Boolean), "acc_norm_choice": pl.Int32}
+"""The capture's lm-eval columns, only in a bundle with a loglikelihood catalog (null on its other rows):
+each option's summed continuation log-likelihood, whether it is the greedy continuation, and lm-eval's
+`acc_norm` prediction, argmax of log-likelihood / len(option) in characters."""
 REASON_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "rationale": pl.String, "token_ids": pl.List(pl.Int64),
                  "finish_reason": pl.String, "post_logprobs": pl.List(pl.Float64), "refusal": pl.String}
 
@@ -97,11 +107,35 @@ def fewshot_pool(bundle: BundleSummary, store: LocalStore, engine: EngineSpec) -
     return pool
 
 
-def readouts_frame(readouts: list[Readout]) -> pl.DataFrame:
-    return pl.DataFrame({"run_id": [r.run_id for r in readouts],
-                         "logprobs": [list(r.logprobs) if r.logprobs is not None else None for r in readouts],
-                         "label_mass": [r.label_mass for r in readouts],
-                         "refusal": [r.refusal for r in readouts]}, schema=READOUT_SCHEMA)
+def readouts_frame(readouts: list[Readout], continued: dict[str, Sequence[str]] | None = None) -> pl.DataFrame:
+    """The capture's rows; with `continued` (the options, by run_id, of the rows read by continuation;
+    None when the bundle has no loglikelihood catalog) the lm-eval columns too (`LOGLIKELIHOOD_SCHEMA`)."""
+    frame = pl.DataFrame({"run_id": [r.run_id for r in readouts],
+                          "logprobs": [list(r.logprobs) if r.logprobs is not None else None for r in readouts],
+                          "label_mass": [r.label_mass for r in readouts],
+                          "refusal": [r.refusal for r in readouts]}, schema=READOUT_SCHEMA)
+    if continued is None:
+        return frame
+    lls = [list(r.raw_logprobs) if r.run_id in continued and r.raw_logprobs is not None else None for r in readouts]
+    greedy = [list(r.greedy) if r.run_id in continued and r.greedy is not None else None for r in readouts]
+    norm = [length_normalised_choice(ll, continued[r.run_id]) if ll is not None else None
+            for r, ll in zip(readouts, lls, strict=True)]
+    return frame.with_columns(pl.Series("choice_loglikelihoods", lls, dtype=pl.List(pl.Float64)),
+                              pl.Series("choice_is_greedy", greedy, dtype=pl.List(pl.Boolean)),
+                              pl.Series("acc_norm_choice", norm, dtype=pl.Int32))
+
+
+def catalog_reads(bundle: BundleSummary, store: LocalStore) -> CatalogReads:
+    """The bundle's catalogs read otherwise than the label slot of a templated question (often none)."""
+    opened = open_bundle(bundle.bundle, store.root / "bundle" / bundle.key / "extracted")
+    return {c.id: CatalogRead(c.readout, c.prompt_format, c.target_delimiter)
+            for c in opened.suite_manifest().catalogs
+            if (c.readout, c.prompt_format, c.target_delimiter) != ("label_slot", "template", " ")}
+
+
+def continued_options(rows: Sequence[CaptureRow], plan: ReadPlan) -> dict[str, Sequence[str]] | None:
+    """The options of the rows read by continuation, by run_id; None when no catalog is."""
+    return {r.run_id: r.options for r in rows if r.run_id in plan.continuation} if plan.continuation else None
 
 
 def stage_plan(inputs: EngineStageInputs, store: str | Path) -> StagePlan:
@@ -124,6 +158,8 @@ class ShardShare:
     workers: int = 1
     claim: bool = False
     progress: Progress | None = None
+    engine_start_s: float = 0.0
+    """Seconds this process spent starting the engine for this call before it (an engine host's start)."""
 
 
 ALONE = ShardShare()
@@ -158,14 +194,37 @@ def _sharded(stage: Literal["fast_pass", "reason"], out: StageDir, rows: list[Ca
                         workers=share.workers, on_shard=(lambda d, t: progress(stage, d, t)) if progress else None,
                         prepare=tokenizer, claim=share.claim, prepare_chunk=lambda chunk: prepare(tokenizer(), chunk),
                         prepare_ahead=ahead)
+    if stats.computed:
+        record_work(shards, ShardWork(computed_shards=stats.computed, compute_seconds=stats.compute_seconds,
+                                      computed_rows=stats.computed_rows,
+                                      engine_start_seconds=share.engine_start_s + stats.start_seconds))
     if (share.workers > 1 or share.claim) and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
         return partial_summary(stage, out.key, stats)
     return shards, stats
 
 
-def _shard_fields(stats: ShardStats) -> ShardFields:
+WORK_RECORDS = ".work-*.json"
+"""Beside a stage's shards: one `ShardWork` record per process call that computed some of them (here, in
+a worker process, on a machine: collected with the shards), so the merged summary counts the seconds
+wherever the shards were computed. Dot-names: not in the stage folder's `files`."""
+
+
+def record_work(shards: Path, work: ShardWork) -> None:
+    import uuid
+
+    from jex.fileio import write_json
+
+    write_json(shards / f".work-{uuid.uuid4().hex}.json", work.model_dump(mode="json"))
+
+
+def _shard_fields(stats: ShardStats, shards: Path) -> ShardFields:
+    """The stage's shard counters: its own shards, and the seconds and rows of every record of work
+    beside them (`WORK_RECORDS`: this call's and those of the processes and machines that computed the rest)."""
+    works = [ShardWork.model_validate_json(p.read_text()) for p in sorted(shards.glob(WORK_RECORDS))]
     return {"shards": stats.shards, "computed_shards": stats.computed, "reused_shards": stats.reused,
-            "compute_seconds": stats.compute_seconds, "computed_rows": stats.computed_rows}
+            "compute_seconds": sum(w.compute_seconds for w in works),
+            "computed_rows": sum(w.computed_rows for w in works),
+            "engine_start_seconds": sum(w.engine_start_seconds for w in works)}
 
 
 class ShardFields(TypedDict):
@@ -176,6 +235,7 @@ class ShardFields(TypedDict):
     reused_shards: list[int]
     compute_seconds: float
     computed_rows: int
+    engine_start_seconds: float
 
 
 def _fast_pass(out: StageDir, store: LocalStore, inputs: FastPassInputs,
@@ -183,15 +243,20 @@ def _fast_pass(out: StageDir, store: LocalStore, inputs: FastPassInputs,
     bundle, engine = inputs.bundle, inputs.engine
     rows = _as_rows(_bundle_rows(bundle, store))
     pool = fewshot_pool(bundle, store, engine)
+    reads = catalog_reads(bundle, store)
+    plan = ReadPlan.of(rows, reads)
+    continued = continued_options(rows, plan)
 
     def questions(tokenizer: ChatTokenizer, batch: Sequence[CaptureRow]) -> list[ReadoutRequest]:
-        return prepared_questions(tokenizer, batch, engine.render, pool)
+        return prepared_questions(tokenizer, batch, engine.render, pool, reads)
 
     def readout(requests: Sequence[ReadoutRequest]) -> pl.DataFrame:
-        return readouts_frame(read_with_fallback(get_engine(engine), requests, render=engine.render))
+        return readouts_frame(read_with_fallback(get_engine(engine), requests, render=engine.render, plan=plan),
+                              continued)
 
     def unread(requests: Sequence[ReadoutRequest], why: str) -> pl.DataFrame:
-        return readouts_frame([Readout(r.run_id, None, None, None, ReadoutMode.LABEL_SLOT, why) for r in requests])
+        return readouts_frame([Readout(r.run_id, None, None, None, ReadoutMode.LABEL_SLOT, why) for r in requests],
+                              continued)
 
     done = _sharded("fast_pass", out, rows, questions, readout, unread, engine=engine, shard_rows=inputs.shard_rows,
                     share=share)
@@ -201,7 +266,8 @@ def _fast_pass(out: StageDir, store: LocalStore, inputs: FastPassInputs,
     merged = out.path / "capture.parquet"
     frame = merge_shards(shards, stats.shards, merged)
     return FastPassSummary(key=out.key, capture=str(merged), sha256=sha256_file(merged), rows=frame.height,
-                           shard_rows=inputs.shard_rows, **_shard_fields(stats), **fast_pass_error_counters(frame),
+                           shard_rows=inputs.shard_rows, **_shard_fields(stats, shards),
+                           **fast_pass_error_counters(frame),
                            engine=inputs.fingerprint())
 
 
@@ -215,14 +281,17 @@ engine is fingerprinted; with `claim` or several `workers` in `share`, a process
 `PartialSummary` (`run_sharded`). `reason_stage` is called the same way with a `ReasonInputs`."""
 
 
-def read_with_fallback(eng: Any, requests: Sequence[ReadoutRequest], *, render: RenderSpec) -> list[Readout]:
-    """Label-slot readout of the questions (`engine_calls.prepared_questions`); a row whose labels are not
-    single tokens is read again through the fallback path, the options' continuation log-likelihoods
-    (its `label_mass` stays null)."""
-    readouts = read_questions(eng, requests, render=render)
+def read_with_fallback(eng: Any, requests: Sequence[ReadoutRequest], *, render: RenderSpec,
+                       plan: ReadPlan | None = None) -> list[Readout]:
+    """Label-slot readout of the questions (`engine_calls.prepared_questions`), the continuation readout of
+    the rows `plan` names (loglikelihood catalogs); a label-slot row whose labels are not single tokens is
+    read again through the fallback path, the options' continuation log-likelihoods (its `label_mass`
+    stays null)."""
+    readouts = read_questions(eng, requests, render=render, plan=plan)
     redo = [i for i, r in enumerate(readouts) if r.refusal is not None and r.refusal.startswith("label token")]
     if redo:
-        again = read_questions(eng, [requests[i] for i in redo], ReadoutMode.OPTION_CONTINUATION, render=render)
+        again = read_questions(eng, [requests[i] for i in redo], ReadoutMode.OPTION_CONTINUATION, render=render,
+                               plan=plan)
         for i, r in zip(redo, again, strict=True):
             readouts[i] = r
     return readouts
@@ -230,13 +299,19 @@ def read_with_fallback(eng: Any, requests: Sequence[ReadoutRequest], *, render: 
 
 def fast_pass_error_counters(frame: pl.DataFrame) -> FastPassErrors:
     """Disjoint counters of a capture: context refusals, batch errors, other readout errors, and
-    key fallbacks (rows read, but through the continuation fallback: logprobs without label mass)."""
+    key fallbacks (label-slot rows read, but through the continuation fallback: logprobs without label mass)."""
     refusal = pl.col("refusal")
     return {"context_refusals": frame.filter(refusal.str.starts_with("context")).height,
             "batch_errors": frame.filter(refusal.str.starts_with(BATCH_ERROR)).height,
             "readout_errors": frame.filter(refusal.is_not_null() & ~refusal.str.starts_with("context")
                                            & ~refusal.str.starts_with(BATCH_ERROR)).height,
-            "key_fallbacks": frame.filter(pl.col("logprobs").is_not_null() & pl.col("label_mass").is_null()).height}
+            "key_fallbacks": frame.filter(pl.col("logprobs").is_not_null() & pl.col("label_mass").is_null()
+                                          & _label_slot_row(frame)).height}
+
+
+def _label_slot_row(frame: pl.DataFrame) -> pl.Expr:
+    """Rows of label-slot catalogs (a loglikelihood catalog's rows have no label mass by design)."""
+    return pl.col("choice_loglikelihoods").is_null() if "choice_loglikelihoods" in frame.columns else pl.lit(True)
 
 
 def reason_error_counters(frame: pl.DataFrame) -> ReasonErrors:
@@ -294,7 +369,7 @@ def _reason(out: StageDir, store: LocalStore, inputs: ReasonInputs,
     tokens = RationaleTokens(mean=sum(lengths) / len(lengths) if lengths else 0.0, max=max(lengths, default=0),
                              hit_max_tokens=frame.filter(pl.col("finish_reason") == "length").height)
     return ReasonSummary(key=out.key, reasoned=str(merged), sha256=sha256_file(merged), rows=frame.height,
-                         **_shard_fields(stats), **reason_error_counters(frame), rationale_tokens=tokens,
+                         **_shard_fields(stats, shards), **reason_error_counters(frame), rationale_tokens=tokens,
                          engine=inputs.fingerprint())
 
 

@@ -35,6 +35,7 @@ from jex.engine_spec import EngineSpec, RenderSpec
 from jex.errors import InputError
 from jex.fileio import sha256_bytes
 from jex.settings import BOOTSTRAP_SEED
+from jex.tasks.decisions import ReopenIf
 
 ArmKind = Literal["arm", "placebo", "twin", "sweep"]
 CAMPAIGN_SETTINGS = ("coverage", "per_catalog_cap", "reason_max_tokens", "fold_rule", "fold_weight",
@@ -47,8 +48,8 @@ RENDER_SETTINGS = tuple(RenderSpec.model_fields)
 PLACEBO_FIELDS = ("render.question_template", "render.reason_template", "render.option_order_seed")
 """What a placebo may change: the instruction's wording, or the order options are shown in (restored
 before scoring). Anything else changes what is read out or scored, which a placebo must not."""
-ARM_KEYS = {"name", "kind", "hypothesis", "reopen_when", "placebo", "parameter", "grid", "render", "engine",
-            "model", *CAMPAIGN_SETTINGS}
+ARM_KEYS = {"name", "kind", "hypothesis", "reopen_when", "reopen_if", "placebo", "parameter", "grid", "render",
+            "engine", "model", *CAMPAIGN_SETTINGS}
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -76,6 +77,7 @@ class ArmDecl(BaseModel):
     kind: ArmKind = "arm"
     hypothesis: str = ""
     reopen_when: str = ""
+    reopen_if: ReopenIf | None = Field(None, description="Typed reopen conditions (`tasks/decisions.py`)")
     placebo: str | None = None
     campaign: dict[str, Any] = Field(default_factory=dict, description="CAMPAIGN_SETTINGS changed")
     render: dict[str, Any] = Field(default_factory=dict)

@@ -7,19 +7,18 @@ Nothing here runs an engine: it reads finished run folders (predictions, provena
 
 from __future__ import annotations
 
-import datetime as dt
-import json
-import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
 import polars as pl
+from pydantic import Field
 
 from jex.errors import InputError
-from jex.fileio import canonical_json, read_json, write_json, write_text
+from jex.fileio import canonical_json, read_json, sha256_json, write_json, write_text
+from jex.record import Record
+from jex.tasks.decisions import Decision, now, read_decisions
 from jex.tasks.lab.arms import ArmsFile, ExperimentTestSettings
 from jex.tasks.lab.experiment_stats import ArmStats, Delta, DeltaJson, OofChoice, versus
 from jex.tasks.records import CampaignSummaries, FinishedCampaign
@@ -123,25 +122,6 @@ class ExperimentDoc(TypedDict):
     sweeps: dict[str, SweepDoc]
     panel: NotRequired[PanelDoc]
     provenance: dict[str, Any]
-
-
-class LedgerEntry(TypedDict, total=False):
-    """One `[[decisions]]` entry of `ledger.toml` (a NaN placebo effect is left out)."""
-
-    arm: str
-    experiment: str
-    kind: str
-    verdict: str
-    metric: str
-    effect: float
-    ci: list[float]
-    p: float
-    placebo: str
-    placebo_effect: float
-    vs_placebo_ci: list[float]
-    gate_sha256: str  # the pre-registered test's settings_sha256
-    date: str
-    reopen_when: str
 
 
 def register_experiment_test(arms: ArmsFile, out: Path) -> str:
@@ -297,7 +277,9 @@ def render_report(doc: ExperimentDoc) -> str:
     g = doc["gate"]
     lines = [f"# Experiment: {doc['name']}", "",
              f"Base index **{doc['base']['index']:.3f}** ({doc['base']['run']}).", "",
-             f"Pre-registered test (`[gate]`, registered before any arm ran, sha256 `{g['settings_sha256']}`): "
+             f"Pre-registered test (`[gate]`, registered before any arm ran, sha256 `{g['settings_sha256']}`"
+             + (f"; with the suite and the model: `{g['sha256']}`, the ledger's `gate_sha256`" if "sha256" in g else "")
+             + "): "
              f"metric `{g['metric']}`, alpha {g['alpha']}, minimum effect {g['min_effect']}, placebo "
              f"`{g['placebo']}`, catalog tolerance {g['catalog_tolerance']}; {g['draws']} paired clustered draws "
              f"(seed {g['seed']}), {g['permutations']} sign-flip permutations.", "",
@@ -346,66 +328,67 @@ def render_report(doc: ExperimentDoc) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(float(v)) if isinstance(v, float) else str(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return json.dumps(str(v))  # a JSON string is a valid TOML basic string
+class RegisteredTest(Record):
+    """The pre-registered test as the ledger keys it: the settings file's sha256 with the suite's and the
+    base model's fingerprints (taken from the base run, before any arm runs). The same test on another
+    suite or model is another registration, so its decisions are new ledger entries."""
+
+    settings_sha256: str = Field(description="gate-settings.json (the test and every arm as declared)")
+    suite_sha256: str = Field(description="The base run's bundle (rows, suite manifest, reference)")
+    model: str = Field(description="sha256 of the base engine's weights and tokenizer")
+    model_name: str | None = None
+    model_params: float | None = None
+
+    @property
+    def sha256(self) -> str:
+        return sha256_json({"settings_sha256": self.settings_sha256, "suite_sha256": self.suite_sha256,
+                            "model": self.model})
 
 
-def append_ledger(path: Path, doc: ExperimentDoc, reopen: Mapping[str, str], *, date: str | None = None) -> int:
-    """Append one `[[decisions]]` entry per decided arm (GO / NO-GO) not yet in the ledger for this
-    test's hash (`gate_sha256`); the file is only ever appended to (one write, then fsync). Returns entries added."""
-    seen = set()
-    if path.exists():
-        for d in tomllib.loads(path.read_text()).get("decisions", []):
-            seen.add((d.get("arm"), d.get("gate_sha256")))
-    date = date or dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    blocks = []
+def register_with_base(settings_sha256: str, base_dir: Path, *, model_name: str | None = None,
+                       model_params: float | None = None) -> RegisteredTest:
+    """The registration of the test on the base run's suite and model (`RegisteredTest`)."""
+    s = stage_summaries(base_dir)
+    fp = s.fast_pass.engine
+    return RegisteredTest(settings_sha256=settings_sha256, suite_sha256=s.bundle.sha256,
+                          model=sha256_json({"weights": fp.weights_sha256, "tokenizer": fp.tokenizer_sha256}),
+                          model_name=model_name, model_params=model_params)
+
+
+def experiment_decisions(doc: ExperimentDoc, arms: ArmsFile, registered: RegisteredTest, *, source: Path,
+                         date: str | None = None) -> list[Decision]:
+    """One ledger decision per decided arm (GO / NO-GO), under the registration's hash."""
+    out = []
     for name, a in doc["arms"].items():
-        if a["verdict"] not in ("GO", "NO-GO") or (name, doc["gate"]["settings_sha256"]) in seen:
+        if a["verdict"] not in ("GO", "NO-GO"):
             continue
+        decl = next((d for d in arms.arms if d.name == name.split("@")[0]), None)
         vp = a["vs_placebo"]
-        entry: LedgerEntry = {"arm": name, "experiment": doc["name"], "kind": a["kind"], "verdict": a["verdict"],
-                 "metric": doc["gate"]["metric"], "effect": a["delta"], "ci": a["ci"], "p": a["p"],
-                 "placebo": doc["gate"]["placebo"] or "", "placebo_effect": a.get("placebo_delta", float("nan")),
-                 "vs_placebo_ci": vp["ci"] if vp else [], "gate_sha256": doc["gate"]["settings_sha256"],
-                 "date": date, "reopen_when": reopen.get(name.split("@")[0], "") or "not given"}
-        entry = {k: v for k, v in entry.items() if not (isinstance(v, float) and v != v)}  # type: ignore[assignment]
-        blocks.append("[[decisions]]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in entry.items()))
-    if blocks:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lead = "\n" if path.exists() and path.stat().st_size else ""
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(lead + "\n".join(blocks))
-            f.flush()
-            os.fsync(f.fileno())
-    return len(blocks)
+        out.append(Decision(
+            kind="experiment-arm", subject=name, status=a["verdict"], source=str(source.resolve()),
+            date=date or now(), experiment=doc["name"], gate_sha256=registered.sha256,
+            settings_sha256=registered.settings_sha256, suite_sha256=registered.suite_sha256,
+            model=registered.model, model_name=registered.model_name, model_params=registered.model_params,
+            metric=doc["gate"]["metric"], effect=a["delta"], ci=a["ci"], p=a["p"], placebo=doc["gate"]["placebo"],
+            placebo_effect=a.get("placebo_delta"), vs_placebo_ci=vp["ci"] if vp else None,
+            hypothesis=(decl.hypothesis or None) if decl else None,
+            reopen_when=(decl.reopen_when if decl else "") or "not given", reopen_if=decl.reopen_if if decl else None))
+    return out
 
 
-def read_ledger(path: Path) -> list[LedgerEntry]:
-    """The ledger's decisions, oldest first; an InputError when there is none or it is not TOML."""
-    if not path.exists():
-        raise InputError("no ledger.toml here: run `jex experiment run` with -o this folder first", file=str(path))
-    try:
-        return tomllib.loads(path.read_text()).get("decisions", [])
-    except tomllib.TOMLDecodeError as e:
-        raise InputError(f"not valid TOML: {e}", file=str(path)) from None
-
-
-def format_ledger(entries: list[LedgerEntry]) -> str:
-    """One line per decision: date, arm, verdict, effect and CI, placebo effect, test hash, reopen-when."""
-    lines = [f"{'date':<21} {'arm':<22} {'verdict':<6} {'effect':>8}  {'95% CI':<20} {'placebo':>8}  "
-             "test   reopen when"]
-    for e in entries:
-        ci = e.get("ci") or [float("nan")] * 2
-        interval = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
-        lines.append(f"{e['date']:<21} {e['arm']:<22} {e['verdict']:<6} {e['effect']:>+8.3f}  {interval:<20} "
-                     f"{e.get('placebo_effect', float('nan')):>+8.3f}  {e['gate_sha256'][:6]} {e['reopen_when']}")
-    return "\n".join(lines)
+def experiment_ledger(out: Path) -> tuple[Path, list[Decision]]:
+    """The store ledger an experiment folder appended to (`experiment.json`'s `ledger`) and its decisions
+    taken in that folder; an InputError when the folder holds no experiment."""
+    doc_path = out / "experiment.json"
+    if not doc_path.exists():
+        raise InputError("no experiment.json here (it names the store's ledger.toml): run `jex experiment run` "
+                         "with -o this folder first", file=str(doc_path))
+    ledger = Path(read_json(doc_path).get("ledger") or "")
+    if not ledger.name:
+        raise InputError("experiment.json names no ledger (written by an older jex): run the experiment again",
+                         file=str(doc_path))
+    here = str(out.resolve())
+    return ledger, [d for d in read_decisions(ledger) if d.source == here]
 
 
 def arm_entry(run: ArmRun, stats: ArmStats, vs: Delta | None, verdict_: str, checks: dict[str, bool],
@@ -429,6 +412,7 @@ def arm_entry(run: ArmRun, stats: ArmStats, vs: Delta | None, verdict_: str, che
 
 
 def analyse(arms: ArmsFile, *, base: ArmRun, runs: list[ArmRun], test_sha256: str, out: Path,
+            registered: RegisteredTest | None = None,
             twins: Mapping[str, TwinAudit] | None = None, panel: PanelSpec | None = None,
             settings: Mapping[str, Any] | None = None) -> ExperimentDoc:
     """Paired statistics, verdicts, sweeps and panel projection of finished sub-runs; writes
@@ -448,7 +432,9 @@ def analyse(arms: ArmsFile, *, base: ArmRun, runs: list[ArmRun], test_sha256: st
     doc: ExperimentDoc = {
         "name": arms.name, "base": {"index": base_index, "run": str(base.run_dir), "engine_calls": base.engine_calls,
                                     "wall_s": base.wall_s},
-        "gate": {"settings_sha256": test_sha256, **test.model_dump(mode="json")},
+        "gate": {"settings_sha256": test_sha256, **test.model_dump(mode="json"),
+                 **({"sha256": registered.sha256, "suite_sha256": registered.suite_sha256,
+                     "model_sha256": registered.model} if registered else {})},
         "arms": entries, "twin": dict(twins or {}),
         "sweeps": _sweeps(arms, runs, entries, table, base_preds, out),
         "provenance": {}}
@@ -516,5 +502,6 @@ def _panel(panel: PanelSpec, stats: Mapping[str, ArmStats]) -> PanelDoc:
                          "projected": project(st, shares).to_json()} for n, st in stats.items()}}
 
 
-__all__ = ["ArmRun", "analyse", "append_ledger", "arm_entry", "first_difference", "forest_plot", "format_ledger",
-           "read_ledger", "register_experiment_test", "render_report", "sweep_plot", "twin_audit", "verdict", "versus"]
+__all__ = ["ArmRun", "RegisteredTest", "analyse", "arm_entry", "experiment_decisions", "experiment_ledger",
+           "first_difference", "forest_plot", "register_experiment_test", "register_with_base", "render_report",
+           "sweep_plot", "twin_audit", "verdict", "versus"]

@@ -34,6 +34,8 @@ from jex.numerics import logit, named_rng, question_folds
 from jex.overlays.apply import apply_overlays, no_degrade_check, reversibility_check
 from jex.overlays.rules import IsotonicShrink, OverlayRuleBase
 from jex.settings import BOOTSTRAP_SEED
+from jex.tasks.decisions import Decision, now
+from jex.tasks.lab.experiment_report import register_with_base, stage_summaries
 from jex.tasks.scoring.bootstrap_ci import paired_bootstrap_ci
 from jex.tasks.scoring.index import catalog_chances, score_predictions, scored_frame
 from jex.tasks.scoring.inputs import ScoreSpec, load_suite_table
@@ -49,12 +51,33 @@ class Capture:
         preds = pl.DataFrame({"run_id": self.base["run_id"], "choice": choices})
         return score_predictions(self.rows, preds, self.spec).full
 
+    def skills(self, choices: pl.Series) -> dict[str, float]:
+        """Each catalog's skill (chance-normalised accuracy), in index points (x 100)."""
+        preds = pl.DataFrame({"run_id": self.base["run_id"], "choice": choices})
+        return {c: 100 * v.skill for c, v in score_predictions(self.rows, preds, self.spec).catalogs.items()}
+
 
 def load_capture(run_dir: str | Path) -> Capture:
+    """A finished run's rows and predictions (its provenance names the bundle); errors name the file."""
     run_dir = Path(run_dir)
-    prov = read_json(run_dir / "provenance.json")
-    table = load_suite_table(Path(prov["stages"]["bundle"]["folder"]) / "bundle.tar.gz")
-    preds = pl.read_parquet(run_dir / "predictions.parquet")
+    if not run_dir.is_dir():
+        raise InputError("expected a finished run folder (holds provenance.json and predictions.parquet)",
+                         file=str(run_dir))
+    prov_file = run_dir / "provenance.json"
+    try:
+        prov = read_json(prov_file)
+        bundle = Path(prov["stages"]["bundle"]["folder"]) / "bundle.tar.gz"
+    except (OSError, ValueError) as e:
+        raise InputError(f"unreadable ({str(e).splitlines()[0]}); expected a finished run's provenance",
+                         file=str(prov_file)) from None
+    except (KeyError, TypeError):
+        raise InputError("no stages.bundle.folder; expected a finished run's provenance", file=str(prov_file),
+                         field="stages") from None
+    table = load_suite_table(bundle)
+    try:
+        preds = pl.read_parquet(run_dir / "predictions.parquet")
+    except (OSError, pl.exceptions.PolarsError) as e:
+        raise InputError(f"unreadable ({str(e).splitlines()[0]})", file=str(run_dir / "predictions.parquet")) from None
     base = table.rows.join(preds, on="run_id", how="left", maintain_order="left")
     return Capture(table.spec.as_accuracy(), table.rows, base)  # rules change choices: tested on accuracy
 
@@ -226,10 +249,33 @@ class OverlayTestSettings:
     permutations: int = 200
     folds: int = 5
     """Question-grouped folds (crc32(question_id) % folds, as calibration) for the out-of-fold refit."""
+    catalog_tolerance: float = 1.0
+    """No-degrade: no catalog's skill may drop more than this (index points) under the rule."""
 
     def register(self, path: Path) -> str:
-        """Write the settings before any candidate is scored; returns their sha256."""
+        """Write the settings before any candidate is scored; returns their sha256. Write-once: a folder
+        registered with other settings is refused (a new test goes to another folder)."""
+        if path.exists() and json.loads(path.read_text()) != asdict(self):
+            raise InputError("this folder holds a pre-registered test with other settings; write the new test to "
+                             "another folder (settings are written once)", file=str(path))
         return write_json(path, asdict(self))
+
+
+def degradation(capture: Capture, base: pl.DataFrame, overlaid: pl.DataFrame, rule: OverlayRuleBase,
+                tolerance: float) -> str | None:
+    """The seeds' no-degrade check of a rule as written: every other catalog bit-identical, and no
+    catalog's skill (its target's included) dropping more than `tolerance` index points. None: it holds."""
+    problems = []
+    try:
+        no_degrade_check(base, overlaid, targets={rule.target}, what=f"rule {rule.id!r}")
+    except Exception as e:  # noqa: BLE001 - recorded as the failed check
+        problems.append(str(e))
+    before, after = capture.skills(base["choice"]), capture.skills(overlaid["choice"])
+    drops = {c: after[c] - before[c] for c in before if after[c] - before[c] < -tolerance}
+    if drops:
+        problems.append(f"rule {rule.id!r} lowers the skill of " + ", ".join(
+            f"catalog '{c}' by {-d:.2f} index points" for c, d in drops.items()) + f" (tolerance {tolerance})")
+    return "; ".join(problems) or None
 
 
 def _permuted(frame: pl.DataFrame, rng: np.random.Generator) -> pl.DataFrame:
@@ -291,11 +337,7 @@ def overlay_test_rule(capture: Capture, rule: OverlayRuleBase, settings: Overlay
     base = capture.base
     new = rule.apply(base)
     overlaid = base.with_columns(new.alias("choice"))
-    degrade = None
-    try:
-        no_degrade_check(base, overlaid, targets={rule.target}, what=f"rule {rule.id!r}")
-    except Exception as e:  # noqa: BLE001 - recorded as the failed check
-        degrade = str(e)
+    degrade = degradation(capture, base, overlaid, rule, settings.catalog_tolerance)
     oof, taus = out_of_fold_choices(rule, base, settings.folds)
     oof_choices = pl.Series("choice", oof, dtype=pl.Int32)
     frame_a = scored_frame(capture.rows, base.select("run_id", "choice"), capture.spec)
@@ -334,6 +376,24 @@ def overlay_test(capture: Capture, rules: list[OverlayRuleBase], settings: Overl
            "passed": [r["rule"]["id"] for r in results if r["passed"]]}
     write_json(out_dir / "gate.json", doc)
     return doc
+
+
+def gate_decisions(doc: OverlayTestDoc, rules: list[OverlayRuleBase], run_dir: Path, *, source: Path,
+                   model_name: str | None = None, model_params: float | None = None) -> list[Decision]:
+    """One ledger decision per tested rule (PASS / FAIL), naming the rule's hash, the run's suite (bundle)
+    and capture (fast pass): what a campaign's overlay gate looks for before it applies the rule."""
+    registered = register_with_base(doc["settings_sha256"], run_dir, model_name=model_name, model_params=model_params)
+    capture = stage_summaries(run_dir).fast_pass.sha256
+    by_id = {r.id: r for r in rules}
+    return [Decision(kind="overlay-rule", subject=r["rule"]["id"], status="PASS" if r["passed"] else "FAIL",
+                     source=str(source.resolve()), date=now(), gate_sha256=registered.sha256,
+                     settings_sha256=doc["settings_sha256"], suite_sha256=registered.suite_sha256,
+                     model=registered.model, model_name=model_name, model_params=model_params,
+                     effect=r["gain_full"], ci=list(r["ci_full"]), p=r["permutation_p"],
+                     rule_sha256=by_id[r["rule"]["id"]].sha256(), capture_sha256=capture,
+                     hypothesis=f"{r['rule']['kind']} on {r['rule']['target']}",
+                     reopen_when="the suite or the capture changes")
+            for r in doc["results"]]
 
 
 def ladder(capture: Capture, rules: list[OverlayRuleBase]) -> LadderDoc:

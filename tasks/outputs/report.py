@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 from pydantic import Field
 
 from jex.engine.fingerprint import EngineFingerprint
@@ -78,15 +80,49 @@ class RunDocs(Record):
 
 
 def render_report(name: str, docs: RunDocs, s: FinishedCampaign, timings: dict[str, float],
-                  machines: MachinesSection | None = None) -> str:
-    """`report.md` of a finished run."""
+                  machines: MachinesSection | None = None, *, notes: Sequence[str] = ()) -> str:
+    """`report.md` of a finished run; `notes`: lines after the score (`prompt_notes`, `OWN_CLUSTERS`)."""
     lines = [f"# Campaign report: {name}", "", *_headline(docs, s.fast_pass.engine), *_fold_section(docs.fold, s.gate),
-             *_score_section(docs.policy), *_calibration_section(docs.calibration), "## Overlays", ""]
+             *_score_section(docs.policy), *notes,
+             *_calibration_section(docs.calibration), "## Overlays", ""]
     applied = [f"- `{a['id']}` on `{a['target']}`: {a['changed']} choices changed" for a in s.overlay.applied]
+    if any(a.get("unverified") for a in s.overlay.applied):
+        lines.append(UNVERIFIED)
     lines += applied or ["None applied."]
     lines += _stages_section(s, timings, machines)
     lines += machines.markdown if machines else IN_PROCESS
     return "\n".join(lines) + "\n"
+
+
+UNVERIFIED = ('<span style="color:red">**UNVERIFIED OVERLAYS**</span>: applied with `--unverified-overlays`, '
+              "without a passed gate record for every rule on this suite and capture; the rows they decided are "
+              "marked `overlay-unverified:<id>` in `samples.parquet` (`decided_by`).\n")
+
+OWN_CLUSTERS = ["Every row is its own cluster: no two rows of a catalog share a `question_id`, so the "
+                "bootstrap resamples rows, as if no two were variants of one question (`jex suite import "
+                "--cluster COL` names the column that groups them).", ""]
+
+
+def prompt_notes(chat_template: str, verbatim: Sequence[str]) -> list[str]:
+    """What a run with verbatim catalogs (an imported harness's own prompts) read, and whether that is
+    the harness's default: lm-eval applies no chat template unless asked. Nothing for other runs."""
+    if not verbatim:
+        return []
+    which = {"auto": "no chat template (lm-eval's default; `--chat-template model` or FILE asks for one)",
+             "none": "no chat template (lm-eval's default)",
+             "model": "the model's chat template (asked for with `--chat-template model`; lm-eval applies none "
+                      "by default, so these numbers are not lm-eval's defaults)"}.get(
+        chat_template, "a chat template given as text (lm-eval applies none by default)")
+    return [f"Prompts of {', '.join(f'`{c}`' for c in verbatim)}: lm-eval's own context, read verbatim, with "
+            f"{which}.", ""]
+
+
+def every_row_own_cluster(samples: pl.DataFrame) -> bool:
+    """Whether, in every catalog, the scored rows' question_ids are all distinct (the bootstrap's clusters
+    are then single rows: an importer's default without `--cluster`)."""
+    counts = samples.filter(pl.col("scored")).group_by("catalog").agg(
+        rows=pl.len(), clusters=pl.col("question_id").n_unique())
+    return counts.height > 0 and bool((counts["rows"] == counts["clusters"]).all())
 
 
 def _headline(docs: RunDocs, engine: EngineFingerprint) -> list[str]:

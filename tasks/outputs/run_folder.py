@@ -6,12 +6,50 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from jex.fileio import read_json, write_json, write_text
+import polars as pl
+
+from jex.fileio import read_json, sha256_file, write_json, write_text
 from jex.provenance import provenance
 from jex.tasks.documents import CalibrationDoc, FoldDoc, ScoreDoc, read_doc, write_doc
-from jex.tasks.outputs.report import MachinesSection, RunDocs, reliability_plot, render_report, skill_plot
+from jex.tasks.keys import stage_key
+from jex.tasks.outputs.report import (
+    OWN_CLUSTERS,
+    MachinesSection,
+    RunDocs,
+    every_row_own_cluster,
+    prompt_notes,
+    reliability_plot,
+    render_report,
+    skill_plot,
+)
 from jex.tasks.outputs.samples import write_samples
-from jex.tasks.records import CampaignSummaries
+from jex.tasks.records import CampaignSummaries, FinishedCampaign
+
+REPORT_MARKER = "_REPORT.json"
+"""The report's key and files, written last in a run folder: a later run with the same key renders nothing."""
+RUN_FILES = ("predictions.parquet", "samples.parquet", "score.json", "fold.json", "provenance.json", "skill.png",
+             "reliability.png", "report.md")
+
+
+def report_key(run_dir: Path, summaries: CampaignSummaries, spec: dict[str, Any]) -> str:
+    """The report's cache key: the key and artifact sha256 of every stage summary it renders, the campaign's
+    spec and the speculative proof beside it, if any. Not the timings nor the machines: those describe the
+    run that rendered it (each run's own timings are in `stages.json`)."""
+    proof = run_dir / "spec_proof.json"
+    return stage_key("report", {"stages": {k: [v.key, v.sha256] for k, v in summaries.done().items()}, "spec": spec,
+                                "spec_proof": sha256_file(proof) if proof.exists() else None})
+
+
+def rendered(run_dir: Path, key: str) -> bool:
+    """The run folder holds the report of `key` and every file it wrote (then nothing is rendered again)."""
+    marker = run_dir / REPORT_MARKER
+    if not marker.exists() or read_json(str(marker)).get("key") != key:
+        return False
+    return all((run_dir / name).exists() for name in RUN_FILES)
+
+
+def mark_rendered(run_dir: Path, key: str) -> None:
+    write_json(run_dir / REPORT_MARKER, {"key": key, "files": list(RUN_FILES)})
 
 
 def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: dict[str, Any], timings: dict[str, float],
@@ -32,7 +70,7 @@ def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: dict[str
     write_json(run_dir / "provenance.json", prov)
     skill_plot(docs.baseline, docs.policy, run_dir / "skill.png")
     reliability_plot(docs.calibration, run_dir / "reliability.png")
-    report = render_report(spec["name"], docs, s, timings, machines)
+    report = render_report(spec["name"], docs, s, timings, machines, notes=_score_notes(run_dir, s, spec))
     if (run_dir / "spec_proof.json").exists():  # a speculative profile: its exactness proof on this run
         from jex.tasks.capture.spec_proof import ExactnessProof, proof_section
 
@@ -41,6 +79,17 @@ def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: dict[str
         report += "\n" + "\n".join(proof_section(proof, fell_back=doc["fell_back"]))
     write_text(run_dir / "report.md", report)
     return report
+
+
+def _score_notes(run_dir: Path, s: FinishedCampaign, spec: dict[str, Any]) -> list[str]:
+    """The report's lines after the score: what verbatim catalogs read, and whether every row is its own
+    bootstrap cluster."""
+    from jex.tasks.cpu_stages import _suite
+
+    verbatim = [c.id for c in _suite(s.bundle).spec.catalogs if c.prompt_format == "verbatim"]
+    own = every_row_own_cluster(pl.read_parquet(run_dir / "samples.parquet", columns=["catalog", "question_id",
+                                                                                      "scored"]))
+    return prompt_notes(spec["engine"]["render"]["chat_template"], verbatim) + (OWN_CLUSTERS if own else [])
 
 
 def run_docs(summaries: CampaignSummaries) -> RunDocs:

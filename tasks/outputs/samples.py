@@ -25,6 +25,11 @@ Columns (`SAMPLES_SCHEMA`):
                                        (fast_pass | fold | overlay:<rule id>)
     choice, gold, correct, scored      final choice, gold index, choice == gold, and False on rows the
                                        suite excludes from scoring
+Only in a run whose suite has a loglikelihood catalog (`LOGLIKELIHOOD_COLUMNS`; null on its other rows):
+    choice_loglikelihoods              each option's summed continuation log-likelihood (lm-eval's `resps`)
+    choice_is_greedy                   whether each option's continuation is the greedy one (lm-eval's is_greedy)
+    acc_norm_choice, acc_norm_correct  lm-eval's length-normalised choice and whether it is the gold
+                                       (`acc` is `fast_choice == gold`; `correct` the final choice's)
 """
 
 from __future__ import annotations
@@ -57,6 +62,12 @@ SAMPLES_SCHEMA: dict[str, Any] = {
     "folded": pl.Boolean, "folded_logprobs": pl.List(pl.Float64), "final_probs": pl.List(pl.Float64),
     "decided_by": pl.String, "choice": pl.Int32, "gold": pl.Int32, "correct": pl.Boolean, "scored": pl.Boolean,
 }
+
+
+LOGLIKELIHOOD_COLUMNS: dict[str, Any] = {"choice_loglikelihoods": pl.List(pl.Float64),
+                                         "choice_is_greedy": pl.List(pl.Boolean), "acc_norm_choice": pl.Int32,
+                                         "acc_norm_correct": pl.Boolean}
+"""Appended to `SAMPLES_SCHEMA` only when the capture has them, so other runs keep their bytes."""
 
 
 @dataclass(frozen=True)
@@ -105,10 +116,11 @@ def build_samples(rows: pl.DataFrame, *, capture: pl.DataFrame, gated: pl.DataFr
     are left out and each row points at `prompt_ref#run_id=...`.
     """
     ids = rows["run_id"].to_list()
+    lm_eval = [c for c in LOGLIKELIHOOD_COLUMNS if c in capture.columns]
     if "metadata" not in rows.columns:
         rows = rows.with_columns(metadata=pl.lit(None, dtype=pl.String))
     frame = (rows.select("run_id", "catalog", "question_id", "metadata", "options", "labels", "gold")
-             .join(capture.select("run_id", label_logprobs="logprobs", label_mass="label_mass",
+             .join(capture.select("run_id", *lm_eval, label_logprobs="logprobs", label_mass="label_mass",
                                   fast_refusal="refusal"), on="run_id", how="left", maintain_order="left")
              .join(gated.select("run_id", gate_margin="margin"), on="run_id", how="left", maintain_order="left")
              .join(reasoned.select("run_id", "rationale", "finish_reason", "post_logprobs",
@@ -135,14 +147,21 @@ def build_samples(rows: pl.DataFrame, *, capture: pl.DataFrame, gated: pl.DataFr
          & ~(pl.col("abstained").fill_null(False) & pl.col("catalog").is_in(list(abstaining)))).alias("correct"),
         (~pl.col("run_id").is_in(list(excluded))).alias("scored"),
         pl.col("gated").fill_null(False), pl.col("folded").fill_null(False))
-    return frame.select([pl.col(c).cast(t) for c, t in SAMPLES_SCHEMA.items()])
+    schema = dict(SAMPLES_SCHEMA)
+    if lm_eval:
+        frame = frame.with_columns(acc_norm_correct=pl.when(pl.col("acc_norm_choice").is_null()).then(None)
+                                   .otherwise(pl.col("acc_norm_choice") == pl.col("gold")))
+        schema.update(LOGLIKELIHOOD_COLUMNS)
+    return frame.select([pl.col(c).cast(t) for c, t in schema.items()])
 
 
-def render_prompts(engine: Any, rows: Sequence[Any], *, render: Any, fewshot: Any, gated: set[str]) -> RenderedPrompts:
-    """The exact fast-pass and rationale texts, as `tasks.capture` builds them for the engine."""
+def render_prompts(engine: Any, rows: Sequence[Any], *, render: Any, fewshot: Any, gated: set[str],
+                   reads: Any = None) -> RenderedPrompts:
+    """The exact fast-pass and rationale texts, as `tasks.capture` builds them for the engine (`reads`:
+    the catalogs read otherwise, `tasks.capture.stages.catalog_reads`)."""
     from jex.tasks.capture.engine_calls import question_prompts, reason_prompts
 
-    question = {r.run_id: r.prompt for r in question_prompts(engine, rows, render, fewshot)}
+    question = {r.run_id: r.prompt for r in question_prompts(engine, rows, render, fewshot, reads)}
     thinking = [r for r in rows if r.run_id in gated]
     reason = dict(zip([r.run_id for r in thinking], reason_prompts(engine, thinking, render), strict=True))
     return RenderedPrompts(question, reason)
@@ -164,7 +183,7 @@ def campaign_prompts(art: StageArtifacts, engine_spec: Any, store: Any, rows: Se
                      gated: set[str]) -> RenderedPrompts:
     """Render the run's prompts with its own RenderSpec and few-shot pool; null + reason when the
     model's tokenizer is not available on this machine."""
-    from jex.tasks.capture.stages import fewshot_pool
+    from jex.tasks.capture.stages import catalog_reads, fewshot_pool
 
     try:
         eng = tokenizer_engine(engine_spec)
@@ -173,7 +192,7 @@ def campaign_prompts(art: StageArtifacts, engine_spec: Any, store: Any, rows: Se
               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return RenderedPrompts({}, {}, why)
     return render_prompts(eng, rows, render=engine_spec.render, fewshot=fewshot_pool(art.bundle, store, engine_spec),
-                          gated=gated)
+                          gated=gated, reads=catalog_reads(art.bundle, store))
 
 
 def write_samples(run_dir: Path, summaries: FinishedCampaign, spec: dict[str, Any], *,
@@ -251,7 +270,11 @@ def read_samples(run_dir: str | Path) -> pl.DataFrame:
     if not path.exists():
         raise InputError(f"no {SAMPLES_FILE} in this run folder (written by the report step of `jex run`; "
                          "run `jex run --resume RUN` to add it)", file=str(path))
-    frame = pl.read_parquet(path)
+    try:
+        frame = pl.read_parquet(path)
+    except (OSError, pl.exceptions.PolarsError) as e:
+        raise InputError(f"unreadable Parquet ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                         file=str(path)) from None
     missing = [c for c in SAMPLES_SCHEMA if c not in frame.columns]
     if missing:
         raise InputError(f"not a jex samples record: columns {missing} are missing", file=str(path))
@@ -298,6 +321,10 @@ def format_sample(r: dict[str, Any], *, prompt: bool = False) -> str:
     lines += [f"  {label}. {option}" for label, option in zip(labels, r["options"], strict=True)]
     lines.append(f"  fast pass   {_dist(labels, r['label_logprobs'], log=True)}   -> {lab(r['fast_choice'])}"
                  + (f"   refused: {r['fast_refusal']}" if r["fast_refusal"] else ""))
+    if r.get("choice_loglikelihoods") is not None:
+        lls = "  ".join(f"{label} {ll:.4f}" for label, ll in zip(labels, r["choice_loglikelihoods"], strict=True))
+        lines.append(f"  loglikelihood {lls}   acc -> {lab(r['fast_choice'])}, acc_norm -> "
+                     f"{lab(r['acc_norm_choice'])}")
     if r["gated"]:
         lines.append(f"  gated (margin {r['gate_margin']:.3f}); rationale, {r['rationale_tokens']} tokens, "
                      f"{r['finish_reason']}:")

@@ -44,7 +44,8 @@ def fold_predictions(panel: pl.DataFrame, reasoned: pl.DataFrame, gated: pl.Data
                      weight: float = 0.5) -> pl.DataFrame:
     """Per row: fast and folded log-probs and choices, and whether the row was gated / folded.
 
-    `panel`: run_id, logprobs (fast pass), in suite order. `reasoned`: run_id, post_logprobs.
+    `panel`: run_id, logprobs (fast pass)[, acc_norm_choice: kept as it is], in suite order. `reasoned`:
+    run_id, post_logprobs.
     """
     if not 0 <= weight <= 1:
         raise ValueError(f"fold weight must be in [0, 1], got {weight}")
@@ -63,7 +64,8 @@ def fold_predictions(panel: pl.DataFrame, reasoned: pl.DataFrame, gated: pl.Data
         else:
             folded_lp.append(lp)
             is_folded.append(False)
-    return panel.select("run_id", "logprobs").with_columns(
+    kept = ["run_id", "logprobs"] + (["acc_norm_choice"] if "acc_norm_choice" in panel.columns else [])
+    return panel.select(kept).with_columns(
         pl.Series("folded_logprobs", folded_lp, dtype=pl.List(pl.Float64)),
         pl.col("run_id").is_in(list(gated_ids)).alias("gated"),
         pl.Series("folded", is_folded, dtype=pl.Boolean),

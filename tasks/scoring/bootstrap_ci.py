@@ -60,8 +60,9 @@ class ClusterLayout:
         out = []
         for c, codes, sizes in zip(spec.catalogs, self.row_cluster, self.sizes, strict=True):
             sub = frame.filter(pl.col("catalog") == c.id)
-            if c.scoring == "accuracy":
-                out.append(np.bincount(codes, weights=sub["correct"].cast(pl.Int64).to_numpy(),
+            if c.scoring in ("accuracy", "acc_norm"):
+                hits = sub["correct" if c.scoring == "accuracy" else "correct_norm"]
+                out.append(np.bincount(codes, weights=hits.cast(pl.Int64).to_numpy(),
                                        minlength=len(sizes)).astype(np.int64))
             else:
                 out.append(np.bincount(codes, weights=sub["value"].to_numpy(), minlength=len(sizes)))

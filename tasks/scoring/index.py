@@ -3,6 +3,9 @@
 Definitions (the contract; `docs/suite-and-scoring.md` has them with examples):
     per catalog  scored rows = rows minus exclusions. Each catalog has a scoring kind:
                  accuracy             value = correct / n (a missing or null choice is wrong)
+                 acc_norm             value = mean [acc_norm_choice == gold] (lm-eval's length-normalised
+                                      choice; a missing one is wrong); `acc_norm` is also reported beside
+                                      `acc` for every loglikelihood catalog
                  calibrated_accuracy  value = mean p[gold] (the expected accuracy of the forecast)
                  brier                value = mean over rows of sum_i (p_i - [i = gold])^2
                  log_loss             value = mean -ln max(p[gold], 1e-15)
@@ -35,10 +38,10 @@ import polars as pl
 from jex.tasks.scoring.inputs import ScoreSpec
 
 if TYPE_CHECKING:  # the shape only: the plain scorer shares no code with this one
-    from jex.tasks.scoring.plain import PlainScore
+    from jex.tasks.scoring.plain import PlainCatalogScore, PlainScore
 
 LOG_LOSS_FLOOR = 1e-15
-BEST = {"accuracy": 1.0, "calibrated_accuracy": 1.0, "brier": 0.0, "log_loss": 0.0}
+BEST = {"accuracy": 1.0, "acc_norm": 1.0, "calibrated_accuracy": 1.0, "brier": 0.0, "log_loss": 0.0}
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,16 @@ class CatalogScore:
     kind: str = "accuracy"
     value: float = 0.0
     abstained: int = 0
+    acc_norm: float | None = None
+    """lm-eval's length-normalised accuracy (`acc_norm_choice == gold`), for the catalogs that report it."""
+
+    def to_json(self) -> PlainCatalogScore:
+        out: PlainCatalogScore = {"n": self.n, "correct": self.correct, "unsupported": self.unsupported,
+                                  "acc": self.acc, "chance": self.chance, "skill": self.skill, "weight": self.weight,
+                                  "leg": self.leg, "kind": self.kind, "value": self.value, "abstained": self.abstained}
+        if self.acc_norm is not None:
+            out["acc_norm"] = self.acc_norm
+        return out
 
 
 @dataclass(frozen=True)
@@ -67,10 +80,7 @@ class Score:
         """The plain scorer's shape (`tasks/scoring/plain.py`), to compare the two key by key."""
         return {"full": self.full, "full_raw": self.full_raw,
                 "legs": {k: {"index": v["index"], "raw": v["raw"]} for k, v in self.legs.items()},
-                "catalogs": {k: {"n": v.n, "correct": v.correct, "unsupported": v.unsupported, "acc": v.acc,
-                                 "chance": v.chance, "skill": v.skill, "weight": v.weight, "leg": v.leg,
-                                 "kind": v.kind, "value": v.value, "abstained": v.abstained}
-                             for k, v in self.catalogs.items()}}
+                "catalogs": {k: v.to_json() for k, v in self.catalogs.items()}}
 
 
 def skill_of(value: Any, chance: float, best: float = 1.0) -> Any:
@@ -104,18 +114,22 @@ def scored_frame(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec)
     `abstained` and `correct`, and the per-row `value` of the catalog's kind (what the bootstrap
     resamples; the point estimate is summed exactly in `score_predictions`)."""
     excluded = [rid for c in spec.catalogs for rid in c.exclusions]
-    cols = ["run_id", "choice"] + [c for c in ("probs", "abstain") if c in predictions.columns]
+    cols = ["run_id", "choice"] + [c for c in ("probs", "abstain", "acc_norm_choice") if c in predictions.columns]
     frame = (rows.filter(~pl.col("run_id").is_in(excluded))
              .join(predictions.select(cols), on="run_id", how="left", maintain_order="left"))
     if "probs" not in frame.columns:
         frame = frame.with_columns(probs=pl.lit(None, dtype=pl.List(pl.Float64)))
+    if "acc_norm_choice" not in frame.columns:
+        frame = frame.with_columns(acc_norm_choice=pl.lit(None, dtype=pl.Int32))
     declared = [c.id for c in spec.catalogs if "abstain" in c.secondary]
     abstained = (pl.col("abstain").fill_null(False) & pl.col("catalog").is_in(declared)) \
         if "abstain" in frame.columns else pl.lit(False)
     frame = frame.with_columns(abstained=abstained).with_columns(
         choice=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("choice")),
-        probs=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("probs")))
-    frame = frame.with_columns(correct=(pl.col("choice") == pl.col("gold")).fill_null(False))
+        probs=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("probs")),
+        acc_norm_choice=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("acc_norm_choice")))
+    frame = frame.with_columns(correct=(pl.col("choice") == pl.col("gold")).fill_null(False),
+                               correct_norm=(pl.col("acc_norm_choice") == pl.col("gold")).fill_null(False))
     return frame.with_columns(value=_row_value(spec))
 
 
@@ -129,7 +143,8 @@ def _row_value(spec: ScoreSpec) -> pl.Expr:
     sum_sq = pl.col("probs").list.eval(pl.element() * pl.element()).list.sum()
     brier = pl.when(pl.col("probs").is_null()).then(1.0 - 1.0 / pl.col("n_options")) \
         .otherwise(sum_sq - 2.0 * p_gold + 1.0)
-    by_kind = {"accuracy": pl.col("correct").cast(pl.Float64), "calibrated_accuracy": p_gold, "brier": brier,
+    by_kind = {"accuracy": pl.col("correct").cast(pl.Float64), "acc_norm": pl.col("correct_norm").cast(pl.Float64),
+               "calibrated_accuracy": p_gold, "brier": brier,
                "log_loss": -(pl.max_horizontal(p_gold, pl.lit(LOG_LOSS_FLOOR)).log())}
     expr = pl.lit(None, dtype=pl.Float64)
     for c in spec.catalogs:
@@ -163,8 +178,8 @@ def chance_of(kind: str, manifest_chance: float | None, hist: dict[int, int]) ->
 def catalog_value(kind: str, sub: pl.DataFrame) -> float:
     """The exact point value of one catalog's scored rows (correctly rounded sums)."""
     n = sub.height
-    if kind == "accuracy":
-        return int(sub["correct"].sum()) / n
+    if kind in ("accuracy", "acc_norm"):
+        return int(sub["correct" if kind == "accuracy" else "correct_norm"].sum()) / n
     p_gold = sub.select(_p_gold())["probs"].to_list()
     if kind == "calibrated_accuracy":
         return math.fsum(p_gold) / n
@@ -185,6 +200,8 @@ def score_predictions(rows: pl.DataFrame, predictions: pl.DataFrame, spec: Score
     totals = frame.group_by("catalog").agg(n=pl.len(), correct=pl.col("correct").sum(),
                                            no_choice=pl.col("choice").is_null().sum(),
                                            no_probs=pl.col("probs").is_null().sum(),
+                                           no_norm=pl.col("acc_norm_choice").is_null().sum(),
+                                           correct_norm=pl.col("correct_norm").sum(),
                                            abstained=pl.col("abstained").sum())
     per = {r["catalog"]: r for r in totals.iter_rows(named=True)}
     missing = [c.id for c in spec.catalogs if c.id not in per]
@@ -198,8 +215,10 @@ def score_predictions(rows: pl.DataFrame, predictions: pl.DataFrame, spec: Score
     catalogs = {}
     for c in spec.catalogs:
         p = per[c.id]
+        unsupported = {"accuracy": p["no_choice"], "acc_norm": p["no_norm"]}.get(c.scoring, p["no_probs"])
         catalogs[c.id] = CatalogScore(
-            n=p["n"], correct=p["correct"], unsupported=p["no_choice"] if c.scoring == "accuracy" else p["no_probs"],
+            n=p["n"], correct=p["correct"], unsupported=unsupported,
             acc=acc[c.id], chance=chance[c.id], skill=skill_of(value[c.id], chance[c.id], BEST[c.scoring]),
-            weight=c.weight, leg=c.leg, kind=c.scoring, value=value[c.id], abstained=p["abstained"])
+            weight=c.weight, leg=c.leg, kind=c.scoring, value=value[c.id], abstained=p["abstained"],
+            acc_norm=p["correct_norm"] / p["n"] if c.reports_acc_norm else None)
     return Score(full=full, full_raw=full_raw, legs=legs, catalogs=catalogs)

@@ -21,7 +21,8 @@ from jex.tasks.capture.bundle import PolarsType, open_bundle
 SCORING_COLUMNS = ["run_id", "catalog", "question_id", "gold", "n_options"]
 
 
-ScoringKind = Literal["accuracy", "brier", "log_loss", "calibrated_accuracy"]
+ScoringKind = Literal["accuracy", "acc_norm", "brier", "log_loss", "calibrated_accuracy"]
+CHOICE_KINDS = ("accuracy", "acc_norm")
 PROBABILITY_KINDS = ("brier", "log_loss", "calibrated_accuracy")
 PROB_SUM_TOLERANCE = 1e-6
 
@@ -35,6 +36,19 @@ class CatalogSpec:
     exclusions: frozenset[str] = field(default_factory=frozenset)
     scoring: ScoringKind = "accuracy"
     secondary: tuple[str, ...] = ()
+    readout: str = "label_slot"
+    prompt_format: str = "template"
+
+    @property
+    def reports_acc_norm(self) -> bool:
+        """lm-eval's `acc_norm` is reported beside `acc` (a loglikelihood catalog, or one scored by it)."""
+        return self.readout == "loglikelihood" or self.scoring == "acc_norm"
+
+    @property
+    def final_at_fast_pass(self) -> bool:
+        """The coverage gate never sends its rows to the reason stage: a loglikelihood catalog's answer is
+        its options' log-likelihoods, and a verbatim prompt has no question for jex's reasoning template."""
+        return self.readout == "loglikelihood" or self.prompt_format == "verbatim"
 
 
 @dataclass(frozen=True)
@@ -47,7 +61,8 @@ class ScoreSpec:
     @classmethod
     def from_manifest(cls, manifest: Any) -> ScoreSpec:
         return cls(legs=dict(manifest.legs), catalogs=tuple(
-            CatalogSpec(c.id, c.leg, c.weight, c.chance, frozenset(c.exclusions), c.scoring, tuple(c.secondary))
+            CatalogSpec(c.id, c.leg, c.weight, c.chance, frozenset(c.exclusions), c.scoring, tuple(c.secondary),
+                        c.readout, c.prompt_format)
             for c in manifest.catalogs))
 
     def as_accuracy(self) -> ScoreSpec:
@@ -91,7 +106,7 @@ def load_suite_table(source: str | Path) -> SuiteTable:
 
 
 PREDICTION_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "choice": pl.Int32, "probs": pl.List(pl.Float64),
-                                           "abstain": pl.Boolean}
+                                           "abstain": pl.Boolean, "acc_norm_choice": pl.Int32}
 
 
 class _Where(TypedDict):
@@ -116,7 +131,7 @@ def _check_probs(probs: Any, k: int, where: _Where) -> list[float] | None:
 
 
 def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
-    """Read `run_id, choice[, probs][, abstain]` and check them against the suite rows.
+    """Read `run_id, choice[, probs][, abstain][, acc_norm_choice]` and check them against the suite rows.
 
     Errors name the file, row and field: a duplicate or unknown run_id, a choice that is not an
     integer or lies outside the row's options, probs that are not a distribution over the row's
@@ -129,6 +144,7 @@ def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
     choices: list[int | None] = []
     probs: list[list[float] | None] = []
     abstain: list[bool | None] = []
+    norm: list[int | None] = []
     seen: set[str] = set()
     for line, rec in read_row_file(path):
         where: _Where = {"file": str(path), "row": line}
@@ -143,21 +159,27 @@ def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
             raise InputError(f"duplicate prediction for run_id '{rid}'", field="run_id", **where)
         if rid not in n_options:
             raise InputError(f"run_id '{rid}' is not in the suite", field="run_id", **where)
-        if choice is not None:
-            if isinstance(choice, bool) or not isinstance(choice, int):
-                raise InputError(f"choice must be an option index or null, got {choice!r}", field="choice",
-                                 **where)
-            if not 0 <= choice < n_options[rid]:
-                raise InputError(f"choice {choice} out of range for {n_options[rid]} options", field="choice",
-                                 **where)
+        for name in ("choice", "acc_norm_choice"):
+            _check_choice(rec.get(name), name, n_options[rid], where)
         flag = rec.get("abstain")
         if flag is not None and not isinstance(flag, bool):
             raise InputError(f"abstain must be true, false or null, got {flag!r}", field="abstain", **where)
         probs.append(_check_probs(rec.get("probs"), n_options[rid], where))
         abstain.append(flag)
+        norm.append(rec.get("acc_norm_choice"))
         seen.add(rid)
         run_ids.append(rid)
         choices.append(choice)
-    return pl.DataFrame({"run_id": run_ids, "choice": choices, "probs": probs, "abstain": abstain},
-                        schema=PREDICTION_SCHEMA)
+    return pl.DataFrame({"run_id": run_ids, "choice": choices, "probs": probs, "abstain": abstain,
+                         "acc_norm_choice": norm}, schema=PREDICTION_SCHEMA)
+
+
+def _check_choice(choice: Any, name: str, k: int, where: _Where) -> None:
+    """`choice` (or `acc_norm_choice`, lm-eval's length-normalised one): null or an option index."""
+    if choice is None:
+        return
+    if isinstance(choice, bool) or not isinstance(choice, int):
+        raise InputError(f"{name} must be an option index or null, got {choice!r}", field=name, **where)
+    if not 0 <= choice < k:
+        raise InputError(f"{name} {choice} out of range for {k} options", field=name, **where)
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 FLOOR = 1e-15
 
@@ -27,6 +27,7 @@ class PlainCatalog(TypedDict):
     exclusions: Collection[str]
     scoring: str
     secondary: Sequence[str]
+    readout: NotRequired[str]
 
 
 class PlainCatalogScore(TypedDict):
@@ -41,6 +42,7 @@ class PlainCatalogScore(TypedDict):
     kind: str
     value: float
     abstained: int
+    acc_norm: NotRequired[float]
 
 
 class PlainLegScore(TypedDict):
@@ -63,6 +65,7 @@ class _Tally:
 
     n: int = 0
     correct: int = 0
+    correct_norm: int = 0
     unsupported: int = 0
     abstained: int = 0
     options: dict[int, int] = field(default_factory=dict)  # rows per number of options, for chance
@@ -93,7 +96,7 @@ def _value_terms(kind: str, p: list[float] | None, gold: int, k: int) -> list[fl
 
 def _tally_rows(rows: Iterable[Mapping[str, Any]], catalogs: Sequence[PlainCatalog],
                 choices: Mapping[str, int | None], probs: Mapping[str, list[float] | None],
-                abstain: Mapping[str, bool | None]) -> dict[str, _Tally]:
+                abstain: Mapping[str, bool | None], norm: Mapping[str, int | None]) -> dict[str, _Tally]:
     """One pass over the rows: counts, correct choices, unsupported and abstained rows, value terms."""
     tally = {c["id"]: _Tally() for c in catalogs}
     kinds = {c["id"]: c["scoring"] for c in catalogs}
@@ -107,16 +110,18 @@ def _tally_rows(rows: Iterable[Mapping[str, Any]], catalogs: Sequence[PlainCatal
         t = tally[cat]
         t.n += 1
         t.options[k] = t.options.get(k, 0) + 1
-        choice, p = choices.get(rid), probs.get(rid)
+        choice, p, choice_norm = choices.get(rid), probs.get(rid), norm.get(rid)
         if abstain.get(rid) and cat in may_abstain:
             t.abstained += 1
-            choice = p = None
+            choice = p = choice_norm = None
         if choice is not None and choice == gold:
             t.correct += 1
+        if choice_norm is not None and choice_norm == gold:
+            t.correct_norm += 1
         kind = kinds[cat]
-        if (choice if kind == "accuracy" else p) is None:
+        if {"accuracy": choice, "acc_norm": choice_norm}.get(kind, p) is None:
             t.unsupported += 1
-        if kind != "accuracy":
+        if kind not in ("accuracy", "acc_norm"):
             t.terms.extend(_value_terms(kind, p, gold, k))
     return tally
 
@@ -125,12 +130,16 @@ def _catalog_score(c: PlainCatalog, t: _Tally) -> PlainCatalogScore:
     """value, chance and skill of one catalog from its tally."""
     kind = c["scoring"]
     acc = t.correct / t.n
-    value = acc if kind == "accuracy" else math.fsum(t.terms) / t.n
+    acc_norm = t.correct_norm / t.n
+    value = acc if kind == "accuracy" else acc_norm if kind == "acc_norm" else math.fsum(t.terms) / t.n
     chance = _chance(kind, c["chance"], t.options, t.n)
     best = 0.0 if kind in ("brier", "log_loss") else 1.0
-    return {"n": t.n, "correct": t.correct, "unsupported": t.unsupported, "acc": acc, "chance": chance,
-            "skill": (value - chance) / (best - chance), "weight": c["weight"], "leg": c["leg"], "kind": kind,
-            "value": value, "abstained": t.abstained}
+    out: PlainCatalogScore = {"n": t.n, "correct": t.correct, "unsupported": t.unsupported, "acc": acc,
+                              "chance": chance, "skill": (value - chance) / (best - chance), "weight": c["weight"],
+                              "leg": c["leg"], "kind": kind, "value": value, "abstained": t.abstained}
+    if kind == "acc_norm" or c.get("readout") == "loglikelihood":  # lm-eval reports both for these
+        out["acc_norm"] = acc_norm
+    return out
 
 
 def _leg_score(members: Sequence[PlainCatalog], scores: Mapping[str, PlainCatalogScore]) -> PlainLegScore:
@@ -143,10 +152,12 @@ def _leg_score(members: Sequence[PlainCatalog], scores: Mapping[str, PlainCatalo
 
 def plain_score(rows: Iterable[Mapping[str, Any]], choices: Mapping[str, int | None], legs: Mapping[str, float],
                 catalogs: Sequence[PlainCatalog], probs: Mapping[str, list[float] | None] | None = None,
-                abstain: Mapping[str, bool | None] | None = None) -> PlainScore:
-    """rows: dicts with run_id, catalog, gold, n_options; choices, probs, abstain: by run_id (a run_id
-    absent is no prediction); catalogs: id, leg, weight, chance, exclusions, scoring, secondary."""
-    tally = _tally_rows(rows, catalogs, choices, probs or {}, abstain or {})
+                abstain: Mapping[str, bool | None] | None = None,
+                acc_norm: Mapping[str, int | None] | None = None) -> PlainScore:
+    """rows: dicts with run_id, catalog, gold, n_options; choices, probs, abstain, acc_norm (lm-eval's
+    length-normalised choices): by run_id (a run_id absent is no prediction); catalogs: id, leg, weight,
+    chance, exclusions, scoring, secondary[, readout]."""
+    tally = _tally_rows(rows, catalogs, choices, probs or {}, abstain or {}, acc_norm or {})
     out_cats = {c["id"]: _catalog_score(c, tally[c["id"]]) for c in catalogs}
     out_legs = {leg: _leg_score([c for c in catalogs if c["leg"] == leg], out_cats) for leg in legs}
     total = math.fsum(legs.values())

@@ -44,8 +44,10 @@ def score_twice(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec) 
 
     plain = plain_score(rows.to_dicts(), by_run("choice") or {}, spec.legs,
                         [{"id": c.id, "leg": c.leg, "weight": c.weight, "chance": c.chance,
-                          "exclusions": c.exclusions, "scoring": c.scoring, "secondary": c.secondary}
-                         for c in spec.catalogs], probs=by_run("probs"), abstain=by_run("abstain"))
+                          "exclusions": c.exclusions, "scoring": c.scoring, "secondary": c.secondary,
+                          "readout": c.readout}
+                         for c in spec.catalogs], probs=by_run("probs"), abstain=by_run("abstain"),
+                        acc_norm=by_run("acc_norm_choice"))
     diffs = _differences(fast.to_json(), plain)
     if diffs:
         raise ScorerDisagreement("the two scorers disagree: " + "; ".join(diffs[:5]))
@@ -84,6 +86,10 @@ def catalog_table(doc: ScoreDoc) -> list[str]:
         lines.append(f"| {cid} | {v.leg} | {v.kind} | {v.n} | {v.correct} | {v.unsupported} | "
                      f"{v.abstained} | {v.acc:.4f} | {v.value:.4f} | {v.chance:.4f} | {v.skill:.4f} | "
                      f"{v.ci[0]:.4f} to {v.ci[1]:.4f} | {v.weight:g} |")
+    normed = {cid: v for cid, v in doc.catalogs.items() if v.acc_norm is not None}
+    if normed:  # lm-eval's two metrics of its loglikelihood catalogs, side by side
+        lines += ["", "| catalog (lm-eval metrics) | n | acc | acc_norm |", "|---|---:|---:|---:|"]
+        lines += [f"| {cid} | {v.n} | {v.acc:.4f} | {v.acc_norm:.4f} |" for cid, v in normed.items()]
     return lines
 
 

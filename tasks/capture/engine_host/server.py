@@ -102,9 +102,11 @@ class EngineHost:
         t0 = time.perf_counter()
         try:
             self.warm(request.engine_job.inputs.engine)
+            started = time.perf_counter() - t0
             self.progress("computing", request.job)
             summary = execute(request, lambda stage, done, total: self.progress("computing",
-                                                                               f"{stage} shard {done}/{total}"))
+                                                                               f"{stage} shard {done}/{total}"),
+                              engine_start_s=started)
             return HostReply(ok=True, summary=summary, host_pid=os.getpid(), engine_starts=self.starts,
                              seconds=time.perf_counter() - t0)
         except (KeyboardInterrupt, SystemExit):
@@ -206,8 +208,9 @@ class EngineHost:
         self._forget_pid_file()
 
 
-def execute(request: HostRequest, progress: Progress | None = None) -> JobSummary:
-    """The engine work of one request, in this process (the host's, or a client's with no host)."""
+def execute(request: HostRequest, progress: Progress | None = None, engine_start_s: float = 0.0) -> JobSummary:
+    """The engine work of one request, in this process (the host's, or a client's with no host);
+    `engine_start_s`: what starting the engine for it took just before (recorded with the shards)."""
     from jex.tasks.capture.stages import ShardShare
     from jex.tasks.capture.workers import stage_call
 
@@ -217,7 +220,8 @@ def execute(request: HostRequest, progress: Progress | None = None) -> JobSummar
         golden_job(request.engine_job, request.golden_rows, Path(request.golden_out), Path(request.fingerprint_out))
         return GoldenDone(rows=request.golden_rows)
     return stage_call(request.engine_job, ShardShare(worker=request.worker, workers=request.workers,
-                                                     claim=request.claim, progress=progress))
+                                                     claim=request.claim, progress=progress,
+                                                     engine_start_s=engine_start_s))
 
 
 def main(argv: list[str]) -> int:

@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import Any, ClassVar, Literal, TypedDict
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field
@@ -57,6 +57,7 @@ class ToolSample:
     probs: tuple[float, ...] | None = None
     gold: int | None = None
     reported_correct: float | None = None  # the tool's own per-document verdict (lm-eval `acc`)
+    acc_norm_choice: int | None = None  # lm-eval's length-normalised choice (continuation log-likelihoods only)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class TaskAgreement(Record):
     documents: int
     lm_eval_results_acc: float | None = Field(description="`acc,none` of the results file, if any")
     lm_eval_samples_acc: float | None = Field(description="mean per-document `acc` of the samples files, if any")
+    lm_eval_results_acc_norm: float | None = Field(None, description="`acc_norm,none` of the results file, if any")
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"lm_eval_results_acc_norm"})
 
 
 class ImportRecord(BaseModel):
@@ -100,6 +104,7 @@ class MappedPredictions:
     probs: list[list[float] | None]
     mode: dict[str, str]  # task -> mode used
     tasks: dict[str, TaskAgreement] = field(default_factory=dict)
+    acc_norm: list[int | None] = field(default_factory=list)  # lm-eval's length-normalised choices, if any
 
 
 @dataclass(frozen=True)
@@ -250,6 +255,7 @@ def map_samples(samples: Sequence[ToolSample], suite: SuiteRows, *, mode: MapMod
         out.run_ids.append(row.run_id)
         out.choices.append(s.choice)
         out.probs.append(list(s.probs) if s.probs is not None else None)
+        out.acc_norm.append(s.acc_norm_choice)
     return out
 
 
@@ -331,16 +337,44 @@ def synthesized_suite(samples: Sequence[ToolSample], folder: Path, *, name: str)
                 if s.gold is None:
                     raise InputError("the document has no gold answer the suite could be made from; pass --suite",
                                      file=s.file, row=s.where, field="target")
-                key = s.doc_id if s.doc_id is not None else s.where
-                f.write(json.dumps({"run_id": f"{t}-{key}", "catalog": t, "question_id": f"{t}-{key}",
-                                    "prompt": s.context, "options": list(s.options),
-                                    "labels": list(LABELS[:len(s.options)]), "gold": s.gold,
-                                    "metadata": {"task": t, "doc_id": s.doc_id} if s.doc_id is not None
-                                    else {"task": t, "id": str(s.where)}}, ensure_ascii=False) + "\n")
+                f.write(json.dumps(_synthesized_row(s, t), ensure_ascii=False) + "\n")
         lines += ["", "[[catalogs]]", f"id = {json.dumps(t)}", f"name = {json.dumps(t)}", 'leg = "public"',
                   f"files = [{json.dumps(fname)}]"]
+        if any(s.acc_norm_choice is not None for s in samples if s.task == t):  # continuation log-likelihoods
+            lines += ['readout = "loglikelihood"', 'prompt_format = "verbatim"']
     (folder / "suite.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return folder
+
+
+def _synthesized_row(s: ToolSample, task: str) -> dict[str, Any]:
+    """A suite row made from one document. A document jex itself exported names its row (its id is
+    the row's run_id, and it carries the row's question_id and labels): the row keeps them, so the
+    log maps back by id and the bootstrap clusters as the run did. Any other is `<task>-<doc_id>`
+    (or `<task>-<where>`), its own cluster."""
+    own = s.ids.get("run_id")
+    if isinstance(own, str) and own and s.ids.get("id") == own:
+        labels = s.ids.get("labels")
+        labels = list(labels) if isinstance(labels, list) and len(labels) == len(s.options) \
+            else list(LABELS[:len(s.options)])
+        qid = s.ids.get("question_id")
+        return {"run_id": own, "catalog": task, "question_id": qid if isinstance(qid, str) and qid else own,
+                "prompt": s.context, "options": list(s.options), "labels": labels, "gold": s.gold,
+                "metadata": {"task": task, "doc_id": s.doc_id} if s.doc_id is not None else {"task": task, "id": own}}
+    key = s.doc_id if s.doc_id is not None else s.where
+    return {"run_id": f"{task}-{key}", "catalog": task, "question_id": f"{task}-{key}", "prompt": s.context,
+            "options": list(s.options), "labels": list(LABELS[:len(s.options)]), "gold": s.gold,
+            "metadata": {"task": task, "doc_id": s.doc_id} if s.doc_id is not None else {"task": task,
+                                                                                          "id": str(s.where)}}
+
+
+def run_suite_manifest(run_dir: Path) -> Any:
+    """The `SuiteManifest` of a run, from its bundle (the bundle named in stages.json)."""
+    from jex.tasks.capture.bundle import open_bundle
+
+    stages = read_json(run_dir / "stages.json")
+    bundle = read_json(Path(stages["bundle"]["folder"]) / "_SUCCESS.json")
+    with tempfile.TemporaryDirectory(prefix="jex-interop-") as tmp:
+        return open_bundle(bundle["bundle"], tmp).suite_manifest()
 
 
 def _slug(name: str) -> str:
@@ -361,8 +395,10 @@ def score_mapped(mapped: MappedPredictions, suite: str | Path, out: str | Path, 
     try:
         preds = stage / "predictions.jsonl"
         with open(preds, "w", encoding="utf-8") as f:
-            for rid, c, p in zip(mapped.run_ids, mapped.choices, mapped.probs, strict=True):
-                f.write(json.dumps({"run_id": rid, "choice": c, "probs": p}) + "\n")
+            norm = mapped.acc_norm if any(n is not None for n in mapped.acc_norm) else [None] * len(mapped.run_ids)
+            for rid, c, p, n in zip(mapped.run_ids, mapped.choices, mapped.probs, norm, strict=True):
+                f.write(json.dumps({"run_id": rid, "choice": c, "probs": p,
+                                    **({"acc_norm_choice": n} if n is not None else {})}) + "\n")
         as_json = record.model_dump(by_alias=True, exclude_unset=True)  # keyed `from`, ...; unset fields left out
         doc = score_files(suite, preds, stage, draws=draws, seed=seed, settings={"import": as_json})
         write_json(stage / "import.json", {**as_json, "mapping": mapped.mode,

@@ -25,7 +25,7 @@ from typing import Any
 import polars as pl
 
 from jex.errors import InputError
-from jex.fileio import atomic_path, read_json
+from jex.fileio import atomic_path
 from jex.tasks.documents import ScoreDoc
 from jex.tasks.outputs.interop.common import (
     LABELS,
@@ -37,6 +37,7 @@ from jex.tasks.outputs.interop.common import (
     load_suite_rows,
     map_samples,
     read_run_to_export,
+    run_suite_manifest,
     score_mapped,
     synthesized_suite,
 )
@@ -54,12 +55,7 @@ def _inspect() -> Any:
 
 def run_suite_name(run_dir: Path) -> str:
     """The suite name of a run, from its bundle's manifest (the bundle named in stages.json)."""
-    from jex.tasks.capture.bundle import open_bundle
-
-    stages = read_json(run_dir / "stages.json")
-    bundle = read_json(Path(stages["bundle"]["folder"]) / "_SUCCESS.json")
-    with tempfile.TemporaryDirectory(prefix="jex-inspect-") as tmp:
-        return open_bundle(bundle["bundle"], tmp).suite_manifest().name
+    return str(run_suite_manifest(run_dir).name)
 
 
 def export_inspect(run_dir: str | Path, out: str | Path) -> Path:

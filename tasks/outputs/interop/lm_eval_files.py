@@ -22,10 +22,10 @@ import math
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import Any, NotRequired, TypedDict, cast
 
 import polars as pl
 
@@ -43,6 +43,7 @@ from jex.tasks.outputs.interop.common import (
     load_suite_rows,
     map_samples,
     read_run_to_export,
+    run_suite_manifest,
     score_mapped,
     softmax,
     synthesized_suite,
@@ -56,6 +57,7 @@ class LmEvalRun:
     samples: list[ToolSample]
     reported: dict[str, float]
     files: list[str]
+    reported_norm: dict[str, float] = field(default_factory=dict)  # `acc_norm,none` per task
 
 
 def _lm_utils() -> Any:
@@ -66,37 +68,138 @@ def _lm_utils() -> Any:
     return utils
 
 
-def find_files(source: Path) -> tuple[list[str], str | None]:
-    """(samples files, results file) of an lm-eval output folder (latest run) or of one samples file."""
-    u = _lm_utils()
+@dataclass(frozen=True)
+class _SamplesFile:
+    """One `--log_samples` file, told apart by what it holds: its lines' `doc_id`, `arguments` and
+    `filtered_resps`, and the task hash lm-eval records for it in the results file (`task_hashes`)."""
+
+    path: str
+    task_hash: str | None  # sha256 of every line's doc_hash + prompt_hash + target_hash, as lm-eval hashes it
+    jex_task: str | None  # a jex export names its catalog in each line's `jex` block
+
+
+@dataclass(frozen=True)
+class _ResultsFile:
+    path: str
+    doc: dict[str, Any]
+
+    def task_of_hash(self, task_hash: str | None) -> str | None:
+        hashes = self.doc.get("task_hashes") or {}
+        return next((t for t, h in hashes.items() if task_hash and h == task_hash), None)
+
+    def tasks(self) -> list[str]:
+        return list(self.doc.get("configs") or self.doc.get("results") or {})
+
+
+def _sniff_samples(path: str) -> _SamplesFile | None:
+    """The file as a samples file, or None when its first line is not an lm-eval sample."""
+    from lm_eval.utils import hash_string
+
+    hashes: list[str | None] = []
+    jex_task = None
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f):
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                if n == 0 and not (isinstance(rec, dict) and {"doc_id", "arguments", "filtered_resps"} <= rec.keys()):
+                    return None
+                hashes.append(f"{rec.get('doc_hash')}{rec.get('prompt_hash')}{rec.get('target_hash')}"
+                              if all(k in rec for k in ("doc_hash", "prompt_hash", "target_hash")) else None)
+                jex_task = jex_task or (rec.get("jex") or {}).get("task")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    if not hashes:
+        return None
+    whole = [h for h in hashes if h is not None]
+    return _SamplesFile(path, hash_string("".join(whole)) if len(whole) == len(hashes) else None, jex_task)
+
+
+def _sniff_results(path: str) -> _ResultsFile | None:
+    try:
+        doc = read_json(path)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return _ResultsFile(path, doc) if isinstance(doc, dict) and isinstance(doc.get("results"), dict) else None
+
+
+def _candidates(source: Path) -> tuple[list[_SamplesFile], list[_ResultsFile]]:
+    """Every samples file and results file of the folder (or beside the one samples file), by content."""
     if not source.exists():
         raise InputError("no lm-eval samples file or output folder here", file=str(source))
+    folder = source.parent if source.is_file() else source
+    files = sorted(os.path.join(dp, f) for dp, _, fs in os.walk(folder.resolve()) for f in fs)
+    results = [r for f in files if f.endswith(".json") and (r := _sniff_results(f)) is not None]
     if source.is_file():
-        folder, samples = source.parent, [str(source.resolve())]
-    else:
-        folder, samples = source, []
-    files = [os.path.join(dp, f) for dp, _, fs in os.walk(folder.resolve()) for f in fs]
-    results = u.get_results_filenames(files)
+        one = _sniff_samples(str(source.resolve()))
+        if one is None:
+            raise InputError("not an lm-eval --log_samples file (its first line has no doc_id, arguments and "
+                             "filtered_resps)", file=str(source), row=1)
+        return [one], results
+    samples = [s for f in files if f.endswith(".jsonl") and (s := _sniff_samples(f)) is not None]
     if not samples:
-        found = u.get_sample_results_filenames(files)
-        if not found:
-            raise InputError("no samples_<task>_<date>.jsonl here: run lm_eval with --log_samples --output_path",
-                             file=str(source))
-        latest = u.get_file_datetime(os.path.basename(u.get_latest_filename(found)))
-        samples = sorted(f for f in found if u.get_file_datetime(os.path.basename(f)) == latest)
-    stamp = u.get_file_datetime(os.path.basename(samples[0]))
-    match = [r for r in results if u.get_file_datetime(os.path.basename(r)).removesuffix(".json") == stamp]
-    return samples, (match[0] if match else None)
+        raise InputError("no lm-eval samples file here (a .jsonl of doc_id, arguments, filtered_resps): run "
+                         "lm_eval with --log_samples --output_path", file=str(source))
+    return samples, results
+
+
+def find_files(source: Path) -> tuple[dict[str, str], str | None]:
+    """{samples file: task} and the results file of an lm-eval run (the latest one in a folder).
+
+    A samples file's task is read from its contents: the results file whose `task_hashes` holds its
+    hash names it (lm-eval hashes each task's samples); else the task its `jex` block names (a jex
+    export); else the only task of the results file; else, last, lm-eval's file name
+    `samples_<task>_<date>.jsonl`. A renamed samples file therefore keeps its task."""
+    samples, results = _candidates(Path(source))
+    by_hash = {s.path: next(((r, t) for r in results if (t := r.task_of_hash(s.task_hash))), None) for s in samples}
+    matched = [m[0] for m in by_hash.values() if m]
+    if matched:
+        latest: _ResultsFile | None = max(matched, key=lambda r: (r.doc.get("date") or 0, r.path))
+        samples = [s for s in samples if (m := by_hash[s.path]) is not None and m[0] is latest]
+    else:
+        samples, latest = _latest_by_name(samples, results)
+    return {s.path: _task_of(s, by_hash[s.path], latest, single=len(samples) == 1) for s in samples}, \
+        (latest.path if latest else None)
+
+
+def _latest_by_name(samples: list[_SamplesFile], results: list[_ResultsFile]
+                    ) -> tuple[list[_SamplesFile], _ResultsFile | None]:
+    """No task hash to go by (an older lm-eval, or edited files): lm-eval's own file names pick the
+    latest run's samples and its results file, where they follow lm-eval's naming."""
+    u = _lm_utils()
+    named = u.get_sample_results_filenames([s.path for s in samples])
+    if not named:
+        return samples, results[0] if len(results) == 1 else None
+    stamp = u.get_file_datetime(os.path.basename(u.get_latest_filename(named)))
+    samples = [s for s in samples if s.path in named and u.get_file_datetime(os.path.basename(s.path)) == stamp]
+    names = u.get_results_filenames([r.path for r in results])
+    return samples, next((r for r in results if r.path in names and
+                          u.get_file_datetime(os.path.basename(r.path)).removesuffix(".json") == stamp), None)
+
+
+def _task_of(s: _SamplesFile, hashed: tuple[_ResultsFile, str] | None, results: _ResultsFile | None, *,
+             single: bool) -> str:
+    if hashed:
+        return hashed[1]
+    if s.jex_task:
+        return s.jex_task
+    if results is not None and single and len(results.tasks()) == 1:
+        return results.tasks()[0]
+    name = os.path.basename(s.path)
+    if name.startswith("samples_") and name.count("_") >= 2:
+        return _lm_utils().get_file_task_name(name)
+    raise InputError("cannot tell which task this samples file holds: no results file beside it records its task "
+                     "hash (lm-eval's `task_hashes`), and its name is not samples_<task>_<date>.jsonl",
+                     file=s.path)
 
 
 def read_lm_eval(source: str | Path, *, metric: str = "acc") -> LmEvalRun:
     """Every document of the samples files (filter `none`), validated line by line."""
-    u = _lm_utils()
     samples_files, results_file = find_files(Path(source))
     results = read_json(results_file) if results_file else {}
     out: list[ToolSample] = []
-    for path in samples_files:
-        task = u.get_file_task_name(os.path.basename(path))
+    for path, task in samples_files.items():
         config = (results.get("configs") or {}).get(task) or {}
         if config.get("output_type", "multiple_choice") != "multiple_choice":
             raise InputError(f"task '{task}' is {config['output_type']!r}; only multiple_choice tasks can be scored",
@@ -109,10 +212,12 @@ def read_lm_eval(source: str | Path, *, metric: str = "acc") -> LmEvalRun:
                     if s is not None:
                         out.append(s)
     if not out:
-        raise InputError("no documents in the samples file(s)", file=samples_files[0])
+        raise InputError("no documents in the samples file(s)", file=next(iter(samples_files)))
     reported = {t: float(v[f"{metric},none"]) for t, v in (results.get("results") or {}).items()
                 if f"{metric},none" in v}
-    return LmEvalRun(out, reported, samples_files + ([results_file] if results_file else []))
+    reported_norm = {t: float(v["acc_norm,none"]) for t, v in (results.get("results") or {}).items()
+                     if "acc_norm,none" in v}
+    return LmEvalRun(out, reported, [*samples_files, *([results_file] if results_file else [])], reported_norm)
 
 
 def _sample(text: str, *, path: str, line: int, task: str, delimiter: str, metric: str) -> ToolSample | None:
@@ -145,10 +250,11 @@ def _sample(text: str, *, path: str, line: int, task: str, delimiter: str, metri
     choice = jex["choice"] if "choice" in jex else argmax(lls)
     probs = jex["probs"] if "probs" in jex else softmax(lls)
     ids = {**doc, "id": jex["run_id"]} if "run_id" in jex else doc  # a jex export names its rows
+    norm = jex.get("acc_norm_choice") if jex else (acc_norm_choice(lls, options) if all(options) else None)
     return ToolSample(file=path, where=line, task=task, doc_id=int(rec["doc_id"]), ids=ids, context=contexts[0],
                       options=options, choice=choice, probs=tuple(probs) if probs is not None else None,
                       gold=_gold(rec["target"], options, bad),
-                      reported_correct=float(rec[metric]) if metric in rec else None)
+                      reported_correct=float(rec[metric]) if metric in rec else None, acc_norm_choice=norm)
 
 
 def _gold(target: Any, options: tuple[str, ...], bad: Any) -> int:
@@ -171,6 +277,7 @@ def export_lm_eval(run_dir: str | Path, out: str | Path) -> Path:
     """
     u = _lm_utils()
     run = read_run_to_export(run_dir, as_what="lm-eval arguments")
+    manifest = run_suite_manifest(run.run_dir)
     model = run.spec["engine"].get("model") or "jex-embedded-SmolLM2-135M-Instruct"
     stamp = datetime.now().isoformat().replace(":", "-")
     model_dir = u.sanitize_model_name(model)
@@ -178,9 +285,10 @@ def export_lm_eval(run_dir: str | Path, out: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=".jex-lm-eval-", dir=out))
     try:
-        tasks = [_write_task_samples(run, catalog, stage / f"samples_{catalog}_{stamp}.jsonl")
+        tasks = [_write_task_samples(run, _ExportCatalog.of(manifest, catalog),
+                                     stage / f"samples_{catalog}_{stamp}.jsonl")
                  for catalog in dict.fromkeys(run.samples["catalog"].to_list())]
-        _write_results(run, tasks, model, model_dir, stage / f"results_{stamp}.json")
+        _write_results(run, tasks, _RunHeader(model, model_dir, manifest.source), stage / f"results_{stamp}.json")
         target = out / model_dir
         target.mkdir(parents=True, exist_ok=True)
         for item in sorted(stage.iterdir()):
@@ -191,53 +299,150 @@ def export_lm_eval(run_dir: str | Path, out: str | Path) -> Path:
 
 
 @dataclass(frozen=True)
+class _ExportCatalog:
+    """A catalog as an lm-eval task: how its rows were read and what lm-eval's config would say."""
+
+    id: str
+    name: str  # the imported task's name (rows' metadata.task), else the catalog's name
+    loglikelihood: bool  # the continuation readout: resps are each choice's [loglikelihood, is_greedy]
+    target_delimiter: str
+    version: Any
+    settings: dict[str, Any]  # the imported task's settings (`[source.tasks.<name>]`), or {}
+
+    @classmethod
+    def of(cls, manifest: Any, catalog: str) -> _ExportCatalog:
+        c = manifest.catalog(catalog)
+        imported = manifest.source.get("importer") == "lm-eval"
+        settings = ((manifest.source.get("tasks") or {}).get(c.name) or {}) if imported else {}
+        return cls(catalog, c.name, c.readout == "loglikelihood", c.target_delimiter, settings.get("version", "jex"),
+                   settings)
+
+    @property
+    def metrics(self) -> list[str]:
+        return ["acc", "acc_norm"] if self.loglikelihood else ["acc"]
+
+
+@dataclass(frozen=True)
+class _RunHeader:
+    model: str
+    model_dir: str
+    source: dict[str, Any]  # the suite's [source]
+
+
+@dataclass(frozen=True)
 class _ExportedTask:
-    """One catalog written as an lm-eval task: its per-document `acc` and its size before filtering."""
+    """One catalog written as an lm-eval task: its per-document metrics, its size before filtering, and
+    lm-eval's task hash of the lines (`task_hashes`)."""
 
-    catalog: str
-    accs: list[float]  # one per exported (scored) row
+    catalog: _ExportCatalog
+    values: dict[str, list[float]]  # metric -> one value per exported (scored) row
     original: int  # rows of the catalog, scored or not
+    task_hash: str
 
 
-def _write_task_samples(run: RunToExport, catalog: str, path: Path) -> _ExportedTask:
+def _write_task_samples(run: RunToExport, catalog: _ExportCatalog, path: Path) -> _ExportedTask:
     """The catalog's scored rows as one lm-eval samples file."""
-    rows = run.samples.filter((pl.col("catalog") == catalog) & pl.col("scored"))
+    from lm_eval.utils import hash_string
+
+    rows = run.samples.filter((pl.col("catalog") == catalog.id) & pl.col("scored"))
     lines = [_export_line(r, i, catalog) for i, r in enumerate(rows.iter_rows(named=True))]
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(ln, ensure_ascii=False) + "\n" for ln in lines)
-    return _ExportedTask(catalog, [ln["acc"] for ln in lines],
-                         run.samples.filter(pl.col("catalog") == catalog).height)
+    return _ExportedTask(catalog, {m: [float(cast(dict, ln)[m]) for ln in lines] for m in catalog.metrics},
+                         run.samples.filter(pl.col("catalog") == catalog.id).height,
+                         hash_string("".join(ln["doc_hash"] + ln["prompt_hash"] + ln["target_hash"] for ln in lines)))
 
 
-def _write_results(run: RunToExport, tasks: list[_ExportedTask], model: str, model_dir: str, path: Path) -> None:
-    """lm-eval's results file: per task acc and its stderr, configs, counts; jex's index in a `jex` block."""
-    from lm_eval.api.metrics import mean, mean_stderr
-
+def _write_results(run: RunToExport, tasks: list[_ExportedTask], head: _RunHeader, path: Path) -> None:
+    """lm-eval's results file, field for field (`lm_eval.result_schema.EvalResults`): per task each
+    metric and its stderr, configs, versions, counts, task hashes, version fields, the evaluation time;
+    jex's index in a `jex` block."""
     from jex.fileio import canonical_json
 
-    spec, score = run.spec, run.score
-    results = {t.catalog: {"name": t.catalog, "alias": t.catalog, "sample_len": len(t.accs), "acc,none": mean(t.accs),
-                           "acc_stderr,none": mean_stderr(t.accs) if len(t.accs) > 1 else "N/A"} for t in tasks}
-    configs = {t.catalog: {"task": t.catalog, "output_type": "multiple_choice", "target_delimiter": " ",
-                           "num_fewshot": spec["engine"]["render"]["num_fewshot"],
-                           "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
-                           "metadata": {"jex_catalog": t.catalog, "jex_leg": score.catalogs[t.catalog].leg}}
-               for t in tasks}
+    results = {t.catalog.id: {"name": t.catalog.id, "alias": t.catalog.id,
+                              "sample_len": len(t.values["acc"]), **_metric_values(t)} for t in tasks}
+    configs = {t.catalog.id: _task_config(run, t.catalog) for t in tasks}
     doc = {"results": results, "group_subtasks": {c: [] for c in results}, "configs": configs,
-           "versions": {c: "jex" for c in results}, "n-shot": {c: configs[c]["num_fewshot"] for c in results},
-           "higher_is_better": {c: {"acc": True} for c in results},
-           "n-samples": {t.catalog: {"original": t.original, "effective": len(t.accs)} for t in tasks},
-           "config": {"model": f"jex-{spec['engine']['kind']}", "model_args": {"pretrained": model},
-                      "batch_size": spec["engine"]["batch_size"], "device": spec["engine"]["device"]},
-           "model_name": model, "model_name_sanitized": model_dir,
-           "date": datetime.now().timestamp(),
-           "jex": {"run": run.run_dir.name, "full": score.full, "ci": list(score.ci),
-                   "legs": {k: v.model_dump(mode="json") for k, v in score.legs.items()},
+           "versions": {t.catalog.id: t.catalog.version for t in tasks},
+           "n-shot": {c: configs[c]["num_fewshot"] for c in results},
+           "higher_is_better": {t.catalog.id: {m: True for m in t.catalog.metrics} for t in tasks},
+           "n-samples": {t.catalog.id: {"original": t.original, "effective": len(t.values["acc"])} for t in tasks},
+           **_run_fields(run, head), "task_hashes": {t.catalog.id: t.task_hash for t in tasks},
+           "total_evaluation_time_seconds": str(_run_seconds(run)),
+           "jex": {"run": run.run_dir.name, "full": run.score.full, "ci": list(run.score.ci),
+                   "legs": {k: v.model_dump(mode="json") for k, v in run.score.legs.items()},
                    "catalogs": catalog_summary(run),
-                   "note": "acc is jex's final choice (after fold, calibration and overlays); filtered_resps "
-                           "hold the final log-probabilities of the label continuations",
-                   "provenance": score.provenance}}
+                   "note": "acc is jex's final choice (after fold, calibration and overlays); for a loglikelihood "
+                           "catalog resps hold each choice's [loglikelihood, is_greedy] and acc_norm lm-eval's "
+                           "length-normalised choice, else filtered_resps hold the final log-probabilities of "
+                           "the label continuations",
+                   "provenance": run.score.provenance}}
     path.write_text(canonical_json(doc), encoding="utf-8")
+
+
+def _metric_values(t: _ExportedTask) -> dict[str, float | str]:
+    """`<metric>,none` and `<metric>_stderr,none`, with lm-eval's own aggregation and stderr."""
+    from lm_eval.api.metrics import mean, mean_stderr
+
+    out: dict[str, float | str] = {}
+    for m in t.catalog.metrics:
+        values = t.values[m]
+        out[f"{m},none"] = mean(values)
+        out[f"{m}_stderr,none"] = mean_stderr(values) if len(values) > 1 else "N/A"
+    return out
+
+
+def _task_config(run: RunToExport, c: _ExportCatalog) -> dict[str, Any]:
+    """The task's config as lm-eval writes it (the imported task's settings where the suite has them)."""
+    render = run.spec["engine"]["render"]
+    s = c.settings
+    return {"task": c.id, "output_type": "multiple_choice", "target_delimiter": c.target_delimiter,
+            "fewshot_delimiter": s.get("fewshot_delimiter", "\n\n"), "description": s.get("description") or "",
+            "num_fewshot": (s.get("num_fewshot") or 0) if s else render["num_fewshot"],
+            "fewshot_split": s.get("fewshot_split"),
+            "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in c.metrics],
+            "metadata": {"version": c.version, "jex_catalog": c.id, "jex_leg": run.score.catalogs[c.id].leg,
+                         "jex_readout": "loglikelihood" if c.loglikelihood else "label_slot"}}
+
+
+def _run_fields(run: RunToExport, head: _RunHeader) -> dict[str, Any]:
+    """The run-level fields lm-eval's `simple_evaluate` and `EvaluationTracker` add."""
+    from importlib import metadata
+
+    from lm_eval.utils import hash_string
+
+    engine = run.spec["engine"]
+    render = engine["render"]
+    system = render.get("system_prompt")
+    template = render.get("chat_template")
+    template = None if template in ("none", None) or (template == "auto" and head.source.get("importer") == "lm-eval") \
+        else template
+    provenance = run.score.provenance or {}
+    return {"config": {"model": f"jex-{engine['kind']}", "model_args": {"pretrained": head.model},
+                       "batch_size": engine["batch_size"], "batch_sizes": [], "device": engine["device"],
+                       "use_cache": None, "limit": None, "bootstrap_iters": run.spec.get("bootstrap_draws"),
+                       "gen_kwargs": {}, "fewshot_seed": head.source.get("fewshot_seed")},
+            "git_hash": (provenance.get("jex") or {}).get("commit"), "date": datetime.now().timestamp(),
+            "transformers_version": _version(metadata, "transformers"),
+            "lm_eval_version": _version(metadata, "lm_eval"),
+            "jex_version": (provenance.get("jex") or {}).get("version"), "upper_git_hash": None,
+            "model_source": f"jex-{engine['kind']}", "model_name": head.model, "model_name_sanitized": head.model_dir,
+            "system_instruction": system, "system_instruction_sha": hash_string(system) if system else None,
+            "fewshot_as_multiturn": None, "chat_template": template,
+            "chat_template_sha": hash_string(template) if template else None}
+
+
+def _version(metadata: Any, package: str) -> str:
+    try:
+        return str(metadata.version(package))
+    except metadata.PackageNotFoundError:
+        return "N/A"
+
+
+def _run_seconds(run: RunToExport) -> float:
+    """The campaign's stage time (stages.json's `seconds`, summed), lm-eval's evaluation time."""
+    stages = read_json(run.run_dir / "stages.json") if (run.run_dir / "stages.json").exists() else {}
+    return math.fsum(float(v.get("seconds") or 0.0) for v in stages.values() if isinstance(v, dict))
 
 
 class LmEvalSampleLine(TypedDict):
@@ -255,32 +460,67 @@ class LmEvalSampleLine(TypedDict):
     prompt_hash: str
     target_hash: str
     acc: float
-    jex: dict[str, Any]  # run_id, choice, probs, decided_by, gated, rationale
+    acc_norm: NotRequired[float]
+    jex: dict[str, Any]  # task, run_id, choice, probs, decided_by, gated, rationale
 
 
-def _export_line(r: dict[str, Any], index: int, catalog: str) -> LmEvalSampleLine:
+def _export_line(r: dict[str, Any], index: int, catalog: _ExportCatalog) -> LmEvalSampleLine:
     """One scored `samples.parquet` row (`index`-th of its catalog) as an lm-eval samples line."""
     from lm_eval.utils import hash_string
 
     from jex.tasks.outputs.samples import resolve_prompt_ref
 
     meta = json.loads(r["metadata"]) if r["metadata"] else {}
-    doc_id = int(meta["doc_id"]) if meta.get("task") == catalog and "doc_id" in meta else index
+    doc_id = int(meta["doc_id"]) if meta.get("task") in (catalog.id, catalog.name) and "doc_id" in meta else index
     # every row of a prompts file has its prompt (only `reason_prompt` may be null)
     prompt: str = r["prompt"] if r["prompt"] is not None else cast(str, resolve_prompt_ref(r["prompt_ref"])[0])
-    final = r["final_probs"]  # None: the row was never read (a counted refusal): NaN, and the jex block says so
-    lls = [math.log(p) if p > 0 else -math.inf for p in final] if final is not None else [math.nan] * len(r["labels"])
     doc = {"run_id": r["run_id"], "question_id": r["question_id"], "options": r["options"], "labels": r["labels"],
            "gold": r["gold"], **({"metadata": meta} if meta else {})}
-    arguments = {f"gen_args_{i}": {"arg_0": prompt, "arg_1": f" {lab}"} for i, lab in enumerate(r["labels"])}
-    resps = [[str(x), "False"] for x in lls]
-    return {"doc_id": doc_id, "doc": doc, "target": str(r["gold"]), "arguments": arguments,
-            "resps": [[x] for x in resps], "filtered_resps": resps, "filter": "none", "metrics": ["acc"],
-            "doc_hash": hash_string(json.dumps(doc, indent=2, ensure_ascii=False)),
-            "prompt_hash": hash_string(prompt), "target_hash": hash_string(str(r["gold"])),
-            "acc": 1.0 if r["correct"] else 0.0,
-            "jex": {"run_id": r["run_id"], "choice": r["choice"], "probs": r["final_probs"],
-                    "decided_by": r["decided_by"], "gated": r["gated"], "rationale": r["rationale"]}}
+    resps, conts, extra = _readout_of(r, catalog)
+    line: LmEvalSampleLine = {
+        "doc_id": doc_id, "doc": doc, "target": str(r["gold"]),
+        "arguments": {f"gen_args_{i}": {"arg_0": prompt, "arg_1": c} for i, c in enumerate(conts)},
+        "resps": [[x] for x in resps], "filtered_resps": resps, "filter": "none", "metrics": catalog.metrics,
+        "doc_hash": hash_string(json.dumps(doc, indent=2, ensure_ascii=False)),
+        "prompt_hash": hash_string(prompt), "target_hash": hash_string(str(r["gold"])),
+        "acc": 1.0 if r["correct"] else 0.0,
+        "jex": {"task": catalog.id, "run_id": r["run_id"], "choice": r["choice"], "probs": r["final_probs"],
+                "decided_by": r["decided_by"], "gated": r["gated"], "rationale": r["rationale"], **extra}}
+    if catalog.loglikelihood:
+        line["acc_norm"] = 1.0 if extra.get("acc_norm_choice") == r["gold"] else 0.0
+    return line
+
+
+def _readout_of(r: dict[str, Any], catalog: _ExportCatalog) -> tuple[list[list[str]], list[str], dict[str, Any]]:
+    """(resps, continuations, extra jex fields) of a row. A loglikelihood catalog: each choice's
+    [loglikelihood, is_greedy] after `target_delimiter + choice`, as lm-eval logs them, and the
+    length-normalised choice; else the final log-probabilities of the label continuations jex read."""
+    if catalog.loglikelihood:
+        lls = r.get(LL_COLUMN)
+        greedy = r.get(GREEDY_COLUMN) or [False] * len(r["options"])
+        if lls is None:  # never read (a counted refusal): NaN, and the jex block says so
+            return [[str(math.nan), "False"] for _ in r["options"]], \
+                [f"{catalog.target_delimiter}{o}" for o in r["options"]], {"acc_norm_choice": None}
+        norm = r.get("acc_norm_choice")
+        if norm is None:
+            norm = acc_norm_choice(lls, r["options"])
+        return [[str(float(x)), str(bool(g))] for x, g in zip(lls, greedy, strict=True)], \
+            [f"{catalog.target_delimiter}{o}" for o in r["options"]], {"acc_norm_choice": norm}
+    final = r["final_probs"]
+    lls = [math.log(p) if p > 0 else -math.inf for p in final] if final is not None else [math.nan] * len(r["labels"])
+    return [[str(x), "False"] for x in lls], [f" {lab}" for lab in r["labels"]], {}
+
+
+LL_COLUMN = "choice_loglikelihoods"
+"""samples.parquet: each option's summed continuation log-likelihood (loglikelihood catalogs)."""
+GREEDY_COLUMN = "choice_is_greedy"
+"""samples.parquet: whether each option's continuation is the greedy one (lm-eval's is_greedy)."""
+
+
+def acc_norm_choice(lls: Any, options: Any) -> int:
+    """lm-eval's acc_norm decision: argmax of loglikelihood / the choice's length in characters
+    (`np.argmax(lls / completion_len)`, ties to the first)."""
+    return argmax([float(x) / float(len(o)) for x, o in zip(lls, options, strict=True)])
 
 
 def score_lm_eval(source: str | Path, out: str | Path, *, suite: str | Path | None = None, draws: int, seed: int,
@@ -308,5 +548,6 @@ def _agreement(run: LmEvalRun) -> dict[str, TaskAgreement]:
         docs = [s for s in run.samples if s.task == task]
         verdicts = [s.reported_correct for s in docs if s.reported_correct is not None]
         out[task] = TaskAgreement(documents=len(docs), lm_eval_results_acc=run.reported.get(task),
+                                  lm_eval_results_acc_norm=run.reported_norm.get(task),
                                   lm_eval_samples_acc=sum(verdicts) / len(verdicts) if verdicts else None)
     return out

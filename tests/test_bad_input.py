@@ -1,0 +1,292 @@
+"""One explicit case of each kind of bad input (issue 28): the error boundary, pre-flight, settings,
+the fleet's failure path, SSH keys, server auth and bundle size limits."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from jex.cli import app
+from jex.errors import InfraError, InputError, JexError, ServerError, user_error
+from tests.conftest import row, write_suite
+
+JEX = str(Path(sys.executable).with_name("jex"))
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    for name in [n for n in os.environ if n.startswith("JEX_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("JEX_INFRA__STATE_DIR", str(tmp_path / "state"))
+
+
+@pytest.fixture
+def no_prefect(monkeypatch):
+    """A command that reaches Prefect fails the test: pre-flight must refuse first."""
+    def reached(settings):
+        raise AssertionError("reached Prefect")
+
+    for module in ("jex.cli.run", "jex.cli.engines", "jex.cli.experiment", "jex.cli.common"):
+        monkeypatch.setattr(f"{module}.connect_prefect", reached)
+
+
+# --- 1. one error boundary ---------------------------------------------------------------------------
+
+def test_environment_errors_become_one_line_jex_errors(tmp_path):
+    err = user_error(IsADirectoryError(21, "Is a directory", str(tmp_path)))
+    assert isinstance(err, InputError)
+    assert str(err) == f"file {tmp_path}: Is a directory; expected a file, found a folder"
+    assert isinstance(user_error(ConnectionRefusedError(111, "Connection refused")), InfraError)
+    assert user_error(RuntimeError("a bug")) is None and user_error(KeyError("x")) is None
+
+
+def test_a_bug_keeps_its_traceback_and_asks_to_be_reported(monkeypatch, capsys):
+    import jex.cli as cli
+
+    monkeypatch.setattr(cli, "app", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and "Traceback" in err and "RuntimeError: boom" in err
+    assert "this is a bug in jex" in err.splitlines()[-1]
+
+
+def test_a_jex_error_inside_a_flow_leaves_the_console_to_jex(capsys):
+    """Prefect's console handler drops a run's record of a user's error (its traceback stays in the run's
+    log, the API handler); a bug's record still reaches the console."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from jex.cli.common import _UserErrorOnConsole, quiet_user_errors_in_flows
+
+    quiet_user_errors_in_flows()
+    consoles = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+    assert consoles and all(any(isinstance(f, _UserErrorOnConsole) for f in h.filters) for h in consoles)
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1,
+                                 "Encountered exception during execution: %r", (exc,), (type(exc), exc, None))
+
+    assert not _UserErrorOnConsole().filter(record(InputError("bad suite", file="s")))
+    assert _UserErrorOnConsole().filter(record(RuntimeError("a bug")))
+
+
+def test_user_errors_exit_1_and_usage_errors_exit_2(tmp_path):
+    bad = CliRunner().invoke(app, ["suite", "ls", str(tmp_path / "missing")])
+    usage = CliRunner().invoke(app, ["suite", "ls", "--no-such-flag"])
+    assert bad.exit_code == 1 and bad.stderr.startswith("error: ") and len(bad.stderr.splitlines()) == 1
+    assert usage.exit_code == 2
+
+
+# --- 2. pre-flight -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", ["--overlays", "--model"])
+def test_jex_run_refuses_a_missing_file_in_under_3_s_and_writes_nothing(flag, tmp_path):
+    t0 = time.monotonic()
+    p = subprocess.run([JEX, "run", flag, "/nonexistent", "--out", str(tmp_path / "runs")], capture_output=True,
+                       text=True, env={**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}, timeout=60)
+    took = time.monotonic() - t0
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert f"{flag}: no such" in p.stderr and not (tmp_path / "runs").exists()
+    assert took < 3 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)), took  # 3 s on an idle machine
+
+
+def test_a_rule_file_with_rule_instead_of_rules_is_refused(tmp_path, no_prefect):
+    (tmp_path / "rules.toml").write_text('[[rule]]\nid = "r1"\nkind = "abstain_below"\n')
+    result = CliRunner().invoke(app, ["run", "--overlays", "rules.toml", "--out", "runs"])
+    assert result.exit_code == 1 and "unknown top-level key 'rule'" in result.stderr and "[[rules]]" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_empty_suite_and_a_garbage_gguf_are_refused_before_any_flow(tmp_path, no_prefect):
+    write_suite(tmp_path / "empty", {"a": []})
+    (tmp_path / "m.gguf").write_bytes(b"garbage" * 10)
+    empty = CliRunner().invoke(app, ["run", "--suite", "empty", "--out", "runs"])
+    gguf = CliRunner().invoke(app, ["run", "--model", "m.gguf", "--out", "runs"])
+    assert empty.exit_code == 1 and "the suite has no rows" in empty.stderr
+    assert gguf.exit_code == 1 and "not a GGUF file" in gguf.stderr and not (tmp_path / "runs").exists()
+
+
+def test_stage_args_with_an_unknown_record_is_one_line(tmp_path):
+    (tmp_path / "args.json").write_text('{"x": 1}')
+    result = CliRunner().invoke(app, ["stage", "run", "--args", "args.json"])
+    assert result.exit_code == 1 and len(result.stderr.splitlines()) == 1
+    assert result.stderr.startswith("error: file args.json, field 'inputs'")
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["score", "--suite", "s", "--predictions", "p.jsonl", "-o", "out", "--bootstrap", "0"], "--bootstrap"),
+    (["score", "--suite", "s", "--predictions", "p.jsonl", "-o", "out", "--seed", "-1"], "--seed"),
+    (["bundle", "build", "s", "-o", "b.tar.gz", "--shard-rows", "0"], "--shard-rows"),
+    (["bakeoff", "-o", "out", "--ladder", "1,x"], "--ladder"),
+    (["bakeoff", "-o", "out", "--arms", "hf-bi,nope"], "unknown arm 'nope'"),
+], ids=["bootstrap-0", "seed-negative", "shard-rows-0", "ladder-not-numbers", "unknown-arm"])
+def test_numbers_out_of_range_and_unknown_names_are_refused(argv, needle, tmp_path):
+    write_suite(tmp_path / "s", {"a": [row("a1", "a")]})
+    (tmp_path / "p.jsonl").write_text('{"run_id": "a1", "choice": 0}\n')
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 1 and needle in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "b.tar.gz").exists()
+
+
+def test_an_ssh_host_without_an_ssh_server_is_refused_before_any_flow(tmp_path, no_prefect, monkeypatch):
+    import socket
+
+    with socket.socket() as silent:  # accepts connections, says nothing
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        monkeypatch.setenv("JEX_INFRA__SSH_PORT", str(silent.getsockname()[1]))
+        monkeypatch.setattr("jex.cli.preflight.reachable.__defaults__", (0.5,))
+        result = CliRunner().invoke(app, ["run", "--provider", "ssh", "--host", "127.0.0.1", "--out", "runs"])
+    assert result.exit_code == 1 and "--host 127.0.0.1: no SSH server answers" in result.stderr, result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+# --- 3. settings -------------------------------------------------------------------------------------
+
+def test_a_malformed_variable_is_named_and_config_show_still_shows(monkeypatch):
+    monkeypatch.setenv("JEX_INFRA__HOSTS", "not-json")
+    shown = CliRunner().invoke(app, ["config", "show"])
+    other = CliRunner().invoke(app, ["score", "-o", "out"])
+    assert shown.exit_code == 1 and '"infra"' in shown.stdout and "JEX_INFRA__HOSTS" in shown.stderr
+    assert other.exit_code == 1 and other.stderr.startswith("error: field 'JEX_INFRA__HOSTS': not valid JSON")
+
+
+def test_a_dotenv_that_is_not_utf8_is_one_line(tmp_path):
+    (tmp_path / ".env").write_bytes(b"JEX_STORE__ROOT=\xff\xfe\n")
+    shown = CliRunner().invoke(app, ["config", "show"])
+    other = CliRunner().invoke(app, ["runs"])
+    assert shown.exit_code == 1 and '"store"' in shown.stdout and "file .env" in shown.stderr
+    assert other.exit_code == 1 and "file .env: cannot read the settings file: not UTF-8" in other.stderr
+
+
+# --- 4. the fleet's failure path ---------------------------------------------------------------------
+
+def test_a_machine_that_never_started_is_reported_with_its_cause(tmp_path, monkeypatch):
+    from jex.engine_spec import EngineSpec
+    from jex.flows.fleet import GpuFleet, MachinesSpec
+    from jex.infra.providers import ProviderError
+    from jex.settings import load_settings
+    from jex.tasks.capture.stages import bundle_stage
+    from jex.tasks.inputs import EngineJob, FastPassInputs
+    from jex.tasks.store import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    bundle = bundle_stage(store, suite=write_suite(tmp_path / "s", {"a": [row("a1", "a")]}))
+    job = EngineJob(inputs=FastPassInputs(bundle=bundle, engine=EngineSpec(), shard_rows=1), store=str(store.root))
+    fleet = GpuFleet(MachinesSpec(provider="local"), campaign="c", store=str(store.root), settings=load_settings(),
+                     echo=lambda s: None)
+
+    def refuse(campaign, label):
+        raise ProviderError("host 10.255.255.1 unreachable: No route to host")
+
+    monkeypatch.setattr(fleet.provider, "create", refuse)
+    with pytest.raises(InfraError, match="machine w0 of provider 'local' did not start: host 10.255.255.1"), fleet:
+        fleet.run_stage(job)
+    assert fleet.report().machines == []  # no None session reaches the report
+
+
+# --- 5. keys -----------------------------------------------------------------------------------------
+
+def _key_texts():
+    from cryptography.hazmat.primitives import serialization as s
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+
+    keys = [ed25519.Ed25519PrivateKey.generate(), rsa.generate_private_key(65537, 2048),
+            ec.generate_private_key(ec.SECP256R1())]
+    return [k.private_bytes(s.Encoding.PEM, fmt, s.NoEncryption()).decode()
+            for k in keys for fmt in (s.PrivateFormat.OpenSSH, s.PrivateFormat.PKCS8)]
+
+
+def test_every_key_format_loads_and_every_corrupted_key_is_one_line(tmp_path):
+    from jex.infra.shell import load_private_key
+
+    for text in _key_texts():
+        assert load_private_key(text) is not None
+        lines = text.splitlines()
+        for i in range(1, len(lines) - 1):  # one byte changed in each line of the body
+            line = lines[i]
+            broken = "\n".join([*lines[:i], line[:5] + ("A" if line[5] != "A" else "B") + line[6:], *lines[i + 1:]])
+            try:
+                load_private_key(broken)
+            except InfraError:
+                pass  # one line; any other exception fails the test
+
+
+def test_a_broken_key_path_is_refused_before_the_first_connection(tmp_path):
+    from jex.infra.providers import SSHProvider
+
+    (tmp_path / "key").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nAAAA\n-----END OPENSSH PRIVATE KEY-----\n")
+    with pytest.raises(InfraError, match="SSH private key file .*key"):
+        SSHProvider(str(tmp_path), ["127.0.0.1"], key_path=tmp_path / "key")
+    with pytest.raises(InfraError, match="cannot be read"):
+        SSHProvider(str(tmp_path), ["127.0.0.1"], key_path=tmp_path / "missing")
+
+
+# --- 6. server auth ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("auth", [":", "user:", ":pw", "nocolon", "admin:short-password"])
+def test_weak_or_empty_credentials_are_refused_off_loopback(auth):
+    from jex.deployments.server import check_auth_string
+
+    with pytest.raises(ServerError, match="AUTH_STRING"):
+        check_auth_string(auth, loopback=False)
+    check_auth_string("admin:a-password-of-22-ch", loopback=False)
+    check_auth_string("admin:short", loopback=True)
+
+
+def test_jex_runs_without_a_server_is_one_line(monkeypatch):
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    result = CliRunner().invoke(app, ["runs"])
+    assert result.exit_code == 1 and result.stderr.startswith("error: no Prefect API answers at")
+
+
+# --- 7. bundle limits --------------------------------------------------------------------------------
+
+def test_a_bundle_over_its_size_limits_is_refused_before_a_byte_is_written(tmp_path, monkeypatch):
+    from jex.tasks.capture.bundle import BundleError, BundleLimits, build_bundle, open_bundle
+
+    suite = write_suite(tmp_path / "s", {"a": [row(f"a{i}", "a") for i in range(20)]})
+    build_bundle(suite, tmp_path / "b.tar.gz")
+    with pytest.raises(BundleError, match="over the limit of 100 per member"):
+        open_bundle(tmp_path / "b.tar.gz", tmp_path / "x", limits=BundleLimits(member_bytes=100))
+    with pytest.raises(BundleError, match="add up to .* over the limit of 1000"):
+        open_bundle(tmp_path / "b.tar.gz", tmp_path / "x", limits=BundleLimits(total_bytes=1000))
+    monkeypatch.setenv("JEX_STORE__BUNDLE_MEMBER_MAX_BYTES", "100")
+    with pytest.raises(BundleError, match="JEX_STORE__BUNDLE_MEMBER_MAX_BYTES"):
+        open_bundle(tmp_path / "b.tar.gz", tmp_path / "x")
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.*"))
+    monkeypatch.delenv("JEX_STORE__BUNDLE_MEMBER_MAX_BYTES")
+    assert open_bundle(tmp_path / "b.tar.gz", tmp_path / "y").rows().height == 20
+
+
+def test_a_member_that_grows_past_its_declared_size_is_cut_off(tmp_path):
+    import io
+    import tarfile
+
+    from jex.tasks.capture.bundle import BundleError, _extract
+
+    class Growing:
+        """A tar whose member's data stream gives more than its header declared."""
+
+        def extractfile(self, member):
+            return io.BytesIO(bytes(10 << 20))
+
+    member = tarfile.TarInfo("rows/a.bin")
+    member.size = 4
+    with pytest.raises(BundleError, match="grows past its declared 4 bytes; cut off"):
+        _extract(Growing(), [member], tmp_path, Path("b.tar.gz"))  # type: ignore[arg-type]
+    assert (tmp_path / "rows" / "a.bin").stat().st_size <= 4
+
+
+def test_jex_error_is_the_root_of_settings_errors():
+    from jex.errors import SettingsError
+
+    assert issubclass(SettingsError, InputError) and issubclass(SettingsError, JexError)

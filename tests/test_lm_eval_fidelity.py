@@ -1,0 +1,207 @@
+"""lm-eval fidelity, end to end: the real `lm_eval` CLI and jex on the same two local tasks, row for row.
+
+lm-evaluation-harness runs the embedded model (converted to an fp32 HF folder, `embedded_model_dir`) on a
+text-choice task (ARC/PIQA style, `doc_to_choice: "{{choices}}"`, where acc_norm differs from acc) and an
+MMLU letter-style task (the options inside `doc_to_text`, `doc_to_choice: ["A","B","C","D"]`, one
+few-shot example and a description). jex imports both with `jex suite import lm-eval` and runs them with
+`jex run --coverage 0` (the default `local` provider: a worker process, as a user runs it). Then:
+
+- the prompt jex's engine read (samples.parquet) is lm-eval's context (`arguments[i][0]`) byte for byte;
+- each choice's log-likelihood is lm-eval's `resps` within 1e-4, and the argmax agrees on every row;
+- `acc` and `acc_norm` of `jex export lm-eval` are lm-eval's, to the last digit.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from jex.cli import app
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-4
+TEXT = [  # question, choices, gold, topic (the cluster)
+    ("What color is a clear daytime sky?", ["green", "blue", "red"], 1, "colors"),
+    ("How many legs does a spider have?", ["six", "eight", "ten", "four"], 1, "animals"),
+    ("Which animal says moo?", ["a cow", "a cat", "a small dog"], 0, "animals"),
+    ("What is frozen water called?", ["steam", "ice"], 1, "science"),
+    ("Which planet is closest to the Sun?", ["Venus", "Earth", "Mercury"], 2, "science"),
+    ("What do bees make?", ["honey", "milk", "silk thread"], 0, "animals"),
+]
+LETTERS = [
+    ("2 + 3 =", ["4", "5", "6", "7"], 1, "math"),
+    ("The opposite of hot is", ["cold", "warm", "big", "red"], 0, "words"),
+    ("The capital of France is", ["Rome", "Berlin", "Paris", "Madrid"], 2, "geo"),
+    ("A dog is a kind of", ["plant", "rock", "animal", "cloud"], 2, "words"),
+    ("10 - 4 =", ["6", "5", "4", "3"], 0, "math"),
+    ("The largest ocean is the", ["Atlantic", "Indian", "Arctic", "Pacific"], 3, "geo"),
+]
+TASKS = ("fid_text", "fid_letters")
+COMMON = """dataset_path: json
+output_type: multiple_choice
+test_split: test
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+metadata:
+  version: 1.0
+"""
+
+
+def cli(*args: object) -> object:
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _jsonl(path: Path, items: list[tuple], answer: str) -> None:
+    path.write_text("".join(json.dumps({"id": i, "topic": t, "question": q, "choices": c, answer: g}) + "\n"
+                            for i, (q, c, g, t) in enumerate(items)))
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("fid-tasks")
+    _jsonl(d / "text.jsonl", TEXT, "label")
+    _jsonl(d / "letters.jsonl", LETTERS, "answer")
+    (d / "fid_text.yaml").write_text(
+        f"task: fid_text\ndataset_kwargs:\n  data_files:\n    test: {d / 'text.jsonl'}\n{COMMON}"
+        'doc_to_text: "Question: {{question}}\\nAnswer:"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: label\n')
+    (d / "fid_letters.yaml").write_text(
+        f"task: fid_letters\ndataset_kwargs:\n  data_files:\n    test: {d / 'letters.jsonl'}\n"
+        f"    dev: {d / 'letters.jsonl'}\n{COMMON}fewshot_split: dev\nnum_fewshot: 1\n"
+        "fewshot_config:\n  sampler: first_n\n"
+        'description: "The following are multiple choice questions (with answers).\\n\\n"\n'
+        'doc_to_text: "{{question.strip()}}\\nA. {{choices[0]}}\\nB. {{choices[1]}}\\nC. {{choices[2]}}\\n'
+        'D. {{choices[3]}}\\nAnswer:"\ndoc_to_choice: ["A", "B", "C", "D"]\ndoc_to_target: answer\n')
+    (d / "fid.yaml").write_text("group: fid\ntask:\n  - fid_text\n  - fid_letters\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def lm_out(task_dir, embedded_model_dir, tmp_path_factory) -> Path:
+    """`lm_eval run --log_samples` (HF backend, fp32, CPU) on both tasks, one process."""
+    out = tmp_path_factory.mktemp("fid-lm")
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_DATASETS_CACHE": str(out / "hf-datasets")}
+    done = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
+                           f"pretrained={embedded_model_dir},dtype=float32", "--tasks", ",".join(TASKS),
+                           "--include_path", str(task_dir), "--device", "cpu", "--batch_size", "8", "--log_samples",
+                           "--output_path", str(out / "lm")], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out / "lm"
+
+
+def lm_samples(lm_out: Path, task: str) -> list[dict]:
+    (path,) = glob.glob(str(lm_out / "*" / f"samples_{task}_*.jsonl"))
+    return sorted((json.loads(x) for x in Path(path).read_text().splitlines()), key=lambda s: s["doc_id"])
+
+
+def lm_results(lm_out: Path) -> dict:
+    (path,) = glob.glob(str(lm_out / "*" / "results_*.json"))
+    return json.loads(Path(path).read_text())
+
+
+@pytest.fixture(scope="module")
+def jex_run(task_dir, embedded_model_dir, tmp_path_factory, prefect_harness) -> Path:
+    """Both tasks imported as one suite (a group: one catalog per task) and run by `jex run --coverage 0`
+    in its own process, on the default provider (a local worker process, the golden replay first), as a
+    user runs it; its flow reports to the session's Prefect test API."""
+    from prefect.settings import PREFECT_API_URL
+
+    root = tmp_path_factory.mktemp("fid-jex")
+    imported = cli("suite", "import", "lm-eval", "--task", task_dir / "fid.yaml", "--cluster", "topic",
+                   "-o", root / "suite")
+    assert imported.exit_code == 0, imported.output
+    (root / "spec.toml").write_text("[machines]\ngolden_rows = 2\n")  # the replay before the shards: 2 rows
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "JEX_INFRA__STATE_DIR": str(root / "infra"),
+           "JEX_INFRA__POLL_S": "0.3", "JEX_INFRA__HEARTBEAT_S": "1", "JEX_INFRA__WORKER_PYTHON": sys.executable}
+    done = subprocess.run([sys.executable, "-m", "jex", "run", "--spec", str(root / "spec.toml"), "--suite",
+                           str(root / "suite"), "--model", str(embedded_model_dir), "--coverage", "0", "--name", "fid",
+                           "--out", str(root / "runs")], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def jex_export(jex_run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fid-export")
+    result = cli("export", "lm-eval", jex_run, "-o", out)
+    assert result.exit_code == 0, result.output
+    return Path(result.output.strip().splitlines()[-1])
+
+
+def jex_samples(run: Path, task: str) -> list[dict]:
+    frame = pl.read_parquet(run / "samples.parquet").filter(pl.col("catalog") == task)
+    assert "choice_loglikelihoods" in frame.columns, f"no per-choice log-likelihoods in samples.parquet: " \
+                                                     f"{frame.columns}"
+    rows = list(frame.iter_rows(named=True))
+    return sorted(rows, key=lambda r: json.loads(r["metadata"])["doc_id"])
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_jex_sends_lm_evals_prompts_byte_for_byte(lm_out, jex_run, task):
+    lm, ours = lm_samples(lm_out, task), jex_samples(jex_run, task)
+    assert [s["doc_id"] for s in lm] == [json.loads(r["metadata"])["doc_id"] for r in ours] == list(range(6))
+    for s, r in zip(lm, ours, strict=True):
+        contexts = {a["arg_0"] for a in s["arguments"].values()}
+        assert contexts == {r["prompt"]}, (s["doc_id"], contexts, r["prompt"])
+        assert [a["arg_1"] for a in s["arguments"].values()] == [" " + o for o in r["options"]]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_per_choice_loglikelihoods_match_lm_eval_and_every_argmax_agrees(lm_out, jex_run, task):
+    import numpy as np
+
+    lm, ours = lm_samples(lm_out, task), jex_samples(jex_run, task)
+    worst = 0.0
+    for s, r in zip(lm, ours, strict=True):
+        theirs = [float(x[0][0]) for x in s["resps"]]
+        mine = list(r["choice_loglikelihoods"])
+        assert len(mine) == len(theirs)
+        worst = max(worst, *(abs(a - b) for a, b in zip(mine, theirs, strict=True)))
+        assert int(np.argmax(mine)) == int(np.argmax(theirs)), (s["doc_id"], mine, theirs)
+        assert r["choice"] == int(np.argmax(theirs))  # coverage 0: the fast pass decides every row
+    print(f"{task}: max |d loglikelihood| = {worst:.3g}")
+    assert worst < TOL
+
+
+def test_export_acc_and_acc_norm_equal_lm_evals_to_the_last_digit(lm_out, jex_export):
+    theirs, ours = lm_results(lm_out)["results"], json.loads(next(jex_export.glob("results_*.json")).read_text())
+    for task in TASKS:
+        for metric in ("acc,none", "acc_norm,none"):
+            assert ours["results"][task][metric] == theirs[task][metric], (task, metric)
+    assert theirs["fid_text"]["acc,none"] != theirs["fid_text"]["acc_norm,none"]  # the two metrics are tested apart
+    for field in ("n-samples", "configs", "versions", "task_hashes", "lm_eval_version",
+                  "total_evaluation_time_seconds"):
+        assert field in ours, field
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_exported_samples_carry_lm_evals_resps_and_metrics(lm_out, jex_export, task):
+    (path,) = jex_export.glob(f"samples_{task}_*.jsonl")
+    ours = sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda s: s["doc_id"])
+    for s, e in zip(lm_samples(lm_out, task), ours, strict=True):
+        assert e["arguments"] == s["arguments"]  # the same requests: context and " " + choice
+        assert (e["acc"], e["acc_norm"]) == (s["acc"], s["acc_norm"])
+        for (ll, _), (theirs, _) in zip(e["filtered_resps"], s["filtered_resps"], strict=True):
+            assert abs(float(ll) - float(theirs)) < TOL
+        assert [x[0][1] for x in e["resps"]] == [x[0][1] for x in s["resps"]]  # is_greedy too
+
+
+def test_clusters_and_the_report(jex_run):
+    samples = pl.read_parquet(jex_run / "samples.parquet")
+    by_topic = {json.loads(m)["doc_id"]: q for m, q, c in samples.select("metadata", "question_id", "catalog").rows()
+                if c == "fid_text"}
+    assert by_topic[1] == by_topic[2] == by_topic[5] == "fid_text-animals"  # --cluster topic
+    report = (jex_run / "report.md").read_text()
+    assert "is its own cluster" not in report  # the line a suite without --cluster gets
+    assert "`fid_text`, `fid_letters`: lm-eval's own context, read verbatim, with no chat template (lm-eval's " \
+           "default" in report
