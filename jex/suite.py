@@ -284,9 +284,14 @@ def validate_suite(suite_dir: str | Path, *, limit: int = 1000) -> list[InputErr
     manifest, problems = _manifest_and_problems(suite_dir)
     if manifest is None:
         return problems
-    for _ in iter_rows(suite_dir, manifest, problems=problems):
+    counts = dict.fromkeys((c.id for c in manifest.catalogs), 0)
+    for row in iter_rows(suite_dir, manifest, problems=problems):
+        counts[row.catalog] = counts.get(row.catalog, 0) + 1
         if len(problems) >= limit:
             return problems
+    if not problems:  # a catalog whose rows were all bad is already reported by its rows
+        problems += [InputError(f"catalog '{c}' has no rows", file=str(Path(suite_dir) / MANIFEST_NAME),
+                                field="files") for c, n in counts.items() if n == 0]
     for _ in iter_fewshot_rows(suite_dir, manifest, problems=problems):
         if len(problems) >= limit:
             break

@@ -114,6 +114,12 @@ def test_an_empty_suite_and_a_garbage_gguf_are_refused_before_any_flow(tmp_path,
     assert gguf.exit_code == 1 and "not a GGUF file" in gguf.stderr and not (tmp_path / "runs").exists()
 
 
+def test_suite_validate_refuses_a_catalog_without_rows(tmp_path, no_prefect):
+    write_suite(tmp_path / "empty", {"a": []})
+    result = CliRunner().invoke(app, ["suite", "validate", "empty"])
+    assert result.exit_code == 1 and "catalog 'a' has no rows" in result.output
+
+
 def test_stage_args_with_an_unknown_record_is_one_line(tmp_path):
     (tmp_path / "args.json").write_text('{"x": 1}')
     result = CliRunner().invoke(app, ["stage", "run", "--args", "args.json"])

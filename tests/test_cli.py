@@ -84,7 +84,8 @@ def test_importing_the_cli_imports_no_flow_and_no_prefect():
 
 
 def test_every_run_flag_sets_a_campaign_field():
-    own = {"spec", "resume", "render", "chat_template", "system_prompt", "num_fewshot"}  # files, and engine.render
+    own = {"spec", "resume", "render", "chat_template", "system_prompt", "num_fewshot",  # files, engine.render
+           "quiet", "as_json"}  # what is printed at the end
     assert set(inspect.signature(run).parameters) - own == set(CAMPAIGN_FIELD_OF_FLAG)
     for path in CAMPAIGN_FIELD_OF_FLAG.values():
         model = CampaignSpec

@@ -475,7 +475,7 @@ def test_an_experiment_writes_the_output_contract(finished):
         assert (a["vs_placebo"] is None) == (a["kind"] in ("placebo", "twin")), name
     assert {a["verdict"] for n, a in doc["arms"].items() if a["kind"] in ("arm", "sweep")} <= {"GO", "NO-GO"}
     assert doc["arms"]["reworded"]["verdict"] == "placebo"
-    for f in ("report.md", "forest.png", "sweep-fold-weight.png", "ledger.toml", "gate-settings.json"):
+    for f in ("report.md", "forest.png", "sweep-fold-weight.png", "gate-settings.json"):
         assert (out / f).stat().st_size > 0, f
     report = (out / "report.md").read_text()
     assert doc["gate"]["settings_sha256"] in report and "Twin audit" in report and "out-of-fold choice" in \
