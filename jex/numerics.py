@@ -45,6 +45,13 @@ def argmax(values: Sequence[float] | None) -> int | None:
     return max(range(len(values)), key=lambda i: (values[i], -i))
 
 
+def length_normalised_choice(loglikelihoods: Sequence[float], options: Sequence[str]) -> int:
+    """lm-eval's `acc_norm` prediction (0.4.13 `ConfigurableTask.process_results`): argmax of each option's
+    log-likelihood divided by its length in characters (`len(choice)`, the delimiter left out), ties to
+    the first."""
+    return argmax([float(ll) / float(len(o)) for ll, o in zip(loglikelihoods, options, strict=True)])
+
+
 def question_folds(question_ids: Iterable[str], folds: int) -> np.ndarray:
     """Fold of each row, crc32(question_id) % folds: rows of one question always share a fold, and the
     assignment does not depend on row order or on the run."""

@@ -13,7 +13,8 @@ import pytest
 
 from jex.engine.types import ReadoutMode, ReadoutRequest
 from jex.engine_spec import RenderSpec
-from jex.tasks.capture.engine_calls import CaptureRow, CatalogRead, length_normalised_choice, question_prompts
+from jex.numerics import length_normalised_choice
+from jex.tasks.capture.engine_calls import CaptureRow, CatalogRead, question_prompts
 from tests.conftest import row
 
 pytestmark = pytest.mark.slow

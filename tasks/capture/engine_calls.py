@@ -19,7 +19,7 @@ from jex.engine.base import ChatTokenizer
 from jex.engine.render import DEFAULT_RENDER, Example, Renderer, option_order
 from jex.engine.types import Engine, GenerateRequest, Generation, Readout, ReadoutMode, ReadoutRequest
 from jex.engine_spec import RenderSpec
-from jex.numerics import argmax, logit
+from jex.numerics import logit
 
 
 class RowLike(Protocol):
@@ -260,13 +260,6 @@ def reread(engine: Engine, rows: Sequence[RowLike], rationales: Sequence[Generat
     requests = [ReadoutRequest(r.run_id, renderer.after_thought(p, g.text), tuple(r.labels), tuple(_shown(render, r)))
                 for r, p, g in zip(rows, prompts, rationales, strict=True)]
     return _restored(render, engine.readout(requests, ReadoutMode.LABEL_SLOT))
-
-
-def length_normalised_choice(loglikelihoods: Sequence[float], options: Sequence[str]) -> int:
-    """lm-eval's `acc_norm` prediction (0.4.13 `ConfigurableTask.process_results`): argmax of each option's
-    log-likelihood divided by its length in characters (`len(choice)`, the delimiter left out), ties to
-    the first."""
-    return argmax([ll / float(len(o)) for ll, o in zip(loglikelihoods, options, strict=True)])
 
 
 def margin(logprobs: Sequence[float] | None) -> float | None:

@@ -20,6 +20,7 @@ from jex.engine.base import ChatTokenizer
 from jex.engine.types import FinishReason, Generation, Readout, ReadoutMode, ReadoutRequest
 from jex.engine_spec import EngineSpec, RenderSpec
 from jex.fileio import sha256_file
+from jex.numerics import length_normalised_choice
 from jex.tasks.cached_stage import CachedStage
 from jex.tasks.capture.batch_errors import BATCH_ERROR, compute_resilient
 from jex.tasks.capture.bundle import PolarsType, build_bundle, open_bundle
@@ -31,7 +32,6 @@ from jex.tasks.capture.engine_calls import (
     ReadPlan,
     ReasonCall,
     as_row,
-    length_normalised_choice,
     prepared_questions,
     prepared_reasons,
     read_questions,

@@ -31,7 +31,7 @@ import polars as pl
 
 from jex.errors import InputError
 from jex.fileio import read_json
-from jex.numerics import argmax  # ties to the first, as numpy (and so lm-eval) does
+from jex.numerics import argmax, length_normalised_choice  # ties to the first, as numpy (and lm-eval)
 from jex.tasks.documents import ScoreDoc
 from jex.tasks.outputs.interop.common import (
     ImportRecord,
@@ -250,7 +250,7 @@ def _sample(text: str, *, path: str, line: int, task: str, delimiter: str, metri
     choice = jex["choice"] if "choice" in jex else argmax(lls)
     probs = jex["probs"] if "probs" in jex else softmax(lls)
     ids = {**doc, "id": jex["run_id"]} if "run_id" in jex else doc  # a jex export names its rows
-    norm = jex.get("acc_norm_choice") if jex else (acc_norm_choice(lls, options) if all(options) else None)
+    norm = jex.get("acc_norm_choice") if jex else (length_normalised_choice(lls, options) if all(options) else None)
     return ToolSample(file=path, where=line, task=task, doc_id=int(rec["doc_id"]), ids=ids, context=contexts[0],
                       options=options, choice=choice, probs=tuple(probs) if probs is not None else None,
                       gold=_gold(rec["target"], options, bad),
@@ -503,7 +503,7 @@ def _readout_of(r: dict[str, Any], catalog: _ExportCatalog) -> tuple[list[list[s
                 [f"{catalog.target_delimiter}{o}" for o in r["options"]], {"acc_norm_choice": None}
         norm = r.get("acc_norm_choice")
         if norm is None:
-            norm = acc_norm_choice(lls, r["options"])
+            norm = length_normalised_choice(lls, r["options"])
         return [[str(float(x)), str(bool(g))] for x, g in zip(lls, greedy, strict=True)], \
             [f"{catalog.target_delimiter}{o}" for o in r["options"]], {"acc_norm_choice": norm}
     final = r["final_probs"]
@@ -515,12 +515,6 @@ LL_COLUMN = "choice_loglikelihoods"
 """samples.parquet: each option's summed continuation log-likelihood (loglikelihood catalogs)."""
 GREEDY_COLUMN = "choice_is_greedy"
 """samples.parquet: whether each option's continuation is the greedy one (lm-eval's is_greedy)."""
-
-
-def acc_norm_choice(lls: Any, options: Any) -> int:
-    """lm-eval's acc_norm decision: argmax of loglikelihood / the choice's length in characters
-    (`np.argmax(lls / completion_len)`, ties to the first)."""
-    return argmax([float(x) / float(len(o)) for x, o in zip(lls, options, strict=True)])
 
 
 def score_lm_eval(source: str | Path, out: str | Path, *, suite: str | Path | None = None, draws: int, seed: int,
