@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from jex.deployments.register import POOL, ROOT, register
+from jex.deployments.register import POOL, ROOT, connected_to, register
 from jex.errors import ServerError
 from jex.fileio import write_json
 from jex.settings import JexSettings
@@ -124,11 +124,9 @@ def start(settings: JexSettings, *, campaign_defaults: Mapping[str, Any] | None 
             stop(settings)
             raise ServerError(f"the Prefect server did not come up at {api_url}; see {logs / 'server.log'}")
         time.sleep(0.5)
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
-
     auth = settings.prefect.auth_string.get_secret_value() if settings.prefect.auth_string else None
-    with temporary_settings({PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth}):
-        state["deployments"] = register(settings, campaign_defaults)
+    with connected_to(api_url, auth_string=auth):
+        state["deployments"] = register(settings, campaign_defaults).ids
     if worker:
         w = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process",
                               "--name", "jex-orchestrator-worker"], env=env, cwd=ROOT, start_new_session=True,

@@ -6,23 +6,34 @@ of a stratified sample (whole questions, ~1/`sample_every` of every catalog); th
 on those rows. From the measured seconds per fast-pass row and per reasoned row, and the fix rate
 at that coverage, it projects wall time and cost for each coverage of a target suite size under a
 price per GPU-hour, and recommends the largest coverage that fits the budget of hours and money.
+
+The per-row budget table turns the same measure around: the deadline (the budget of hours, or of money
+at the price, whichever binds) minus the fast pass over the suite leaves GPU-seconds for reasoned
+rows; divided by each coverage's reasoned rows that is the allowed seconds per row, set against the
+measured seconds per reasoned row, with the cut needed (1 - allowed / measured). The coverage cliff
+is the highest coverage whose heavy path (reason seconds per row) still fits that deadline;
+coverages above it are infeasible at the measured latency.
 """
 
 from __future__ import annotations
 
 import time
+from typing import TypeVar, cast
 
 from prefect import flow
 from pydantic import BaseModel, Field
 
 from jex.fileio import write_json, write_text
-from jex.flows.campaign import CampaignSpec, sample_suite_dir
+from jex.flows.campaign import CampaignSpec, publish_machines, sample_suite_dir
+from jex.flows.runners import StageRunner, make_runner
 from jex.record import Record
 from jex.tasks.cpu_stages import gate_stage
 from jex.tasks.documents import FoldDoc, read_doc
-from jex.tasks.inputs import BundleInputs, FoldInputs
+from jex.tasks.inputs import BundleInputs, EngineJob, FastPassInputs, FoldInputs, ReasonInputs
 from jex.tasks.prefect_tasks import bundle_task, fast_pass_task, fold_task, reason_task
 from jex.tasks.store import LocalStore
+
+EngineInputsT = TypeVar("EngineInputsT", FastPassInputs, ReasonInputs)
 
 
 class BudgetSpec(BaseModel):
@@ -50,6 +61,28 @@ class Projection(Record):
     recommended_coverage: float | None = Field(description="The largest coverage that fits; None: none fits")
 
 
+class RowBudget(Record):
+    """One coverage of the per-row budget table."""
+
+    coverage: float
+    reasoned_rows: int
+    allowed_s_per_row: float = Field(description="Deadline GPU-seconds left after the fast pass, per reasoned row "
+                                                 "(<= 0: the fast pass alone overruns the deadline)")
+    cut_needed: float = Field(description="Share of the measured reason seconds per row to cut (0: none)")
+    feasible: bool = Field(description="At or below the coverage cliff: the measured heavy path fits")
+
+
+class RowBudgetTable(Record):
+    """The per-row budget table and the coverage cliff for one deadline."""
+
+    deadline_hours: float = Field(description="Wall hours: the budget of hours or of money, whichever binds")
+    fast_pass_hours: float = Field(description="Wall hours of the fast pass over the projected rows")
+    reason_s_per_row: float = Field(description="Measured seconds per reasoned row (the heavy path)")
+    table: list[RowBudget]
+    cliff_coverage: float = Field(description="Highest coverage (0..1) whose heavy path fits the deadline")
+    feasible_coverage: float | None = Field(description="Highest listed coverage at or below the cliff; None: none")
+
+
 class Measured(Record):
     """What the budget projection measured on its sample."""
 
@@ -69,6 +102,46 @@ class BudgetRun(Record):
     measured: Measured
     projection_rows: int = Field(description="Rows of the suite projected for")
     projection: Projection
+    row_budget: RowBudgetTable | None = Field(None, description="The per-row budget table and the coverage cliff")
+
+
+def deadline_hours(*, price: float, gpus: int, budget_hours: float, budget_usd: float) -> float:
+    """Wall hours the budgets allow: the budget of hours, or of money at `price` x `gpus`, whichever binds."""
+    return min(budget_hours, budget_usd / (price * gpus)) if price > 0 else budget_hours
+
+
+def row_budget(*, rows: int, fast_s_per_row: float, reason_s_per_row: float, coverages: list[float], price: float,
+               gpus: int, budget_hours: float, budget_usd: float) -> RowBudgetTable:
+    """The per-row budget table and the coverage cliff (see the module docstring)."""
+    hours = deadline_hours(price=price, gpus=gpus, budget_hours=budget_hours, budget_usd=budget_usd)
+    left = hours * 3600 * gpus - rows * fast_s_per_row  # GPU-seconds for reasoned rows
+    cliff = 1.0 if reason_s_per_row <= 0 else max(0.0, min(1.0, left / (rows * reason_s_per_row)))
+    table = []
+    for c in sorted(coverages):
+        reasoned = max(1, round(c * rows))
+        allowed = left / reasoned
+        cut = 0.0 if reason_s_per_row <= allowed or reason_s_per_row <= 0 else 1 - max(allowed, 0.0) / reason_s_per_row
+        table.append(RowBudget(coverage=c, reasoned_rows=reasoned, allowed_s_per_row=allowed, cut_needed=cut,
+                               feasible=cut == 0.0 and left > 0))
+    feasible = [t.coverage for t in table if t.feasible]
+    return RowBudgetTable(deadline_hours=hours, fast_pass_hours=rows * fast_s_per_row / 3600 / gpus,
+                          reason_s_per_row=reason_s_per_row, table=table, cliff_coverage=cliff,
+                          feasible_coverage=max(feasible) if feasible else None)
+
+
+def render_row_budget(budget: RowBudgetTable) -> list[str]:
+    """The per-row budget table and the coverage cliff as Markdown lines."""
+    lines = ["## Per-row budget", "", f"Deadline {budget.deadline_hours:.1f} h; the fast pass takes "
+             f"{budget.fast_pass_hours:.1f} h; the heavy path measures {budget.reason_s_per_row:.2f} s per reasoned "
+             "row.", "", "| coverage | reasoned rows | budget per row | cut needed vs "
+             f"{budget.reason_s_per_row:.2f} s | feasible |", "|---:|---:|---:|---:|---|"]
+    for t in budget.table:
+        cut = "none" if t.cut_needed == 0 else f"-{100 * t.cut_needed:.0f}%"
+        lines.append(f"| {100 * t.coverage:g}% | {t.reasoned_rows:,} | {t.allowed_s_per_row:.2f} s | {cut} | "
+                     f"{'yes' if t.feasible else 'no (above the cliff)'} |")
+    lines += ["", f"**Coverage cliff: {100 * budget.cliff_coverage:.1f}%** (the highest coverage whose heavy path "
+              f"fits the deadline; highest listed feasible: {budget.feasible_coverage})."]
+    return lines
 
 
 def project(*, rows: int, fast_s_per_row: float, reason_s_per_row: float, coverages: list[float], price: float,
@@ -97,19 +170,35 @@ def render(doc: BudgetRun) -> str:
         lines.append(f"| {t.coverage:.2f} | {t.reasoned_rows} | ~{t.hours:.1f} h | ~${t.usd:.0f} | "
                      f"{'yes' if t.fits else 'no'} |")
     lines += ["", f"**Recommended coverage: {doc.projection.recommended_coverage}**"]
+    if doc.row_budget is not None:
+        lines += ["", *render_row_budget(doc.row_budget)]
     return "\n".join(lines) + "\n"
+
+
+def computed(runner: StageRunner, inputs: EngineInputsT, store: str) -> EngineInputsT:
+    """The engine stage's inputs once `runner` computed its shards, as its stage task must see them."""
+    return cast(EngineInputsT, runner.compute(EngineJob(inputs=inputs, store=store)).inputs)
 
 
 @flow(name="budget-projection", log_prints=True)
 def budget_projection(spec: BudgetSpec = BudgetSpec()) -> BudgetRun:  # noqa: B008
+    """Measure the sample, its engine stages where the campaign's `machines` say (`make_runner`, as the
+    campaign: on machines they leave `machines.json` beside `budget.json`), and project."""
     c = spec.campaign
     store = LocalStore(c.store)
-    bundle = bundle_task(BundleInputs(suite=c.suite or sample_suite_dir(c)), c.store)
-    fast = fast_pass_task(c.fast_pass_inputs(bundle), c.store)
-    gate = gate_stage(store, bundle=bundle, fast=fast, coverage=spec.coverage, sample_every=spec.sample_every)
-    t0 = time.perf_counter()
-    reason = reason_task(c.reason_inputs(bundle, gate), c.store)
-    wall = time.perf_counter() - t0
+    out = c.run_dir().with_name(c.run_dir().name + "-budget")
+    runner = make_runner(c.machines, campaign=out.name, store=c.store)
+    try:
+        with runner:
+            bundle = bundle_task(BundleInputs(suite=c.suite or sample_suite_dir(c)), c.store)
+            fast = fast_pass_task(computed(runner, c.fast_pass_inputs(bundle), c.store), c.store)
+            gate = gate_stage(store, bundle=bundle, fast=fast, coverage=spec.coverage, sample_every=spec.sample_every)
+            t0 = time.perf_counter()
+            reason = reason_task(computed(runner, c.reason_inputs(bundle, gate), c.store), c.store)
+            wall = time.perf_counter() - t0
+    finally:
+        if (machines := runner.report()) is not None:
+            publish_machines(out, machines)
     fold = fold_task(FoldInputs(bundle=bundle, fast=fast, gate=gate, reason=reason, rule=c.fold_rule,
                                 weight=c.fold_weight, draws=c.bootstrap_draws, seed=c.bootstrap_seed), c.store)
     counters = read_doc(FoldDoc, fold.fold_json).overall
@@ -121,11 +210,12 @@ def budget_projection(spec: BudgetSpec = BudgetSpec()) -> BudgetRun:  # noqa: B0
                         reason_s_per_row=reason_rate, fix_rate=counters.fix_rate, fixed=counters.fixed,
                         flipped=counters.flipped)
     rows = spec.target_rows or fast.rows
+    terms = {"price": spec.price_per_gpu_hour, "budget_hours": spec.budget_hours, "budget_usd": spec.budget_usd}
     doc = BudgetRun(spec=spec, measured=measured, projection_rows=rows,
-                         projection=project(rows=rows, fast_s_per_row=fast_rate, reason_s_per_row=reason_rate,
-                                            coverages=spec.coverages, price=spec.price_per_gpu_hour, gpus=spec.gpus,
-                                            budget_hours=spec.budget_hours, budget_usd=spec.budget_usd))
-    out = c.run_dir().with_name(c.run_dir().name + "-budget")
+                    projection=project(rows=rows, fast_s_per_row=fast_rate, reason_s_per_row=reason_rate,
+                                       coverages=spec.coverages, gpus=spec.gpus, **terms),
+                    row_budget=row_budget(rows=rows, fast_s_per_row=fast_rate, reason_s_per_row=reason_rate,
+                                          coverages=spec.coverages, gpus=spec.gpus, **terms))
     write_json(out / "budget.json", doc.model_dump(mode="json"))
     write_text(out / "budget.md", render(doc))
     try:

@@ -230,7 +230,7 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[str] | None = None)
     if spec.reference_min_agreement is not None and not spec.reference:
         raise FlowError("reference_min_agreement is set but no reference rows are given (set `reference`)")
     run = CampaignRun(spec, run_dir, make_runner(spec.machines, campaign=run_dir.name, store=spec.store), redo,
-                      s3_store())
+                      s3_store(aws_credentials_block=spec.machines.aws_credentials_block))
     calls_before = dict(CALLS)
     proof = capture_stages(run)
     decision_stages(run)
@@ -241,7 +241,7 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[str] | None = None)
         write_proof(run_dir, proof, fell_back=not proof.exact)
     report_task(run_dir=str(run_dir), summaries=run.summaries, spec=spec.model_dump(mode="json"),
                 timings=run.timings, machines=report_section(run.runner.report()))
-    upload_to_s3(run_dir, run.summaries, spec.store)
+    upload_to_s3(run.s3, run_dir, run.summaries, spec.store)
     s = run.summaries.finished()
     if any(s.fold.errors.values()):
         print(f"WARNING: error counters are not all zero: {s.fold.errors}")
@@ -386,17 +386,15 @@ def retire_stages(run_dir: Path, stages: list[str]) -> list[str]:
     return retired
 
 
-def upload_to_s3(run_dir: Path, summaries: CampaignSummaries, store: str) -> None:
-    """With JEX_STORE__S3_BUCKET set, copy the stage folders and the run folder to S3 (verified)."""
-    from jex.settings import load_settings
-
-    settings = load_settings()
-    if not settings.store.s3_bucket:
+def upload_to_s3(s3: Any, run_dir: Path, summaries: CampaignSummaries, store: str) -> None:
+    """With an S3 store (`s3_store`: JEX_STORE__S3_BUCKET set), copy the stage folders and the run folder
+    to S3 (verified)."""
+    if s3 is None:
         return
-    from jex.infra.s3 import S3Store, sync_campaign
+    from jex.infra.s3 import sync_campaign
 
     folders = {name: {"folder": summary.folder} for name, summary in summaries.done().items()}
-    manifest = sync_campaign(S3Store.from_settings(settings.store, settings.infra), run_dir, folders, Path(store))
+    manifest = sync_campaign(s3, run_dir, folders, Path(store))
     print(f"uploaded {sum(o['uploaded'] for o in manifest['objects'])} of {len(manifest['objects'])} objects to "
           f"s3://{manifest['bucket']}/{manifest['prefix']}")
 

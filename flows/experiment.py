@@ -7,6 +7,9 @@
 3. The base, then each arm (a sweep: each grid point) runs as a `campaign` sub-flow on the same store:
    an arm recomputes exactly the stages whose keys it changes (a fold arm: no engine call at all).
    A twin re-runs the base's engine stages in a fresh process on its own store, so nothing is reused.
+   The experiment has one machine budget (the base's `machines.budget_usd`, else the settings'), shared
+   by its sub-runs: each may spend only what the ones before it left (`ExperimentBudget`), so N arms
+   cannot spend N budgets. An experiment whose budget is spent stops before its next sub-run.
 4. Paired statistics, verdicts, sweeps, the panel projection and the twin audit go to `OUT/`
    (`experiment.json`, `report.md`, `forest.png`, `sweep-*.png`), the ledger is appended, and the report
    becomes a Prefect artifact. A twin that is not byte-identical fails the run (after the report).
@@ -25,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from jex.errors import FlowError, InputError
 from jex.fileio import write_json
 from jex.flows.campaign import CampaignSpec, campaign, sample_suite_dir
+from jex.infra.ledger import Ledger
 from jex.tasks.decisions import append_decisions, ledger_path, model_facts
 from jex.tasks.lab.arms import ArmDecl, ArmsFile, parse_arms
 from jex.tasks.lab.experiment_report import (
@@ -36,6 +40,7 @@ from jex.tasks.lab.experiment_report import (
     register_with_base,
     twin_audit,
 )
+from jex.tasks.outputs.inline_images import inline_images
 
 EXAMPLE_ARMS = '''name = "sample"
 
@@ -134,17 +139,12 @@ def plan_experiment(spec: ExperimentSpec) -> Plan:
         suite = str(panel_suite(suite, out / "suite-of-bundle", ids))
     shares = None
     if spec.panel_catalogs:
-        from jex.tasks.lab.experiment_stats import panel_share
-        from jex.tasks.lab.panel import panel_suite
-        from jex.tasks.scoring.inputs import load_suite_table
+        from jex.tasks.lab.panel import prepare_panel
 
-        shares = panel_share(load_suite_table(suite).spec, spec.panel_catalogs)
-        total = sum(shares.values())
-        if spec.panel_share is not None and abs(total - spec.panel_share) > 5e-4:
-            raise InputError(f"the panel's share of the full weight is {total:.5f}, not the declared "
-                             f"{spec.panel_share}", field="panel_share")
-        print(f"panel {spec.panel_catalogs}: share of the full weight {total:.5f}")
-        suite = str(panel_suite(suite, out / "panel-suite", spec.panel_catalogs))
+        panel = prepare_panel(suite, out / "panel-suite", spec.panel_catalogs, declared_share=spec.panel_share)
+        shares = panel.shares
+        print(f"panel {spec.panel_catalogs}: share of the full weight {panel.share:.5f}")
+        suite = str(panel.suite)
     base = derive(base.model_copy(update={"suite": suite}), arms.base, name="base", path=spec.arms_path)
     try:
         from jex.tasks.lab.experiment_stats import metric_weights
@@ -168,6 +168,36 @@ def _value(decl: ArmDecl, parameter: str | None) -> Any:
     if group in ("render", "engine"):
         return getattr(decl, group)[key]
     return decl.model if parameter == "model" else decl.campaign[parameter or ""]
+
+
+class ExperimentBudget:
+    """One machine budget for every sub-run of an experiment: the ledger's cost of the sub-runs so far
+    (each a ledger campaign, its run folder's name) is taken off before the next one starts."""
+
+    def __init__(self, total_usd: float, ledger: Ledger):
+        self.total_usd, self.ledger = total_usd, ledger
+        self.spent_usd = 0.0
+
+    def spec_for(self, spec: CampaignSpec, name: str) -> CampaignSpec:
+        """`spec` with what is left of the budget as its machines' budget; FlowError when none is left."""
+        left = self.total_usd - self.spent_usd
+        if left <= 0:
+            raise FlowError(f"experiment budget spent: ${self.spent_usd:.4f} of ${self.total_usd:.4f} before "
+                            f"sub-run {name}; raise machines.budget_usd or drop arms")
+        return spec.model_copy(update={"machines": spec.machines.model_copy(update={"budget_usd": left})})
+
+    def charge(self, run_dir: Path) -> None:
+        """Add a finished sub-run's machine cost (from the ledger)."""
+        self.spent_usd += self.ledger.total(run_dir.name)
+
+
+def experiment_budget(base: CampaignSpec) -> ExperimentBudget:
+    """The experiment's budget: the base's `machines.budget_usd`, else the settings', on the settings' ledger."""
+    from jex.settings import load_settings
+
+    infra = load_settings().infra
+    total = base.machines.budget_usd if base.machines.budget_usd is not None else infra.budget_usd
+    return ExperimentBudget(total, Ledger(Path(infra.state_dir) / "ledger.json"))
 
 
 def _sub_run(spec: CampaignSpec) -> tuple[Path, dict[str, int], float]:
@@ -204,7 +234,9 @@ def experiment(spec: ExperimentSpec = ExperimentSpec()) -> str:  # noqa: B008 - 
     out.mkdir(parents=True, exist_ok=True)
     test_sha = register_experiment_test(plan.arms, out)
     print(f"pre-registered test ([gate]) written: sha256 {test_sha}")
-    base_dir, base_calls, base_wall = _sub_run(plan.base)
+    budget = experiment_budget(plan.base)
+    base_dir, base_calls, base_wall = _sub_run(budget.spec_for(plan.base, "base"))
+    budget.charge(base_dir)
     name, params = model_facts(plan.base.engine)
     registered = register_with_base(test_sha, base_dir, model_name=name, model_params=params)
     print(f"registered on the base's suite and model (before any arm): sha256 {registered.sha256}")
@@ -213,10 +245,11 @@ def experiment(spec: ExperimentSpec = ExperimentSpec()) -> str:  # noqa: B008 - 
     twins: dict[str, TwinAudit] = {}
     for p in plan.points:
         if p.kind == "twin":
-            run_dir, calls, wall, store = run_twin(plan.base, p.name, out)
+            run_dir, calls, wall, store = run_twin(budget.spec_for(plan.base, p.name), p.name, out)
             twins[p.name] = {**twin_audit(base_dir, run_dir), "store": store}
         else:
-            run_dir, calls, wall = _sub_run(p.spec)
+            run_dir, calls, wall = _sub_run(budget.spec_for(p.spec, p.name))
+        budget.charge(run_dir)
         runs.append(ArmRun(p.name, p.kind, run_dir, calls, wall, p.sweep, p.value))
         print(f"arm {p.name}: {run_dir} engine calls {calls} ({wall:.1f} s)")
     doc = analyse(plan.arms, base=base, runs=runs, test_sha256=test_sha, out=out, twins=twins,
@@ -225,7 +258,7 @@ def experiment(spec: ExperimentSpec = ExperimentSpec()) -> str:  # noqa: B008 - 
     ledger = ledger_path(plan.base.store)
     added = len(append_decisions(ledger, experiment_decisions(doc, plan.arms, registered, source=out)))
     write_json(out / "experiment.json", {**doc, "ledger": str(ledger.resolve())})
-    report = _inline_images((out / "report.md").read_text(), out)
+    report = inline_images((out / "report.md").read_text(), out)
     try:
         create_markdown_artifact(markdown=report, key="experiment-report", description=f"experiment {doc['name']}")
         create_table_artifact(table=[{"arm": n, "kind": a["kind"], "delta": round(a["delta"], 4),
@@ -244,20 +277,6 @@ def experiment(spec: ExperimentSpec = ExperimentSpec()) -> str:  # noqa: B008 - 
                         f"{first['column']}); see {out / 'report.md'}")
     print(f"experiment folder: {out.resolve()}")
     return str(out)
-
-
-def _inline_images(markdown: str, folder: Path) -> str:
-    """The report with its plots as data URIs, so the Prefect UI shows them without the files."""
-    import base64
-    import re
-
-    def inline(m: re.Match[str]) -> str:
-        png = folder / m[2]
-        if not png.is_file():
-            return m[0]
-        return f"![{m[1]}](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})"
-
-    return re.sub(r"!\[([^\]]*)\]\(([\w@.-]+\.png)\)", inline, markdown)
 
 
 def run_experiment(spec: ExperimentSpec) -> Path:

@@ -5,25 +5,37 @@ campaign never rents one; leaving the `with` block tears every machine down, wha
 Each machine first replays the golden rows against the stored reference (and stops there on a
 mismatch), then computes worker i of N of each stage; the shards come back verified and are merged
 here by the same stage function that runs in-process, so the capture is the same bytes.
+
+Each machine's life is one Prefect task run, `machine-LABEL` (`machine_life`), submitted to Prefect's
+thread-pool task runner: it takes the steps the fleet hands it (bootstrap, golden replay, each
+engine job with its collection) one by one, each a child task run `LABEL-STEP`, and always ends with
+its teardown step. So the UI shows the fleet, each machine's state and its logs.
 """
 
 from __future__ import annotations
 
+import queue
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, wait
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import polars as pl
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture
+from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jex.engine_spec import EngineSpec
 from jex.errors import FlowError, InfraError, JexError
-from jex.fileio import write_json
+from jex.fileio import sha256_json, write_json
 from jex.flows.machines_doc import FingerprintMismatch, FleetMachine, GoldenReplay, MachinesDoc
 from jex.infra.ledger import Ledger
-from jex.infra.machine import JobFailed, MachineSession, RemoteJob, stack_lock
+from jex.infra.machine import JobFailed, MachineSession, RemoteJob, required_tools, stack_lock
 from jex.infra.providers import Machine
 from jex.infra.reaper import make_provider, policy_from_settings
 from jex.infra.records import MachineProvenance
@@ -34,6 +46,8 @@ from jex.tasks.capture.golden import compare_golden, find_reference, store_refer
 from jex.tasks.capture.stages import WORK_RECORDS, stage_plan
 from jex.tasks.documents import GoldenVerdict
 from jex.tasks.inputs import EngineJob, FastPassInputs, ReasonInputs
+from jex.tasks.lab.jobs import MACHINE_OUT, OUTPUTS, LabJob
+from jex.tasks.prefect_tasks import progress_artifact
 from jex.tasks.records import EngineFingerprint, StagePlan
 from jex.tasks.store import LocalStore
 
@@ -65,6 +79,9 @@ class MachinesSpec(BaseModel):
                                                       "HF engine) together")
     host_stall_s: float = Field(600.0, gt=0, description="Seconds an engine host may go without finishing a shard "
                                                          "before its job stops it and starts a new one")
+    aws_credentials_block: str | None = Field(None, description="prefect-aws AwsCredentials block with the AWS "
+                                                                "keys of the machines and the bucket (empty = "
+                                                                "settings); only its name is stored")
     fresh_processes: bool = Field(False, description="inprocess: compute the engine stages in fresh local processes "
                                                      "(one per worker) instead of this one (a twin audit's check)")
 
@@ -109,10 +126,12 @@ class GpuFleet:
 
     def __init__(self, spec: MachinesSpec, *, campaign: str, store: str, echo: Any = print, settings: Any = None,
                  on_poll: Any = None):
+        from jex.flows.credentials import with_block_credentials
         from jex.settings import load_settings
 
         self.spec, self.campaign, self.store, self.echo = spec, campaign, LocalStore(store), echo
-        self.settings = settings or load_settings()
+        self.settings = with_block_credentials(settings or load_settings(),
+                                               aws_credentials_block=spec.aws_credentials_block)
         infra = self.settings.infra
         self.state_dir = Path(infra.state_dir)
         self.provider = make_provider(infra, name=spec.provider, hosts=spec.hosts or None)
@@ -134,17 +153,26 @@ class GpuFleet:
         self._job_keys: dict[str, str] = {}
         """The first key each engine stage ran under (`_job_name`)."""
         self._lock = threading.Lock()
+        self._lives: list[MachineLife] = []
+        self._task_runner: ThreadPoolTaskRunner | None = None
+        """Prefect's runner of the machines' life task runs, from the first start to `__exit__`."""
 
     def __enter__(self) -> GpuFleet:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        errors = []
-        for s in self.sessions:
-            try:
-                s.teardown("campaign stages done" if exc[0] is None else f"{exc[0].__name__}: {str(exc[1])[:160]}")
-            except JexError as e:
-                errors.append(str(e))
+        """Each machine's life ends with its teardown (those that failed ended so already); an
+        undeletable machine fails a fleet that had no other error."""
+        reason = "campaign stages done" if exc[1] is None else _failure(exc[1])
+        for life in self._lives:
+            life.close(reason)
+        for life in self._lives:
+            if life.run is not None:
+                life.run.wait()
+        if self._task_runner is not None:
+            self._task_runner.__exit__(None, None, None)
+            self._task_runner = None
+        errors = [life.teardown_error for life in self._lives if life.teardown_error]
         if errors and exc[0] is None:
             raise InfraError("; ".join(errors))
 
@@ -162,8 +190,8 @@ class GpuFleet:
 
         return self.settings.infra.worker_python or (sys.executable if self.spec.provider == "local" else "python3")
 
-    def _stack(self, engine: EngineSpec) -> str:
-        if engine.kind.startswith("vllm"):
+    def _stack(self, kind: str) -> str:
+        if kind.startswith("vllm"):
             from jex.tasks.capture.engine_pool import VLLM_PIN
 
             return stack_lock({"vllm": VLLM_PIN}, with_torch=False)
@@ -176,20 +204,47 @@ class GpuFleet:
         self.engine = job.inputs.engine
         golden = EngineJob(inputs=FastPassInputs(bundle=job.inputs.bundle, engine=job.inputs.engine, shard_rows=1),
                            store=job.store)
+        self._start_machines(self._stack(job.inputs.engine.kind), tools=required_tools(job.inputs.engine.kind))
+        self._each_machine("golden", lambda i, s: self._golden(s, golden))
+
+    def _start_machines(self, stack: str, tools: tuple[str, ...] = ()) -> None:
+        """Create and bootstrap the machines with `stack` installed and `tools` on PATH, each as its life task run."""
+        self._task_runner = ThreadPoolTaskRunner(max_workers=self.spec.workers).__enter__()
         for i in range(self.spec.workers):
             session = MachineSession(self.provider, campaign=self.campaign, ledger=self.ledger, policy=self.policy,
                                      label=f"w{i}", python=self._python(), state_dir=self.state_dir,
-                                     stack=self._stack(job.inputs.engine), s3=self.s3, echo=self.echo,
+                                     stack=stack, s3=self.s3, echo=self.echo,
                                      on_poll=self.on_poll, pip_args=self.settings.infra.pip_args,
-                                     machine_credentials=self._machine_credentials)
+                                     machine_credentials=self._machine_credentials, tools=tools)
             self.sessions.append(session)
-            try:
-                session.start()
-            except JexError as e:  # its real cause, named with the machine that never started
-                raise InfraError(f"machine {session.label} of provider {self.provider.name!r} did not start: "
-                                 f"{e}") from e
-        with ThreadPoolExecutor(len(self.sessions) if self.spec.concurrent else 1) as pool:
-            list(pool.map(lambda s: self._golden(s, golden), self.sessions))
+            life = MachineLife(session)
+            life.run = self._task_runner.submit(cast(Any, machine_life),  # mypy misses the sync overload
+                                                parameters={"label": session.label, "life": life})
+            self._lives.append(life)
+        # one machine after another, as the budget guard and the ledger expect; none after a failed one
+        self._each_machine("bootstrap", lambda i, s: self._boot(s), one_at_a_time=True)
+
+    def _boot(self, session: MachineSession) -> None:
+        try:
+            session.start()
+        except JexError as e:  # its real cause, named with the machine that never started
+            raise InfraError(f"machine {session.label} of provider {self.provider.name!r} did not start: "
+                             f"{e}") from e
+
+    def _each_machine(self, step: str, work: Callable[[int, MachineSession], None], *,
+                      one_at_a_time: bool = False) -> None:
+        """Hand `work(i, session)` to machine i's life as its step `step`, on every machine (one after
+        another unless the spec is concurrent); returns when all are done, raising the first failure in
+        machine order (a failed machine's life has torn it down)."""
+        serial = one_at_a_time or not self.spec.concurrent
+        orders: list[Future[None]] = []
+        for i, life in enumerate(self._lives):
+            orders.append(life.order(step, partial(work, i, life.session)))
+            if serial and orders[-1].exception() is not None:  # waits for it
+                break
+        wait(orders)
+        for order in orders:
+            order.result()
 
     def _golden(self, session: MachineSession, job: EngineJob) -> None:
         host = _machine(session)
@@ -279,13 +334,31 @@ class GpuFleet:
             fp = fp.audited()
         return job.model_copy(update={"inputs": inputs.model_copy(update={"engine_fp": fp})})
 
+    def run_lab(self, job: LabJob) -> None:
+        """Run a lab job (`jex.tasks.lab.jobs`) as the next step of the first machine (started here when
+        none is; no golden replay: a lab job measures engines, it adds no rows to the store) and collect
+        its outputs into `job.out`."""
+        if not self.sessions:
+            vllm = next((k for k in job.engine_kinds() if k.startswith("vllm")), "hf")
+            self._start_machines(self._stack(vllm), tools=required_tools(vllm))
+        session, name = self.sessions[0], self._job_name(f"lab-{job.kind}", sha256_json(job.model_dump(mode="json")))
+        inbox = self.store.root / ".machines" / _machine(session).id / name
+        inbox.mkdir(parents=True, exist_ok=True)
+        write_json(inbox / "args.json", job.on_machine().model_dump(mode="json"))
+        remote = RemoteJob(name, ["-m", "jex.tasks.lab.jobs", "args.json"],
+                           [f"{MACHINE_OUT}/{pattern}" for pattern in OUTPUTS[job.kind]], Path(job.out),
+                           files={**job.machine_files(), "args.json": inbox / "args.json"},
+                           strip_prefix=f"{MACHINE_OUT}/")
+        self._lives[0].order(name, partial(self._run, session, remote)).result()
+
     def _compute(self, job: EngineJob, plan: StagePlan) -> None:
-        """Worker i of N on each machine; the verified shards land in this store's stage folder."""
+        """Worker i of N on each machine; the verified shards land in this store's stage folder (the
+        stage's progress artifact counts them as each machine's job is collected)."""
         n, stage, name = len(self.sessions), job.inputs.stage, self._job_name(job.inputs.stage, plan.key)
         shards = f"store/{stage}/{plan.key}/shards-{job.inputs.shard_rows}"
+        progress = progress_artifact(stage)
 
-        def one(i: int) -> None:
-            session = self.sessions[i]
+        def one(i: int, session: MachineSession) -> None:
             host = _machine(session)
             inbox = self.store.root / ".machines" / host.id / name
             files = _job_files(job, inbox)
@@ -295,9 +368,9 @@ class GpuFleet:
                                [f"{shards}/shard-*.parquet", f"{shards}/{WORK_RECORDS}"],
                                self.store.root, files=files, strip_prefix="store/")
             self._run(session, remote)
+            progress(name, len(list(Path(plan.shards_dir).glob("shard-*.parquet"))), plan.shards)
 
-        with ThreadPoolExecutor(n if self.spec.concurrent else 1) as pool:
-            list(pool.map(one, range(n)))
+        self._each_machine(name, one)
         have = len(list(Path(plan.shards_dir).glob("shard-*.parquet")))
         if have != plan.shards:
             raise FlowError(f"{stage}: {have} of {plan.shards} shards came back under key {plan.key}; the "
@@ -329,6 +402,98 @@ class GpuFleet:
                            engine_hosts=self.spec.engine_hosts, golden=list(self.golden), machines=machines,
                            engine_starts=sum(m.engine_starts for m in machines),
                            ledger=self.ledger.usage(self.campaign))
+
+
+class _Order:
+    """One step a machine's life is asked to take: `work`, or (`work` None) the end of its life."""
+
+    def __init__(self, step: str, work: Callable[[], object] | None, reason: str = ""):
+        self.step, self.work, self.reason = step, work, reason
+        self.done: Future[None] = Future()
+
+
+class MachineLife:
+    """The hand-over between the fleet and one machine's life task run: the steps it is to take, in
+    order, and how its teardown went. A plain object on purpose: Prefect passes it to the task run as
+    is (it rebuilds dataclasses and pydantic models, which would lose what the run writes here)."""
+
+    def __init__(self, session: MachineSession):
+        self.session = session
+        self.run: PrefectFuture[None] | None = None
+        self.teardown_error: str | None = None
+        self._orders: queue.Queue[_Order] = queue.Queue()
+        self._ended = ""
+        """Why the life ended (empty while it runs): later steps fail at once, naming it."""
+        self._lock = threading.Lock()
+
+    def order(self, step: str, work: Callable[[], object]) -> Future[None]:
+        """Ask the life to take a step next; the future ends as the step does."""
+        order = _Order(step, work)
+        with self._lock:
+            if self._ended:
+                order.done.set_exception(InfraError(f"machine {self.session.label}: no {step} step, its life "
+                                                    f"ended ({self._ended})"))
+            else:
+                self._orders.put(order)
+        return order.done
+
+    def close(self, reason: str) -> None:
+        """End the life after its steps so far: teardown with `reason`."""
+        with self._lock:
+            if not self._ended:
+                self._orders.put(_Order("close", None, reason))
+
+    def next(self) -> _Order:
+        return self._orders.get()
+
+    def end(self, reason: str) -> None:
+        """The life ends: steps still waiting, and any asked for later, fail naming `reason`."""
+        with self._lock:
+            self._ended = reason
+            while not self._orders.empty():
+                order = self._orders.get_nowait()
+                if order.work is not None:
+                    order.done.set_exception(InfraError(f"machine {self.session.label}: no {order.step} step, "
+                                                        f"its life ended ({reason})"))
+
+
+@task(name="machine-step", task_run_name="{label}-{step}", cache_policy=NO_CACHE, persist_result=False,
+      log_prints=True)
+def machine_step(label: str, step: str, work: Callable[[], object]) -> None:
+    """One step of machine `label`'s life (bootstrap, golden, an engine job and its collection, teardown),
+    a child task run of `machine-LABEL`."""
+    work()
+
+
+@task(name="machine", task_run_name="machine-{label}", cache_policy=NO_CACHE, persist_result=False,
+      log_prints=True)
+def machine_life(label: str, life: MachineLife) -> None:
+    """A machine's whole life: the steps the fleet hands it, in order, until it is closed or a step fails
+    (the step's error goes to the fleet and fails this run); the teardown step always runs. Not retried:
+    the session already retries what can be retried, and the campaign decides about a failed machine."""
+    reason = "fleet closed"
+    try:
+        while (order := life.next()).work is not None:
+            try:
+                machine_step(label=label, step=order.step, work=order.work)
+            except BaseException as e:
+                order.done.set_exception(e)
+                reason = _failure(e)
+                raise
+            order.done.set_result(None)
+        reason = order.reason
+    finally:
+        life.end(reason)
+        try:
+            machine_step(label=label, step="teardown", work=partial(life.session.teardown, reason))
+        except JexError as e:
+            life.teardown_error = str(e)
+            raise
+
+
+def _failure(e: BaseException) -> str:
+    """A teardown reason naming a failure."""
+    return f"{type(e).__name__}: {str(e)[:160]}"
 
 
 def _machine(session: MachineSession) -> Machine:
@@ -367,16 +532,20 @@ def _job_files(job: EngineJob, inbox: Path) -> dict[str, Path]:
     return files
 
 
-def s3_store(settings: Any = None) -> Any:
-    """The S3 store of the settings (`JEX_STORE__S3_*`), or None when no bucket is set."""
+def s3_store(settings: Any = None, *, aws_credentials_block: str | None = None) -> Any:
+    """The S3 store of the settings (`JEX_STORE__S3_*`), or None when no bucket is set; its keys from the
+    named credential blocks first (`jex.flows.credentials`)."""
     from jex.settings import load_settings
 
     settings = settings or load_settings()
     if not settings.store.s3_bucket:
         return None
+    from jex.flows.credentials import with_block_credentials
     from jex.infra.s3 import S3Store
+
+    settings = with_block_credentials(settings, aws_credentials_block=aws_credentials_block)
 
     return S3Store.from_settings(settings.store, settings.infra)
 
 
-__all__ = ["GoldenMismatch", "GpuFleet", "JobFailed", "MachinesSpec"]
+__all__ = ["GoldenMismatch", "GpuFleet", "JobFailed", "MachineLife", "MachinesSpec", "machine_life", "machine_step"]

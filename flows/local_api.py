@@ -14,24 +14,26 @@ import sys
 from pathlib import Path
 
 
-def ensure_local_api() -> None:
-    """Prepare the ephemeral API's database if no API URL is configured and none exists yet."""
+def ensure_local_api() -> bool:
+    """Prepare the ephemeral API's database if no API URL is configured and none exists yet; returns
+    whether flows will use the ephemeral API (no URL configured, in the environment or Prefect's profile)."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     if os.environ.get("PREFECT_API_URL"):
-        return
+        return False
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
     if settings.api.url:
-        return
+        return False
     url = settings.server.database.connection_url
     url_text = url.get_secret_value() if url is not None else ""
     if url_text and not url_text.startswith("sqlite"):
-        return
+        return True
     db = Path(url_text.split("///", 1)[1]) if "///" in url_text else Path(settings.home) / "prefect.db"
     if db.exists():
-        return
+        return True
     db.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], check=True,
                    stdout=subprocess.DEVNULL)
+    return True

@@ -25,10 +25,11 @@ def reconcile_flow(provider: str | None = None, campaign: str | None = None,
 
     `flow_run_id` is the failed campaign run that triggered it through the automation (for the log).
     """
+    from jex.flows.credentials import with_block_credentials
     from jex.flows.fleet import s3_store
     from jex.settings import load_settings
 
-    settings = load_settings()
+    settings = with_block_credentials(load_settings())
     log = get_run_logger()
     if flow_run_id:
         log.info("triggered by the failure of flow run %s", flow_run_id)

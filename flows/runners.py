@@ -8,17 +8,22 @@
 In every case the stage task then runs in the flow's process and finds the shards in the store: it
 merges them (or finds the stage complete) without loading an engine. `make_runner` is the only place
 that decides which runner a campaign gets (`MachinesSpec.provider`, `workers`, `fresh_processes`).
+
+Lab jobs (the early-exit probe, parity, the bake-off: `jex.tasks.lab.jobs`) go the same way
+(`run_lab`): in this process, or as a job on the fleet's first machine, its outputs collected back.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
 from jex.flows.fleet import GpuFleet, MachinesSpec
 from jex.flows.machines_doc import MachinesDoc
 from jex.tasks.capture.workers import WorkerReport, run_workers
 from jex.tasks.inputs import EngineJob
+from jex.tasks.lab.jobs import LabJob, lab_summary, run_lab_job
 
 
 class StageRunner(ABC):
@@ -44,6 +49,10 @@ class StageRunner(ABC):
     def report(self) -> MachinesDoc | None:
         """The machines report (`machines.json`), for runners that rent machines."""
         return None
+
+    def run_lab(self, job: LabJob) -> None:
+        """Run a lab job (probe, parity, bake-off); its outputs land in `job.out`. Here: in this process."""
+        run_lab_job(job)
 
 
 class InProcessRunner(StageRunner):
@@ -89,6 +98,9 @@ class FleetRunner(StageRunner):
     def report(self) -> MachinesDoc:
         return self.fleet.report()
 
+    def run_lab(self, job: LabJob) -> None:
+        self.fleet.run_lab(job)
+
 
 def make_runner(spec: MachinesSpec, *, campaign: str, store: str) -> StageRunner:
     """The runner a campaign's machines section asks for."""
@@ -97,3 +109,21 @@ def make_runner(spec: MachinesSpec, *, campaign: str, store: str) -> StageRunner
     if spec.workers > 1 or spec.fresh_processes:
         return WorkerProcessesRunner(spec.workers)
     return InProcessRunner()
+
+
+def run_lab(job: LabJob, machines: MachinesSpec | None = None) -> dict[str, Any]:
+    """Run a lab job where `machines` says (None: the settings' provider, `JEX_INFRA__PROVIDER`) through
+    `make_runner`: in this process, or on a machine released at the end, also on failure. Returns its
+    summary (`lab_summary`); a machine run also leaves `machines.json` in `job.out`."""
+    from jex.fileio import write_json
+    from jex.settings import load_settings
+
+    machines = machines or MachinesSpec(provider=load_settings().infra.provider)
+    runner = make_runner(machines, campaign=f"lab-{job.kind}-{Path(job.out).resolve().name}", store=job.out)
+    try:
+        with runner:
+            runner.run_lab(job)
+    finally:
+        if (doc := runner.report()) is not None:
+            write_json(Path(job.out) / "machines.json", doc.model_dump(mode="json"))
+    return lab_summary(job)

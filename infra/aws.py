@@ -24,11 +24,15 @@ CREDENTIAL_KEYS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_to
 
 
 def settings_credentials(infra: InfraSettings | None) -> dict[str, str]:
-    """Explicit keys from `JEX_INFRA__AWS_*` when both are set; empty: boto3's own chain."""
+    """Explicit keys from `JEX_INFRA__AWS_*` (or the blocks `jex.flows.credentials` resolved into them) when
+    both are set, with the session token if any; empty: boto3's own chain."""
     if infra is None or not (infra.aws_access_key_id and infra.aws_secret_access_key):
         return {}
-    return {"aws_access_key_id": infra.aws_access_key_id.get_secret_value(),
+    keys = {"aws_access_key_id": infra.aws_access_key_id.get_secret_value(),
             "aws_secret_access_key": infra.aws_secret_access_key.get_secret_value()}
+    if infra.aws_session_token:
+        keys["aws_session_token"] = infra.aws_session_token.get_secret_value()
+    return keys
 
 
 def aws_client(service: str, *, region: str, endpoint_url: str | None, infra: InfraSettings | None = None,

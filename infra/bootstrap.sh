@@ -3,7 +3,8 @@
 # with the same code and stack finds everything in place and only rewrites provenance.json.
 #   bash bootstrap.sh WORKDIR CODE_SHA PYTHON   (stdin: one JSON line of watchdog credentials, or empty)
 # WORKDIR holds code-CODE_SHA.tar.gz and stack.lock (pip requirement pins). Prints one JSON line:
-# the python the jobs must use and whether the stack was reused or installed.
+# the python the jobs must use and whether the stack was reused or installed. JEX_REQUIRED_TOOLS: executables
+# the engine needs on PATH ("a|b": any one of them); a missing one exits 4 with one line naming it.
 set -euo pipefail
 W=$1; SHA=$2; PY=$3
 cd "$W"
@@ -45,6 +46,16 @@ if [ -n "$MISSING" ]; then
   MISSING=$(check_stack "$PY")
   [ -z "$MISSING" ] || { echo "stack still unsatisfied: $MISSING" >&2; exit 3; }
 fi
+
+# the tools the engine needs, looked up where the jobs will look (the stack's bin folder first)
+for TOOL in ${JEX_REQUIRED_TOOLS:-}; do
+  FOUND=""
+  for T in ${TOOL//|/ }; do
+    if PATH="$(dirname "$PY"):$PATH" command -v "$T" > /dev/null 2>&1; then FOUND=$T; break; fi
+  done
+  [ -n "$FOUND" ] || { echo "machine pre-flight: ${TOOL//|/ or } not found on PATH (the engine needs it;" \
+    "install it on the machine image)" >&2; exit 4; }
+done
 
 # The dead-man's switch (infra/watchdog.py), when the orchestrator sent its watchdog.json: started once,
 # detached, with the credentials it reads from this script's stdin (never written to disk).

@@ -20,7 +20,7 @@ import logging
 import shlex
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path, PurePosixPath
@@ -177,6 +177,16 @@ def code_bundle(dest_dir: Path) -> tuple[Path, str]:
     return out, sha
 
 
+ENGINE_TOOLS = {"vllm": ("ninja", "cc|gcc|clang")}
+"""Executables an engine kind needs on the machine's PATH ("a|b": any one of them): vLLM compiles kernels
+at start-up with ninja and a C compiler (the seeds lost a run for want of ninja)."""
+
+
+def required_tools(engine_kind: str) -> tuple[str, ...]:
+    """The executables `engine_kind` (e.g. 'vllm', 'vllm-control', 'hf') needs on PATH (ENGINE_TOOLS)."""
+    return next((tools for prefix, tools in ENGINE_TOOLS.items() if engine_kind.startswith(prefix)), ())
+
+
 def stack_lock(extra: dict[str, str] | None = None, *, with_torch: bool = True) -> str:
     """Pins of the worker's runtime stack: this orchestrator's versions, plus `extra` (e.g. vllm)."""
     names = (("torch",) if with_torch else ()) + STACK_PACKAGES
@@ -214,8 +224,10 @@ class MachineSession:
                  stack: str | None = None, s3: S3Store | None = None, echo: Callable[[str], None] | None = None,
                  on_poll: Callable[[MachineSession, RemoteJob, int], None] | None = None,
                  machine: Machine | None = None, pip_args: str = "",
-                 machine_credentials: Callable[[], dict[str, str]] | None = None):
+                 machine_credentials: Callable[[], dict[str, str]] | None = None, tools: Sequence[str] = ()):
         self.provider, self.campaign, self.ledger = provider, campaign, ledger
+        self.tools = tuple(tools)
+        """Executables the bootstrap checks on PATH (`required_tools`); a missing one fails it in one line."""
         self.policy = policy or Policy()
         self.label, self.python_hint = label, python
         self.state_dir = Path(state_dir or ledger.path.parent)
@@ -301,7 +313,8 @@ class MachineSession:
             creds = json.dumps(self.machine_credentials() if self.machine_credentials else {})
             if self.provider.self_shutdown == "poweroff":
                 poweroff = f"JEX_POWEROFF_AFTER_S={int(self.policy.machine_ttl_s())} "
-        out = sh.run(f"{poweroff}JEX_PIP_ARGS={shlex.quote(self.pip_args)} bash {wd}/bootstrap.sh {wd} {sha} "
+        tools = f"JEX_REQUIRED_TOOLS={shlex.quote(' '.join(self.tools))} " if self.tools else ""
+        out = sh.run(f"{poweroff}{tools}JEX_PIP_ARGS={shlex.quote(self.pip_args)} bash {wd}/bootstrap.sh {wd} {sha} "
                      f"{shlex.quote(self.python_hint)}", timeout=self.policy.boot_timeout_s, input=creds + "\n")
         boot = BootInfo.model_validate_json(out.stdout.strip().splitlines()[-1])
         self.python, self.code_dir = boot.python, boot.code

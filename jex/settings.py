@@ -64,6 +64,8 @@ class InfraSettings(BaseModel):
     ssh_port: int = 22
     ssh_key_path: Path | None = None
     ssh_private_key: SecretStr | None = None
+    ssh_private_key_block: str | None = Field(None, description="Prefect Secret block holding the SSH private key "
+                                                                "(wins over ssh_private_key and ssh_key_path)")
     ssh_known_hosts: Path | None = None
     accept_new_host_keys: bool = Field(False, description="Trust a host key on first sight (explicit opt-in)")
     ec2_region: str = "us-east-1"
@@ -71,12 +73,21 @@ class InfraSettings(BaseModel):
     ec2_image_id: str = "ami-12c6146b"
     ec2_instance_type: str = "p5.48xlarge"
     ec2_key_name: str | None = None
+    gpu_kind: str = Field("H200", description="GPU of the rented machines: the pre-flight's memory estimate "
+                                              "(engine/memory.py) refuses a model that cannot fit it")
+    gpu_kinds: dict[str, float] = Field(default_factory=dict, description="More GPU kinds, name -> memory in GiB "
+                                                                          "(as torch.cuda.mem_get_info reports it)")
     command_create: str = ""
     command_describe: str = ""
     command_list: str = ""
     command_delete: str = ""
     aws_access_key_id: SecretStr | None = None
     aws_secret_access_key: SecretStr | None = None
+    aws_session_token: SecretStr | None = None
+    aws_credentials_block: str | None = Field(None, description="prefect-aws AwsCredentials block with the AWS keys "
+                                                                "(wins over the Secret blocks and the aws_* keys)")
+    aws_access_key_id_block: str | None = Field(None, description="Prefect Secret block holding the AWS access key id")
+    aws_secret_access_key_block: str | None = Field(None, description="Prefect Secret block holding the AWS secret key")
 
 
 class PrefectSettings(BaseModel):

@@ -10,6 +10,8 @@ an engine.
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,19 +71,23 @@ CACHED: dict[str, Any] = {"cache_policy": StoreKey(), "persist_result": True, "c
 """Every stage task caches on its inputs' key (`StoreKey`), for ever (the store decides what exists)."""
 
 
-def _progress(stage: str):
-    """Terminal bar plus a Prefect progress artifact, updated per shard."""
+def progress_artifact(stage: str) -> Callable[[str, int, int], None]:
+    """A shard-progress callback `(name, done, total)`: the terminal bar plus the Prefect progress
+    artifact `STAGE-progress` (one per call of this function), updated per call; thread-safe (a
+    fleet's machines report from their own task runs)."""
     state: dict[str, Any] = {}
+    lock = threading.Lock()
 
     def update(name: str, done: int, total: int) -> None:
         shard_progress(name, done, total)
         pct = 100.0 * done / max(total, 1)
         try:
-            if "id" not in state:
+            with lock:
+                if "id" in state:
+                    update_progress_artifact(artifact_id=state["id"], progress=pct)
+                    return
                 state["id"] = create_progress_artifact(progress=pct, key=f"{stage.replace('_', '-')}-progress",
                                                        description=f"{stage}: shards done")
-            else:
-                update_progress_artifact(artifact_id=state["id"], progress=pct)
         except Exception:  # noqa: BLE001 - progress display must never fail a stage
             pass
 
@@ -102,7 +108,7 @@ def bundle_task(inputs: BundleInputs, store: str) -> BundleSummary:
 @task(name="fast_pass", retries=1, **CACHED)
 def fast_pass_task(inputs: FastPassInputs, store: str) -> FastPassSummary:
     return _complete(stages.fast_pass_stage.run(LocalStore(store), inputs,
-                                                share=stages.ShardShare(progress=_progress("fast_pass"))))
+                                                share=stages.ShardShare(progress=progress_artifact("fast_pass"))))
 
 
 @task(name="gate", **CACHED)
@@ -113,7 +119,7 @@ def gate_task(inputs: GateInputs, store: str) -> GateSummary:
 @task(name="reason", retries=1, **CACHED)
 def reason_task(inputs: ReasonInputs, store: str) -> ReasonSummary:
     return _complete(stages.reason_stage.run(LocalStore(store), inputs,
-                                             share=stages.ShardShare(progress=_progress("reason"))))
+                                             share=stages.ShardShare(progress=progress_artifact("reason"))))
 
 
 @task(name="spec_proof_sample", **CACHED)
@@ -166,10 +172,14 @@ def report_task(run_dir: str, summaries: CampaignSummaries, spec: dict[str, Any]
 
 
 def publish_report(report: str, run_dir: Path, docs: RunDocs) -> None:
-    """The report and the per-catalog table as Prefect artifacts, so the UI shows them."""
+    """The report (its plots inlined: the UI cannot open the run folder's files) and the per-catalog
+    table as Prefect artifacts, so the UI shows them."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    create_markdown_artifact(markdown=report, key="campaign-report", description=f"report of {run_dir.name}")
+    from jex.tasks.outputs.inline_images import inline_images
+
+    create_markdown_artifact(markdown=inline_images(report, run_dir), key="campaign-report",
+                             description=f"report of {run_dir.name}")
     fold = docs.fold.catalogs
     table = [{"catalog": c, "scoring": v.kind, "n": v.n, "acc": round(v.acc, 4),
               "value": round(v.value, 4), "skill": round(v.skill, 4),

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 from jex.engine_spec import EngineSpec
@@ -105,6 +106,7 @@ def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, 
     assert fold["errors"] == {"context_refusals": 0, "readout_errors": 0, "unmatched_rows": 0, "key_fallbacks": 0,
                               "batch_errors": 0, "mechanism_failures": 0}
     assert "Fold (dry-run counters)" in (run_dir / "report.md").read_text()
+    assert "| area | catalogs |" in (run_dir / "report.md").read_text()  # the manifest's `area`, one row each
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
@@ -112,6 +114,13 @@ def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, 
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=wanted)))
     assert {a.key for a in found} == set(wanted)  # the UI shows the report, the table and the progress
+    latest = {a.key: a.data for a in sorted(found, key=lambda a: a.created)}
+    report = latest["campaign-report"]
+    assert report.count("](data:image/png;base64,") == 2  # the skill and reliability plots travel inline
+    assert "](skill.png)" not in report and "](reliability.png)" not in report
+    table = json.loads(latest["campaign-catalogs"]) if isinstance(latest["campaign-catalogs"], str) \
+        else latest["campaign-catalogs"]
+    assert sorted(r["catalog"] for r in table) == sorted(fold["catalogs"])  # one row per catalog
 
 
 def test_budget_projection_flow_measures_and_projects(harness, tiny_suite, tmp_path):
@@ -126,6 +135,8 @@ def test_budget_projection_flow_measures_and_projects(harness, tiny_suite, tmp_p
     table = doc.projection.table
     assert table[1].hours > table[0].hours and doc.projection.recommended_coverage == 0.5
     assert "Recommended coverage" in next(tmp_path.glob("*-budget/budget.md")).read_text()
+    assert doc.row_budget is not None and doc.row_budget.feasible_coverage == 0.5
+    assert "Coverage cliff" in next(tmp_path.glob("*-budget/budget.md")).read_text()
 
 
 def test_killed_run_resumes_at_the_first_missing_shard(tiny_suite, tmp_path):
@@ -168,9 +179,13 @@ def test_bakeoff_and_parity_flows_publish_their_reports(harness, tiny_suite, tmp
     b = bakeoff(arms=["hf-control", "hf-bi"], prompts=2, tokens=4, ladder=[1, 2], repeats=1,
                 out=str(tmp_path / "bk"))
     assert b["errors"] == {} and b["verdict"].split(":")[0] in ("UNDERPOWERED", "INVARIANT")
-    p = parity(suite=str(tiny_suite), engine_a="hf", engine_b="hf-batched", rows=9, out=str(tmp_path / "par"))
+    p = parity(suite=str(tiny_suite), engine_a="hf", engine_b="hf-batched", rows=9, reason_rows=2, max_tokens=4,
+               out=str(tmp_path / "par"))
     assert p["common"] == 9 and p["max_abs_dp"] < 1e-3  # batched padding moves probabilities by ~1e-6
     assert (tmp_path / "par" / "parity.md").exists()
+    record = pl.read_parquet(tmp_path / "par" / "parity-mismatches.parquet")  # written even when empty
+    assert {"run_id", "catalog", "pre_margin", "post_margin_a", "post_margin_b", "choice_a", "choice_b"} \
+        <= set(record.columns)
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(artifact_filter=ArtifactFilter(
             key=ArtifactFilterKey(any_=["bakeoff-report", "parity-report"])))

@@ -31,7 +31,7 @@ EVERY_FIELD = {
     "machines": {"provider": "ssh", "hosts": ["h1", "h2"], "workers": 2, "budget_usd": 5.0, "price_per_hour": 1.5,
                  "wall_budget_hours": 2.0, "heartbeat_timeout_s": 30.0, "golden_rows": 8, "golden_tolerance": 0.001,
                  "concurrent": False, "engine_hosts": False, "gpus_per_machine": 2, "engines_per_gpu": 2,
-                 "host_stall_s": 90.0, "fresh_processes": True},
+                 "host_stall_s": 90.0, "fresh_processes": True, "aws_credentials_block": "jex-aws"},
 }
 """A value other than the default for every CampaignSpec field (and every engine and machines field)."""
 
@@ -85,6 +85,7 @@ def test_importing_the_cli_imports_no_flow_and_no_prefect():
 
 def test_every_run_flag_sets_a_campaign_field():
     own = {"spec", "resume", "render", "chat_template", "system_prompt", "num_fewshot",  # files, engine.render
+           "panel_catalogs",  # sets `suite` to the panel it writes
            "quiet", "as_json"}  # what is printed at the end
     assert set(inspect.signature(run).parameters) - own == set(CAMPAIGN_FIELD_OF_FLAG)
     for path in CAMPAIGN_FIELD_OF_FLAG.values():
@@ -101,6 +102,25 @@ def test_flags_beat_settings(ran, monkeypatch):
     result = CliRunner().invoke(app, ["run", "--batch-size", "2", "--out", "elsewhere"])
     assert result.exit_code == 0, result.output
     assert (ran[0].engine.batch_size, ran[0].engine.device, ran[0].store) == (2, "cuda", "elsewhere/store")
+
+
+def test_panel_catalogs_runs_the_campaign_on_those_catalogs_only(ran, sample_suite, tmp_path):
+    from pathlib import Path
+
+    from jex.suite import load_manifest
+
+    result = CliRunner().invoke(app, ["run", "--suite", str(sample_suite), "--out", str(tmp_path),
+                                      "--panel-catalogs", "arith, boolean"])
+    assert result.exit_code == 0, result.output
+    assert "share of the full weight" in result.output
+    assert [c.id for c in load_manifest(Path(ran[0].suite)).catalogs] == ["arith", "boolean"]
+
+
+def test_an_unknown_panel_catalog_is_one_line_naming_it(ran, sample_suite, tmp_path):
+    result = CliRunner().invoke(app, ["run", "--suite", str(sample_suite), "--out", str(tmp_path),
+                                      "--panel-catalogs", "arith,nope"])
+    assert result.exit_code != 0 and "nope" in result.output and "Traceback" not in result.output
+    assert ran == []
 
 
 def test_spec_file_round_trips_every_field(ran, tmp_path):

@@ -285,6 +285,25 @@ def test_the_preregistered_test_says_go_only_above_zero_and_above_the_placebo(sm
     assert verdict(stats["arm"], versus(stats["arm"], stats["p0"]), strict)[0] == "NO-GO"
 
 
+def test_the_retention_gate_judges_the_share_of_the_base_correct_rows_the_arm_keeps(small_suite):
+    from jex.tasks.lab.arms import ExperimentTestSettings
+    from jex.tasks.lab.experiment_report import verdict
+
+    base = _preds(small_suite, p_right=1.0, seed=1)  # every row right
+    n = base.height
+    # the arm breaks the first quarter of the rows (and is right on the rest): it keeps 3/4 of the base's
+    wrong = [(gold + 1) % k for gold, k in small_suite.rows.select("gold", "n_options").iter_rows()]
+    broken = base.with_columns(choice=pl.Series([w if i < n // 4 else c for i, (w, c) in
+                                                 enumerate(zip(wrong, base["choice"], strict=True))], dtype=pl.Int32))
+    _, stats = paired_arms(small_suite.rows, small_suite.spec, base, {"arm": broken}, draws=20, seed=1,
+                           permutations=20)
+    assert stats["arm"].retention == pytest.approx(1 - (n // 4) / n)
+    _, strict = verdict(stats["arm"], None, ExperimentTestSettings(min_retention=0.8))
+    _, lenient = verdict(stats["arm"], None, ExperimentTestSettings(min_retention=0.7))
+    assert strict["retention_at_least_min"] is False and lenient["retention_at_least_min"] is True
+    assert "retention_at_least_min" not in verdict(stats["arm"], None, ExperimentTestSettings())[1]
+
+
 def test_the_out_of_fold_choice_picks_the_value_that_wins_on_held_out_questions(small_suite):
     base = row_contributions(small_suite.rows, small_suite.spec, _preds(small_suite, p_right=0.4, seed=1))
     points = {v: row_contributions(small_suite.rows, small_suite.spec, _preds(small_suite, p_right=p, seed=s))
@@ -403,45 +422,8 @@ def test_the_twin_audit_reports_the_first_differing_row(tmp_path):
 
 # ---------------------------------------------------------------- one whole experiment (slow)
 
-ARMS_E2E = '''
-name = "sample"
-
-[gate]
-metric = "full"
-placebo = "reworded"
-catalog_tolerance = 25.0
-
-[[arms]]
-name = "hidden-options"
-hypothesis = "planted: a render that hides the options must lose"
-reopen_when = "never: a planted control"
-[arms.render]
-option_format = "{label}. {option:.0}"
-
-[[arms]]
-name = "system"
-hypothesis = "a system prompt helps the small model"
-reopen_when = "a model of 1B parameters or more"
-[arms.render]
-system_prompt = "You are a careful expert. Answer with the letter of the correct option."
-
-[[arms]]
-name = "reworded"
-kind = "placebo"
-[arms.render]
-question_template = "{prompt}\\n\\n{options}\\n\\nReply with the letter of the right option."
-
-[[arms]]
-name = "twin"
-kind = "twin"
-
-[[arms]]
-name = "fold-weight"
-kind = "sweep"
-parameter = "fold_weight"
-grid = [0.25, 0.5, 0.75, 1.0]
-reopen_when = "coverage above 0.3"
-'''
+ARMS_E2E = (Path(__file__).resolve().parent.parent / "examples" / "arms.toml").read_text()
+"""The shipped example arms file (the docs' sample): the experiment below runs it end to end."""
 
 
 @pytest.fixture(scope="module")
@@ -453,7 +435,7 @@ def finished(tmp_path_factory, prefect_harness):
     tmp = tmp_path_factory.mktemp("experiment")
     base = CampaignSpec(sample_rows=36, coverage=0.2, reason_max_tokens=8, bootstrap_draws=50,
                         store=str(tmp / "store"), machines=MachinesSpec(provider="inprocess"))
-    spec = ExperimentSpec(campaign=base, arms_toml=ARMS_E2E, arms_path="e2e.toml", out=str(tmp / "out"))
+    spec = ExperimentSpec(campaign=base, arms_toml=ARMS_E2E, arms_path="examples/arms.toml", out=str(tmp / "out"))
     out = Path(experiment(spec))
     return out, json.loads((out / "experiment.json").read_text())
 

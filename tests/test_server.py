@@ -113,6 +113,15 @@ def test_campaign_deployment_runs_from_the_api_and_publishes_its_report(server):
         arts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
     report = next(a for a in arts if a.key == "campaign-report")
     assert "Campaign report: api" in report.data and "## Machines" in report.data
+    assert "](data:image/png;base64," in report.data and "](skill.png)" not in report.data
+    with _client() as c:  # the machine and its steps are task runs of the campaign's flow run
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        states = {t.name: t.state_name for t in c.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))}
+    assert {k: v for k, v in states.items() if k.startswith(("machine-", "w0-"))} == {
+        "machine-w0": "Completed", "w0-bootstrap": "Completed", "w0-golden": "Completed",
+        "w0-fast_pass": "Completed", "w0-reason": "Completed", "w0-teardown": "Completed"}
     run_dir = next((server["tmp"] / "runs").glob("api-*"))
     assert json.loads((run_dir / "machines.json").read_text())["machines"][0]["teardown"]["reason"] == \
         "campaign stages done"
@@ -135,6 +144,7 @@ def test_experiment_deployment_runs_from_the_api_and_publishes_its_report(server
     report = next(a for a in arts if a.key == "experiment-report")
     doc = json.loads((out / "experiment.json").read_text())
     assert doc["gate"]["settings_sha256"] in report.data and "| fw | arm |" in report.data
+    assert "](data:image/png;base64," in report.data and "](forest.png)" not in report.data
     assert doc["arms"]["fw"]["engine_calls"] == {"fast_pass": 0, "reason": 0}  # a fold arm reuses the capture
 
 

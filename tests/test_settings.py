@@ -105,3 +105,33 @@ def test_the_bootstrap_seed_is_written_once():
     hits = [str(p.relative_to(ROOT)) for room in rooms for p in (ROOT / room).rglob("*.py")
             if str(BOOTSTRAP_SEED) in p.read_text()]
     assert hits == ["jex/settings.py"]
+
+
+def _connect_in_a_fresh_process(tmp_path: Path, **env: str):
+    """`connect_prefect` in a new process whose Prefect has no profile, home or API of the test run's."""
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "JEX_"))}
+    code = ("import os; from jex.cli.common import connect_prefect; from jex.settings import load_settings; "
+            "connect_prefect(load_settings()); print(os.environ.get('PREFECT_API_URL', ''))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**base, "PREFECT_HOME": str(tmp_path / "prefect"),
+                               "JEX_INFRA__STATE_DIR": str(tmp_path / "infra"), **env})
+
+
+def test_with_no_server_configured_a_flow_says_in_one_line_that_it_uses_a_temporary_one(tmp_path):
+    from jex.cli.common import TEMPORARY_API_NOTICE
+
+    (tmp_path / "prefect").mkdir()
+    (tmp_path / "prefect" / "prefect.db").touch()  # the temporary API's database as if made: nothing to migrate
+    out = _connect_in_a_fresh_process(tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [TEMPORARY_API_NOTICE] and out.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("variable", ["PREFECT_API_URL", "JEX_PREFECT__API_URL"])
+def test_a_configured_server_takes_the_runs_and_no_temporary_one_is_announced(variable, tmp_path):
+    out = _connect_in_a_fresh_process(tmp_path, **{variable: "http://127.0.0.1:9/api"})
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == "" and out.stdout.strip() == "http://127.0.0.1:9/api"

@@ -52,6 +52,7 @@ import boto3
 from pydantic import SecretStr
 from jex.infra.aws import scoped_credentials
 from jex.infra.ledger import Ledger
+from jex.settings import InfraSettings
 from jex.infra.providers import LocalProvider
 from jex.infra.machine import MachineSession, Policy, RemoteJob
 from jex.infra.s3 import S3Store
@@ -59,7 +60,7 @@ endpoint, bucket, tmp, policy = sys.argv[1], sys.argv[2], Path(sys.argv[3]), jso
 s3 = S3Store(bucket, "jex", boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
                                          aws_access_key_id="test", aws_secret_access_key="test"))
 store = SimpleNamespace(s3_region="us-east-1", s3_endpoint_url=endpoint, s3_bucket=bucket)
-infra = SimpleNamespace(aws_access_key_id=SecretStr("test"), aws_secret_access_key=SecretStr("test"))
+infra = InfraSettings(aws_access_key_id=SecretStr("test"), aws_secret_access_key=SecretStr("test"))
 creds = lambda: scoped_credentials(store, infra, key_prefix=s3.key("campaigns", "c1"), ttl_s=60)
 session = MachineSession(LocalProvider(tmp / "machines"), campaign="c1", ledger=Ledger(tmp / "state/ledger.json"),
                          policy=Policy(**policy), python=sys.executable, state_dir=tmp / "state", s3=s3,

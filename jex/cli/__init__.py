@@ -17,7 +17,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 import typer  # noqa: E402
-from typer.core import TyperGroup  # noqa: E402
+from typer.core import TyperGroup, TyperOption  # noqa: E402
 
 from jex.cli import (  # noqa: E402
     config,
@@ -50,7 +50,12 @@ BUG_LINE = ("this is a bug in jex, not in your input: please report it with the 
 
 class JexGroup(TyperGroup):
     """The root command group: every command runs inside the error boundary. A user's error prints
-    `error: ...` on one line and exits 1 (typer's usage errors keep exit 2); a bug is re-raised."""
+    `error: ...` on one line and exits 1 (typer's usage errors keep exit 2); a bug is re-raised.
+    Its help, and every subcommand's, is `literal_help`."""
+
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__(**attrs)
+        literal_help(self)
 
     def invoke(self, ctx: Any) -> Any:
         try:
@@ -62,6 +67,32 @@ class JexGroup(TyperGroup):
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(1) from None
 
+
+def literal_help(command: Any) -> None:
+    """`command`'s help, and its subcommands', shows its texts word for word: rich markup is escaped
+    (`[engine]` in a help text is a TOML table, not a style). Typer parses every help text as rich markup."""
+    from rich.markup import escape
+    from typer.core import HAS_RICH
+
+    if not HAS_RICH or getattr(command, "rich_markup_mode", None) != "rich":  # plain click help: as written
+        return
+    if isinstance(getattr(command, "help", None), str):
+        command.help = escape(command.help)
+    for param in command.params:
+        if isinstance(getattr(param, "help", None), str):
+            param.help = escape(param.help)
+    for sub in getattr(command, "commands", {}).values():
+        literal_help(sub)
+
+
+def _flag_type(self: TyperOption, ctx: Any) -> str | None:
+    """A flag takes no value, so its help shows no type (typer shows `<bool>`)."""
+    return None if self.is_flag else _typer_option_type(self, ctx)
+
+
+_typer_option_type = TyperOption.display_type_rich
+# typer has no per-option hook for this, and the help option is made lazily by click: set on the class
+TyperOption.display_type_rich = _flag_type  # type: ignore[method-assign]
 
 app = typer.Typer(cls=JexGroup, no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   help="jex: reproducible LLM benchmark campaigns.")

@@ -65,10 +65,15 @@ class _CurrentStderr:
         return getattr(sys.stderr, name)
 
 
+TEMPORARY_API_NOTICE = ("no Prefect server configured: using a temporary one (this run will not appear in a "
+                        "UI); `jex server start` or set PREFECT_API_URL")
+"""What a command that runs a flow says first, on stderr, when its runs go to Prefect's temporary API."""
+
+
 def connect_prefect(settings: JexSettings) -> None:
     """Before a flow runs in this process: PREFECT_API_URL if set, else `JEX_PREFECT__API_URL`, else the
-    running `jex server` (its state file, if it answers), else Prefect's local API (its database made
-    ready). The server's basic-auth secret, if any, goes along."""
+    running `jex server` (its state file, if it answers), else Prefect's temporary local API (its database
+    made ready; `TEMPORARY_API_NOTICE` on stderr). The server's basic-auth secret, if any, goes along."""
     from jex.deployments.server import client_env, running_api_url
     from jex.flows.local_api import ensure_local_api
 
@@ -79,7 +84,8 @@ def connect_prefect(settings: JexSettings) -> None:
         os.environ.setdefault("PREFECT_API_URL", url)
         for name, value in client_env(settings).items():
             os.environ.setdefault(name, value)
-    ensure_local_api()
+    if ensure_local_api():
+        typer.echo(TEMPORARY_API_NOTICE, err=True)
     quiet_user_errors_in_flows()
 
 

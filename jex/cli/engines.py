@@ -9,6 +9,7 @@ import typer
 
 from jex.cli import preflight
 from jex.cli.common import connect_prefect, fail
+from jex.cli.run import Provider
 from jex.engine.types import EngineDeadError, EngineError
 from jex.errors import InputError, JexError
 from jex.settings import load_settings
@@ -20,9 +21,9 @@ def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for ba
                                                    "vllm-bi-fdo, vllm-control)")] = "hf-control,hf-bi",
             model: Annotated[str | None, typer.Option(help="Model folder (default: embedded)")] = None,
             prompts: int = 32, tokens: int = 256, ladder: str = "1,8,16,32", repeats: int = 2,
-            max_num_seqs: int = 32, device: str = "cpu") -> None:
+            max_num_seqs: int = 32, device: str = "cpu", provider: Provider = None) -> None:
     """Batch-invariance bake-off: the ladder for an invariant arm and a control arm, each in its own process."""
-    from jex.tasks.lab.bakeoff import ARMS, run_bakeoff
+    from jex.tasks.lab.bakeoff import ARMS
 
     chosen = [a.strip() for a in arms.split(",") if a.strip()]
     try:
@@ -36,10 +37,19 @@ def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for ba
             preflight.at_least(value, flag, 1)
         preflight.model(model)
         preflight.writable_dir(out, "--out")
+        preflight.choice(provider, "--provider", preflight.PROVIDERS)
     except JexError as e:
         fail(e)
-    res = run_bakeoff(chosen, model=model, prompts=prompts, tokens=tokens, ladder=rungs, repeats=repeats,
-                      max_num_seqs=max_num_seqs, device=device, out_dir=out)
+    connect_prefect(load_settings())
+    from jex.flows.experiments import bakeoff as bakeoff_flow
+    from jex.flows.fleet import MachinesSpec
+
+    try:
+        res = bakeoff_flow(arms=chosen, model=model, prompts=prompts, tokens=tokens, ladder=rungs, repeats=repeats,
+                           max_num_seqs=max_num_seqs, device=device, out=str(out),
+                           machines=MachinesSpec(provider=provider) if provider else None)
+    except JexError as e:
+        fail(e)
     typer.echo(res["verdict"])
     if res["errors"]:
         fail(JexError(f"arms failed: {res['errors']}"))
@@ -54,7 +64,9 @@ def parity(suite: Annotated[Path, typer.Option(help="Suite folder")],
            reason_rows: Annotated[int, typer.Option(help="Rows for generation parity")] = 0,
            max_tokens: int = 96, device: str = "cpu", batch_size: int = 8,
            reference: Annotated[Path | None, typer.Option(help="Stored capture (capture.parquet or reference "
-                                                          "rows): engine A against it, no engine B")] = None) -> None:
+                                                          "rows): engine A against it, no engine B, in this "
+                                                          "process")] = None,
+           provider: Provider = None) -> None:
     """Parity of two engines on the same rows: readout agreement, |dp|, flips; choices after a rationale."""
     try:
         preflight.suite(suite)
@@ -68,6 +80,7 @@ def parity(suite: Annotated[Path, typer.Option(help="Suite folder")],
         if reference is not None:
             preflight.existing_file(reference, "--reference")
         preflight.writable_dir(out, "--out")
+        preflight.choice(provider, "--provider", preflight.PROVIDERS)
     except JexError as e:
         fail(e)
     if reference is not None:
@@ -83,11 +96,12 @@ def parity(suite: Annotated[Path, typer.Option(help="Suite folder")],
         return
     connect_prefect(load_settings())
     from jex.flows.experiments import parity as parity_flow
+    from jex.flows.fleet import MachinesSpec
 
     try:
         r = parity_flow(suite=str(suite), engine_a=engine_a, engine_b=engine_b, model=model, rows=rows,
                         reason_rows=reason_rows, max_tokens=max_tokens, device=device, batch_size=batch_size,
-                        out=str(out))
+                        out=str(out), machines=MachinesSpec(provider=provider) if provider else None)
     except (JexError, ValueError, EngineError, EngineDeadError) as e:
         fail(e)
     typer.echo(f"argmax agreement {r['agree']}/{r['common']}, max |dp| {r['max_abs_dp']:.3g} -> {out}")

@@ -9,7 +9,17 @@ import typer
 
 from jex.cli import preflight
 from jex.cli.common import connect_prefect, fail, spec_fields
-from jex.cli.run import CAMPAIGN_FIELD_OF_FLAG, Device, EngineKind, Model, Provider, ReasonMaxTokens, Store
+from jex.cli.run import (
+    CAMPAIGN_FIELD_OF_FLAG,
+    Device,
+    EngineKind,
+    Model,
+    PanelCatalogs,
+    Provider,
+    ReasonMaxTokens,
+    Store,
+    catalog_list,
+)
 from jex.errors import InputError, JexError
 from jex.settings import load_settings
 
@@ -24,8 +34,7 @@ def run(arms: Annotated[Path, typer.Option(help="Arms file (TOML): [base], [gate
         = None,
         sample_rows: Annotated[int | None, typer.Option(help="Rows of the embedded sample suite (default: 360)")]
         = None,
-        panel_catalogs: Annotated[str | None, typer.Option(help="ID,ID,...: run on these catalogs only and "
-                                                                "project onto the full index")] = None,
+        panel_catalogs: PanelCatalogs = None,
         panel_share: Annotated[float | None, typer.Option(help="Declared panel share of the full weight "
                                                                "(asserted)")] = None,
         engine: EngineKind = None, model: Model = None, device: Device = None,
@@ -65,8 +74,8 @@ def run(arms: Annotated[Path, typer.Option(help="Arms file (TOML): [base], [gate
     try:
         base = campaign_spec(settings, spec_fields(flags, {**CAMPAIGN_FIELD_OF_FLAG, "sample_rows": "sample_rows"}))
         spec = ExperimentSpec(campaign=base, arms_toml=arms_toml, arms_path=str(arms), out=str(out),
-                              panel_catalogs=[c.strip() for c in panel_catalogs.split(",") if c.strip()]
-                              if panel_catalogs else None, panel_share=panel_share)
+                              panel_catalogs=catalog_list(panel_catalogs) if panel_catalogs else None,
+                              panel_share=panel_share)
         plan_experiment(spec)  # a bad arms file fails here: before any engine
         folder = run_experiment(spec)
     except JexError as e:

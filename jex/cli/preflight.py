@@ -13,9 +13,12 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jex.errors import InputError, os_error
+
+if TYPE_CHECKING:
+    from jex.engine_spec import EngineSpec
 
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
 """`org/name[@revision]`: the syntax of a Hub model id (as `engine/models.py` resolves it)."""
@@ -244,3 +247,91 @@ def int_list(text: str, flag: str, *, low: int = 1) -> list[int]:
     if not values or min(values) < low:
         raise InputError(f"{flag}: expected comma-separated integers >= {low}, got {text!r}")
     return values
+
+
+SAMPLE_PROMPT_TOKENS = 86
+"""Tokens of a reason prompt of the embedded sample suite, chat template included (mean measured on the
+H200: 86,211 prompt tokens over 1,000 rows, `bench/results/h200-real-size.json`)."""
+CHARS_PER_TOKEN = 3
+"""Characters per token assumed for a suite's longest prompt (English averages ~4: on the safe side)."""
+TEMPLATE_TOKENS = 64
+"""Tokens the question template, chat template and system turn add to a row's text (assumed)."""
+
+
+def model_fits(engine: EngineSpec, *, gpu_kind: str, gpu_kinds: dict[str, float], reason_max_tokens: int,
+               suite: str | None = None) -> str | None:
+    """The memory pre-flight of a vLLM engine on CUDA (`engine/memory.py`): raises `InputError` when the
+    model cannot fit one GPU of `gpu_kind`, returns a one-line warning when its KV cache holds fewer than
+    64 reason sequences, None otherwise. Skipped (None) for CPU or HF engines, the embedded model, a
+    GGUF file, a Hub model not in the local cache and a config that is not a decoder's."""
+    from jex.engine.memory import GPU_KINDS, FitRequest, GpuKind, ModelShape, estimate_fit
+
+    if not engine.device.startswith("cuda") or not engine.kind.startswith("vllm"):
+        return None
+    folder = _model_folder(engine.model)
+    if folder is None:
+        return None
+    kinds = GPU_KINDS | {name: GpuKind(name=name, memory_gib=gib) for name, gib in gpu_kinds.items()}
+    if gpu_kind not in kinds:
+        raise InputError(f"unknown GPU kind {gpu_kind!r}; known: {', '.join(sorted(kinds))} (declare others in "
+                         "JEX_INFRA__GPU_KINDS, e.g. '{\"L40S\": 44.4}')", field="JEX_INFRA__GPU_KIND")
+    config = json_file(folder / "config.json", "--model")
+    try:
+        shape = ModelShape.from_config(config.get("text_config") or config)
+    except (KeyError, TypeError, ValueError):
+        return None  # not a decoder config we can size: vLLM's own profiling will tell
+    prompt_tokens = _prompt_tokens(suite)
+    seq = prompt_tokens + reason_max_tokens
+    fit = estimate_fit(FitRequest(
+        shape=shape, dtype=engine.dtype, weights_bytes_on_disk=_index_total_size(folder), gpu=kinds[gpu_kind],
+        gpu_memory_utilization=engine.gpu_memory_utilization, kv_cache_memory_gib=engine.kv_cache_memory_gib,
+        max_num_batched_tokens=engine.max_num_batched_tokens or 8192, max_num_seqs=engine.max_num_seqs,
+        reason_seq_tokens=min(seq, engine.max_model_len) if engine.max_model_len else seq))
+    if fit.refusal:
+        raise InputError(f"--model: {fit.refusal}", file=str(folder))
+    return fit.warning
+
+
+def _model_folder(model: str | None) -> Path | None:
+    """The folder holding the model's config.json: a model folder, or a Hub id's snapshot in the local
+    cache (never downloaded here); None for the embedded model, a GGUF file or an uncached Hub id."""
+    if model is None:
+        return None
+    path = Path(model)
+    if path.is_dir():
+        return path if (path / "config.json").is_file() else None
+    match = HUB_ID.match(model)
+    if path.exists() or not match:
+        return None
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(match["repo"], revision=match["revision"], local_files_only=True))
+    except Exception:  # noqa: BLE001 - not in the local Hub cache: nothing to estimate from
+        return None
+    return folder if (folder / "config.json").is_file() else None
+
+
+def _index_total_size(folder: Path) -> int | None:
+    """`metadata.total_size` of the safetensors index, if the model has one."""
+    index = folder / "model.safetensors.index.json"
+    try:
+        size = json.loads(index.read_text())["metadata"]["total_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return int(size) if isinstance(size, int | float) and size > 0 else None
+
+
+def _prompt_tokens(suite: str | None) -> int:
+    """Tokens of the longest reason prompt: the longest of a suite folder's first 256 rows (characters /
+    CHARS_PER_TOKEN + TEMPLATE_TOKENS); the sample suite's measured mean without a suite folder (the
+    embedded suite, or a bundle, whose rows are not unpacked here)."""
+    if not suite or not Path(suite).is_dir():
+        return SAMPLE_PROMPT_TOKENS
+    from itertools import islice
+
+    from jex.suite import iter_rows
+
+    longest = max((len(row.prompt) + sum(len(o) + 4 for o in row.options) for row in islice(iter_rows(suite), 256)),
+                  default=0)
+    return longest // CHARS_PER_TOKEN + TEMPLATE_TOKENS

@@ -68,6 +68,8 @@ ChatTemplate = Annotated[str | None, typer.Option(help="auto (the model's; plain
                                                        "for verbatim catalogs) | model (the model's, verbatim "
                                                        "catalogs too) | none | a Jinja template FILE (default: auto)")]
 SystemPrompt = Annotated[str | None, typer.Option(help="System turn before every question")]
+PanelCatalogs = Annotated[str | None, typer.Option(help="ID,ID,...: run on these catalogs of the suite only (a "
+                                                        "panel; its share of the full weight is printed)")]
 NumFewshot = Annotated[int | None, typer.Option(help="Solved examples before each question (the catalogs' "
                                                      "few-shot rows) (default: 0)")]
 Render = Annotated[Path | None, typer.Option(help="TOML with any RenderSpec field (question_template, "
@@ -117,7 +119,8 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
         max_num_batched_tokens: MaxBatchedTokens = None, engine_hosts: EngineHosts = None,
         gpus_per_machine: GpusPerMachine = None, engines_per_gpu: EnginesPerGpu = None,
         kv_cache_memory_gib: KvCacheGib = None, host_stall_s: HostStall = None, spec: SpecFile = None,
-        unverified_overlays: UnverifiedOverlays = None, quiet: Quiet = False, as_json: AsJson = False) -> None:
+        unverified_overlays: UnverifiedOverlays = None, panel_catalogs: PanelCatalogs = None, quiet: Quiet = False,
+        as_json: AsJson = False) -> None:
     """Run a whole campaign (embedded defaults: sample suite, SmolLM2, local Prefect, local store).
 
     Settings first, then --spec FILE, then the flags given. At the end, the results table (the full
@@ -142,12 +145,32 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
     from jex.flows.campaign import run_campaign
 
     try:
+        if panel_catalogs and resume is None:  # a resumed run already reads its panel
+            campaign = on_panel(campaign, catalog_list(panel_catalogs))
         run_dir = run_campaign(campaign)
     except (JexError, EngineError, EngineDeadError) as e:
         fail(e)
     from jex.cli.results import print_results
 
     print_results(Path(run_dir), "json" if as_json else "quiet" if quiet else "table")
+
+
+def catalog_list(text: str) -> list[str]:
+    """`--panel-catalogs ID,ID,...` as a list of catalog ids."""
+    return [c.strip() for c in text.split(",") if c.strip()]
+
+
+def on_panel(campaign: CampaignSpec, catalogs: list[str]) -> CampaignSpec:
+    """The campaign on the panel of `catalogs` of its suite (`tasks.lab.panel.prepare_panel`, the one the
+    experiments use), written beside its run folder as RUN-panel-suite."""
+    from jex.flows.campaign import sample_suite_dir
+    from jex.tasks.lab.panel import prepare_panel
+
+    run_dir = campaign.run_dir()
+    dest = run_dir.with_name(run_dir.name + "-panel-suite")
+    panel = prepare_panel(campaign.suite or sample_suite_dir(campaign), dest, catalogs)
+    typer.echo(f"panel {catalogs}: share of the full weight {panel.share:.5f}", err=True)
+    return campaign.model_copy(update={"suite": str(panel.suite)})
 
 
 def resumed_spec(run_dir: Path) -> CampaignSpec:
@@ -193,7 +216,8 @@ def check_flags(flags: dict[str, Any], settings: JexSettings) -> None:
 
 
 def check_campaign(campaign: CampaignSpec) -> None:
-    """Pre-flight of a campaign: its suite, model, rule file, reference rows, output folders and machines."""
+    """Pre-flight of a campaign: its suite, model (and whether it fits the GPU), rule file, reference rows,
+    output folders and machines."""
     if campaign.suite:
         preflight.suite(campaign.suite)
     preflight.model(campaign.engine.model)
@@ -202,12 +226,18 @@ def check_campaign(campaign: CampaignSpec) -> None:
         preflight.rows_file(campaign.reference, "--reference", needs=("run_id", "choice"))
     preflight.writable_dir(campaign.out, "--out")
     preflight.writable_dir(campaign.store, "--store")
+    infra = load_settings().infra
+    if warning := preflight.model_fits(campaign.engine, gpu_kind=infra.gpu_kind, gpu_kinds=infra.gpu_kinds,
+                                       reason_max_tokens=campaign.reason_max_tokens, suite=campaign.suite):
+        typer.echo(f"WARNING: {warning}", err=True)
     if campaign.machines.provider == "ssh":
         from jex.infra.shell import load_private_key, load_private_key_file
 
         infra = load_settings().infra
         check_hosts(campaign.machines.hosts or infra.hosts)
-        if infra.ssh_private_key:  # the machines' key, loaded now: a broken one is one line before any flow
+        if infra.ssh_private_key_block:
+            pass  # a Secret block's key is read by the flow (jex.flows.credentials), once Prefect is connected
+        elif infra.ssh_private_key:  # the machines' key, loaded now: a broken one is one line before any flow
             load_private_key(infra.ssh_private_key.get_secret_value(), where="JEX_INFRA__SSH_PRIVATE_KEY")
         elif infra.ssh_key_path:
             load_private_key_file(infra.ssh_key_path)
@@ -311,10 +341,11 @@ def calibrate(coverage: Annotated[float, typer.Option(help="Coverage gated withi
               price: Annotated[float | None, typer.Option(help="$ per GPU-hour (default: settings)")] = None,
               budget_hours: Annotated[float | None, typer.Option(help="default: settings")] = None,
               budget_usd: Annotated[float | None, typer.Option(help="default: settings")] = None,
-              suite: Suite = None, out: Out = None) -> None:
+              suite: Suite = None, out: Out = None, provider: Provider = None) -> None:
     """Project a campaign's time and cost per coverage, and recommend a coverage that fits the budget.
 
-    Measured on a stratified sample (the budget projection; not the campaign's calibrate stage).
+    Measured on a stratified sample (the budget projection; not the campaign's calibrate stage), its
+    engine stages on the campaign's machines (`--provider`, as `jex run`).
     """
     settings = load_settings()
     try:  # pre-flight
@@ -325,6 +356,7 @@ def calibrate(coverage: Annotated[float, typer.Option(help="Coverage gated withi
         preflight.share(coverage, "--coverage")
         preflight.at_least(sample_every, "--sample-every", 1)
         preflight.at_least(target_rows, "--target-rows", 1)
+        preflight.choice(provider, "--provider", preflight.PROVIDERS)
         for flag, value in (("--price", price), ("--budget-hours", budget_hours), ("--budget-usd", budget_usd)):
             preflight.at_least(value, flag, 0)
     except JexError as e:
@@ -334,7 +366,7 @@ def calibrate(coverage: Annotated[float, typer.Option(help="Coverage gated withi
     from jex.flows.campaign import campaign_spec
 
     infra = settings.infra
-    spec = BudgetSpec(campaign=campaign_spec(settings, spec_fields({"suite": suite, "out": out},
+    spec = BudgetSpec(campaign=campaign_spec(settings, spec_fields({"suite": suite, "out": out, "provider": provider},
                                                                    CAMPAIGN_FIELD_OF_FLAG)),
                       coverage=coverage, sample_every=sample_every, target_rows=target_rows,
                       price_per_gpu_hour=infra.price_per_hour if price is None else price,
@@ -342,6 +374,10 @@ def calibrate(coverage: Annotated[float, typer.Option(help="Coverage gated withi
                       budget_usd=infra.budget_usd if budget_usd is None else budget_usd)
     doc = budget_projection(spec)
     typer.echo(f"recommended coverage: {doc.projection.recommended_coverage}")
+    if doc.row_budget is not None:
+        from jex.flows.budget import render_row_budget
+
+        typer.echo("\n".join(render_row_budget(doc.row_budget)))
 
 
 def register(app: typer.Typer) -> None:

@@ -28,6 +28,13 @@ def _s3() -> S3Store:
     settings = load_settings()
     if not settings.store.s3_bucket:
         raise InputError("no S3 bucket configured; set JEX_STORE__S3_BUCKET (and _S3_ENDPOINT_URL, _S3_PREFIX)")
+    infra = settings.infra
+    if infra.aws_credentials_block or infra.aws_access_key_id_block or infra.aws_secret_access_key_block:
+        from jex.cli.common import connect_prefect
+        from jex.flows.credentials import with_block_credentials
+
+        connect_prefect(settings)  # the blocks live on the Prefect server
+        settings = with_block_credentials(settings)
     return S3Store.from_settings(settings.store, settings.infra)
 
 

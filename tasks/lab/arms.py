@@ -67,6 +67,8 @@ class ExperimentTestSettings(BaseModel):
     draws: int = Field(2000, ge=10, description="Paired clustered bootstrap draws")
     seed: int = BOOTSTRAP_SEED
     permutations: int = Field(2000, ge=10, description="Paired sign-flip permutations of question clusters")
+    min_retention: float | None = Field(None, ge=0, le=1, description="Retention gate: the share of the base's "
+                                        "correct rows the arm keeps correct must be at least this (None: no gate)")
 
 
 class ArmDecl(BaseModel):

@@ -12,6 +12,11 @@ the probe reads two things:
 A policy "cut every rationale at m" then has an accuracy, flips against the full rationale's
 answer, correct rows lost, and a token cost (mean of min(m, length)); the report lists them per
 checkpoint and the first m whose accuracy is no worse than the full rationale's.
+
+Beside "cut at m", the **stable-margin rule** (tau, k): a row exits at the first checkpoint where the
+checkpoint answer's margin (top-1 minus top-2 log-odds) has been above tau for k consecutive
+checkpoints inside its rationale, answering there; a row that never qualifies keeps its whole rationale.
+The report lists each (tau, k) of a small grid with its accuracy and tokens saved.
 """
 
 from __future__ import annotations
@@ -27,7 +32,12 @@ from jex.engine.render import DEFAULT_RENDER
 from jex.engine.types import NextTokenRequest, ReadoutMode, ReadoutRequest
 from jex.engine_spec import RenderSpec
 from jex.numerics import argmax
-from jex.tasks.capture.engine_calls import CaptureRow, as_row, reason, reason_prompts
+from jex.tasks.capture.engine_calls import CaptureRow, as_row, margin, reason, reason_prompts
+
+DEFAULT_TAUS = (1.0, 2.0, 3.0)
+"""Margin thresholds (log-odds) of the stable-margin grid."""
+DEFAULT_KS = (2, 3)
+"""Consecutive checkpoints of the stable-margin grid."""
 
 
 class CheckpointStats(BaseModel):
@@ -42,6 +52,20 @@ class CheckpointStats(BaseModel):
     correct_lost: int = Field(description="Rows right after the full rationale, wrong when cut here")
     still_thinking: int = Field(description="Rows whose rationale is longer than `tokens`")
     gate_fired: int = Field(description="Of those, rows where end-of-sequence is the top next token")
+
+
+class StableMarginStats(BaseModel):
+    """The stable-margin rule (tau, k) over the probed rows (see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True)
+    tau: float = Field(description="Margin threshold (log-odds)")
+    k: int = Field(description="Consecutive checkpoints the margin must stay above tau")
+    exited: int = Field(description="Rows that exited before the end of their rationale")
+    mean_tokens_spent: float
+    tokens_saved: int = Field(description="Rationale tokens not generated, over all rows")
+    accuracy: float
+    flips: int = Field(description="Rows whose answer differs from the full rationale's")
+    correct_lost: int = Field(description="Rows right after the full rationale, wrong after the exit")
 
 
 class ProbeResult(BaseModel):
@@ -60,13 +84,18 @@ class ProbeResult(BaseModel):
     checkpoints: list[CheckpointStats]
     first_matching_checkpoint: int | None = Field(description="First m whose accuracy >= the full rationale's")
     tokens_saved_at_first_match: int | None
+    stable_margin: list[StableMarginStats] = Field(default_factory=list, description="The (tau, k) grid")
 
 
 def probe_rows(engine: Any, rows: Sequence[CaptureRow], *, every: int, max_tokens: int,
-               render: RenderSpec = DEFAULT_RENDER) -> ProbeResult:
-    """Generate each row's rationale, then read the free gate and the answer at every checkpoint."""
+               render: RenderSpec = DEFAULT_RENDER, taus: Sequence[float] = DEFAULT_TAUS,
+               ks: Sequence[int] = DEFAULT_KS) -> ProbeResult:
+    """Generate each row's rationale, then read the free gate and the answer at every checkpoint; the
+    stable-margin rule is judged for every (tau, k) of `taus` x `ks`."""
     if every < 1:
         raise ValueError(f"every must be >= 1, got {every}")
+    if any(k < 1 for k in ks):
+        raise ValueError(f"every k must be >= 1, got {list(ks)}")
     prompts = reason_prompts(engine, rows, render)
     gens = reason(engine, rows, max_tokens=max_tokens, render=render)
     renderer = engine.renderer(render)
@@ -86,11 +115,49 @@ def probe_rows(engine: Any, rows: Sequence[CaptureRow], *, every: int, max_token
     readouts = engine.readout([ReadoutRequest(f"{rows[i].run_id}@{k}", cuts[(i, k)], tuple(rows[i].labels),
                                               tuple(rows[i].options)) for i, k in keys], ReadoutMode.LABEL_SLOT)
     answer = {key: argmax(r.logprobs) for key, r in zip(keys, readouts, strict=True)}
+    margins = {key: margin(r.logprobs) for key, r in zip(keys, readouts, strict=True)}
     inside = [(i, m) for i, g in enumerate(gens) for m in marks if m < len(g.token_ids)]
     stats = engine.next_token([NextTokenRequest(f"{rows[i].run_id}@{m}", prompts[i], tuple(gens[i].token_ids[:m]),
                                                 (eos,)) for i, m in inside])
     fired = {(i, m) for (i, m), st in zip(inside, stats, strict=True) if st.ranks and st.ranks[0] == 1}
-    return _summarise(engine, rows, gens, answer, marks, inside, fired, every=every, max_tokens=max_tokens)
+    result = _summarise(engine, rows, gens, answer, marks, inside, fired, every=every, max_tokens=max_tokens)
+    lengths = [len(g.token_ids) for g in gens]
+    grid = [stable_margin_stats(rows, lengths, answer, margins, marks, tau=t, k=k) for t in taus for k in ks]
+    return result.model_copy(update={"stable_margin": grid})
+
+
+def stable_exit(margins: Sequence[float | None], *, tau: float, k: int) -> int | None:
+    """Index of the first checkpoint that closes a run of `k` consecutive margins above `tau`; None: no exit.
+    An unread margin (None) breaks the run."""
+    run = 0
+    for j, m in enumerate(margins):
+        run = run + 1 if m is not None and m > tau else 0
+        if run >= k:
+            return j
+    return None
+
+
+def stable_margin_stats(rows: Sequence[CaptureRow], lengths: Sequence[int],
+                        answer: dict[tuple[int, int], int | None], margins: dict[tuple[int, int], float | None],
+                        marks: Sequence[int], *, tau: float, k: int) -> StableMarginStats:
+    """The stable-margin rule over probed rows: `answer` and `margins` keyed by (row, tokens read), with
+    each row's whole rationale at (row, its length)."""
+    n = len(rows)
+    spent, exited, ok, flips, lost = [], 0, 0, 0, 0
+    for i, row in enumerate(rows):
+        length = lengths[i]
+        inside = [m for m in marks if m < length]
+        j = stable_exit([margins[(i, m)] for m in inside], tau=tau, k=k)
+        stop = inside[j] if j is not None else length
+        exited += j is not None
+        spent.append(stop)
+        full, got = answer[(i, length)], answer[(i, stop)]
+        ok += got == row.gold
+        flips += got != full
+        lost += full == row.gold and got != row.gold
+    return StableMarginStats(tau=tau, k=k, exited=exited, mean_tokens_spent=sum(spent) / n if n else 0.0,
+                             tokens_saved=sum(lengths) - sum(spent), accuracy=ok / n if n else math.nan, flips=flips,
+                             correct_lost=lost)
 
 
 def _summarise(engine: Any, rows: Sequence[CaptureRow], gens: Sequence[Any], answer: dict[tuple[int, int], int | None],
@@ -141,6 +208,12 @@ def markdown(result: ProbeResult) -> str:
                   "| gate fired |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {c.tokens} | {c.mean_tokens_spent:.1f} | {c.accuracy:.3f} | {c.agreement_with_full:.3f} | {c.flips} "
               f"| {c.correct_lost} | {c.still_thinking} | {c.gate_fired} |" for c in result.checkpoints]
+    if result.stable_margin:
+        lines += ["", "Stable-margin exit: stop where the margin has stayed above tau for k consecutive checkpoints.",
+                  "", "| tau | k | exited | mean tokens | tokens saved | accuracy | flips | correct lost |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {e.tau:g} | {e.k} | {e.exited} | {e.mean_tokens_spent:.1f} | {e.tokens_saved} | "
+                  f"{e.accuracy:.3f} | {e.flips} | {e.correct_lost} |" for e in result.stable_margin]
     return "\n".join(lines) + "\n"
 
 

@@ -71,6 +71,7 @@ class ArmEntry(_ArmEntryCore, total=False):
     """One arm of `experiment.json` (the output contract in docs/experiments.md)."""
 
     placebo_delta: float
+    retention: float | None
     sweep: str
     value: Any
 
@@ -131,7 +132,9 @@ def register_experiment_test(arms: ArmsFile, out: Path) -> str:
     Re-running the same experiment registers the same bytes; a changed test or arm list is refused
     (it would be a new experiment in the same folder: pick another OUT).
     """
-    doc = {"gate": arms.test.model_dump(mode="json"), "arms_file_sha256": arms.sha256,
+    # an unset retention gate is left out, so an experiment registered before the gate existed keeps its bytes
+    unset = {"min_retention"} if arms.test.min_retention is None else None
+    doc = {"gate": arms.test.model_dump(mode="json", exclude=unset), "arms_file_sha256": arms.sha256,
            "arms": [a.model_dump(mode="json") for a in arms.arms], "base": arms.base.model_dump(mode="json")}
     text = canonical_json(doc)
     path = out / "gate-settings.json"
@@ -179,6 +182,8 @@ def verdict(stats: ArmStats, vs_placebo: Delta | None, test: ExperimentTestSetti
               "p_below_alpha": stats.p < test.alpha,
               "above_placebo": vs_placebo is not None and vs_placebo.ci[0] > 0,
               "no_catalog_degrades": worst >= -test.catalog_tolerance}
+    if test.min_retention is not None:
+        checks["retention_at_least_min"] = stats.retention is not None and stats.retention >= test.min_retention
     return ("GO" if all(checks.values()) else "NO-GO"), checks
 
 
@@ -282,7 +287,9 @@ def render_report(doc: ExperimentDoc) -> str:
              + "): "
              f"metric `{g['metric']}`, alpha {g['alpha']}, minimum effect {g['min_effect']}, placebo "
              f"`{g['placebo']}`, catalog tolerance {g['catalog_tolerance']}; {g['draws']} paired clustered draws "
-             f"(seed {g['seed']}), {g['permutations']} sign-flip permutations.", "",
+             f"(seed {g['seed']}), {g['permutations']} sign-flip permutations"
+             + (f"; retention gate: an arm keeps at least {g['min_retention']} of the base's correct rows"
+                if g.get("min_retention") is not None else "") + ".", "",
              "| arm | kind | delta | 95% CI | p | vs placebo | verdict | wall ratio | engine calls (fast/reason) |",
              "|---|---|---:|---|---:|---|---|---:|---|"]
     for name, a in doc["arms"].items():
@@ -296,7 +303,8 @@ def render_report(doc: ExperimentDoc) -> str:
     for name, a in doc["arms"].items():
         if a["kind"] in ("arm", "sweep") and a["verdict"] == "NO-GO":
             failed = [k for k, v in a["checks"].items() if not v]
-            lines.append(f"- {name}: NO-GO ({', '.join(failed)})")
+            kept = f"; retention {a['retention']:.3f}" if a.get("retention") is not None else ""
+            lines.append(f"- {name}: NO-GO ({', '.join(failed)}{kept})")
     if doc.get("twin"):
         t = doc["twin"]
         lines += ["", "## Twin audit", ""]
@@ -405,6 +413,8 @@ def arm_entry(run: ArmRun, stats: ArmStats, vs: Delta | None, verdict_: str, che
                        "run": str(run.run_dir), "engine_calls": run.engine_calls, "sub_run_wall_s": run.wall_s}
     if placebo_delta is not None:
         entry["placebo_delta"] = placebo_delta
+    if stats.retention is not None:
+        entry["retention"] = stats.retention
     if run.sweep:
         entry["sweep"] = run.sweep
         entry["value"] = run.value

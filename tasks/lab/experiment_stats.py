@@ -35,7 +35,7 @@ from jex.tasks.scoring.bootstrap_ci import (
     resampled_accuracy,
     statistics_per_draw,
 )
-from jex.tasks.scoring.index import BEST, catalog_chances, score_predictions, scored_frame
+from jex.tasks.scoring.index import BEST, catalog_chances, catalog_shares, score_predictions, scored_frame
 from jex.tasks.scoring.inputs import ScoreSpec
 
 
@@ -79,6 +79,8 @@ class ArmStats:
     index: float
     draws: dict[str, np.ndarray] = field(repr=False, compare=False)
     """Per-draw deltas: 'metric', 'full', and 'cat:ID' for each catalog (pairing with other arms)."""
+    retention: float | None = None
+    """Share of the base's correct rows the arm keeps correct (`retention`); None when the base has none."""
 
 
 def _ci(samples: np.ndarray) -> tuple[float, float]:
@@ -125,6 +127,15 @@ def permutation_p(diffs: np.ndarray, *, permutations: int, rng: np.random.Genera
     return float((1 + np.count_nonzero(null >= obs - 1e-12 * max(1.0, obs))) / (1 + permutations))
 
 
+def retention(base: pl.DataFrame, arm: pl.DataFrame) -> float | None:
+    """Share of the base's correct rows that the arm keeps correct: |base ok & arm ok| / |base ok|.
+
+    Both are `scored_frame`s on the same rows in the same order; None when the base has no correct row."""
+    kept = base["correct"] & arm["correct"]
+    right = int(base["correct"].sum())
+    return int(kept.sum()) / right if right else None
+
+
 def arm_rng(seed: int, name: str) -> np.random.Generator:
     """The permutation generator of one arm: (seed, crc32(arm name))."""
     return named_rng(seed, name)
@@ -169,7 +180,8 @@ def paired_arms(rows: pl.DataFrame, spec: ScoreSpec, base: pl.DataFrame, arms: M
         p = permutation_p(diffs, permutations=permutations, rng=arm_rng(seed, name))
         out[name] = ArmStats(metric=Delta(point_metric, _ci(d_metric)),
                              full=Delta(ap.full - bp.full, _ci(d_full)), p=p, legs=legs, catalogs=cats,
-                             index=ap.full, draws={"metric": d_metric, "full": d_full, **cat_draws})
+                             index=ap.full, draws={"metric": d_metric, "full": d_full, **cat_draws},
+                             retention=retention(frames["__base__"], frames[name]))
     return bp.full, out
 
 
@@ -216,17 +228,11 @@ def oof_choice(base: pl.DataFrame, points: Mapping[Any, pl.DataFrame], *, folds:
 
 def panel_share(full: ScoreSpec, catalogs: Sequence[str]) -> dict[str, float]:
     """Each panel catalog's share of the full index's weight (leg share x share within its leg)."""
-    lsum = sum(full.legs.values())
-    ids = {c.id for c in full.catalogs}
-    missing = sorted(set(catalogs) - ids)
+    shares = catalog_shares(full)
+    missing = sorted(set(catalogs) - set(shares))
     if missing:
-        raise ValueError(f"panel catalog(s) {missing} are not in the suite ({sorted(ids)})")
-    out = {}
-    for c in full.catalogs:
-        if c.id in catalogs:
-            wsum = sum(x.weight for x in full.catalogs if x.leg == c.leg)
-            out[c.id] = full.legs[c.leg] / lsum * c.weight / wsum
-    return out
+        raise ValueError(f"panel catalog(s) {missing} are not in the suite ({sorted(shares)})")
+    return {c: s for c, s in shares.items() if c in catalogs}
 
 
 def project(arm: ArmStats, shares: Mapping[str, float]) -> Delta:

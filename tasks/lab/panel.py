@@ -3,6 +3,9 @@
 The panel keeps each catalog's manifest entry (weight, chance, exclusions, scoring) and its legs, and
 writes the catalog's rows (and few-shot rows) as JSONL in suite order, so the same source and catalog
 list always give the same bytes. The source is a suite folder or a bundle.
+
+`prepare_panel` is the one place `--panel-catalogs` is applied, for `jex experiment` and `jex run` alike:
+the catalogs' share of the full index's weight (checked against a declared share), then the panel folder.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,38 @@ from jex.fileio import atomic_open, write_text
 from jex.suite import SuiteManifest, SuiteRow, iter_fewshot_rows, iter_rows, load_manifest
 
 FIELDS = ("run_id", "catalog", "question_id", "prompt", "options", "labels", "gold")
+SHARE_TOLERANCE = 5e-4
+"""How far a declared panel share may be from the computed one."""
+
+
+@dataclass(frozen=True)
+class Panel:
+    """A panel written for a run: its suite folder and each catalog's share of the full index's weight."""
+
+    suite: Path
+    shares: dict[str, float]
+
+    @property
+    def share(self) -> float:
+        return sum(self.shares.values())
+
+
+def prepare_panel(source: str | Path, dest: str | Path, catalogs: Sequence[str], *,
+                  declared_share: float | None = None) -> Panel:
+    """The panel of `catalogs` of the suite at `source`: shares first (an unknown catalog, or a share
+    more than SHARE_TOLERANCE from `declared_share`, is an `InputError` before anything is written)."""
+    from jex.tasks.lab.experiment_stats import panel_share
+    from jex.tasks.scoring.inputs import load_suite_table
+
+    try:
+        shares = panel_share(load_suite_table(source).spec, catalogs)
+    except ValueError as e:
+        raise InputError(str(e), field="panel_catalogs") from None
+    total = sum(shares.values())
+    if declared_share is not None and abs(total - declared_share) > SHARE_TOLERANCE:
+        raise InputError(f"the panel's share of the full weight is {total:.5f}, not the declared "
+                         f"{declared_share}", field="panel_share")
+    return Panel(suite=panel_suite(source, dest, catalogs), shares=shares)
 
 
 def _toml(v: Any) -> str:

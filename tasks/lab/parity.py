@@ -5,7 +5,12 @@ and the flips' pre-margins (a flip on a near-tie is expected numerics; a flip on
 a defect). `parity_with_capture` compares one live engine with a stored capture (`jex parity
 --reference CAPTURE`) with the same readout metrics. Generation parity compares the choice after a
 rationale: each engine writes its own rationale and re-reads the options after it; every mismatch
-is recorded with both choices, the gold answer and the margins.
+is recorded with both choices, the gold answer and the margins (`parity-mismatches.parquet` beside
+the report: run_id, catalog, pre-margin, both post-margins, both answers).
+
+A parity run on fewer rows than the suite takes a stratified sample (`stratified_rows`: every catalog
+in proportion, rows drawn by a seeded generator per catalog), not the first N rows: a prefix is
+whatever catalogs the suite lists first, and a sample drawn by position is a prefix-selection artifact.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from jex.engine.base import TokenizedEngine
 from jex.engine.types import Generation, Readout, ReadoutMode
 from jex.errors import InputError
 from jex.fileio import sha256_file
+from jex.numerics import named_rng
 from jex.suite import read_row_file
 from jex.tasks.capture.engine_calls import RowLike, fast_pass, margin, reason, reread
+from jex.tasks.store import write_parquet
 
 
 class FlipRow(TypedDict):
@@ -57,8 +64,13 @@ class ReadoutParity(_ReadoutCounts, total=False):
     flip_rows: list[FlipRow]  # the first 200
 
 
+PARITY_SAMPLE_SEED = 20261203
+"""Seed of the stratified parity sample (`stratified_rows`)."""
+
+
 class ReasonedMismatch(TypedDict):
     run_id: str
+    catalog: str | None
     choice_a: int | None
     choice_b: int | None
     gold: int | None
@@ -120,8 +132,8 @@ def compare_reasoned(rows: Sequence[RowLike], gen_a: Sequence[Generation], gen_b
     for r, ga, gb, pa, pb, pre in zip(rows, gen_a, gen_b, post_a, post_b, pre_a, strict=True):
         same_tokens += ga.token_ids == gb.token_ids
         if pa.choice != pb.choice:
-            mismatches.append({"run_id": r.run_id, "choice_a": pa.choice, "choice_b": pb.choice,
-                               "gold": (gold or {}).get(r.run_id), "pre_choice": pre.choice,
+            mismatches.append({"run_id": r.run_id, "catalog": getattr(r, "catalog", None), "choice_a": pa.choice,
+                               "choice_b": pb.choice, "gold": (gold or {}).get(r.run_id), "pre_choice": pre.choice,
                                "pre_margin": margin(pre.logprobs), "post_margin_a": margin(pa.logprobs),
                                "post_margin_b": margin(pb.logprobs)})
     n = len(rows)
@@ -129,9 +141,46 @@ def compare_reasoned(rows: Sequence[RowLike], gen_a: Sequence[Generation], gen_b
             "identical_rationales": same_tokens}
 
 
+MISMATCH_SCHEMA = {"run_id": pl.String, "catalog": pl.String, "pre_margin": pl.Float64, "post_margin_a": pl.Float64,
+                   "post_margin_b": pl.Float64, "choice_a": pl.Int64, "choice_b": pl.Int64, "pre_choice": pl.Int64,
+                   "gold": pl.Int64}
+
+
+def mismatch_frame(reasoned: ReasonedParity) -> pl.DataFrame:
+    """The reason-parity mismatch record: one row per mismatch (MISMATCH_SCHEMA), empty when none."""
+    return pl.DataFrame([{k: m.get(k) for k in MISMATCH_SCHEMA} for m in reasoned["mismatches"]],
+                        schema=MISMATCH_SCHEMA)
+
+
+def write_mismatches(result: ParityResult, out: str | Path) -> Path | None:
+    """`OUT/parity-mismatches.parquet` when the result holds choice parity; None otherwise."""
+    if "reasoned" not in result:
+        return None
+    path = Path(out) / "parity-mismatches.parquet"
+    write_parquet(mismatch_frame(result["reasoned"]), path)
+    return path
+
+
+def stratified_rows(rows: Sequence[RowLike], n: int, *, seed: int = PARITY_SAMPLE_SEED) -> list[RowLike]:
+    """`n` rows (all when n <= 0 or n >= len(rows)) in suite order, every catalog in proportion to its size
+    (largest remainders; ties by catalog name), each catalog's rows drawn by `named_rng(seed, catalog)`."""
+    if n <= 0 or n >= len(rows):
+        return list(rows)
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(str(getattr(r, "catalog", None) or ""), []).append(i)
+    exact = {c: n * len(ix) / len(rows) for c, ix in groups.items()}
+    quota = {c: math.floor(q) for c, q in exact.items()}
+    for c in sorted(groups, key=lambda c: (-(exact[c] - quota[c]), c))[:n - sum(quota.values())]:
+        quota[c] += 1
+    picked = [ix[j] for c, ix in groups.items() for j in named_rng(seed, c).permutation(len(ix))[:quota[c]]]
+    return [rows[i] for i in sorted(picked)]
+
+
 def run_parity(engine_a: Any, engine_b: Any, rows: Sequence[RowLike], *, reason_rows: int = 0,
-               max_tokens: int = 96) -> ParityResult:
-    """Fast-pass parity on `rows`; generation parity on the first `reason_rows` of them."""
+               max_tokens: int = 96, seed: int = PARITY_SAMPLE_SEED) -> ParityResult:
+    """Fast-pass parity on `rows`; generation parity on a stratified sample of `reason_rows` of them."""
+    reasoned_sub = stratified_rows(rows, reason_rows, seed=seed) if reason_rows else []
     gold = {r.run_id: r.gold for r in rows if getattr(r, "gold", None) is not None}  # type: ignore[attr-defined]
     timings: dict[str, float] = {}
     captures: dict[str, Any] = {}
@@ -139,7 +188,7 @@ def run_parity(engine_a: Any, engine_b: Any, rows: Sequence[RowLike], *, reason_
         t0 = time.perf_counter()
         captures[f"pre_{name}"] = fast_pass(eng, rows)
         timings[f"readout_rows_per_s_{name}"] = len(rows) / (time.perf_counter() - t0)
-        sub = list(rows[:reason_rows])
+        sub = reasoned_sub
         if sub:
             t0 = time.perf_counter()
             captures[f"gen_{name}"] = reason(eng, sub, max_tokens=max_tokens)
@@ -148,10 +197,11 @@ def run_parity(engine_a: Any, engine_b: Any, rows: Sequence[RowLike], *, reason_
     out: ParityResult = {"readout": compare_readouts(captures["pre_a"], captures["pre_b"], gold),
                          "timings": timings,
                          "accuracy_a": _acc(captures["pre_a"], gold), "accuracy_b": _acc(captures["pre_b"], gold)}
-    if reason_rows:
-        sub = list(rows[:reason_rows])
-        out["reasoned"] = compare_reasoned(sub, captures["gen_a"], captures["gen_b"], captures["post_a"],
-                                           captures["post_b"], captures["pre_a"][:reason_rows], gold)
+    if reasoned_sub:
+        position = {r.run_id: i for i, r in enumerate(rows)}
+        pre_a = [captures["pre_a"][position[r.run_id]] for r in reasoned_sub]
+        out["reasoned"] = compare_reasoned(reasoned_sub, captures["gen_a"], captures["gen_b"], captures["post_a"],
+                                           captures["post_b"], pre_a, gold)
     return out
 
 
@@ -165,11 +215,12 @@ def _engine(kind: str, *, model: str | None, device: str, batch_size: int) -> To
 
 
 def parity_of_kinds(kind_a: str, kind_b: str, rows: Sequence[RowLike], *, model: str | None, device: str,
-                    batch_size: int, reason_rows: int = 0, max_tokens: int = 96) -> ParityResult:
+                    batch_size: int, reason_rows: int = 0, max_tokens: int = 96,
+                    seed: int = PARITY_SAMPLE_SEED) -> ParityResult:
     """`run_parity` on two engines built from their kinds, with both engines' provenance."""
     a = _engine(kind_a, model=model, device=device, batch_size=batch_size)
     b = _engine(kind_b, model=model, device=device, batch_size=batch_size)
-    res = run_parity(a, b, rows, reason_rows=reason_rows, max_tokens=max_tokens)
+    res = run_parity(a, b, rows, reason_rows=reason_rows, max_tokens=max_tokens, seed=seed)
     res["provenance"] = {"a": a.provenance(), "b": b.provenance()}
     return res
 
@@ -220,13 +271,13 @@ def parity_with_capture(engine: Any, capture: str | Path, rows: Sequence[RowLike
 
 
 def capture_parity_files(suite: str | Path, capture: str | Path, out: str | Path, *, kind: str, model: str | None,
-                         device: str, batch_size: int, rows: int = 0) -> ParityResult:
+                         device: str, batch_size: int, rows: int = 0,
+                         seed: int = PARITY_SAMPLE_SEED) -> ParityResult:
     """`jex parity --reference CAPTURE`: engine `kind` live against the capture; parity.json + parity.md."""
     from jex.fileio import write_json, write_text
     from jex.suite import iter_rows
 
-    picked = list(iter_rows(suite))
-    picked = picked[:rows] if rows else picked
+    picked = stratified_rows(list(iter_rows(suite)), rows, seed=seed)
     capture_readouts(capture, [r.run_id for r in picked])  # a bad capture fails before the engine loads
     res = parity_with_capture(_engine(kind, model=model, device=device, batch_size=batch_size), capture, picked)
     write_json(Path(out) / "parity.json", res)

@@ -12,8 +12,9 @@ from pydantic import Field
 from jex.engine.fingerprint import EngineFingerprint
 from jex.tasks.documents import CalibrationDoc, FoldDoc, ScoreDoc
 from jex.tasks.records import FastPassSummary, FinishedCampaign, GateSummary, ReasonSummary, Record
+from jex.tasks.scoring.inputs import ScoreSpec
 from jex.tasks.scoring.reference_audit import audit_markdown
-from jex.tasks.scoring.score import catalog_table
+from jex.tasks.scoring.score import area_table, catalog_table
 
 
 class MachinesSection(Record):
@@ -80,10 +81,12 @@ class RunDocs(Record):
 
 
 def render_report(name: str, docs: RunDocs, s: FinishedCampaign, timings: dict[str, float],
-                  machines: MachinesSection | None = None, *, notes: Sequence[str] = ()) -> str:
-    """`report.md` of a finished run; `notes`: lines after the score (`prompt_notes`, `OWN_CLUSTERS`)."""
+                  machines: MachinesSection | None = None, *, notes: Sequence[str] = (),
+                  score_spec: ScoreSpec | None = None) -> str:
+    """`report.md` of a finished run; `notes`: lines after the score (`prompt_notes`, `OWN_CLUSTERS`);
+    `score_spec`: the suite's, for the per-area table."""
     lines = [f"# Campaign report: {name}", "", *_headline(docs, s.fast_pass.engine), *_fold_section(docs.fold, s.gate),
-             *_score_section(docs.policy), *notes,
+             *_score_section(docs.policy, score_spec), *notes,
              *_calibration_section(docs.calibration), "## Overlays", ""]
     applied = [f"- `{a['id']}` on `{a['target']}`: {a['changed']} choices changed" for a in s.overlay.applied]
     if any(a.get("unverified") for a in s.overlay.applied):
@@ -159,10 +162,11 @@ def _fold_section(fold: FoldDoc, gate: GateSummary) -> list[str]:
     return lines + error_rows_section(fold)
 
 
-def _score_section(policy: ScoreDoc) -> list[str]:
+def _score_section(policy: ScoreDoc, spec: ScoreSpec | None = None) -> list[str]:
     lines = ["", "## Score", "", "| leg | index | 95% CI | raw |", "|---|---:|---|---:|"]
     for leg, v in policy.legs.items():
         lines.append(f"| {leg} | {v.index:.2f} | {v.ci[0]:.2f} to {v.ci[1]:.2f} | {v.raw:.2f} |")
+    lines += area_table(policy, spec) if spec is not None else []
     lines += catalog_table(policy)
     if policy.reference_audit:
         lines += audit_markdown(policy.reference_audit)

@@ -70,7 +70,10 @@ def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: dict[str
     write_json(run_dir / "provenance.json", prov)
     skill_plot(docs.baseline, docs.policy, run_dir / "skill.png")
     reliability_plot(docs.calibration, run_dir / "reliability.png")
-    report = render_report(spec["name"], docs, s, timings, machines, notes=_score_notes(run_dir, s, spec))
+    from jex.tasks.cpu_stages import _suite
+
+    report = render_report(spec["name"], docs, s, timings, machines, notes=_score_notes(run_dir, s, spec),
+                           score_spec=_suite(s.bundle).spec)
     if (run_dir / "spec_proof.json").exists():  # a speculative profile: its exactness proof on this run
         from jex.tasks.capture.spec_proof import ExactnessProof, proof_section
 

@@ -194,6 +194,14 @@ def catalog_value(kind: str, sub: pl.DataFrame) -> float:
     return math.fsum(terms) / n
 
 
+def catalog_shares(spec: ScoreSpec) -> dict[str, float]:
+    """Each catalog's share of the composite's weight: (leg weight / all legs) x (weight / its leg's weights).
+    The shares sum to 1, and full = 100 x sum(share_c x skill_c)."""
+    lsum = math.fsum(spec.legs.values())
+    wsum = {leg: math.fsum(c.weight for c in spec.catalogs if c.leg == leg) for leg in spec.legs}
+    return {c.id: spec.legs[c.leg] / lsum * c.weight / wsum[c.leg] for c in spec.catalogs}
+
+
 def score_predictions(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec) -> Score:
     """Score predictions against the suite rows (vectorised over rows)."""
     frame = scored_frame(rows, predictions, spec)

@@ -38,6 +38,8 @@ class CatalogSpec:
     secondary: tuple[str, ...] = ()
     readout: str = "label_slot"
     prompt_format: str = "template"
+    area: str = "general"
+    """The manifest's `area`: the report's per-area table groups catalogs by it (not a weight)."""
 
     @property
     def reports_acc_norm(self) -> bool:
@@ -62,7 +64,7 @@ class ScoreSpec:
     def from_manifest(cls, manifest: Any) -> ScoreSpec:
         return cls(legs=dict(manifest.legs), catalogs=tuple(
             CatalogSpec(c.id, c.leg, c.weight, c.chance, frozenset(c.exclusions), c.scoring, tuple(c.secondary),
-                        c.readout, c.prompt_format)
+                        c.readout, c.prompt_format, c.area)
             for c in manifest.catalogs))
 
     def as_accuracy(self) -> ScoreSpec:

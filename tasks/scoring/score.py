@@ -12,7 +12,7 @@ from jex.fileio import sha256_file, write_text
 from jex.provenance import provenance
 from jex.tasks.documents import BootstrapParams, CatalogResult, LegScore, ScoreDoc, write_doc
 from jex.tasks.scoring.bootstrap_ci import DEFAULT_DRAWS, DEFAULT_SEED, bootstrap_ci
-from jex.tasks.scoring.index import Score, catalog_chances, score_predictions, scored_frame
+from jex.tasks.scoring.index import Score, catalog_chances, catalog_shares, score_predictions, scored_frame
 from jex.tasks.scoring.inputs import ScoreSpec, load_predictions, load_suite_table
 from jex.tasks.scoring.plain import plain_score
 
@@ -90,6 +90,26 @@ def catalog_table(doc: ScoreDoc) -> list[str]:
     if normed:  # lm-eval's two metrics of its loglikelihood catalogs, side by side
         lines += ["", "| catalog (lm-eval metrics) | n | acc | acc_norm |", "|---|---:|---:|---:|"]
         lines += [f"| {cid} | {v.n} | {v.acc:.4f} | {v.acc_norm:.4f} |" for cid, v in normed.items()]
+    return lines
+
+
+def area_table(doc: ScoreDoc, spec: ScoreSpec) -> list[str]:
+    """Per area of the manifest (catalogs grouped by `area`): catalogs, rows, the area's share of the
+    composite's weight, its index (100 x the share-weighted mean skill) and its points in the full index
+    (100 x sum of share x skill; the areas' points sum to `full`). Empty when every catalog is 'general'."""
+    areas: dict[str, list[str]] = {}
+    for c in spec.catalogs:
+        if c.id in doc.catalogs:
+            areas.setdefault(c.area, []).append(c.id)
+    if set(areas) <= {"general"}:
+        return []
+    shares = catalog_shares(spec)
+    lines = ["", "| area | catalogs | n | share of weight | index | points in full |", "|---|---:|---:|---:|---:|---:|"]
+    for area, ids in areas.items():
+        share = sum(shares[c] for c in ids)
+        points = 100.0 * sum(shares[c] * doc.catalogs[c].skill for c in ids)
+        lines.append(f"| {area} | {len(ids)} | {sum(doc.catalogs[c].n for c in ids)} | {share:.4f} | "
+                     f"{points / share:.2f} | {points:.2f} |")
     return lines
 
 

@@ -1,0 +1,183 @@
+"""Lab jobs: the early-exit probe, engine parity and the bake-off as typed job messages.
+
+One function (`run_lab_job`) runs a job wherever it is: in the orchestrator's process (`--provider
+inprocess`) or on a machine, where the fleet starts `python -m jex.tasks.lab.jobs args.json` in the
+job's folder (its suite under `inputs/suite`, its outputs under `out/`, collected back into the job's
+`out`). The flows read their summaries from the output files (`lab_summary`), so both places give
+the same answer; `flows/runners.py` decides which place.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from jex.engine_spec import EngineSpec
+from jex.fileio import read_json, write_json, write_text
+from jex.record import Record
+
+
+class ProbeJob(Record):
+    """`jex probe early-exit` (tasks/lab/early_exit.py) on `rows` gated rows of a suite folder or bundle."""
+
+    kind: Literal["probe"] = "probe"
+    suite: str
+    rows: int = Field(200, ge=1)
+    every: int = Field(8, ge=1)
+    max_tokens: int = Field(128, ge=1)
+    engine: EngineSpec = EngineSpec()
+    taus: list[float] | None = None
+    ks: list[int] | None = None
+
+
+class ParityJob(Record):
+    """`jex parity` of two engine kinds (tasks/lab/parity.py) on a stratified sample of a suite folder."""
+
+    kind: Literal["parity"] = "parity"
+    suite: str
+    engine_a: str = "hf"
+    engine_b: str = "hf-batched"
+    model: str | None = None
+    rows: int = Field(0, ge=0)
+    reason_rows: int = Field(0, ge=0)
+    max_tokens: int = Field(96, ge=1)
+    device: str = "cpu"
+    batch_size: int = Field(8, ge=1)
+
+
+class BakeoffJob(Record):
+    """`jex bakeoff` (tasks/lab/bakeoff.py): each arm in its own process."""
+
+    kind: Literal["bakeoff"] = "bakeoff"
+    arms: list[str] = Field(default_factory=lambda: ["hf-control", "hf-bi"])
+    model: str | None = None
+    prompts: int = Field(32, ge=1)
+    tokens: int = Field(256, ge=1)
+    ladder: list[int] = Field(default_factory=lambda: [1, 8, 16, 32])
+    repeats: int = Field(2, ge=1)
+    max_num_seqs: int = Field(32, ge=1)
+    device: str = "cpu"
+
+
+LabSpec = Annotated[ProbeJob | ParityJob | BakeoffJob, Field(discriminator="kind")]
+
+OUTPUTS: dict[str, tuple[str, ...]] = {
+    "probe": ("probe.json", "probe.md", "probe.png"),
+    "parity": ("parity.json", "parity.md", "parity-mismatches.parquet"),
+    "bakeoff": ("bakeoff.json", "bakeoff.md", "bakeoff.png", "arm-*.json"),
+}
+"""What each kind writes into its `out` folder (the patterns a machine's job collects)."""
+MACHINE_SUITE, MACHINE_OUT = "inputs/suite", "out"
+"""Where a lab job's suite and outputs are in its folder on a machine."""
+
+
+class LabJob(Record):
+    """A lab job to run somewhere: what to measure, and the folder its outputs go to."""
+
+    spec: LabSpec
+    out: str
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    def suite(self) -> Path | None:
+        """The suite folder or bundle file the job reads (None: the bake-off reads none)."""
+        return None if isinstance(self.spec, BakeoffJob) else Path(self.spec.suite)
+
+    def engine_kinds(self) -> list[str]:
+        """The engine kinds the job loads (what a machine must have installed)."""
+        spec = self.spec
+        if isinstance(spec, ProbeJob):
+            return [spec.engine.kind]
+        if isinstance(spec, ParityJob):
+            return [spec.engine_a, spec.engine_b]
+        from jex.tasks.lab.bakeoff import ARMS
+
+        return [ARMS[arm][0] for arm in spec.arms if arm in ARMS]
+
+    def on_machine(self) -> LabJob:
+        """The same job as its folder on a machine sees it: the suite under `inputs/suite` (a bundle
+        keeps its file name), the outputs under `out/`."""
+        suite = self.suite()
+        spec = self.spec
+        if suite is not None:
+            where = MACHINE_SUITE if suite.is_dir() else f"{MACHINE_SUITE}/{suite.name}"
+            spec = spec.model_copy(update={"suite": where})
+        return LabJob(spec=spec, out=MACHINE_OUT)
+
+    def machine_files(self) -> dict[str, Path]:
+        """The job's input files for its folder on a machine (name in the folder -> local path)."""
+        suite = self.suite()
+        if suite is None:
+            return {}
+        if not suite.is_dir():
+            return {f"{MACHINE_SUITE}/{suite.name}": suite}
+        return {f"{MACHINE_SUITE}/{p.relative_to(suite).as_posix()}": p for p in sorted(suite.rglob("*"))
+                if p.is_file()}
+
+
+def run_lab_job(job: LabJob) -> None:
+    """Run the job in this process; its outputs (`OUTPUTS`) land in `job.out`."""
+    out = Path(job.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = job.spec
+    if isinstance(spec, ProbeJob):
+        _probe(spec, out)
+    elif isinstance(spec, ParityJob):
+        _parity(spec, out)
+    else:
+        from jex.tasks.lab.bakeoff import run_bakeoff
+
+        run_bakeoff(spec.arms, model=spec.model, prompts=spec.prompts, tokens=spec.tokens, ladder=spec.ladder,
+                    repeats=spec.repeats, max_num_seqs=spec.max_num_seqs, device=spec.device, out_dir=out)
+
+
+def _probe(spec: ProbeJob, out: Path) -> None:
+    from jex.tasks.capture.engine_pool import get_engine
+    from jex.tasks.lab.early_exit import DEFAULT_KS, DEFAULT_TAUS, markdown, pick_gated, plot, probe_rows, suite_rows
+
+    eng = get_engine(spec.engine)
+    picked = pick_gated(eng, suite_rows(spec.suite, out), spec.rows, render=spec.engine.render)
+    result = probe_rows(eng, picked, every=spec.every, max_tokens=spec.max_tokens, render=spec.engine.render,
+                        taus=spec.taus or DEFAULT_TAUS, ks=spec.ks or DEFAULT_KS)
+    write_json(out / "probe.json", result.model_dump(mode="json"))
+    write_text(out / "probe.md", markdown(result))
+    plot(result, out / "probe.png")
+
+
+def _parity(spec: ParityJob, out: Path) -> None:
+    from jex.suite import iter_rows
+    from jex.tasks.lab.parity import markdown, parity_of_kinds, stratified_rows, write_mismatches
+
+    picked = stratified_rows(list(iter_rows(spec.suite)), spec.rows)
+    res = parity_of_kinds(spec.engine_a, spec.engine_b, picked, model=spec.model, device=spec.device,
+                          batch_size=spec.batch_size, reason_rows=spec.reason_rows, max_tokens=spec.max_tokens)
+    write_json(out / "parity.json", res)
+    write_text(out / "parity.md", markdown(res, (spec.engine_a, spec.engine_b)))
+    write_mismatches(res, out)
+
+
+def lab_summary(job: LabJob) -> dict[str, Any]:
+    """What the job's flow returns, read from its outputs in `job.out` (wherever it ran)."""
+    out = Path(job.out)
+    if job.kind == "probe":
+        probe = read_json(out / "probe.json")
+        return {k: probe[k] for k in ("full_accuracy", "gate_fire_rate", "first_matching_checkpoint")} | {
+            "out": str(out)}
+    if job.kind == "parity":
+        return {k: v for k, v in read_json(out / "parity.json")["readout"].items() if k != "flip_rows"}
+    bake = read_json(out / "bakeoff.json")
+    return {"verdict": bake["verdict"], "tax": bake["tax"], "errors": bake["errors"], "out": str(out)}
+
+
+def _main(args_file: str) -> None:
+    """A machine's lab job: `args.json` (a `LabJob` with paths relative to the job folder, the cwd)."""
+    run_lab_job(LabJob.model_validate_json(Path(args_file).read_text()))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
