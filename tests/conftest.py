@@ -200,3 +200,11 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture
+def no_user_settings(monkeypatch, tmp_path):
+    """No JEX_* variable and no .env of the person running the tests (the working directory is tmp_path)."""
+    monkeypatch.chdir(tmp_path)
+    for name in [n for n in os.environ if n.startswith("JEX_")]:
+        monkeypatch.delenv(name)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import subprocess
 import sys
 
@@ -36,11 +35,7 @@ EVERY_FIELD = {
 """A value other than the default for every CampaignSpec field (and every engine and machines field)."""
 
 
-@pytest.fixture(autouse=True)
-def no_user_settings(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)
-    for name in [n for n in os.environ if n.startswith("JEX_")]:
-        monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("no_user_settings")
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ also runs end to end: tests/test_experiments.py's experiment is examples/arms.to
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -11,12 +10,7 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.fixture(autouse=True)
-def no_user_settings(monkeypatch, tmp_path):
-    """No JEX_* variable and no .env of the person running the tests."""
-    monkeypatch.chdir(tmp_path)
-    for name in [n for n in os.environ if n.startswith("JEX_")]:
-        monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("no_user_settings")
 
 
 def test_the_arms_example_parses_as_jex_experiment_run_reads_it():

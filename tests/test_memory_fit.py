@@ -6,7 +6,6 @@ weights: runs on CPU."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -29,11 +28,7 @@ QWEN_2_5_14B = {"model_type": "qwen2", "hidden_size": 5120, "num_hidden_layers":
 VLLM_ON_CUDA = EngineSpec(kind="vllm", device="cuda", gpu_memory_utilization=0.9)
 
 
-@pytest.fixture(autouse=True)
-def no_user_settings(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)
-    for name in [n for n in os.environ if n.startswith("JEX_")]:
-        monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("no_user_settings")
 
 
 def model_dir(root: Path, config: dict) -> Path:

@@ -20,12 +20,7 @@ NOT_DEFAULT = {"kind": "vllm", "profile": "audit-ngram", "model": "org/name@abc"
 """A value other than the default for every plain field of the engine spec (its render is a table)."""
 
 
-@pytest.fixture(autouse=True)
-def no_user_settings(monkeypatch, tmp_path):
-    """No JEX_* variable and no .env of the person running the tests."""
-    monkeypatch.chdir(tmp_path)
-    for name in [n for n in os.environ if n.startswith("JEX_")]:
-        monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("no_user_settings")
 
 
 def test_default_settings_give_the_default_campaign():
