@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/engine_cpu.py [--rows 64] [--gen-rows 16] [--gen-tokens 48] [--rounds 2]
         [--out bench/out/engine_cpu.json]
-Readout (the fast pass's label slot): jex batch-invariant (one forward per row), jex batched at 8, and a
-plain `transformers` forward at batch 8 of the same prompts (left-padded, last position only).
+Readout (the fast pass's label slot): jex batch-invariant (rows packed, attention and lm_head per row),
+jex batch-invariant one forward per row (before packing; the log-probs of the two are compared), jex
+batched at 8, and a plain `transformers` forward at batch 8 of the same prompts (left-padded, last position only).
 Generation (the reason stage's greedy rationales): jex batch-invariant as before this change (one
 `model.generate` per request), jex batch-invariant row-exact (`engine/hf_decode.py`, lock-step at 8),
 and plain batched `generate` at 8 (not batch-invariant: the CPU audit tax is the ratio to it).
@@ -57,11 +58,13 @@ def main() -> None:
     read_rows, gen_rows = rows[: args.rows], rows[: args.gen_rows]
     inv, batched, before = HFEngine(batch_invariant=True), HFEngine(batch_invariant=False), HFEngine()
     before._row_exact_model = False  # the generation path before row-exact decoding: one generate per request
+    before.packs_rows = False  # the readout before packing: one forward per row
     batched.batch_size = 8
     prompts = [r.prompt for r in question_prompts(inv, read_rows, RenderSpec(), None, None)]
     reqs = _reason_requests(inv, gen_rows, args.gen_tokens, RenderSpec(), ())
     arms = {
         "readout_jex_invariant": lambda: fast_pass(inv, read_rows),
+        "readout_jex_invariant_one_forward_per_row": lambda: fast_pass(before, read_rows),
         "readout_jex_batched8": lambda: fast_pass(batched, read_rows),
         "readout_plain_transformers_batch8": lambda: plain_forward(inv, prompts),
         "generate_invariant_before": lambda: before.generate(reqs),
@@ -81,11 +84,16 @@ def main() -> None:
                   {"tokens_per_s": sum(map(len, gens[name])) / s, "tokens": sum(map(len, gens[name]))}) | {"seconds": s}
            for name, s in best.items()}
     g_before, g_new = best["generate_invariant_before"], best["generate_invariant_row_exact8"]
+    packed, per_row = outs["readout_jex_invariant"], outs["readout_jex_invariant_one_forward_per_row"]
     summary = {"rows": len(read_rows), "gen_rows": len(gen_rows), "gen_max_tokens": args.gen_tokens,
                "tokens_before": tokens, "threads": torch.get_num_threads(), "rounds": args.rounds,
                "row_exact_identical_to_before": gens["generate_invariant_row_exact8"]
                == gens["generate_invariant_before"],
                "speedup_row_exact_vs_before": g_before / g_new,
+               "packed_readout_identical_to_one_per_row": [r.raw_logprobs for r in packed]  # type: ignore[attr-defined]
+               == [r.raw_logprobs for r in per_row],  # type: ignore[attr-defined]
+               "speedup_packed_vs_one_forward_per_row": best["readout_jex_invariant_one_forward_per_row"]
+               / best["readout_jex_invariant"],
                "audit_tax_generation": g_new / best["generate_batched8_not_invariant"],
                "readout_plain_vs_jex_invariant_seconds": best["readout_jex_invariant"]
                / best["readout_plain_transformers_batch8"],

@@ -68,6 +68,7 @@ from jex.tasks.records import (
     FinishedCampaign,
     GateSummary,
 )
+from jex.tasks.store import LocalStore
 
 AUDIT_SETTINGS = {"require_zero_errors", "reference_min_agreement"}
 """Settings that decide whether a run passes, not what it computes (so not in the run's identity)."""
@@ -189,11 +190,17 @@ class CampaignRun:
     timings: dict[str, float] = field(default_factory=dict)
     overlays_unverified: bool = False
     """Overlay rules applied under `unverified_overlays` although some rule has no passed gate record."""
+    stored_only: bool = False
+    """Look every stage up in the store instead of running it (`stored_run`); a missing one raises NotStored."""
 
     def stage(self, name: str, task: Any, inputs: StageInputs) -> Any:
         """Run one stage task on its inputs record: an engine stage has its missing shards computed by
         the runner first (on machines, whose measured engine fingerprint the inputs then carry).
         Returns the stage's summary, recorded under `name`."""
+        if self.stored_only:
+            out = stored_summary(self.spec.store, name, inputs)
+            setattr(self.summaries, name, out)
+            return out
         t0 = time.perf_counter()
         if isinstance(inputs, FastPassInputs | ReasonInputs):
             inputs = self.runner.compute(EngineJob(inputs=inputs, store=self.spec.store)).inputs
@@ -397,6 +404,43 @@ def upload_to_s3(s3: Any, run_dir: Path, summaries: CampaignSummaries, store: st
     manifest = sync_campaign(s3, run_dir, folders, Path(store))
     print(f"uploaded {sum(o['uploaded'] for o in manifest['objects'])} of {len(manifest['objects'])} objects to "
           f"s3://{manifest['bucket']}/{manifest['prefix']}")
+
+
+class NotStored(LookupError):
+    """A stage of the campaign is not in the store (`stored_run`): the flow must run."""
+
+
+def stored_summary(store: str, name: str, inputs: StageInputs) -> Any:
+    """The summary of stage `name` (a CampaignSummaries field) for `inputs`, from the store's complete
+    stage folder of their key; NotStored if there is none."""
+    folder = LocalStore(store).stage(inputs.stage, inputs.key())
+    if not folder.complete:
+        raise NotStored(name)
+    return CampaignSummaries.summary_type(name).model_validate_json(folder.summary())
+
+
+def stored_run(spec: CampaignSpec, settings: JexSettings) -> Path | None:
+    """The run folder of `spec` when a flow run would find everything cached: every stage in the store
+    under the keys the flow would compute, the folder's report rendered from them, no S3 to upload to.
+    Found with the flow's own composition (`capture_stages`, `decision_stages`) looking stages up, so no
+    Prefect API is needed. A run that fails the audit settings fails here as in the flow. None otherwise."""
+    from jex.flows.runners import InProcessRunner
+    from jex.tasks.outputs.run_folder import rendered, report_key
+
+    run_dir = spec.run_dir()
+    if settings.store.s3_bucket or not (run_dir / "campaign.json").exists():
+        return None
+    run = CampaignRun(spec, run_dir, InProcessRunner(), stored_only=True)
+    try:
+        capture_stages(run)
+        decision_stages(run)
+    except NotStored:
+        return None
+    if not rendered(run_dir, report_key(run_dir, run.summaries, spec.model_dump(mode="json"))):
+        return None
+    enforce_audit(spec, run.summaries.finished())
+    print(f"every stage stored: nothing to run (report: {run_dir / 'report.md'})")
+    return run_dir
 
 
 def run_campaign(spec: CampaignSpec) -> Path:

@@ -42,7 +42,7 @@ from jex.infra.records import MachineProvenance
 from jex.tasks.capture.engine_host import COMPILE_CACHE, STARTS, HostOptions, parse_starts
 from jex.tasks.capture.engine_host.protocol import EngineStart
 from jex.tasks.capture.engine_pool import compile_cache_key
-from jex.tasks.capture.golden import compare_golden, find_reference, store_reference
+from jex.tasks.capture.golden import compare_golden, find_reference, has_reference, store_reference
 from jex.tasks.capture.stages import WORK_RECORDS, stage_plan
 from jex.tasks.documents import GoldenVerdict
 from jex.tasks.inputs import EngineJob, FastPassInputs, ReasonInputs
@@ -150,6 +150,8 @@ class GpuFleet:
         self.engine_fp: EngineFingerprint | None = None
         """Its fingerprint, measured by the first machine's golden replay."""
         self.engine_starts: dict[str, list[EngineStart]] = {}
+        self._reference_due = 0
+        """Rows of golden reference the next fast pass computed here establishes (`_golden`)."""
         self._job_keys: dict[str, str] = {}
         """The first key each engine stage ran under (`_job_name`)."""
         self._lock = threading.Lock()
@@ -247,28 +249,16 @@ class GpuFleet:
             order.result()
 
     def _golden(self, session: MachineSession, job: EngineJob) -> None:
+        """Machine `session`'s golden replay, compared with the stored reference (or the head of this
+        engine's fast-pass capture). With nothing a replay could meet (one machine, no reference of the
+        bundle in the store) the machine only measures its fingerprint, and the fast pass it runs next
+        becomes the reference (`_establish_reference`): a replay would compare nothing."""
         host = _machine(session)
         inputs = job.inputs
         rows = min(self.spec.golden_rows, inputs.bundle.rows)
-        inbox = self.store.root / ".machines" / host.id / "golden"
-        files = _job_files(job, inbox)
-        machine = (MachineProvenance.model_validate_json(session.provenance_file.read_text())
-                   if session.provenance_file else None)
-        cached = compile_cache_path(self.store, inputs.engine, machine)
-        brought = cached.exists()
-        cache_argv = self._compile_cache_argv(cached, files)
-        remote = RemoteJob("golden", ["-m", "jex", "stage", "golden", "--args", "args.json", "--rows", str(rows),
-                                      "--out", "golden.parquet", "--fingerprint", "fingerprint.json",
-                                      *self._host_options_argv(host, inputs.engine, inbox, files), *cache_argv],
-                           ["golden.parquet", "fingerprint.json", COMPILE_CACHE], inbox, files=files)
-        self._run(session, remote)
-        if not brought and (inbox / COMPILE_CACHE).exists():  # the first machine of this engine compiled: keep it
-            with self._lock:
-                if not cached.exists():
-                    cached.parent.mkdir(parents=True, exist_ok=True)
-                    (inbox / COMPILE_CACHE).replace(cached)
+        replay_rows = rows if len(self._lives) > 1 or has_reference(self.store, inputs.bundle) else 0
+        inbox = self._replay(session, job, "golden", replay_rows, first=True)
         fp = EngineFingerprint.model_validate_json((inbox / "fingerprint.json").read_text())
-        replay = pl.read_parquet(inbox / "golden.parquet")
         with self._lock:
             self.engine_fp = self.engine_fp or fp
             if fp != self.engine_fp:
@@ -278,18 +268,48 @@ class GpuFleet:
             plan = stage_plan(inputs.model_copy(update={"engine_fp": fp}), job.store)
             capture = Path(plan.folder) / "capture.parquet"
             ref, source = find_reference(self.store, inputs.bundle, fp, rows, str(capture))
-            if ref is None:
-                source = str(store_reference(self.store, inputs.bundle, fp, replay))
+            if not replay_rows and ref is None:
+                self._reference_due = rows
+                verdict = GoldenReplay(machine=host.id, reference="the fast pass's first rows", established=True,
+                                       ok=True, rows=0, max_abs_dp=0.0, tolerance=self.spec.golden_tolerance)
+            elif ref is None:
+                source = str(store_reference(self.store, inputs.bundle, fp, pl.read_parquet(inbox / "golden.parquet")))
                 verdict = GoldenReplay(machine=host.id, reference=source, established=True, ok=True, rows=rows,
                                        max_abs_dp=0.0, tolerance=self.spec.golden_tolerance)
             else:
+                if not replay_rows:  # a capture of this engine but no stored reference (an in-process fast pass)
+                    inbox = self._replay(session, job, "golden-replay", rows, first=False)
+                replay = pl.read_parquet(inbox / "golden.parquet")
                 verdict = GoldenReplay(machine=host.id, reference=source, established=False,
                                        **dict(compare_golden(ref, replay, self.spec.golden_tolerance)))
             self.golden.append(verdict)
-        self.echo(f"machine {host.id}: golden replay of {rows} rows: max |dp| {verdict.max_abs_dp:.3g} "
+        self.echo(f"machine {host.id}: golden replay of {verdict.rows} rows: max |dp| {verdict.max_abs_dp:.3g} "
                   f"({'reference established' if verdict.established else 'against ' + source})")
         if not verdict.ok:
             raise GoldenMismatch(host.id, verdict)
+
+    def _replay(self, session: MachineSession, job: EngineJob, name: str, rows: int, *, first: bool) -> Path:
+        """Run the golden job `name` (the bundle's first `rows` rows and the engine fingerprint) on the
+        machine; its inbox. The `first` one brings the store's compile cache or takes the machine's."""
+        host, inputs = _machine(session), job.inputs
+        inbox = self.store.root / ".machines" / host.id / name
+        files = _job_files(job, inbox)
+        machine = (MachineProvenance.model_validate_json(session.provenance_file.read_text())
+                   if session.provenance_file else None)
+        cached = compile_cache_path(self.store, inputs.engine, machine)
+        brought = cached.exists()
+        cache_argv = self._compile_cache_argv(cached, files) if first else []
+        remote = RemoteJob(name, ["-m", "jex", "stage", "golden", "--args", "args.json", "--rows", str(rows),
+                                  "--out", "golden.parquet", "--fingerprint", "fingerprint.json",
+                                  *self._host_options_argv(host, inputs.engine, inbox, files), *cache_argv],
+                           ["golden.parquet", "fingerprint.json", COMPILE_CACHE], inbox, files=files)
+        self._run(session, remote)
+        if first and not brought and (inbox / COMPILE_CACHE).exists():  # the first machine of this engine compiled
+            with self._lock:
+                if not cached.exists():
+                    cached.parent.mkdir(parents=True, exist_ok=True)
+                    (inbox / COMPILE_CACHE).replace(cached)
+        return inbox
 
     def _host_options_argv(self, host: Machine, engine: EngineSpec, inbox: Path, files: dict[str, Path]) -> list[str]:
         """The job's `HostOptions` as `host-options.json` beside its `args.json` (added to `files`), and
@@ -320,7 +340,23 @@ class GpuFleet:
         plan = stage_plan(job.inputs, job.store)
         if not plan.complete:
             self._compute(job, plan)
+            self._establish_reference(job, plan)
         return job
+
+    def _establish_reference(self, job: EngineJob, plan: StagePlan) -> None:
+        """Store the first rows of a fast pass the machines just computed as the bundle's golden reference,
+        when no replay established one (`_golden`): later machines' replays meet it."""
+        if not (self._reference_due and job.inputs.stage == "fast_pass" and job.inputs.engine_fp):
+            return
+        frames: list[pl.DataFrame] = []
+        for shard in sorted(Path(plan.shards_dir).glob("shard-*.parquet")):
+            if sum(f.height for f in frames) >= self._reference_due:
+                break
+            frames.append(pl.read_parquet(shard))
+        reference = pl.concat(frames).head(self._reference_due)
+        path = store_reference(self.store, job.inputs.bundle, job.inputs.engine_fp, reference)
+        self.echo(f"golden reference of {reference.height} rows established from the fast pass: {path}")
+        self._reference_due = 0
 
     def _measured(self, job: EngineJob) -> EngineJob:
         """The job with the machines' fingerprint of its engine: the fleet's engine, or its audited base

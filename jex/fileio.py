@@ -65,6 +65,20 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, indent=2, default=str, allow_nan=True) + "\n"
 
 
+def toml_value(v: Any) -> str:
+    """`v` as a TOML value: booleans, numbers, strings (as JSON strings, which are valid TOML basic
+    strings), arrays, and inline tables (None entries left out, TOML has no null)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{toml_value(str(k))} = {toml_value(x)}" for k, x in v.items() if x is not None) + " }"
+    return json.dumps(str(v), ensure_ascii=False)
+
+
 def write_json(path: str | Path, obj: Any) -> str:
     """Atomically write canonical JSON; returns the sha256 of the bytes written."""
     text = canonical_json(obj)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from jex.errors import InputError
-from jex.fileio import sha256_file
+from jex.fileio import sha256_file, toml_value
 from jex.suite import MANIFEST_NAME, load_manifest
 
 LETTERS = string.ascii_uppercase
@@ -58,7 +58,7 @@ class ReadoutSettings:
 
     def lines(self) -> list[str]:
         default = ReadoutSettings()
-        return [f"{k} = {_toml_str(getattr(self, k))}" for k in ("readout", "prompt_format", "target_delimiter",
+        return [f"{k} = {toml_value(getattr(self, k))}" for k in ("readout", "prompt_format", "target_delimiter",
                                                                   "scoring")
                 if getattr(self, k) != getattr(default, k)]
 
@@ -147,24 +147,6 @@ def choices_of(value: Any, *, where: Where) -> tuple[list[str], list[str] | None
 
 # --- writing ---------------------------------------------------------------------------------------
 
-def _toml_str(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)  # a JSON string is a valid TOML basic string
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return _toml_str(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{_toml_str(str(k))} = {_toml_value(x)}" for k, x in v.items() if x is not None) + " }"
-    return _toml_str(str(v))
-
-
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "catalog"
 
@@ -183,18 +165,18 @@ def write_suite(out: str | Path, catalogs: Sequence[ImportedCatalog], *, name: s
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "rows").mkdir(parents=True)
     legs = sorted({c.leg for c in catalogs})
-    lines = [f"name = {_toml_str(name)}", "", "[legs]", *(f"{_toml_str(leg)} = 1.0" for leg in legs)]
+    lines = [f"name = {toml_value(name)}", "", "[legs]", *(f"{toml_value(leg)} = 1.0" for leg in legs)]
     try:
         for cat in catalogs:
             slug = _slug(cat.id)
             _write_jsonl(tmp / "rows" / f"{slug}.jsonl", (r.record(cat.id) for r in cat.rows))
-            lines += ["", "[[catalogs]]", f"id = {_toml_str(cat.id)}", f"name = {_toml_str(cat.name or cat.id)}",
-                      f"leg = {_toml_str(cat.leg)}", f"weight = {cat.weight!r}", f'files = ["rows/{slug}.jsonl"]',
+            lines += ["", "[[catalogs]]", f"id = {toml_value(cat.id)}", f"name = {toml_value(cat.name or cat.id)}",
+                      f"leg = {toml_value(cat.leg)}", f"weight = {cat.weight!r}", f'files = ["rows/{slug}.jsonl"]',
                       *cat.readout.lines()]
             if cat.fewshot:
                 _write_jsonl(tmp / "rows" / f"{slug}.fewshot.jsonl", (r.record(cat.id) for r in cat.fewshot))
                 lines.append(f'fewshot_files = ["rows/{slug}.fewshot.jsonl"]')
-        lines += ["", "[source]", *(f"{_toml_str(k)} = {_toml_value(v)}" for k, v in source.items() if v is not None)]
+        lines += ["", "[source]", *(f"{toml_value(k)} = {toml_value(v)}" for k, v in source.items() if v is not None)]
         (tmp / MANIFEST_NAME).write_text("\n".join(lines) + "\n", encoding="utf-8")
         load_manifest(tmp)  # what we wrote must read back
         if out.exists():

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as dt
 import fcntl
-import json
 import math
 import tomllib
 from collections.abc import Iterable, Sequence
@@ -25,7 +24,7 @@ from pydantic import Field
 
 from jex.engine_spec import EngineSpec
 from jex.errors import InputError
-from jex.fileio import atomic_path
+from jex.fileio import atomic_path, toml_value
 from jex.record import Record
 
 LEDGER_NAME = "ledger.toml"
@@ -118,26 +117,12 @@ def now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _toml_value(v: object) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        return repr(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    return json.dumps(str(v))  # a JSON string is a valid TOML basic string
-
-
 def _block(d: Decision) -> str:
     doc = d.model_dump(mode="json", exclude_none=True)
     if d.reopen_if is not None:
         doc["reopen_if"] = d.reopen_if.model_dump(mode="json", exclude_defaults=True)
     keep = {k: v for k, v in doc.items() if not (isinstance(v, float) and not math.isfinite(v))}
-    return "[[decisions]]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in keep.items())
+    return "[[decisions]]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in keep.items())
 
 
 def read_decisions(path: str | Path) -> list[Decision]:

@@ -8,7 +8,7 @@ validated, so a stage folder written by other code is refused by name, not misre
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, get_args
 
 from pydantic import ConfigDict, Field
 
@@ -170,6 +170,13 @@ class CampaignSummaries(Record):
     calibrate: CalibrateSummary | None = None
     overlay: OverlaySummary | None = None
     score: ScoreSummary | None = None
+
+    @classmethod
+    def summary_type(cls, name: str) -> type[StageSummary]:
+        """The summary record of stage `name` (a field of this record)."""
+        annotation = cls.model_fields[name].annotation
+        summary: type[StageSummary] = next(t for t in get_args(annotation) if t is not type(None))
+        return summary
 
     def done(self) -> dict[str, StageSummary]:
         """The stages run so far, in campaign order."""

@@ -65,7 +65,8 @@ def s3_server():
     server.stop()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for the servers the tests start)."""
     import socket
 
     with socket.socket() as s:
@@ -92,7 +93,7 @@ def sshd(tmp_path_factory):
     for name in ("host_key", "user_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
     (d / "authorized_keys").write_text((d / "user_key.pub").read_text())
-    port = _free_port()
+    port = free_port()
     (d / "sshd_config").write_text("\n".join([
         f"Port {port}", "ListenAddress 127.0.0.1", f"HostKey {d / 'host_key'}",
         f"AuthorizedKeysFile {d}/authorized_keys", "Subsystem sftp internal-sftp",

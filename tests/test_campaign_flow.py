@@ -62,7 +62,8 @@ def _spec(suite, tmp_path):
 
 def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, tmp_path, monkeypatch, s3_server):
     import jex.tasks.cpu_stages as cpu
-    from jex.flows.campaign import campaign
+    from jex.flows.campaign import campaign, stored_run
+    from jex.settings import load_settings
 
     real = cpu.fold_predictions
     failures = {"left": 1}
@@ -79,6 +80,7 @@ def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, 
     with pytest.raises(RuntimeError, match="injected fold failure"):
         campaign(spec)
     assert CALLS["fast_pass"] == 3 and CALLS["reason"] >= 1  # the capture ran once
+    assert stored_run(spec, load_settings()) is None  # fold is not stored: `jex run` must run the flow
     CALLS.clear()
     run_dir = Path(campaign(spec))
     assert CALLS["fast_pass"] == 0 and CALLS["reason"] == 0  # the retry re-ran nothing upstream of fold
@@ -86,6 +88,7 @@ def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, 
                  "provenance.json"):
         assert (run_dir / name).exists(), name
     first = (run_dir / "score.json").read_bytes(), (run_dir / "predictions.parquet").read_bytes()
+    assert stored_run(spec, load_settings()) == run_dir  # every stage stored: `jex run` starts no Prefect API
     campaign(spec)
     assert ((run_dir / "score.json").read_bytes(), (run_dir / "predictions.parquet").read_bytes()) == first
     import json
@@ -97,6 +100,7 @@ def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, 
     boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket="campaigns")
     monkeypatch.setenv("JEX_STORE__S3_BUCKET", "campaigns")
     monkeypatch.setenv("JEX_STORE__S3_ENDPOINT_URL", s3_server)
+    assert stored_run(spec, load_settings()) is None  # S3 configured: the flow uploads
     campaign(spec)  # S3 configured: stage folders and the run folder go up, verified
     uploaded = {o["key"] for o in json.loads((run_dir / "s3.json").read_text())["objects"]}
     assert f"jex/runs/{run_dir.name}/score.json" in uploaded
@@ -175,14 +179,16 @@ def test_bakeoff_and_parity_flows_publish_their_reports(harness, tiny_suite, tmp
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from jex.flows.experiments import bakeoff, parity
+    from jex.flows.fleet import MachinesSpec
 
+    here = MachinesSpec(provider="inprocess")  # on a machine: test_lab_jobs.py
     b = bakeoff(arms=["hf-control", "hf-bi"], prompts=2, tokens=4, ladder=[1, 2], repeats=1,
-                out=str(tmp_path / "bk"))
+                out=str(tmp_path / "bk"), machines=here)
     assert b["errors"] == {} and b["verdict"].split(":")[0] in ("UNDERPOWERED", "INVARIANT")
     p = parity(suite=str(tiny_suite), engine_a="hf", engine_b="hf-batched", rows=9, reason_rows=2, max_tokens=4,
-               out=str(tmp_path / "par"))
+               out=str(tmp_path / "par"), machines=here)
     assert p["common"] == 9 and p["max_abs_dp"] < 1e-3  # batched padding moves probabilities by ~1e-6
-    assert (tmp_path / "par" / "parity.md").exists()
+    assert (tmp_path / "par" / "parity.md").exists() and not (tmp_path / "par" / "machines.json").exists()
     record = pl.read_parquet(tmp_path / "par" / "parity-mismatches.parquet")  # written even when empty
     assert {"run_id", "catalog", "pre_margin", "post_margin_a", "post_margin_b", "choice_a", "choice_b"} \
         <= set(record.columns)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,14 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 AUTH = "team:0nly-the-team-gets-in"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _deploy(*args: str, url: str) -> str:
@@ -47,7 +42,7 @@ def _deploy(*args: str, url: str) -> str:
 def team_server(tmp_path_factory):
     """A plain Prefect server with basic auth; yields (API URL, the environment of its clients)."""
     tmp = tmp_path_factory.mktemp("team")
-    port = _port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("PREFECT_API_", "JEX_PREFECT__")) and k != "PREFECT_HOME"}

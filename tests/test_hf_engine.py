@@ -46,6 +46,19 @@ def test_label_slot_is_bit_identical_across_batch_sizes_and_order(engine, reques
     assert one == eight == again  # exact float equality, not approx
 
 
+def test_packed_label_slot_is_bit_identical_to_one_forward_per_row(engine, requests, monkeypatch):
+    import jex.engine.hf as hf
+
+    assert engine.packs_rows
+    packed = {}
+    for tokens in (4096, 200):  # every row in one pack; two or three rows per pack
+        monkeypatch.setattr(hf, "PACK_TOKENS", tokens)
+        packed[tokens] = [r.raw_logprobs for r in engine.readout(requests)]
+    monkeypatch.setattr(engine, "packs_rows", False)
+    one_per_row = [r.raw_logprobs for r in engine.readout(requests)]
+    assert packed[4096] == packed[200] == one_per_row  # exact float equality, whatever the packing
+
+
 def test_label_slot_matches_a_plain_transformers_forward(engine, requests):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,6 +1,9 @@
 """Lab jobs through the providers (issue 29 item 5): the early-exit probe, parity, the bake-off and the
 budget projection (`jex calibrate`) run on a machine of the `local` provider, their outputs come back
-from its job folder, and on the deterministic CPU engine they equal the in-process run on the same rows."""
+from its job folder, and on the deterministic CPU engine they equal the same computation in the test's
+process on the same rows: the job the machine was handed (its `args.json`, or the spec in
+`budget.json`), run here by the pure lab function (the flows' in-process provider is proven by
+test_speculative.py and test_campaign_flow.py)."""
 
 from __future__ import annotations
 
@@ -28,13 +31,26 @@ def local_machines(tmp_path, monkeypatch):
         monkeypatch.setenv(k, v)
 
 
-def _ran_on_a_machine(out: Path, job: str) -> None:
-    """`out` holds the machines report of one local machine that ran `job`, and the job's folder."""
+def _ran_on_a_machine(out: Path, job: str) -> Path:
+    """`out` holds the machines report of one local machine that ran `job`, and the job's folder;
+    returns the job's `args.json` there (the job as the machine was handed it)."""
     machines = json.loads((out / "machines.json").read_text())
     assert machines["provider"] == "local" and len(machines["machines"]) == 1
     machine = machines["machines"][0]
     assert [o["job"] for o in machine["jobs"]] == [job] and machine["jobs"][0]["status"] == "success"
-    assert (out / ".machines" / machine["machine"]["id"] / job / "args.json").exists()
+    args = out / ".machines" / machine["machine"]["id"] / job / "args.json"
+    assert args.exists()
+    return args
+
+
+def _here(args: Path, out: Path, suite: Path | None = None):
+    """The machine's lab job (`args`) as this process runs it: on `suite` (the rows the machine was
+    sent), its outputs in `out`."""
+    from jex.tasks.lab.jobs import LabJob
+
+    job = LabJob.model_validate_json(args.read_text())
+    spec = job.spec.model_copy(update={"suite": str(suite)}) if suite is not None else job.spec
+    return LabJob(spec=spec, out=str(out))
 
 
 def _cli(*argv: str) -> None:
@@ -47,59 +63,65 @@ def _cli(*argv: str) -> None:
 
 
 def test_probe_runs_on_a_local_machine_and_equals_in_process(lab_suite, tmp_path, prefect_harness, local_machines):
-    runs = {}
-    for provider in ("local", "inprocess"):
-        out = tmp_path / provider
-        _cli("probe", "early-exit", "--suite", str(lab_suite), "--rows", "2", "--every", "4", "--max-tokens", "8",
-             "--provider", provider, "-o", str(out))
-        runs[provider] = json.loads((out / "probe.json").read_text())
-        assert (out / "probe.png").stat().st_size > 1000
-    _ran_on_a_machine(tmp_path / "local", "lab-probe")
-    assert not (tmp_path / "inprocess" / "machines.json").exists()
-    assert runs["local"] == runs["inprocess"]
+    from jex.tasks.lab.jobs import run_lab_job
+
+    out = tmp_path / "local"
+    _cli("probe", "early-exit", "--suite", str(lab_suite), "--rows", "2", "--every", "4", "--max-tokens", "8",
+         "--provider", "local", "-o", str(out))
+    assert (out / "probe.png").stat().st_size > 1000
+    run_lab_job(_here(_ran_on_a_machine(out, "lab-probe"), tmp_path / "here", lab_suite))
+    assert json.loads((out / "probe.json").read_text()) == json.loads((tmp_path / "here" / "probe.json").read_text())
 
 
 def test_parity_runs_on_a_local_machine_and_equals_in_process(lab_suite, tmp_path, prefect_harness, local_machines):
-    runs = {}
-    for provider in ("local", "inprocess"):
-        out = tmp_path / provider
-        _cli("parity", "--suite", str(lab_suite), "--rows", "3", "--engine-a", "hf", "--engine-b", "hf-batched",
-             "--provider", provider, "-o", str(out))
-        runs[provider] = json.loads((out / "parity.json").read_text())
-    _ran_on_a_machine(tmp_path / "local", "lab-parity")
-    assert runs["local"]["readout"] == runs["inprocess"]["readout"] and runs["local"]["readout"]["common"] == 3
-    assert (runs["local"]["accuracy_a"], runs["local"]["accuracy_b"]) == (runs["inprocess"]["accuracy_a"],
-                                                                          runs["inprocess"]["accuracy_b"])
+    from jex.tasks.lab.jobs import run_lab_job
+
+    out = tmp_path / "local"
+    _cli("parity", "--suite", str(lab_suite), "--rows", "3", "--engine-a", "hf", "--engine-b", "hf-batched",
+         "--provider", "local", "-o", str(out))
+    run_lab_job(_here(_ran_on_a_machine(out, "lab-parity"), tmp_path / "here", lab_suite))
+    there, here = (json.loads((d / "parity.json").read_text()) for d in (out, tmp_path / "here"))
+    assert there["readout"] == here["readout"] and there["readout"]["common"] == 3
+    assert (there["accuracy_a"], there["accuracy_b"]) == (here["accuracy_a"], here["accuracy_b"])
 
 
 def test_bakeoff_runs_on_a_local_machine_and_equals_in_process(tmp_path, prefect_harness, local_machines):
+    """The arm's ladder computed here as its arm process computes it (`_arm_main`), without the process."""
     from jex.flows.experiments import bakeoff
     from jex.flows.fleet import MachinesSpec
+    from jex.tasks.lab.bakeoff import arm_engine, compare, divergence_prompts, run_ladder
+    from jex.tasks.lab.jobs import BakeoffJob
 
-    ids = {}
-    for provider in ("local", "inprocess"):
-        out = tmp_path / provider
-        res = bakeoff(arms=["hf-bi"], prompts=2, tokens=4, ladder=[1, 2], repeats=1, out=str(out),
-                      machines=MachinesSpec(provider=provider))
-        assert res["errors"] == {}
-        arm = json.loads((out / "arm-hf-bi.json").read_text())
-        ids[provider] = {b: r["token_ids"] for b, r in arm["rungs"].items()}
-    _ran_on_a_machine(tmp_path / "local", "lab-bakeoff")
-    assert ids["local"] == ids["inprocess"] and set(ids["local"]) == {"1", "2"}
+    out = tmp_path / "local"
+    res = bakeoff(arms=["hf-bi"], prompts=2, tokens=4, ladder=[1, 2], repeats=1, out=str(out),
+                  machines=MachinesSpec(provider="local"))
+    assert res["errors"] == {}
+    spec = _here(_ran_on_a_machine(out, "lab-bakeoff"), tmp_path / "here").spec
+    assert isinstance(spec, BakeoffJob) and spec.arms == ["hf-bi"]
+    arm = json.loads((out / "arm-hf-bi.json").read_text())
+    there = {b: r["token_ids"] for b, r in arm["rungs"].items()}
+    engine = arm_engine("hf-bi", spec.model, spec.max_num_seqs, spec.device)
+    rungs = compare(run_ladder(engine, divergence_prompts(spec.prompts), ladder=spec.ladder, repeats=spec.repeats,
+                               tokens=spec.tokens))
+    assert there == {b: r["token_ids"] for b, r in rungs.items()} and set(there) == {"1", "2"}
 
 
 def test_calibrate_measures_its_sample_on_a_local_machine(lab_suite, tmp_path, prefect_harness, local_machines):
-    measured = {}
-    for provider in ("local", "inprocess"):
-        out = tmp_path / provider
-        _cli("calibrate", "--suite", str(lab_suite), "--coverage", "0.25", "--sample-every", "3", "--provider",
-             provider, "--out", str(out))
-        budget = next(out.glob("*-budget"))
-        measured[provider] = json.loads((budget / "budget.json").read_text())["measured"]
+    from jex.flows.budget import BudgetSpec, budget_projection
+    from jex.flows.fleet import MachinesSpec
+
+    _cli("calibrate", "--suite", str(lab_suite), "--coverage", "0.25", "--sample-every", "3", "--provider",
+         "local", "--out", str(tmp_path / "local"))
     budget = next((tmp_path / "local").glob("*-budget"))
     machines = json.loads((budget / "machines.json").read_text())
     assert machines["provider"] == "local"
     assert [o["job"] for o in machines["machines"][0]["jobs"]] == ["golden", "fast_pass", "reason"]
+    there = json.loads((budget / "budget.json").read_text())
+    spec = BudgetSpec.model_validate(there["spec"])  # the machine's measure, repeated here in a store of its own
+    here_dir = tmp_path / "here"
+    spec.campaign = spec.campaign.model_copy(update={"out": str(here_dir), "store": str(here_dir / "store"),
+                                                     "machines": MachinesSpec(provider="inprocess")})
+    here = budget_projection(spec).measured.model_dump(mode="json")
     same = ("sample_rows", "gated", "fix_rate", "fixed", "flipped")
-    assert {k: measured["local"][k] for k in same} == {k: measured["inprocess"][k] for k in same}
-    assert measured["local"]["fast_s_per_row"] > 0 and measured["local"]["reason_s_per_row"] > 0
+    assert {k: there["measured"][k] for k in same} == {k: here[k] for k in same}
+    assert there["measured"]["fast_s_per_row"] > 0 and there["measured"]["reason_s_per_row"] > 0

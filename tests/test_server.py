@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from jex.deployments.server import _alive
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -27,14 +29,6 @@ DOCS_IMG = ROOT / "docs" / "img"
 """Where the browser test's screenshots go: docs/img only with `make screenshots` (JEX_DOCS_SCREENSHOTS=1),
 else a temporary folder, so running the tests leaves the work tree as it was."""
 NOTIFY_BLOCK = "custom-webhook/jex-alerts"
-
-
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _jex(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -46,7 +40,7 @@ def _jex(args: list[str], env: dict[str, str], timeout: float = 300) -> subproce
 
 def _start(tmp: Path, defaults: dict, extra_env: dict[str, str] | None = None) -> dict:
     env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect"), "JEX_INFRA__STATE_DIR": str(tmp / "infra"),
-           "JEX_PREFECT__PORT": str(_port()), "JEX_INFRA__POLL_S": "0.5", "JEX_INFRA__HEARTBEAT_S": "1",
+           "JEX_PREFECT__PORT": str(free_port()), "JEX_INFRA__POLL_S": "0.5", "JEX_INFRA__HEARTBEAT_S": "1",
            "PREFECT_LOGGING_LEVEL": "WARNING", **(extra_env or {})}
     env.pop("PREFECT_API_URL", None)
     (tmp / "defaults.json").write_text(json.dumps(defaults))
@@ -173,6 +167,9 @@ def test_a_browser_starts_a_campaign_from_the_run_form(server, tmp_path):
         boxes = page.locator("textarea")
         name = next(boxes.nth(i) for i in range(boxes.count()) if boxes.nth(i).input_value() == "ui")
         name.fill("browser")  # the form is pre-filled with the deployment's defaults
+        shared = server["defaults"]["store"]
+        stores = [boxes.nth(i) for i in range(boxes.count()) if boxes.nth(i).input_value() == shared]
+        stores[0].fill(str(tmp_path / "store"))  # its own store: its stages run on a machine, none come from a cache
         page.screenshot(path=str(shots / "ui-run-form.png"))
         page.get_by_role("button", name="Submit").click()
         run_id = _wait_for_run_named("browser")  # the run the form created, with the name typed into it
@@ -188,8 +185,31 @@ def test_a_browser_starts_a_campaign_from_the_run_form(server, tmp_path):
         page.reload(wait_until="networkidle")
         page.get_by_text("Completed", exact=True).first.wait_for(timeout=30_000)  # and the UI shows it
         page.screenshot(path=str(shots / "ui-run-completed.png"))
+        page.locator("li.p-tab#task-runs").click()  # each machine's life and its steps are task runs
+        page.get_by_placeholder("Search by run name").fill("w0")
+        page.get_by_role("link", name=re.compile(r"^report-")).wait_for(state="detached", timeout=30_000)
+        for step in ("machine-w0", "w0-bootstrap", "w0-golden", "w0-fast_pass", "w0-teardown"):
+            page.get_by_text(step, exact=False).first.wait_for(timeout=30_000)
+        page.screenshot(path=str(shots / "ui-run-machines.png"))
+        page.goto(f"{ui}/artifacts/artifact/{_report_artifact(run_id)}", wait_until="networkidle")
+        plots = page.locator("img[src^='data:image/png;base64,']")  # the report's plots travel inside it
+        plots.first.wait_for(timeout=30_000)
+        assert plots.count() == 2 and plots.first.evaluate("img => img.naturalWidth") > 100  # drawn, not broken
+        plots.first.scroll_into_view_if_needed()
+        page.screenshot(path=str(shots / "ui-report-artifact.png"))
         browser.close()
     assert next((server["tmp"] / "runs").glob("browser-*/report.md")).exists()
+
+
+def _report_artifact(flow_run_id: str) -> str:
+    """The id of the campaign report artifact of the flow run."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with _client() as c:
+        found = c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["campaign-report"]),
+                                                                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    assert found, "the campaign run published no report artifact"
+    return str(found[0].id)
 
 
 def _wait_for_run_named(name: str, timeout: float = 60) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -18,14 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "jex-admin:Sup3r-s3cret-pa55"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _jex(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -35,7 +30,7 @@ def _jex(args: list[str], env: dict[str, str], timeout: float = 300) -> subproce
 
 def _env(tmp: Path, **extra: str) -> dict[str, str]:
     env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect"), "JEX_INFRA__STATE_DIR": str(tmp / "infra"),
-           "JEX_PREFECT__PORT": str(_port()), "PREFECT_LOGGING_LEVEL": "INFO", **extra}
+           "JEX_PREFECT__PORT": str(free_port()), "PREFECT_LOGGING_LEVEL": "INFO", **extra}
     for k in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "JEX_PREFECT__AUTH_STRING"):
         if k not in extra:
             env.pop(k, None)

@@ -164,7 +164,7 @@ def test_early_exit_probe_reports_the_gate_and_every_checkpoint(tiny_suite, tmp_
 
     result = CliRunner().invoke(app, ["probe", "early-exit", "--suite", str(tiny_suite), "--rows", "3", "--every",
                                       "4", "--max-tokens", "12", "-o", str(tmp_path / "probe"), "--tau", "0",
-                                      "--tau", "1000", "--k", "1"])
+                                      "--tau", "1000", "--k", "1", "--provider", "inprocess"])
     assert result.exit_code == 0, result.output
     probe = json.loads((tmp_path / "probe" / "probe.json").read_text())
     assert [c["tokens"] for c in probe["checkpoints"]] == [4, 8, 12]
@@ -173,6 +173,7 @@ def test_early_exit_probe_reports_the_gate_and_every_checkpoint(tiny_suite, tmp_
     assert probe["gate_checkpoints"] == sum(c["still_thinking"] for c in probe["checkpoints"])
     assert 0 <= probe["gate_fire_rate"] <= 1
     assert (tmp_path / "probe" / "probe.png").stat().st_size > 1000
+    assert not (tmp_path / "probe" / "machines.json").exists()  # in this process (on a machine: test_lab_jobs.py)
     never = probe["stable_margin"][1]  # no margin exceeds 1000 log-odds: every row keeps its whole rationale
     assert [(e["tau"], e["k"]) for e in probe["stable_margin"]] == [(0.0, 1), (1000.0, 1)]
     assert (never["exited"], never["tokens_saved"], never["accuracy"]) == (0, 0, probe["full_accuracy"])

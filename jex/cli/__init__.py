@@ -90,9 +90,10 @@ def _flag_type(self: TyperOption, ctx: Any) -> str | None:
     return None if self.is_flag else _typer_option_type(self, ctx)
 
 
-_typer_option_type = TyperOption.display_type_rich
-# typer has no per-option hook for this, and the help option is made lazily by click: set on the class
-TyperOption.display_type_rich = _flag_type  # type: ignore[method-assign]
+if hasattr(TyperOption, "display_type_rich"):  # the typer of constraints.txt; an older one (a GPU image's) lacks it
+    _typer_option_type = TyperOption.display_type_rich
+    # typer has no per-option hook for this, and the help option is made lazily by click: set on the class
+    TyperOption.display_type_rich = _flag_type  # type: ignore[method-assign]
 
 app = typer.Typer(cls=JexGroup, no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   help="jex: reproducible LLM benchmark campaigns.")

@@ -70,10 +70,11 @@ TEMPORARY_API_NOTICE = ("no Prefect server configured: using a temporary one (th
 """What a command that runs a flow says first, on stderr, when its runs go to Prefect's temporary API."""
 
 
-def connect_prefect(settings: JexSettings) -> None:
+def connect_prefect(settings: JexSettings, *, notice: bool = True) -> bool:
     """Before a flow runs in this process: PREFECT_API_URL if set, else `JEX_PREFECT__API_URL`, else the
     running `jex server` (its state file, if it answers), else Prefect's temporary local API (its database
-    made ready; `TEMPORARY_API_NOTICE` on stderr). The server's basic-auth secret, if any, goes along."""
+    made ready; `TEMPORARY_API_NOTICE` on stderr unless not `notice`). The server's basic-auth secret, if
+    any, goes along. Returns whether flows will use the temporary API."""
     from jex.deployments.server import client_env, running_api_url
     from jex.flows.local_api import ensure_local_api
 
@@ -84,9 +85,11 @@ def connect_prefect(settings: JexSettings) -> None:
         os.environ.setdefault("PREFECT_API_URL", url)
         for name, value in client_env(settings).items():
             os.environ.setdefault(name, value)
-    if ensure_local_api():
+    temporary = ensure_local_api()
+    if temporary and notice:
         typer.echo(TEMPORARY_API_NOTICE, err=True)
     quiet_user_errors_in_flows()
+    return temporary
 
 
 def input_error(err: ValidationError, *, file: Path | str | None = None,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from jex.cli import preflight
-from jex.cli.common import connect_prefect, fail, input_error, spec_fields
+from jex.cli.common import TEMPORARY_API_NOTICE, connect_prefect, fail, input_error, spec_fields
 from jex.cli.store import resume_from_s3
 from jex.errors import InputError, JexError
 from jex.settings import JexSettings, load_settings
@@ -140,14 +140,19 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
         check_hub_model(campaign.engine.model)
     except JexError as e:
         fail(e)
-    connect_prefect(settings)  # before Prefect is imported: it reads its settings once
+    temporary = connect_prefect(settings, notice=False)  # before Prefect is imported: it reads its settings once
     from jex.engine.types import EngineDeadError, EngineError
-    from jex.flows.campaign import run_campaign
+    from jex.flows.campaign import run_campaign, stored_run
 
     try:
         if panel_catalogs and resume is None:  # a resumed run already reads its panel
             campaign = on_panel(campaign, catalog_list(panel_catalogs))
-        run_dir = run_campaign(campaign)
+        # with no server to record the run, a campaign stored in full needs no temporary one started
+        run_dir = stored_run(campaign, settings) if temporary else None
+        if run_dir is None:
+            if temporary:
+                typer.echo(TEMPORARY_API_NOTICE, err=True)
+            run_dir = run_campaign(campaign)
     except (JexError, EngineError, EngineDeadError) as e:
         fail(e)
     from jex.cli.results import print_results

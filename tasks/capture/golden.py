@@ -43,7 +43,12 @@ def golden_readout(bundle: BundleSummary, engine: EngineSpec, store: LocalStore,
 
 def reference_path(store: LocalStore, bundle: BundleSummary, engine_fp: EngineFingerprint, rows: int) -> Path:
     key = GoldenInputs(bundle=bundle, engine_fp=engine_fp, rows=rows).key()
-    return store.root / "golden" / key / "reference.parquet"
+    return store.root / "golden" / bundle.key / key / "reference.parquet"
+
+
+def has_reference(store: LocalStore, bundle: BundleSummary) -> bool:
+    """Whether the store holds a golden reference of this bundle for any engine (one a replay could meet)."""
+    return any((store.root / "golden" / bundle.key).glob("*/reference.parquet"))
 
 
 def find_reference(store: LocalStore, bundle: BundleSummary, engine_fp: EngineFingerprint, rows: int,
@@ -93,4 +98,5 @@ def golden_job(job: EngineJob, rows: int, out: Path, fingerprint_out: Path) -> N
 
     engine = job.inputs.engine
     write_json(fingerprint_out, engine_fingerprint(engine).model_dump(mode="json"))
-    write_parquet(golden_readout(job.inputs.bundle, engine, LocalStore(job.store), rows), out)
+    if rows:  # rows 0: the fingerprint only (there is nothing to compare a replay with)
+        write_parquet(golden_readout(job.inputs.bundle, engine, LocalStore(job.store), rows), out)
