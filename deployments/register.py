@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Coroutine, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -189,31 +189,30 @@ def _apply(changes: list[Change]) -> None:
         retire_deployments()
 
 
-def _pool_change() -> Change:
+def _found(read: Callable[[Any], Any]) -> Any:
+    """`read(client)` against the server, or None where the object is not there (ObjectNotFound)."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
     with get_client(sync_client=True) as client:
         try:
-            client.read_work_pool(POOL)
+            return read(client)
         except ObjectNotFound:
-            return Change("work pool", POOL, "create")
-    return Change("work pool", POOL, "unchanged")
+            return None
+
+
+def _deployment(name: str) -> Any:
+    """The deployment 'flow/deployment' on the server, or None."""
+    return _found(lambda c: c.read_deployment_by_name(name))
+
+
+def _pool_change() -> Change:
+    return Change("work pool", POOL, "unchanged" if _found(lambda c: c.read_work_pool(POOL)) else "create")
 
 
 def _retired_changes() -> list[Change]:
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
-    changes = []
-    with get_client(sync_client=True) as client:
-        for name in RETIRED_DEPLOYMENTS:
-            try:
-                client.read_deployment_by_name(name)
-            except ObjectNotFound:
-                continue
-            changes.append(Change("deployment", name, "delete"))
-    return changes
+    return [Change("deployment", name, "delete") for name in RETIRED_DEPLOYMENTS
+            if _deployment(name) is not None]
 
 
 def _deployment_change(full_name: str, wanted: Mapping[str, Any]) -> tuple[Change, str | None]:
@@ -293,31 +292,21 @@ def _comparable(value: Any) -> Any:
 
 def _block_change(block: str) -> Change:
     """Whether the notification block 'type-slug/name' the settings name is on the server."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
     block_type, _, name = block.partition("/")
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_block_document_by_name(name=name, block_type_slug=block_type)
-        except ObjectNotFound:
-            return Change("notification block", block, "missing")
-    return Change("notification block", block, "unchanged")
+    found = _found(lambda c: c.read_block_document_by_name(name=name, block_type_slug=block_type))
+    return Change("notification block", block, "unchanged" if found else "missing")
 
 
 def retire_deployments() -> list[str]:
     """Delete the `RETIRED_DEPLOYMENTS` this server still has; returns those deleted."""
     from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
 
     retired = []
-    with get_client(sync_client=True) as client:
-        for name in RETIRED_DEPLOYMENTS:
-            try:
-                old = client.read_deployment_by_name(name)
-            except ObjectNotFound:
-                continue
-            client.delete_deployment(old.id)
+    for name in RETIRED_DEPLOYMENTS:
+        old = _deployment(name)
+        if old is not None:
+            with get_client(sync_client=True) as client:
+                client.delete_deployment(old.id)
             retired.append(name)
     return retired
 
