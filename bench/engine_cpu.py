@@ -5,11 +5,12 @@
 Readout (the fast pass's label slot): jex batch-invariant (rows packed, attention and lm_head per row),
 jex batch-invariant one forward per row (before packing; the log-probs of the two are compared), jex
 batched at 8, and a plain `transformers` forward at batch 8 of the same prompts (left-padded, last position only).
-Generation (the reason stage's greedy rationales): jex batch-invariant as before this change (one
-`model.generate` per request), jex batch-invariant row-exact (`engine/hf_decode.py`, lock-step at 8),
-and plain batched `generate` at 8 (not batch-invariant: the CPU audit tax is the ratio to it).
-The arms are interleaved round by round (a loaded machine slows them alike) and each keeps its fastest
-round; the token ids of the two invariant generation arms are compared.
+Generation (the reason stage's greedy rationales): one `model.generate` per request (batch 1: the
+numbers of hf engine version 1), lock-step with one-row products (`engine/hf_decode.py` at
+GEMM_ROWS = 1: engine version 1's decoder, the batch-1 tokens), lock-step with 8-row products (engine
+version 2, now), and plain batched `generate` at 8 (not batch-invariant: the CPU audit tax is the
+ratio to it). The arms are interleaved round by round (a loaded machine slows them alike) and each
+keeps its fastest round; the token ids of the invariant generation arms are compared.
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ def plain_forward(engine: HFEngine, prompts: list[str], batch: int = 8) -> None:
             engine.model(**enc, logits_to_keep=1)
 
 
+def one_row_products(engine: HFEngine, reqs: list) -> list:
+    """Lock-step decoding with one-row (M = 1) products: engine version 1's decoder."""
+    from jex.engine import hf_decode
+
+    rows, hf_decode.GEMM_ROWS = hf_decode.GEMM_ROWS, 1
+    try:
+        return engine.generate(reqs)
+    finally:
+        hf_decode.GEMM_ROWS = rows
+
+
 def timed(fn) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn()
@@ -57,7 +69,7 @@ def main() -> None:
         rows = list(iter_rows(write_sample_suite(Path(tmp) / "s", rows=max(args.rows, args.gen_rows, 18))))
     read_rows, gen_rows = rows[: args.rows], rows[: args.gen_rows]
     inv, batched, before = HFEngine(batch_invariant=True), HFEngine(batch_invariant=False), HFEngine()
-    before._row_exact_model = False  # the generation path before row-exact decoding: one generate per request
+    before._lockstep_model = False  # generation by one `model.generate` per request
     before.packs_rows = False  # the readout before packing: one forward per row
     batched.batch_size = 8
     prompts = [r.prompt for r in question_prompts(inv, read_rows, RenderSpec(), None, None)]
@@ -67,8 +79,9 @@ def main() -> None:
         "readout_jex_invariant_one_forward_per_row": lambda: fast_pass(before, read_rows),
         "readout_jex_batched8": lambda: fast_pass(batched, read_rows),
         "readout_plain_transformers_batch8": lambda: plain_forward(inv, prompts),
-        "generate_invariant_before": lambda: before.generate(reqs),
-        "generate_invariant_row_exact8": lambda: inv.generate(reqs),
+        "generate_invariant_one_request": lambda: before.generate(reqs),
+        "generate_invariant_lockstep_1row_v1": lambda: one_row_products(inv, reqs),
+        "generate_invariant_lockstep_8row_v2": lambda: inv.generate(reqs),
         "generate_batched8_not_invariant": lambda: batched.generate(reqs),
     }
     fast_pass(inv, read_rows[:2])  # warm-up
@@ -79,17 +92,20 @@ def main() -> None:
             seconds, outs[name] = timed(fn)
             best[name] = min(best.get(name, seconds), seconds)
     gens = {k: [g.token_ids for g in outs[k]] for k in arms if k.startswith("generate")}  # type: ignore[attr-defined]
-    tokens = sum(map(len, gens["generate_invariant_before"]))
+    tokens = sum(map(len, gens["generate_invariant_one_request"]))
     res = {name: ({"rows_per_s": len(read_rows) / s} if name.startswith("readout") else
                   {"tokens_per_s": sum(map(len, gens[name])) / s, "tokens": sum(map(len, gens[name]))}) | {"seconds": s}
            for name, s in best.items()}
-    g_before, g_new = best["generate_invariant_before"], best["generate_invariant_row_exact8"]
+    g_v1, g_new = best["generate_invariant_lockstep_1row_v1"], best["generate_invariant_lockstep_8row_v2"]
     packed, per_row = outs["readout_jex_invariant"], outs["readout_jex_invariant_one_forward_per_row"]
     summary = {"rows": len(read_rows), "gen_rows": len(gen_rows), "gen_max_tokens": args.gen_tokens,
-               "tokens_before": tokens, "threads": torch.get_num_threads(), "rounds": args.rounds,
-               "row_exact_identical_to_before": gens["generate_invariant_row_exact8"]
-               == gens["generate_invariant_before"],
-               "speedup_row_exact_vs_before": g_before / g_new,
+               "tokens_one_request": tokens, "threads": torch.get_num_threads(), "rounds": args.rounds,
+               "lockstep_1row_identical_to_one_request": gens["generate_invariant_lockstep_1row_v1"]
+               == gens["generate_invariant_one_request"],
+               "lockstep_8row_identical_to_v1": gens["generate_invariant_lockstep_8row_v2"]
+               == gens["generate_invariant_one_request"],
+               "speedup_8row_vs_1row": g_v1 / g_new,
+               "speedup_8row_vs_one_request": best["generate_invariant_one_request"] / g_new,
                "packed_readout_identical_to_one_per_row": [r.raw_logprobs for r in packed]  # type: ignore[attr-defined]
                == [r.raw_logprobs for r in per_row],  # type: ignore[attr-defined]
                "speedup_packed_vs_one_forward_per_row": best["readout_jex_invariant_one_forward_per_row"]

@@ -23,8 +23,9 @@ from pydantic import Field, JsonValue
 from jex.engine_spec import EngineKind, EngineSpec
 from jex.record import Record
 
-ENGINE_VERSIONS: dict[EngineKind, int] = {"hf": 1, "hf-batched": 1, "vllm": 1, "vllm-control": 1}
-"""Bump an engine's version by hand when its numerics change (its code, or a pinned library)."""
+ENGINE_VERSIONS: dict[EngineKind, int] = {"hf": 2, "hf-batched": 1, "vllm": 1, "vllm-control": 1}
+"""Bump an engine's version by hand when its numerics change (its code, or a pinned library).
+hf 2: CPU generation's linear layers in fixed 8-row products (`engine/hf_decode.py`), was batch-1 (M = 1)."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")

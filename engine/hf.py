@@ -7,7 +7,9 @@ result cannot depend on batch size, request order or shard count. On CPU, last-p
 (the label slot) pack several rows into one sequence instead (`_packed_last_logprobs`): every linear
 layer runs over the packed tokens, attention runs per row through the same SDPA call a one-row
 forward makes, and the lm_head runs per row at one position, as `logits_to_keep=1` does. Each row's
-log-probs are bit-identical to its own forward (tests/test_hf_engine.py; bench/readout_packed.py).
+log-probs are bit-identical to its own forward (tests/test_hf_engine.py; bench/engine_cpu.py).
+Generation on CPU decodes the requests in lock-step with every linear layer at one fixed matrix shape
+(`engine/hf_decode.py`): each row's tokens are the same at every batch size and order.
 """
 
 from __future__ import annotations
@@ -178,9 +180,9 @@ class HFEngine(TokenizedEngine):
 
     # --- generation ------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Generation]:
-        """Greedy generations. Batch-invariant on CPU, requests without stop strings decode together, each
-        row by its batch-1 kernels (`engine/hf_decode.py`: the batch-1 tokens, 1.8x faster on 2 cores); the
-        others as before: one `model.generate` per batch (of one request when batch-invariant)."""
+        """Greedy generations. Batch-invariant on CPU: requests decode together in lock-step, each row's
+        numbers independent of the others (`engine/hf_decode.py`); elsewhere one `model.generate` per
+        batch (of one request when batch-invariant)."""
         self.calls["generate"] += 1
         out: dict[int, Generation] = {}
         todo: list[tuple[int, list[int]]] = []
@@ -189,28 +191,37 @@ class HFEngine(TokenizedEngine):
                 out[i] = Generation(r.run_id, "", (), FinishReason.REFUSED, len(ids))
             else:
                 todo.append((i, ids))
-        from jex.engine.hf_decode import greedy_rows
+        if self.decodes_in_lockstep:
+            from jex.engine.hf_decode import DecodeRow, greedy_rows
 
-        rows = [(i, ids) for i, ids in todo if self._row_exact(requests[i])]
-        rest = [(i, ids) for i, ids in todo if not self._row_exact(requests[i])]
-        step = max(1, self.requested_batch_size)
-        for start in range(0, len(rows), step):
-            group = rows[start:start + step]
-            news = greedy_rows(self.model, [ids for _, ids in group], [requests[i].max_tokens for i, _ in group],
-                               self.generation_eos, self._generate_kw(stops=()))
-            out.update({i: self._generation(requests[i], ids, new) for (i, ids), new in zip(group, news, strict=True)})
-        for start in range(0, len(rest), self.batch_size):
-            out.update(self._generate_batch(requests, rest[start:start + self.batch_size]))
+            step = max(1, self.requested_batch_size)
+            for start in range(0, len(todo), step):
+                group = todo[start:start + step]
+                asked = [requests[i] for i, _ in group]
+
+                def stopped(b: int, new: list[int], asked: list[GenerateRequest] = asked) -> bool:
+                    stop = asked[b].stop
+                    return bool(stop) and cut_at_stop(self.tokenizer.decode(new, skip_special_tokens=True), stop)[1]
+
+                news = greedy_rows(self.model, [DecodeRow(ids, r.max_tokens, r.ignore_eos)
+                                                for (_, ids), r in zip(group, asked, strict=True)],
+                                   self.generation_eos, self._generate_kw(stops=()), stopped)
+                out.update({i: self._generation(requests[i], ids, new)
+                            for (i, ids), new in zip(group, news, strict=True)})
+        else:
+            for start in range(0, len(todo), self.batch_size):
+                out.update(self._generate_batch(requests, todo[start:start + self.batch_size]))
         return [out[i] for i in range(len(requests))]
 
-    def _row_exact(self, r: GenerateRequest) -> bool:
-        """This request decodes row-exactly beside others (`engine/hf_decode.py`); else by `model.generate`."""
-        if "_row_exact_model" not in self.__dict__:
+    @property
+    def decodes_in_lockstep(self) -> bool:
+        """Generation goes through `engine/hf_decode.py` (batch-invariant on CPU, a model it supports);
+        else through `model.generate`."""
+        if "_lockstep_model" not in self.__dict__:
             from jex.engine.hf_decode import row_exact_supported
 
-            self._row_exact_model = row_exact_supported(self.model)
-        return (self.batch_invariant and self.device == "cpu" and not self.speculative and not r.stop
-                and not r.ignore_eos and self._row_exact_model)
+            self._lockstep_model = row_exact_supported(self.model)
+        return self.batch_invariant and self.device == "cpu" and not self.speculative and self._lockstep_model
 
     @property
     def generation_eos(self) -> set[int]:
@@ -281,6 +292,8 @@ class HFEngine(TokenizedEngine):
     # --- provenance ------------------------------------------------------------------------------
     def provenance(self) -> ProvenanceBlock:
         """What fixes the function this engine computes, and what describes the run (paths, hardware)."""
+        from jex.engine.hf_decode import GEMM_ROWS
+
         torch = self.torch
         gpu = torch.cuda.get_device_name(0) if self.device.startswith("cuda") else None
         return {"engine": "hf", "weights_sha256": self.weights_sha256, "dtype": self.dtype,
@@ -291,8 +304,9 @@ class HFEngine(TokenizedEngine):
                 "batch_invariant_method": "per-request forward (batch 1)"
                                           + ("; label slot: rows packed, attention and lm_head per row"
                                              if self.packs_rows else "")
-                                          + "; generation on CPU: row-exact lock-step "
-                                          "decoding (batch-1 kernels per row)" if self.batch_invariant else None,
+                                          + ("; generation: lock-step decoding, linear layers in fixed "
+                                             f"{GEMM_ROWS}-row products, attention per row"
+                                             if self.decodes_in_lockstep else "") if self.batch_invariant else None,
                 "requested_batch_size": self.requested_batch_size, "max_context": self.max_context,
                 "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "gpu": gpu,
                 "machine": platform.machine(), "jex": package_version("jex")}

@@ -1,40 +1,43 @@
-"""Greedy decoding of several requests at once whose every number is the batch-1 number (the HF engine's
-batch-invariant generation).
+"""Greedy decoding of several requests at once, each row's numbers independent of the others (the HF
+engine's batch-invariant generation on CPU).
 
-The batch-1 path (`model.generate` on one request) decodes one token per forward: every linear layer
-is a matrix-vector product (M = 1), which on CPU is memory bound (the 135M model reads its ~0.5 GB of
-weights per token). A batched forward would read them once for all rows, but a matrix-matrix product
-(M > 1) reduces in another order: its rows differ from the batch-1 ones in the last bits (measured:
-every row differs), so its tokens could differ. Here the batch advances in lock-step through the
-model, layer by layer, and inside each layer every row gets its own batch-1 kernel call:
+A decode step reads one token per row. Done row by row (`model.generate` on one request: every linear
+layer a matrix-vector product, M = 1) it is compute- and memory-bound at ~15 tokens/s for the 135M
+model on 2 cores. Here the rows advance in lock-step through the model, layer by layer:
 
-- each linear layer runs one M = 1 product per row (`F.linear(x[b:b+1], W)`: the batch-1 kernel), one
-  row after the other while the weight matrix is hot in the cache; a large matrix (the vocabulary
-  head) in slices of its output rows, each slice read once from memory for all rows (a dot product
-  per output: slicing the outputs does not change any of them);
+- every linear layer multiplies `GEMM_ROWS` rows at a time (the live rows, in chunks, the last chunk
+  padded with zero rows): always the same matrix shape, so always the same GEMM kernel, and a GEMM
+  reduces each output row on its own: a row's numbers do not depend on which rows share its chunk,
+  nor on its place in it (M = 1 and M = 2 take other kernels, whose last bits differ: that is why the
+  shape is fixed, and why these numbers are not those of a batch-1 `generate`: engine version 2);
+  a large matrix (the vocabulary head) in slices of its output rows, each slice read once from memory
+  for all chunks;
 - attention runs per row on the row's own keys and values (`sdpa_attention_forward` on one row,
   without the left padding of the shared cache), with the arguments the batch-1 forward passes;
-- the prompt of each request is read by `model.generate` itself, exactly as the batch-1 path does
-  (its first token and its key/value cache), and the caches are then joined, left-padded.
+- the prompt of each request is read by `model.generate` itself (its first token and its key/value
+  cache: a forward of the whole prompt, M = its length), and the caches are then joined, left-padded.
 
 Everything else in the forward is element-wise or reduces within a row (RMS norm, rotary embedding,
-the MLP's gate), so each row's logits are the batch-1 logits bit for bit; `tests/test_hf_engine.py`
-checks the token ids against the batch-1 `generate` across batch sizes. Models outside these
-assumptions (a linear layer with a bias, attention other than SDPA) keep the batch-1 path
-(`row_exact_supported`).
+the MLP's gate), so each row's tokens are the same at every batch size and in any order;
+`tests/test_hf_engine.py` checks the token ids across batch sizes and orders, and a chunk's rows
+against the same rows among others. Models outside these assumptions (a linear layer with a bias,
+attention other than SDPA) keep the batch-1 path (`row_exact_supported`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.nn import functional as F
 
 ROWS_ATTENTION = "jex_rows"
+GEMM_ROWS = 8
+"""Rows of every decode-step product: one fixed shape, so one kernel, whatever the batch."""
 SLICE_ELEMENTS = 1 << 21
 """Weight elements (8 MiB in fp32) per slice of a large linear layer: several fit in the L3 cache."""
 _PADS: ContextVar[list[int]] = ContextVar("jex_row_pads")
@@ -56,16 +59,18 @@ def _register() -> None:
 
 
 def _row_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` with one batch-1 (M = 1) product per row; large weights in slices of output rows."""
+    """`layer(x)` as products of `GEMM_ROWS` rows each (zero rows pad the last); large weights in slices
+    of output rows, each read once for all chunks."""
     weight = layer.weight
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 1:
-        return F.linear(x, weight)
+    n = rows.shape[0]
+    if n % GEMM_ROWS:
+        rows = torch.cat([rows, rows.new_zeros(GEMM_ROWS - n % GEMM_ROWS, rows.shape[1])])
+    chunks = rows.split(GEMM_ROWS)
     step = max(1, SLICE_ELEMENTS // weight.shape[1])
-    parts = [torch.cat([F.linear(rows[b:b + 1], weight[n:n + step]) for b in range(rows.shape[0])])
-             for n in range(0, weight.shape[0], step)]
+    parts = [torch.cat([F.linear(c, weight[s:s + step]) for c in chunks]) for s in range(0, weight.shape[0], step)]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out[:n].reshape(*x.shape[:-1], weight.shape[0])
 
 
 def row_exact_supported(model: Any) -> bool:
@@ -113,17 +118,34 @@ def _joined(model: Any, caches: Sequence[Any], lengths: Sequence[int]) -> Any:
     return cache
 
 
-def greedy_rows(model: Any, prompts: Sequence[list[int]], max_tokens: Sequence[int], eos: set[int],
-                generate_kw: dict[str, Any]) -> list[list[int]]:
-    """The new tokens of each prompt, greedy, up to its end-of-sequence token (kept) or `max_tokens`:
-    what `model.generate` gives each prompt alone, computed for all of them in lock-step."""
+@dataclass(frozen=True)
+class DecodeRow:
+    """One request to decode: its prompt's token ids, its budget of new tokens, and whether end-of-sequence
+    tokens are barred (`generate`'s `min_new_tokens` over the whole budget)."""
+
+    prompt: list[int]
+    max_tokens: int
+    ignore_eos: bool = False
+
+
+def greedy_rows(model: Any, rows: Sequence[DecodeRow], eos: set[int], generate_kw: dict[str, Any],
+                stopped: Callable[[int, list[int]], bool] = lambda row, new: False) -> list[list[int]]:
+    """The new tokens of each row, greedy, up to its end-of-sequence token (kept), `max_tokens`, or the
+    token after which `stopped(row index, new tokens)` holds (a stop string), for all rows in lock-step."""
+    barred = torch.tensor(sorted(eos), dtype=torch.long)
     with torch.inference_mode():
-        firsts = [_prefill(model, ids, generate_kw) for ids in prompts]
-        lengths = [len(ids) for ids in prompts]
+        firsts = [_prefill(model, r.prompt, {**generate_kw, "min_new_tokens": 1 if r.ignore_eos else None})
+                  for r in rows]
+        lengths = [len(r.prompt) for r in rows]
         cache = _joined(model, [c for c, _ in firsts], lengths)
         new = [[tok] for _, tok in firsts]
-        live = [b for b in range(len(prompts)) if new[b][0] not in eos and max_tokens[b] > 1]
-        if len(live) < len(prompts):
+
+        def going(b: int) -> bool:
+            r = rows[b]
+            return len(new[b]) < r.max_tokens and (r.ignore_eos or new[b][-1] not in eos) and not stopped(b, new[b])
+
+        live = [b for b in range(len(rows)) if going(b)]
+        if len(live) < len(rows):
             _select(cache, live)
         pads = [max(lengths) - n for n in lengths]
         with _row_exact(model):
@@ -132,13 +154,16 @@ def greedy_rows(model: Any, prompts: Sequence[list[int]], max_tokens: Sequence[i
                 try:
                     logits = model(input_ids=torch.tensor([[new[b][-1]] for b in live]),
                                    position_ids=torch.tensor([[lengths[b] + len(new[b]) - 1] for b in live]),
-                                   cache=cache, use_cache=True, logits_to_keep=1).logits
+                                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :].float()
                 finally:
                     _PADS.reset(token)
+                for j, b in enumerate(live):
+                    if rows[b].ignore_eos and len(barred):
+                        logits[j, barred] = float("-inf")
                 keep = []
-                for j, (b, t) in enumerate(zip(live, logits[:, -1, :].float().argmax(-1).tolist(), strict=True)):
+                for j, (b, t) in enumerate(zip(live, logits.argmax(-1).tolist(), strict=True)):
                     new[b].append(t)
-                    if t not in eos and len(new[b]) < max_tokens[b]:
+                    if going(b):
                         keep.append(j)
                 if len(keep) < len(live):
                     _select(cache, keep)

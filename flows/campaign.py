@@ -49,6 +49,7 @@ from jex.tasks.inputs import (
     ScoreInputs,
     StageInputs,
 )
+from jex.tasks.outputs.samples import warm_tokenizer
 from jex.tasks.prefect_tasks import (
     bundle_task,
     calibrate_task,
@@ -203,6 +204,9 @@ class CampaignRun:
             return out
         t0 = time.perf_counter()
         if isinstance(inputs, FastPassInputs | ReasonInputs):
+            if isinstance(inputs, ReasonInputs) and not LocalStore(self.spec.store).stage(inputs.stage,
+                                                                                          inputs.key()).complete:
+                warm_tokenizer(self.spec.engine)  # the report's prompts need it: loaded while the machine reasons
             inputs = self.runner.compute(EngineJob(inputs=inputs, store=self.spec.store)).inputs
         call = {"inputs": inputs, "store": self.spec.store}
         out = task.with_options(refresh_cache=True)(**call) if name in self.redo else task(**call)

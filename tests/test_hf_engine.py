@@ -160,31 +160,37 @@ def test_label_ids_are_computed_once_per_label(engine, requests, monkeypatch):
     assert calls == []  # prompts go through encode_many; no label is encoded again
 
 
-def _batch1_reference(engine, prompt: str, max_tokens: int) -> tuple[int, ...]:
-    """The algorithm before row-exact decoding: `model.generate` on the one request (batch 1, KV cache)."""
+def test_a_decode_product_gives_each_row_the_same_numbers_whichever_rows_share_it():
+    """The assumption lock-step decoding rests on (engine/hf_decode.py): a linear layer's output for a row
+    does not depend on the other rows of its fixed-shape product, nor on the row's place in it."""
     import torch
 
-    ids = torch.tensor([engine.encode(prompt)])
-    with torch.inference_mode():
-        gen = engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=max_tokens, pad_token_id=engine.pad_id, temperature=None,
-                                    top_p=None, top_k=None)
-    new = gen[0, ids.shape[1]:].tolist()
-    return tuple(new[: new.index(engine.pad_id) + 1] if engine.pad_id in new else new)
+    from jex.engine.hf_decode import GEMM_ROWS, _row_linear
+
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(576, 1536, bias=False)
+    rows = torch.randn(3, 576, generator=gen)
+    alone = _row_linear(layer, rows)
+    for others in (1, GEMM_ROWS - 3, 2 * GEMM_ROWS + 1):
+        mixed = torch.cat([torch.randn(others, 576, generator=gen), rows.flip(0)])
+        assert torch.equal(_row_linear(layer, mixed)[others:].flip(0), alone), others
 
 
-def test_row_exact_generation_gives_the_batch1_tokens_at_every_batch_size(engine):
-    """Batch-invariant generation decodes several requests in lock-step (engine/hf_decode.py): its token
-    ids are those of the batch-1 `generate`, whatever the batch size, prompt lengths and finish order."""
+def test_lockstep_generation_gives_each_row_the_same_tokens_at_every_batch_size_and_order(engine):
+    """Batch-invariant generation decodes several requests in lock-step (engine/hf_decode.py): each row's
+    token ids are the same whatever the batch size, the order and the finish order of the others."""
     prompts = [engine.chat_prompt("Count from 1 to 20, separated by commas."),
                engine.chat_prompt("Name a colour."),
                engine.chat_prompt("Explain in one sentence why the sky is blue, and then say which planet is "
                                   "the largest in the solar system.")]
-    ref = [_batch1_reference(engine, p, 16) for p in prompts]
-    assert engine._row_exact(GenerateRequest("x", prompts[0], 16))
-    for batch in (1, 2, 3):
+    assert engine.decodes_in_lockstep
+    engine.batch_size = 1
+    ref = [g.token_ids for g in engine.generate([GenerateRequest(f"r{i}", p, 16) for i, p in enumerate(prompts)])]
+    assert all(len(t) > 1 for t in ref)
+    for batch, order in ((2, prompts), (3, prompts), (3, prompts[::-1]), (8, prompts + prompts)):
         engine.batch_size = batch
-        got = engine.generate([GenerateRequest(f"r{i}", p, 16) for i, p in enumerate(prompts)])
-        assert [g.token_ids for g in got] == ref, batch
+        got = engine.generate([GenerateRequest(f"r{i}", p, 16) for i, p in enumerate(order)])
+        want = ref[::-1] if order == prompts[::-1] else (ref * 2)[:len(order)]
+        assert [g.token_ids for g in got] == want, batch
     engine.batch_size = 8
     assert got[0].text == engine.tokenizer.decode(list(ref[0]), skip_special_tokens=True)

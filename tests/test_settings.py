@@ -130,3 +130,15 @@ def test_a_configured_server_takes_the_runs_and_no_temporary_one_is_announced(va
     out = _connect_in_a_fresh_process(tmp_path, **{variable: "http://127.0.0.1:9/api"})
     assert out.returncode == 0, out.stderr
     assert out.stderr == "" and out.stdout.strip() == "http://127.0.0.1:9/api"
+
+
+def test_a_new_prefect_home_gets_a_copy_of_the_migrated_database_template(tmp_path):
+    """The temporary API's database is migrated once per machine and Prefect version (flows/local_api.py);
+    each new PREFECT_HOME starts from a copy of it."""
+    from jex.flows.local_api import migrated_template
+
+    out = _connect_in_a_fresh_process(tmp_path)
+    assert out.returncode == 0, out.stderr
+    made = tmp_path / "prefect" / "prefect.db"
+    assert made.read_bytes() == migrated_template().read_bytes()
+    assert not list((tmp_path / "prefect").glob(".prefect.db.*"))  # no temporary copy left behind

@@ -34,7 +34,10 @@ Only in a run whose suite has a loglikelihood catalog (`LOGLIKELIHOOD_COLUMNS`; 
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -167,16 +170,53 @@ def render_prompts(engine: Any, rows: Sequence[Any], *, render: Any, fewshot: An
     return RenderedPrompts(question, reason)
 
 
-def tokenizer_engine(engine_spec: Any) -> Any:
-    """A tokenizer-only engine (chat template + renderer) for the campaign's model, without the weights."""
-    from transformers import AutoTokenizer
+_TOKENIZERS: dict[tuple[str, str], Future[Any]] = {}
+_TOKENIZERS_LOCK = threading.Lock()
 
-    from jex.engine.base import ChatTokenizer
+
+def tokenizer_engine(engine_spec: Any) -> Any:
+    """A tokenizer-only engine (chat template + renderer) for the campaign's model, without the weights;
+    loaded once per process and tokenizer content (`warm_tokenizer` starts the load early)."""
+    from jex.engine.fingerprint import tokenizer_sha256
     from jex.engine.models import resolve_model
 
-    eng = ChatTokenizer()
-    eng.tokenizer = AutoTokenizer.from_pretrained(resolve_model(engine_spec.model, Path(engine_spec.cache_dir)).path)
-    return eng
+    path = resolve_model(engine_spec.model, Path(engine_spec.cache_dir)).path
+    key = (str(path), tokenizer_sha256(path))
+    with _TOKENIZERS_LOCK:
+        if key not in _TOKENIZERS:
+            _TOKENIZERS[key] = Future()
+            threading.Thread(target=_load_tokenizer, args=(path, _TOKENIZERS[key]), daemon=True,
+                             name="jex-tokenizer").start()
+        loading = _TOKENIZERS[key]
+    try:
+        return loading.result()
+    except Exception:
+        with _TOKENIZERS_LOCK:  # a failed load is tried again next time (the model may appear)
+            _TOKENIZERS.pop(key, None)
+        raise
+
+
+def warm_tokenizer(engine_spec: Any) -> None:
+    """Start loading the campaign's tokenizer in the background (the report renders prompts with it)
+    while machines compute; errors wait for the report, which says why its prompts are missing."""
+    def load() -> None:
+        with contextlib.suppress(Exception):
+            tokenizer_engine(engine_spec)
+
+    threading.Thread(target=load, daemon=True, name="jex-tokenizer-warm").start()
+
+
+def _load_tokenizer(path: Path, into: Future[Any]) -> None:
+    try:
+        from transformers import AutoTokenizer
+
+        from jex.engine.base import ChatTokenizer
+
+        eng = ChatTokenizer()
+        eng.tokenizer = AutoTokenizer.from_pretrained(path)
+        into.set_result(eng)
+    except Exception as e:  # noqa: BLE001 - handed to whoever waits for this tokenizer
+        into.set_exception(e)
 
 
 def campaign_prompts(art: StageArtifacts, engine_spec: Any, store: Any, rows: Sequence[Any],
