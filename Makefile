@@ -36,7 +36,7 @@ TYPECHECK = mkdir -p build/typecheck/jex && for room in engine tasks flows infra
 test: setup
 	$(VENV)/bin/ruff check .
 	$(TYPECHECK)
-	bash .ci/services.sh $(VENV)/bin/python -m pytest -n 3 --dist loadfile $(PYTEST_ARGS)
+	bash .ci/services.sh $(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The UI screenshots in docs/img, taken by the browser test against a real server (never by `make test`)
 screenshots: setup

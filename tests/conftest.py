@@ -20,6 +20,16 @@ _WORKER_TMP = Path(tempfile.mkdtemp(prefix=f"jex-tests-{os.environ.get('PYTEST_X
 os.environ["PREFECT_HOME"] = str(_WORKER_TMP / "prefect")
 os.environ.setdefault("JEX_INFRA__STATE_DIR", str(_WORKER_TMP / "infra"))
 
+FILE_SECONDS = Path(__file__).with_name("durations.json")
+"""Seconds of the slowest test files in CI (`--durations`, a loaded 2-core run); a file not listed counts 0."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest test files first (pytest-xdist hands files out in this order, `--no-loadscope-reorder`
+    in the Makefile), so the run does not end with one worker alone on a long file that started late."""
+    seconds = json.loads(FILE_SECONDS.read_text())
+    items.sort(key=lambda item: -seconds.get(item.path.name, 0))  # stable: each file's own order is kept
+
 
 def write_suite(root: Path, rows_by_catalog: dict[str, list[dict]], *, legs: dict[str, float] | None = None,
                 catalogs: list[dict] | None = None) -> Path:

@@ -187,7 +187,7 @@ def test_lockstep_generation_gives_each_row_the_same_tokens_at_every_batch_size_
     engine.batch_size = 1
     ref = [g.token_ids for g in engine.generate([GenerateRequest(f"r{i}", p, 16) for i, p in enumerate(prompts)])]
     assert all(len(t) > 1 for t in ref)
-    for batch, order in ((2, prompts), (3, prompts), (3, prompts[::-1]), (8, prompts + prompts)):
+    for batch, order in ((2, prompts), (3, prompts[::-1]), (8, prompts + prompts)):
         engine.batch_size = batch
         got = engine.generate([GenerateRequest(f"r{i}", p, 16) for i, p in enumerate(order)])
         want = ref[::-1] if order == prompts[::-1] else (ref * 2)[:len(order)]
