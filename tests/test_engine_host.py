@@ -114,12 +114,22 @@ def test_a_host_that_stops_making_progress_is_stopped_and_replaced(engine_home, 
     while not list(store.glob("fast_pass/*/shards-1/shard-*.parquet")):
         time.sleep(0.02)
     wedged = int((slot_dir(engine_home, 0) / "host.pgid").read_text())
+    started = _start_time(wedged)
     os.kill(wedged, signal.SIGSTOP)
     client.join(timeout=600)
     (reply,) = replies
     assert reply.ok and reply.host_pid != wedged
-    with pytest.raises(ProcessLookupError):
-        os.kill(wedged, 0)
+    assert _start_time(wedged) != started  # gone (or its pid reused by a later process): never left running
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time (/proc/PID/stat field 22), None when no live process has this pid (a zombie
+    counts as gone: killed, waiting to be reaped)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
 
 
 @pytest.mark.slow
