@@ -17,6 +17,7 @@ from __future__ import annotations
 import platform
 import threading
 from collections.abc import Sequence
+from functools import partial
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -199,13 +200,10 @@ class HFEngine(TokenizedEngine):
                 group = todo[start:start + step]
                 asked = [requests[i] for i, _ in group]
 
-                def stopped(b: int, new: list[int], asked: list[GenerateRequest] = asked) -> bool:
-                    stop = asked[b].stop
-                    return bool(stop) and cut_at_stop(self.tokenizer.decode(new, skip_special_tokens=True), stop)[1]
-
                 news = greedy_rows(self.model, [DecodeRow(ids, r.max_tokens, r.ignore_eos)
                                                 for (_, ids), r in zip(group, asked, strict=True)],
-                                   self.generation_eos, self._generate_kw(stops=()), stopped)
+                                   self.generation_eos, self._generate_kw(stops=()),
+                                   partial(self._row_stopped, [r.stop for r in asked]))
                 out.update({i: self._generation(requests[i], ids, new)
                             for (i, ids), new in zip(group, news, strict=True)})
         else:
@@ -285,9 +283,17 @@ class HFEngine(TokenizedEngine):
 
     def _trim_to_stop(self, tokens: list[int], stop: Sequence[str]) -> list[int]:
         for n in range(1, len(tokens) + 1):
-            if cut_at_stop(self.tokenizer.decode(tokens[:n], skip_special_tokens=True), stop)[1]:
+            if self._stop_reached(tokens[:n], stop):
                 return tokens[:n]
         return tokens
+
+    def _row_stopped(self, stops: Sequence[Sequence[str]], row: int, tokens: list[int]) -> bool:
+        """Row `row` of a lock-step group has reached one of its stop strings."""
+        return self._stop_reached(tokens, stops[row])
+
+    def _stop_reached(self, tokens: list[int], stop: Sequence[str]) -> bool:
+        """The text of these tokens contains one of the stop strings."""
+        return bool(stop) and cut_at_stop(self.tokenizer.decode(tokens, skip_special_tokens=True), stop)[1]
 
     # --- provenance ------------------------------------------------------------------------------
     def provenance(self) -> ProvenanceBlock:

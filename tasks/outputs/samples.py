@@ -183,11 +183,12 @@ def tokenizer_engine(engine_spec: Any) -> Any:
     path = resolve_model(engine_spec.model, Path(engine_spec.cache_dir)).path
     key = (str(path), tokenizer_sha256(path))
     with _TOKENIZERS_LOCK:
-        if key not in _TOKENIZERS:
-            _TOKENIZERS[key] = Future()
-            threading.Thread(target=_load_tokenizer, args=(path, _TOKENIZERS[key]), daemon=True,
-                             name="jex-tokenizer").start()
-        loading = _TOKENIZERS[key]
+        loading = _TOKENIZERS.get(key)
+        first = loading is None
+        if loading is None:
+            loading = _TOKENIZERS[key] = Future()
+    if first:  # this caller loads it; any other waits for the same load
+        _load_tokenizer(path, loading)
     try:
         return loading.result()
     except Exception:
