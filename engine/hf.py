@@ -4,10 +4,8 @@ Batched calls left-pad and pass `position_ids = cumsum(attention_mask) - 1`, whi
 within ~1e-6 of batch 1 but not bit-identical (padding changes the reduction shapes). With
 `batch_invariant=True` every request runs in its own forward pass (method "per-request"), so the
 result cannot depend on batch size, request order or shard count. On CPU, last-position readouts
-(the label slot) pack several rows into one sequence instead (`_packed_last_logprobs`): every linear
-layer runs over the packed tokens, attention runs per row through the same SDPA call a one-row
-forward makes, and the lm_head runs per row at one position, as `logits_to_keep=1` does. Each row's
-log-probs are bit-identical to its own forward (tests/test_hf_engine.py; bench/engine_cpu.py).
+(the label slot) pack several rows into one forward instead, a prefix they share packed once, each
+row's log-probs bit-identical to its own forward (`engine/hf_packed.py`).
 Generation on CPU decodes the requests in lock-step with every linear layer at one fixed matrix shape
 (`engine/hf_decode.py`): each row's tokens are the same at every batch size and order.
 """
@@ -15,10 +13,8 @@ Generation on CPU decodes the requests in lock-step with every linear layer at o
 from __future__ import annotations
 
 import platform
-import threading
 from collections.abc import Sequence
 from functools import partial
-from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +37,6 @@ from jex.engine.vllm_engine import SpeculativeConfig
 from jex.provenance import ProvenanceBlock
 
 DEFAULT_CACHE = Path.home() / ".cache" / "jex"
-PACKED_ATTENTION = "jex_packed_rows"
-PACK_TOKENS = 1024  # tokens per packed forward: past ~1k the GEMMs are compute-bound on CPU already
 
 
 class HFEngine(TokenizedEngine):
@@ -76,7 +70,6 @@ class HFEngine(TokenizedEngine):
         self.weights_sha256 = weights_sha256(self.path)
         self.calls = {"readout": 0, "generate": 0}
         self.packs_rows = batch_invariant and device == "cpu"
-        self._attention_lock = threading.Lock()  # the packed path switches the model's attention while it runs
 
     @property
     def batch_size(self) -> int:
@@ -92,7 +85,9 @@ class HFEngine(TokenizedEngine):
         """log-softmax (float64) for each sequence: of the last position, of its last `keep[i]` positions
         (the logits of the others are not computed), or of every position."""
         if last_only and self.packs_rows:
-            return self._packed_last_logprobs(seqs)
+            from jex.engine.hf_packed import last_logprobs
+
+            return last_logprobs(self.model, seqs)
         torch = self.torch
         out: list[Any] = []
         for start in range(0, len(seqs), self.batch_size):
@@ -113,30 +108,6 @@ class HFEngine(TokenizedEngine):
             for i, s in enumerate(batch):
                 out.append(lp[i, -1] if last_only else lp[i, lp.shape[1] - kept[i]:] if kept else
                            lp[i, width - len(s):])
-        return out
-
-    def _packed_last_logprobs(self, seqs: list[list[int]]) -> list[Any]:
-        """The last position's log-softmax (float64) of each sequence, rows packed up to PACK_TOKENS tokens
-        per forward; each row's bits equal its own one-row forward (see the module docstring)."""
-        torch = self.torch
-        register_packed_attention()
-        out: list[Any] = []
-        for pack in _packs(seqs, PACK_TOKENS):
-            ids = torch.tensor([t for s in pack for t in s], device=self.device).unsqueeze(0)
-            pos = torch.tensor([i for s in pack for i in range(len(s))], device=self.device).unsqueeze(0)
-            ends = list(accumulate(len(s) for s in pack))
-            bounds = list(zip([0, *ends[:-1]], ends, strict=True))
-            with self._attention_lock, torch.inference_mode():
-                config = self.model.config
-                before, config._attn_implementation = config._attn_implementation, PACKED_ATTENTION
-                try:
-                    hidden = self.model.model(input_ids=ids, position_ids=pos,
-                                              jex_row_bounds=bounds).last_hidden_state[0]
-                finally:
-                    config._attn_implementation = before
-                for end in ends:  # M = 1 per row: an lm_head over several rows would change the bits
-                    logits = self.model.lm_head(hidden[end - 1:end].unsqueeze(0))[0, -1].double()
-                    out.append(torch.log_softmax(logits, dim=-1).cpu())
         return out
 
     def readout(self, requests: Sequence[ReadoutRequest], mode: ReadoutMode = ReadoutMode.LABEL_SLOT) -> list[Readout]:
@@ -195,17 +166,11 @@ class HFEngine(TokenizedEngine):
         if self.decodes_in_lockstep:
             from jex.engine.hf_decode import DecodeRow, greedy_rows
 
-            step = max(1, self.requested_batch_size)
-            for start in range(0, len(todo), step):
-                group = todo[start:start + step]
-                asked = [requests[i] for i, _ in group]
-
-                news = greedy_rows(self.model, [DecodeRow(ids, r.max_tokens, r.ignore_eos)
-                                                for (_, ids), r in zip(group, asked, strict=True)],
-                                   self.generation_eos, self._generate_kw(stops=()),
-                                   partial(self._row_stopped, [r.stop for r in asked]))
-                out.update({i: self._generation(requests[i], ids, new)
-                            for (i, ids), new in zip(group, news, strict=True)})
+            news = greedy_rows(self.model, [DecodeRow(ids, requests[i].max_tokens, requests[i].ignore_eos)
+                                            for i, ids in todo],
+                               self.generation_eos,
+                               partial(self._row_stopped, [requests[i].stop for i, _ in todo]))
+            out.update({i: self._generation(requests[i], ids, new) for (i, ids), new in zip(todo, news, strict=True)})
         else:
             for start in range(0, len(todo), self.batch_size):
                 out.update(self._generate_batch(requests, todo[start:start + self.batch_size]))
@@ -308,50 +273,14 @@ class HFEngine(TokenizedEngine):
                 "batch_size": self.batch_size, "torch": package_version("torch"),
                 "transformers": package_version("transformers"), "model_path": str(self.path),
                 "batch_invariant_method": "per-request forward (batch 1)"
-                                          + ("; label slot: rows packed, attention and lm_head per row"
-                                             if self.packs_rows else "")
+                                          + ("; label slot: rows packed behind their shared prefix, "
+                                             "attention and lm_head per row" if self.packs_rows else "")
                                           + ("; generation: lock-step decoding, linear layers in fixed "
                                              f"{GEMM_ROWS}-row products, attention per row"
                                              if self.decodes_in_lockstep else "") if self.batch_invariant else None,
                 "requested_batch_size": self.requested_batch_size, "max_context": self.max_context,
                 "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "gpu": gpu,
                 "machine": platform.machine(), "jex": package_version("jex")}
-
-
-def _packs(seqs: list[list[int]], tokens: int) -> list[list[list[int]]]:
-    """Consecutive runs of sequences of at most `tokens` tokens each (a longer sequence alone)."""
-    packs: list[list[list[int]]] = []
-    size = tokens
-    for s in seqs:
-        if size + len(s) > tokens:
-            packs.append([])
-            size = 0
-        packs[-1].append(s)
-        size += len(s)
-    return packs
-
-
-def register_packed_attention() -> None:
-    """Register PACKED_ATTENTION with transformers (once): each row's slice of q, k, v through transformers'
-    own SDPA call, causal, without a mask, exactly as the row's own forward calls it. No mask function is
-    registered, so transformers builds none for the packed forward."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if PACKED_ATTENTION in AttentionInterface._global_mapping:
-        return
-
-    def per_row_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *,
-                          jex_row_bounds: list[tuple[int, int]], scaling: float | None = None,
-                          **_: Any) -> tuple[Any, None]:
-        import torch
-
-        rows = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
-                                       dropout=0.0, scaling=scaling, is_causal=True)[0]
-                for a, b in jex_row_bounds]
-        return torch.cat(rows, dim=1), None
-
-    AttentionInterface.register(PACKED_ATTENTION, per_row_attention)
 
 
 def _prompt_lookup(speculative: SpeculativeConfig | None) -> dict[str, int]:

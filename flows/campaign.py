@@ -37,6 +37,8 @@ from jex.tasks.decisions import (
     ungated_rules,
 )
 from jex.tasks.inputs import (
+    FAST_SHARD_ROWS,
+    REASON_SHARD_ROWS,
     BundleInputs,
     CalibrateInputs,
     EngineJob,
@@ -94,8 +96,8 @@ class CampaignSpec(BaseModel):
     overlays: str | None = Field(None, description="Overlay rule file (TOML)")
     bootstrap_draws: int = Field(BOOTSTRAP_DRAWS, ge=1)
     bootstrap_seed: int = BOOTSTRAP_SEED
-    fast_shard_rows: int = Field(32, ge=1)
-    reason_shard_rows: int = Field(8, ge=1)
+    fast_shard_rows: int = Field(FAST_SHARD_ROWS, ge=1)
+    reason_shard_rows: int = Field(REASON_SHARD_ROWS, ge=1)
     store: str = Field("runs/store", description="Artifact store folder")
     out: str = Field("runs", description="Folder the run folder is created in")
     machines: MachinesSpec = MachinesSpec()

@@ -47,16 +47,60 @@ def test_label_slot_is_bit_identical_across_batch_sizes_and_order(engine, reques
 
 
 def test_packed_label_slot_is_bit_identical_to_one_forward_per_row(engine, requests, monkeypatch):
-    import jex.engine.hf as hf
+    from jex.engine import hf_packed
 
     assert engine.packs_rows
+    seqs = [engine.encode(r.prompt) for r in requests]
+    assert all(p.prefix > 0 for p in hf_packed.plan_packs(seqs, 200) if len(p.rows) > 1)  # the chat turn, once
     packed = {}
     for tokens in (4096, 200):  # every row in one pack; two or three rows per pack
-        monkeypatch.setattr(hf, "PACK_TOKENS", tokens)
+        monkeypatch.setattr(hf_packed, "PACK_TOKENS", tokens)
         packed[tokens] = [r.raw_logprobs for r in engine.readout(requests)]
     monkeypatch.setattr(engine, "packs_rows", False)
     one_per_row = [r.raw_logprobs for r in engine.readout(requests)]
     assert packed[4096] == packed[200] == one_per_row  # exact float equality, whatever the packing
+
+
+def test_a_pack_whose_shared_prefix_differs_between_rows_is_read_again_without_sharing(engine, requests,
+                                                                                      monkeypatch):
+    from jex.engine import hf_packed
+
+    want = [r.raw_logprobs for r in engine.readout(requests)]
+    unshared = []
+    monkeypatch.setattr(hf_packed, "_same_outputs", lambda a, b: False)
+    monkeypatch.setattr(hf_packed, "_forward", lambda model, rows, prefix, keep, f=hf_packed._forward:
+                        unshared.append(prefix == 0) or f(model, rows, prefix, keep))
+    assert [r.raw_logprobs for r in engine.readout(requests)] == want
+    assert unshared.count(True) == unshared.count(False) > 0  # each pack once shared, then again without
+
+
+def test_packed_prompts_keep_the_cache_and_last_logits_of_their_own_forward(engine):
+    """The lock-step decoder's prefill (engine/hf_packed.py): prompts read packed behind their shared chat
+    turn leave each prompt's own keys, values and next-token logits, bit for bit."""
+    import torch
+
+    from jex.engine.hf_packed import forward_rows, head_logits
+
+    seqs = [engine.encode(engine.chat_prompt(q)) for q in ("Name a colour.", "Why is the sky blue?", "2 + 2 = ?")]
+    packed = forward_rows(engine.model, seqs, keep_cache=True)
+    for seq, row in zip(seqs, packed, strict=True):
+        with torch.inference_mode():
+            own = engine.model(input_ids=torch.tensor([seq]), use_cache=True, logits_to_keep=1)
+            assert torch.equal(head_logits(engine.model, row.last_hidden), own.logits[0, -1])
+        layers = own.past_key_values.layers
+        assert len(layers) == len(row.keys) == len(row.values)
+        assert all(torch.equal(mine.keys, k) and torch.equal(mine.values, v)
+                   for mine, k, v in zip(layers, row.keys, row.values, strict=True))
+
+
+def test_packs_share_their_rows_common_prefix_within_the_token_budget():
+    from jex.engine.hf_packed import Pack, plan_packs
+
+    head = [1, 2, 3, 4]
+    seqs = [head + [5, 6], head + [7], head + [5, 8], [9, 9, 9], head]
+    assert plan_packs(seqs, 10) == [Pack([0, 1, 2], 4), Pack([3, 4], 0)]  # 4 + 2 + 1 + 2 tokens; no common head
+    assert plan_packs([head + [5], head], 100) == [Pack([0, 1], 3)]  # each row keeps its last token
+    assert plan_packs([head * 5, head], 8) == [Pack([0], 0), Pack([1], 0)]  # a longer row alone
 
 
 def test_label_slot_matches_a_plain_transformers_forward(engine, requests):
@@ -176,21 +220,27 @@ def test_a_decode_product_gives_each_row_the_same_numbers_whichever_rows_share_i
         assert torch.equal(_row_linear(layer, mixed)[others:].flip(0), alone), others
 
 
-def test_lockstep_generation_gives_each_row_the_same_tokens_at_every_batch_size_and_order(engine):
-    """Batch-invariant generation decodes several requests in lock-step (engine/hf_decode.py): each row's
-    token ids are the same whatever the batch size, the order and the finish order of the others."""
+def test_lockstep_generation_gives_each_row_the_same_tokens_at_every_batch_size_and_order(engine, monkeypatch):
+    """Batch-invariant generation decodes the requests of a call in lock-step (engine/hf_decode.py), in
+    groups as large as their cache allows: each row's token ids are the same whatever the group, the
+    order and the finish order of the others."""
+    from jex.engine import hf_decode
+
     prompts = [engine.chat_prompt("Count from 1 to 20, separated by commas."),
                engine.chat_prompt("Name a colour."),
                engine.chat_prompt("Explain in one sentence why the sky is blue, and then say which planet is "
                                   "the largest in the solar system.")]
+    stops = {prompts[0]: ("\n3",)}  # one row's stop string: each group must check its own rows' stops
+
+    def generate(order: list[str]) -> list[tuple[int, ...]]:
+        return [g.token_ids for g in engine.generate([GenerateRequest(f"r{i}", p, 16, stop=stops.get(p, ()))
+                                                      for i, p in enumerate(order)])]
+
     assert engine.decodes_in_lockstep
-    engine.batch_size = 1
-    ref = [g.token_ids for g in engine.generate([GenerateRequest(f"r{i}", p, 16) for i, p in enumerate(prompts)])]
+    with monkeypatch.context() as m:
+        m.setattr(hf_decode, "GROUP_CACHE_BYTES", 0)  # a group of one row each
+        ref = generate(prompts[::-1])[::-1]
     assert all(len(t) > 1 for t in ref)
-    for batch, order in ((2, prompts), (3, prompts[::-1]), (8, prompts + prompts)):
-        engine.batch_size = batch
-        got = engine.generate([GenerateRequest(f"r{i}", p, 16) for i, p in enumerate(order)])
-        want = ref[::-1] if order == prompts[::-1] else (ref * 2)[:len(order)]
-        assert [g.token_ids for g in got] == want, batch
-    engine.batch_size = 8
-    assert got[0].text == engine.tokenizer.decode(list(ref[0]), skip_special_tokens=True)
+    assert engine.tokenizer.decode(list(ref[0])).endswith("\n3") and len(ref[0]) < 16
+    for order, want in ((prompts[:2], ref[:2]), (prompts, ref), (prompts + prompts, ref * 2)):
+        assert generate(order) == want, len(order)

@@ -18,6 +18,7 @@ from jex.cli.common import TEMPORARY_API_NOTICE, connect_prefect, fail, input_er
 from jex.cli.store import resume_from_s3
 from jex.errors import InputError, JexError
 from jex.settings import JexSettings, load_settings
+from jex.tasks.inputs import FAST_SHARD_ROWS, REASON_SHARD_ROWS
 
 if TYPE_CHECKING:
     from jex.engine_spec import RenderSpec
@@ -56,7 +57,7 @@ Device = Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1 ... (default
 BatchSize = Annotated[int | None, typer.Option(help="Requests per engine call (hf-batched, vllm) (default: 8)")]
 Overlays = Annotated[Path | None, typer.Option(help="Overlay rule file (TOML)")]
 Name = Annotated[str | None, typer.Option(help="Campaign name (default: sample)")]
-ShardRows = Annotated[int | None, typer.Option(help="Rows per fast-pass shard (default: 32)")]
+ShardRows = Annotated[int | None, typer.Option(help=f"Rows per fast-pass shard (default: {FAST_SHARD_ROWS})")]
 ReasonMaxTokens = Annotated[int | None, typer.Option(help="Rationale length limit (default: 48)")]
 Provider = Annotated[str | None, typer.Option(help="Where engine stages run: inprocess | local | ssh | ec2 | "
                                                    "command (default: settings, 'local')")]
@@ -92,7 +93,7 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print the results as one J
 UnverifiedOverlays = Annotated[bool | None, typer.Option(help="Apply --overlays rules that have no passed gate record "
                                                               "(`jex overlays gate`) on this suite and capture; the "
                                                               "report and samples mark them (default: refused)")]
-ReasonShardRows = Annotated[int | None, typer.Option(help="Rows per reason shard (default: 8)")]
+ReasonShardRows = Annotated[int | None, typer.Option(help=f"Rows per reason shard (default: {REASON_SHARD_ROWS})")]
 MaxNumSeqs = Annotated[int | None, typer.Option(help="vLLM: sequences per scheduler step (default: 32)")]
 MaxBatchedTokens = Annotated[int | None, typer.Option(help="vLLM: tokens per scheduler step (default: vLLM's)")]
 KvCacheGib = Annotated[float | None, typer.Option(help="vLLM: KV cache GiB, fixed instead of profiled; engines of "
