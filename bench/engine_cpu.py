@@ -2,15 +2,18 @@
 
     .venv/bin/python bench/engine_cpu.py [--rows 64] [--gen-rows 16] [--gen-tokens 48] [--rounds 2]
         [--out bench/out/engine_cpu.json]
-Readout (the fast pass's label slot): jex batch-invariant (rows packed, attention and lm_head per row),
-jex batch-invariant one forward per row (before packing; the log-probs of the two are compared), jex
-batched at 8, and a plain `transformers` forward at batch 8 of the same prompts (left-padded, last position only).
+Readout (the fast pass's label slot): jex batch-invariant (rows packed behind their shared prefix,
+`engine/hf_packed.py`), the same packed without sharing the prefix, one forward per row (before
+packing; the log-probs of all three are compared), jex batched at 8, and a plain `transformers` forward
+at batch 8 of the same prompts (left-padded, last position only).
 Generation (the reason stage's greedy rationales): one `model.generate` per request (batch 1: the
 numbers of hf engine version 1), lock-step with one-row products (`engine/hf_decode.py` at
-GEMM_ROWS = 1: engine version 1's decoder, the batch-1 tokens), lock-step with 8-row products (engine
-version 2, now), and plain batched `generate` at 8 (not batch-invariant: the CPU audit tax is the
-ratio to it). The arms are interleaved round by round (a loaded machine slows them alike) and each
-keeps its fastest round; the token ids of the invariant generation arms are compared.
+GEMM_ROWS = 1: engine version 1's decoder, the batch-1 tokens), lock-step with 8-row products in calls
+of 8 requests (what a reason shard of 8 rows did), the same with every request in one call (one
+lock-step group: now), and plain batched `generate` at 8 and with every request in one batch (not
+batch-invariant: the CPU audit tax is the ratio to them). The arms are interleaved round by round (a
+loaded machine slows them alike) and each keeps its fastest round; the token ids of the invariant
+generation arms are compared.
 """
 
 from __future__ import annotations
@@ -51,6 +54,24 @@ def one_row_products(engine: HFEngine, reqs: list) -> list:
         hf_decode.GEMM_ROWS = rows
 
 
+def unshared(engine: HFEngine, rows: list) -> list:
+    """The packed readout without a shared prefix (every pack's prefix 0)."""
+    from jex.engine import hf_packed
+
+    plan = hf_packed.plan_packs
+    hf_packed.plan_packs = lambda seqs, tokens=hf_packed.PACK_TOKENS: [  # type: ignore[assignment]
+        hf_packed.Pack(p.rows, 0) for p in plan(seqs, tokens)]
+    try:
+        return fast_pass(engine, rows)
+    finally:
+        hf_packed.plan_packs = plan
+
+
+def in_calls_of(engine: HFEngine, reqs: list, n: int) -> list:
+    """`generate` on `n` requests at a time (one lock-step group each)."""
+    return [g for start in range(0, len(reqs), n) for g in engine.generate(reqs[start:start + n])]
+
+
 def timed(fn) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn()
@@ -72,17 +93,21 @@ def main() -> None:
     before._lockstep_model = False  # generation by one `model.generate` per request
     before.packs_rows = False  # the readout before packing: one forward per row
     batched.batch_size = 8
+    batched_all = HFEngine(batch_invariant=False, batch_size=len(gen_rows))  # every rationale in one batch
     prompts = [r.prompt for r in question_prompts(inv, read_rows, RenderSpec(), None, None)]
     reqs = _reason_requests(inv, gen_rows, args.gen_tokens, RenderSpec(), ())
     arms = {
         "readout_jex_invariant": lambda: fast_pass(inv, read_rows),
+        "readout_jex_invariant_unshared_prefix": lambda: unshared(inv, read_rows),
         "readout_jex_invariant_one_forward_per_row": lambda: fast_pass(before, read_rows),
         "readout_jex_batched8": lambda: fast_pass(batched, read_rows),
         "readout_plain_transformers_batch8": lambda: plain_forward(inv, prompts),
         "generate_invariant_one_request": lambda: before.generate(reqs),
         "generate_invariant_lockstep_1row_v1": lambda: one_row_products(inv, reqs),
+        "generate_invariant_lockstep_8row_calls_of_8": lambda: in_calls_of(inv, reqs, 8),
         "generate_invariant_lockstep_8row_v2": lambda: inv.generate(reqs),
         "generate_batched8_not_invariant": lambda: batched.generate(reqs),
+        "generate_batched_all_not_invariant": lambda: batched_all.generate(reqs),
     }
     fast_pass(inv, read_rows[:2])  # warm-up
     best: dict[str, float] = {}
@@ -105,12 +130,19 @@ def main() -> None:
                "lockstep_8row_identical_to_v1": gens["generate_invariant_lockstep_8row_v2"]
                == gens["generate_invariant_one_request"],
                "speedup_8row_vs_1row": g_v1 / g_new,
+               "speedup_one_group_vs_calls_of_8": best["generate_invariant_lockstep_8row_calls_of_8"] / g_new,
+               "lockstep_calls_of_8_identical": gens["generate_invariant_lockstep_8row_calls_of_8"]
+               == gens["generate_invariant_lockstep_8row_v2"],
                "speedup_8row_vs_one_request": best["generate_invariant_one_request"] / g_new,
                "packed_readout_identical_to_one_per_row": [r.raw_logprobs for r in packed]  # type: ignore[attr-defined]
-               == [r.raw_logprobs for r in per_row],  # type: ignore[attr-defined]
+               == [r.raw_logprobs for r in per_row]  # type: ignore[attr-defined]
+               == [r.raw_logprobs for r in outs["readout_jex_invariant_unshared_prefix"]],  # type: ignore[attr-defined]
+               "speedup_shared_prefix_vs_unshared": best["readout_jex_invariant_unshared_prefix"]
+               / best["readout_jex_invariant"],
                "speedup_packed_vs_one_forward_per_row": best["readout_jex_invariant_one_forward_per_row"]
                / best["readout_jex_invariant"],
                "audit_tax_generation": g_new / best["generate_batched8_not_invariant"],
+               "audit_tax_generation_same_batch": g_new / best["generate_batched_all_not_invariant"],
                "readout_plain_vs_jex_invariant_seconds": best["readout_jex_invariant"]
                / best["readout_plain_transformers_batch8"],
                "results": res}
