@@ -59,7 +59,7 @@ def unshared(engine: HFEngine, rows: list) -> list:
     from jex.engine import hf_packed
 
     plan = hf_packed.plan_packs
-    hf_packed.plan_packs = lambda seqs, tokens=hf_packed.PACK_TOKENS: [  # type: ignore[assignment]
+    hf_packed.plan_packs = lambda seqs, tokens=None: [  # type: ignore[assignment]
         hf_packed.Pack(p.rows, 0) for p in plan(seqs, tokens)]
     try:
         return fast_pass(engine, rows)

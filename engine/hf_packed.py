@@ -48,9 +48,10 @@ class PrefixNotShared(Exception):
     """A shared prefix's attention outputs differed between two rows of a pack."""
 
 
-def plan_packs(seqs: Sequence[Sequence[int]], tokens: int = PACK_TOKENS) -> list[Pack]:
-    """Consecutive runs of rows, each of at most `tokens` packed tokens (a longer row alone), their
-    common prefix counted once; every row keeps at least its last token outside the prefix."""
+def plan_packs(seqs: Sequence[Sequence[int]], tokens: int | None = None) -> list[Pack]:
+    """Consecutive runs of rows, each of at most `tokens` (default PACK_TOKENS) packed tokens (a longer
+    row alone), their common prefix counted once; every row keeps at least its last token outside it."""
+    tokens = PACK_TOKENS if tokens is None else tokens
     packs: list[Pack] = []
     rows: list[int] = []
     prefix = total = 0
@@ -77,7 +78,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def last_logprobs(model: Any, seqs: Sequence[Sequence[int]], tokens: int = PACK_TOKENS) -> list[torch.Tensor]:
+def last_logprobs(model: Any, seqs: Sequence[Sequence[int]], tokens: int | None = None) -> list[torch.Tensor]:
     """The last position's log-softmax (float64) of each sequence, each bit-identical to its own forward."""
     with torch.inference_mode():
         return [torch.log_softmax(head_logits(model, row.last_hidden).double(), dim=-1).cpu()
@@ -99,7 +100,7 @@ class RowStates:
     values: list[torch.Tensor]
 
 
-def forward_rows(model: Any, seqs: Sequence[Sequence[int]], tokens: int = PACK_TOKENS, *,
+def forward_rows(model: Any, seqs: Sequence[Sequence[int]], tokens: int | None = None, *,
                  keep_cache: bool = False) -> list[RowStates]:
     """Each sequence's states, the sequences packed (`plan_packs`), each bit-identical to its own forward."""
     _register()

@@ -83,14 +83,14 @@ def test_packed_prompts_keep_the_cache_and_last_logits_of_their_own_forward(engi
 
     seqs = [engine.encode(engine.chat_prompt(q)) for q in ("Name a colour.", "Why is the sky blue?", "2 + 2 = ?")]
     packed = forward_rows(engine.model, seqs, keep_cache=True)
-    for seq, row in zip(seqs, packed, strict=True):
+    for seq, states in zip(seqs, packed, strict=True):
         with torch.inference_mode():
             own = engine.model(input_ids=torch.tensor([seq]), use_cache=True, logits_to_keep=1)
-            assert torch.equal(head_logits(engine.model, row.last_hidden), own.logits[0, -1])
+            assert torch.equal(head_logits(engine.model, states.last_hidden), own.logits[0, -1])
         layers = own.past_key_values.layers
-        assert len(layers) == len(row.keys) == len(row.values)
+        assert len(layers) == len(states.keys) == len(states.values)
         assert all(torch.equal(mine.keys, k) and torch.equal(mine.values, v)
-                   for mine, k, v in zip(layers, row.keys, row.values, strict=True))
+                   for mine, k, v in zip(layers, states.keys, states.values, strict=True))
 
 
 def test_packs_share_their_rows_common_prefix_within_the_token_budget():
