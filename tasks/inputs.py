@@ -38,7 +38,7 @@ FAST_SHARD_ROWS = 32
 REASON_SHARD_ROWS = 64
 """Rows per reason shard (the unit of a checkpoint and of a machine's work): the HF engine decodes a
 shard's rows in lock-step, so a larger shard reads the weights fewer times per token (the main job's 36
-rationales in one shard: 1.6x shards of 8)."""
+rationales in one shard: 1.7x shards of 8)."""
 FP_MEASURED = KeyedThrough("engine", "the fingerprint measured where the shards are computed replaces this "
                                       "process's in the `engine` entry")
 
