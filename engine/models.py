@@ -19,6 +19,7 @@ import math
 import os
 import re
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,12 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 SHA_SIDECAR = ".jex-weights.json"
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+GGUF_HEADER = struct.Struct("<4sIQQ")
+"""A GGUF file's header: the magic `GGUF`, the format version, the tensor count, the metadata key count."""
+GGUF_VERSIONS = (2, 3)
+"""The GGUF versions transformers' reader loads."""
+_GGUF_MIN_TENSOR, _GGUF_MIN_KEY = 33, 14
+"""Fewest bytes of one tensor's entry (name, one dimension, type, offset) and of one metadata key/value."""
 
 
 @dataclass(frozen=True)
@@ -109,15 +116,43 @@ def _combine(files: list[Path]) -> str:
     return h.hexdigest()
 
 
+def gguf_header_problem(path: Path) -> str | None:
+    """What makes `path` no loadable GGUF file, judged from its header (the first 24 bytes) and size, in one
+    line; None when the header is sound. Reads nothing else: the pre-flight calls it."""
+    with open(path, "rb") as f:
+        head = f.read(GGUF_HEADER.size)
+    if head[:4] != b"GGUF":
+        return "not a GGUF file (its first bytes are not 'GGUF')"
+    if len(head) < GGUF_HEADER.size:
+        return f"a GGUF file cut short: {len(head)} bytes, fewer than its {GGUF_HEADER.size}-byte header"
+    _, version, tensors, keys = GGUF_HEADER.unpack(head)
+    if version not in GGUF_VERSIONS:
+        return f"GGUF version {version}; jex reads versions {' and '.join(map(str, GGUF_VERSIONS))}"
+    size = path.stat().st_size
+    if GGUF_HEADER.size + tensors * _GGUF_MIN_TENSOR + keys * _GGUF_MIN_KEY > size:
+        return (f"a corrupt or truncated GGUF file: its header declares {tensors} tensors and {keys} metadata "
+                f"keys, more than its {size} bytes can hold")
+    return None
+
+
 def convert_gguf(gguf: Path, out: Path, dtype: str = "float32") -> Path:
-    """Dequantise a GGUF into a plain safetensors folder (written to a temp name, then renamed)."""
+    """Dequantise a GGUF into a plain safetensors folder (written to a temp name, then renamed). A file
+    transformers cannot read is one `EngineDeadError` naming it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if problem := gguf_header_problem(gguf):
+        raise EngineDeadError(f"{gguf}: {problem}")
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    except (ValueError, KeyError, IndexError, TypeError, struct.error) as e:  # the GGUF readers' parse errors
+        kind, reason = "struct.error" if isinstance(e, struct.error) else type(e).__name__, str(e)
+        reason = reason.splitlines()[0][:300] if reason else ""
+        raise EngineDeadError(f"{gguf}: not a GGUF model transformers can load ({kind}"
+                              f"{': ' + reason if reason else ''})") from None
     # save_pretrained refuses a GGUF-quantised model until the quantizer is detached
     # (transformers sets both attributes at load time and declares neither: nn.Module.__getattr__ types
     # them Tensor | Module)

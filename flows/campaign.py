@@ -7,7 +7,6 @@ Cached and an interrupted engine stage resumes at its first missing shard.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,11 +18,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jex.engine_spec import EngineSpec
 from jex.errors import FlowError
-from jex.fileio import sha256_json, write_json
+from jex.fileio import sha256_json, write_json, write_text
 from jex.flows.fleet import MachinesSpec, s3_store
 from jex.flows.machines_doc import MachinesDoc, machines_section, report_section
 from jex.flows.runners import StageRunner, make_runner
 from jex.infra.s3 import checkpoint
+from jex.run_records import (
+    CAMPAIGN_FILE,
+    STAGE_NAMES,
+    EngineCalls,
+    EngineStageName,
+    RunStages,
+    StageName,
+    StageRecord,
+)
 from jex.settings import BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, JexSettings
 from jex.tasks.capture.engine_pool import CALLS
 from jex.tasks.capture.spec_proof import ExactnessProof, prove, write_proof
@@ -50,6 +58,9 @@ from jex.tasks.inputs import (
     ReasonInputs,
     ScoreInputs,
     StageInputs,
+    engine_content,
+    file_content,
+    suite_content,
 )
 from jex.tasks.outputs.samples import warm_tokenizer
 from jex.tasks.prefect_tasks import (
@@ -71,6 +82,7 @@ from jex.tasks.records import (
     FinishedCampaign,
     GateSummary,
 )
+from jex.tasks.run_store import find_run_store
 from jex.tasks.store import LocalStore
 
 AUDIT_SETTINGS = {"require_zero_errors", "reference_min_agreement"}
@@ -113,16 +125,33 @@ class CampaignSpec(BaseModel):
                                                          "for each (the report and samples mark them); off: refused")
 
     def identity(self) -> str:
-        """Hash of what defines the results (not where they are written, nor on which machines)."""
+        """Hash of what defines the results, from content only: the suite's files (or the bundle's bytes),
+        the engine's fingerprint (weights, tokenizer, what it reads, the settings that change numbers),
+        the reference and rule files' bytes, and the campaign's own settings. Not where anything lies (no
+        path, store, cache folder or device index), nor on which machines: the same campaign from another
+        folder, home or machine has the same run folder name."""
         where = ("store", "out", "fast_shard_rows", "reason_shard_rows", "machines", "samples_prompts", *AUDIT_SETTINGS,
                  *(() if self.unverified_overlays else ("unverified_overlays",)))  # set: its own run folder
-        # scheduler and memory limits: under the audit profile the results do not depend on them
-        limits = {"max_num_batched_tokens": True, "kv_cache_memory_gib": True}
-        doc = self.model_dump(exclude={**dict.fromkeys(where, True), "engine": limits})
+        files = ("suite", "reference", "overlays")
+        doc = self.model_dump(mode="json", exclude={*where, *files, "engine"})
+        doc.update(engine=engine_content(self.engine), suite=suite_content(self.suite) if self.suite else None,
+                   reference=file_content(self.reference), overlays=file_content(self.overlays))
         return sha256_json(doc)[:10]
 
     def run_dir(self) -> Path:
         return Path(self.out) / f"{self.name}-{self.identity()}"
+
+    def located(self) -> CampaignSpec:
+        """The same campaign with every path absolute (folders, suite, reference, rules, a model on disk),
+        so its run folder's record names them from any working folder."""
+        def here(path: str | None) -> str | None:
+            return str(Path(path).expanduser().absolute()) if path else path
+
+        on_disk = self.engine.model and Path(self.engine.model).exists()  # else the embedded one or a Hub id
+        engine = self.engine.model_copy(update={"model": here(self.engine.model)}) if on_disk else self.engine
+        return self.model_copy(update={"out": here(self.out), "store": here(self.store), "suite": here(self.suite),
+                                       "reference": here(self.reference), "overlays": here(self.overlays),
+                                       "engine": engine})
 
     def fast_pass_inputs(self, bundle: BundleSummary) -> FastPassInputs:
         return FastPassInputs(bundle=bundle, engine=self.engine, shard_rows=self.fast_shard_rows)
@@ -175,7 +204,8 @@ def sample_suite_dir(spec: CampaignSpec) -> str:
     return str(folder)
 
 
-STAGES = ("bundle", "fast_pass", "gate", "reason", "fold", "calibrate", "overlay", "score")
+STAGES = STAGE_NAMES
+ENGINE_STAGES: tuple[EngineStageName, ...] = ("fast_pass", "reason")
 """The campaign's stages in order (a speculative profile adds `spec_proof_sample` and `spec_proof`)."""
 
 
@@ -187,7 +217,7 @@ class CampaignRun:
     spec: CampaignSpec
     run_dir: Path
     runner: StageRunner
-    redo: list[str] = field(default_factory=list)
+    redo: list[StageName] = field(default_factory=list)
     s3: Any = None
     summaries: CampaignSummaries = field(default_factory=CampaignSummaries)
     timings: dict[str, float] = field(default_factory=dict)
@@ -216,27 +246,31 @@ class CampaignRun:
             out = task.with_options(refresh_cache=True)(**call)
         self.timings[name] = time.perf_counter() - t0
         setattr(self.summaries, name, out)
-        write_json(self.run_dir / "stages.json", {k: {"key": v.key, "folder": v.folder,
-                                                      "seconds": round(self.timings[k], 3)}
-                                                  for k, v in self.summaries.done().items()})
+        RunStages({k: StageRecord(key=v.key, folder=v.folder, seconds=round(self.timings[k], 3))
+                   for k, v in self.summaries.done().items()}).write(self.run_dir)
         if self.s3 is not None:  # a new orchestrator can resume from here (`jex store pull`, `jex run --resume`)
             checkpoint(self.s3, self.run_dir, out.folder)
         return out
 
 
 @flow(name="campaign", log_prints=True, persist_result=True)
-def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[str] | None = None) -> str:  # noqa: B008 - UI form
+def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[StageName] | None = None,  # noqa: B008 - UI form
+             recompute: bool = False) -> str:
     """Run (or resume) a campaign; returns the run folder.
 
     `redo` names stages to compute again although cached (retry-stage): their stage folders from the
     last run of this campaign are set aside (renamed, never deleted) and their Prefect cache refreshed.
+    A stage the run folder records but the store does not hold is refused (`StoresLacking`: the store
+    moved, or is another one) unless `recompute` allows computing it again.
     """
+    spec = spec.located()
     run_dir = spec.run_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "campaign.json").write_text(spec.model_dump_json(indent=2))
     redo = list(redo or [])
     if unknown := set(redo) - set(STAGES):
         raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages are {list(STAGES)}")
+    check_stages_held(spec, run_dir, redo=redo, recompute=recompute)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text(run_dir / CAMPAIGN_FILE, spec.model_dump_json(indent=2))
     retired = retire_stages(run_dir, redo)
     if retired:
         print(f"retry: set aside {len(retired)} stage folder(s) for {redo}: {retired}")
@@ -248,8 +282,8 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[str] | None = None)
     proof = capture_stages(run)
     decision_stages(run)
     in_process = {k: CALLS[k] - calls_before.get(k, 0) for k in ("fast_pass", "reason")}
-    write_json(run_dir / "engine_calls.json", {"redo": redo, "retired": retired, "in_process": in_process,
-                                               "calls": run.runner.engine_calls() or in_process})
+    EngineCalls.model_validate({"redo": redo, "retired": retired, "in_process": in_process,
+                                "calls": run.runner.engine_calls() or in_process}).write(run_dir)
     if proof is not None:
         write_proof(run_dir, proof, fell_back=not proof.exact)
     report_task(run_dir=str(run_dir), summaries=run.summaries, spec=spec.model_dump(mode="json"),
@@ -382,19 +416,49 @@ def publish_machines(run_dir: Path, machines: MachinesDoc) -> None:
         print(f"could not publish the machines artifact: {e}")
 
 
-def retire_stages(run_dir: Path, stages: list[str]) -> list[str]:
-    """Rename the stage folders the last run of this campaign used for `stages` (nothing is deleted)."""
-    record = run_dir / "stages.json"
-    if not stages or not record.exists():
-        return []
-    done = json.loads(record.read_text())
+def check_stages_held(spec: CampaignSpec, run_dir: Path, *, redo: list[StageName], recompute: bool) -> None:
+    """Refuse (`StoresLacking`) to compute again a stage the run folder records but the campaign's store
+    does not hold, unless `recompute`; stages in `redo` are computed again on purpose."""
+    search = find_run_store(run_dir, given=spec.store)
+    missing = search.missing(but=frozenset(redo))
+    if missing and not recompute:
+        raise search.refusal(missing)
+    if missing:
+        print(f"recompute: {sorted(missing)} are not in the store {spec.store}: computing them again")
+
+
+def resume_spec(run_dir: str | Path, *, store: str | Path | None = None) -> CampaignSpec:
+    """The campaign of a run folder, to go on with from any working folder or machine: its run folders
+    where the run folder is now, its store the one that holds its recorded stages (`find_run_store`:
+    `store` when given; else the recorded one, the one beside the run folder, ...)."""
+    spec = load_spec(run_dir)
+    run_dir = Path(run_dir).absolute()
+    search = find_run_store(run_dir, given=store, recorded=spec.store)
+    return spec.model_copy(update={"out": str(run_dir.parent), "store": str(search.store)})
+
+
+def retire_stages(run_dir: Path, stages: list[StageName]) -> list[str]:
+    """Rename the stage folders the last run of this campaign used for `stages` (nothing is deleted).
+
+    An engine stage computes only its failed rows again: its folder is kept as it is when no row failed
+    (its shards are verified and batch invariant: computing them again would give the same bytes), and
+    with failed rows it leaves its shards to a fresh folder under its key (`carry_failed_rows`), so the
+    engine gets those rows alone."""
+    from jex.tasks.store import carry_failed_rows, holds_failed_rows
+
+    done = RunStages.read(run_dir).root
     retired = []
     for name in stages:
-        folder = Path((done.get(name) or {}).get("folder") or "")
+        folder = Path(done[name].folder) if name in done else Path()
+        if name in ENGINE_STAGES and folder.is_dir() and not holds_failed_rows(folder):
+            print(f"retry: {name} has no failed row: its stage folder is kept, no engine call")
+            continue
         if folder.name and folder.exists():
             stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 10**6:06d}"
             target = folder.with_name(f"{folder.name}.retired-{stamp}")
             folder.rename(target)
+            if carried := carry_failed_rows(target, folder):
+                print(f"retry: {name} computes only its {carried} failed row(s) again")
             retired.append(str(target))
     return retired
 
@@ -419,10 +483,9 @@ class NotStored(LookupError):
 def stored_summary(store: str, name: str, inputs: StageInputs) -> Any:
     """The summary of stage `name` (a CampaignSummaries field) for `inputs`, from the store's complete
     stage folder of their key; NotStored if there is none."""
-    folder = LocalStore(store).stage(inputs.stage, inputs.key())
-    if not folder.complete:
+    if not LocalStore(store).holds(inputs.stage, inputs.key()):
         raise NotStored(name)
-    return CampaignSummaries.summary_type(name).model_validate_json(folder.summary())
+    return LocalStore(store).stage(inputs.stage, inputs.key()).read(CampaignSummaries.summary_type(name))
 
 
 def stored_run(spec: CampaignSpec, settings: JexSettings) -> Path | None:
@@ -433,8 +496,9 @@ def stored_run(spec: CampaignSpec, settings: JexSettings) -> Path | None:
     from jex.flows.runners import InProcessRunner
     from jex.tasks.outputs.run_folder import rendered, report_key
 
+    spec = spec.located()
     run_dir = spec.run_dir()
-    if settings.store.s3_bucket or not (run_dir / "campaign.json").exists():
+    if settings.store.s3_bucket or not (run_dir / CAMPAIGN_FILE).exists():
         return None
     run = CampaignRun(spec, run_dir, InProcessRunner(), stored_only=True)
     try:
@@ -449,10 +513,11 @@ def stored_run(spec: CampaignSpec, settings: JexSettings) -> Path | None:
     return run_dir
 
 
-def run_campaign(spec: CampaignSpec) -> Path:
+def run_campaign(spec: CampaignSpec, *, recompute: bool = False, redo: list[StageName] | None = None) -> Path:
     """Run the flow in this process (Prefect's local API unless PREFECT_API_URL is set)."""
-    return Path(campaign(spec))
+    return Path(campaign(spec, redo=redo, recompute=recompute))
 
 
 def load_spec(run_dir: str | Path) -> CampaignSpec:
-    return CampaignSpec.model_validate_json((Path(run_dir) / "campaign.json").read_text())
+    """The campaign as its run folder recorded it (`campaign.json`)."""
+    return CampaignSpec.model_validate_json((Path(run_dir) / CAMPAIGN_FILE).read_text())

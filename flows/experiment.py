@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from jex.errors import FlowError, InputError
 from jex.fileio import write_json
 from jex.flows.campaign import CampaignSpec, campaign, sample_suite_dir
 from jex.infra.ledger import Ledger
+from jex.run_records import EngineCalls
 from jex.tasks.decisions import append_decisions, ledger_path, model_facts
 from jex.tasks.lab.arms import ArmDecl, ArmsFile, parse_arms
 from jex.tasks.lab.experiment_report import (
@@ -203,7 +203,7 @@ def experiment_budget(base: CampaignSpec) -> ExperimentBudget:
 def _sub_run(spec: CampaignSpec) -> tuple[Path, dict[str, int], float]:
     t0 = time.perf_counter()
     run_dir = Path(campaign(spec))
-    calls = json.loads((run_dir / "engine_calls.json").read_text())["calls"]
+    calls = {str(stage): n for stage, n in EngineCalls.read(run_dir).calls.items()}
     return run_dir, calls, time.perf_counter() - t0
 
 
@@ -218,7 +218,7 @@ def run_twin(base: CampaignSpec, name: str, out: Path) -> tuple[Path, dict[str, 
         machines = machines.model_copy(update={"fresh_processes": True})
     spec = base.model_copy(update={"store": str(store), "name": name, "machines": machines})
     run_dir, calls, wall = _sub_run(spec)
-    in_process = json.loads((run_dir / "engine_calls.json").read_text())["in_process"]
+    in_process = EngineCalls.read(run_dir).in_process
     if any(in_process.values()):
         raise FlowError(f"twin {name}: the flow recomputed engine stages in-process ({in_process})")
     return run_dir, calls, wall, str(store)

@@ -37,7 +37,7 @@ from jex.flows.machines_doc import FingerprintMismatch, FleetMachine, GoldenRepl
 from jex.infra.ledger import Ledger
 from jex.infra.machine import JobFailed, MachineSession, RemoteJob, required_tools, stack_lock
 from jex.infra.providers import Machine
-from jex.infra.reaper import make_provider, policy_from_settings
+from jex.infra.reaper import check_results_survive, make_provider, policy_from_settings
 from jex.infra.records import MachineProvenance
 from jex.tasks.capture.engine_host import COMPILE_CACHE, STARTS, HostOptions, parse_starts
 from jex.tasks.capture.engine_host.protocol import EngineStart
@@ -49,7 +49,7 @@ from jex.tasks.inputs import EngineJob, FastPassInputs, ReasonInputs
 from jex.tasks.lab.jobs import MACHINE_OUT, OUTPUTS, LabJob
 from jex.tasks.prefect_tasks import progress_artifact
 from jex.tasks.records import EngineFingerprint, StagePlan
-from jex.tasks.store import LocalStore
+from jex.tasks.store import FAILED_ROWS, LocalStore
 
 ProviderName = Literal["inprocess", "local", "ssh", "ec2", "command"]
 
@@ -140,6 +140,10 @@ class GpuFleet:
                                   "wall_budget_s": spec.wall_budget_hours * 3600 if spec.wall_budget_hours else None
                                   }.items() if v is not None}
         self.policy = policy_from_settings(infra, **over)
+        # before any machine: one whose orchestrator disappears powers off, and its disk may go with it
+        # (a run from the Prefect UI has had no CLI pre-flight)
+        check_results_survive(self.provider.name, keeps_disk=self.provider.keeps_disk,
+                              bucket=self.settings.store.s3_bucket, watchdog=self.policy.watchdog)
         self.ledger = Ledger(self.state_dir / "ledger.json")
         self.s3 = s3_store(self.settings)
         self.on_poll = on_poll
@@ -401,7 +405,7 @@ class GpuFleet:
             remote = RemoteJob(name, ["-m", "jex", "stage", "run", "--args", "args.json", "--worker", str(i),
                                       "--workers", str(n),
                                       *self._host_options_argv(host, job.inputs.engine, inbox, files)],
-                               [f"{shards}/shard-*.parquet", f"{shards}/{WORK_RECORDS}"],
+                               [f"{shards}/shard-*.parquet", f"{shards}/{FAILED_ROWS}", f"{shards}/{WORK_RECORDS}"],
                                self.store.root, files=files, strip_prefix="store/")
             self._run(session, remote)
             progress(name, len(list(Path(plan.shards_dir).glob("shard-*.parquet"))), plan.shards)

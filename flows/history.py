@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jex.errors import JexError
+
 
 class RunRow(BaseModel):
     """One campaign flow run, as `jex runs` lists it."""
@@ -45,7 +47,11 @@ def campaign_runs(limit: int = 50) -> list[RunRow]:
         except ValueError:
             rows.append(row)
             continue
-        run_dir = spec.run_dir()
+        try:
+            run_dir = spec.located().run_dir()
+        except (JexError, OSError):  # its suite or model is not on this machine: the row without its results
+            rows.append(row)
+            continue
         score, machines = run_dir / "score.json", run_dir / "machines.json"
         rows.append(row.model_copy(update={
             "campaign": run_dir.name, "coverage": spec.coverage, "run_dir": str(run_dir),

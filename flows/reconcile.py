@@ -7,15 +7,16 @@ sends the campaign, the stage that failed and the run folder through it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
 
+from jex.errors import JexError
 from jex.infra.ledger import Ledger
 from jex.infra.reaper import make_provider, policy_from_settings, sweep
 from jex.infra.records import ReconcileReport
+from jex.run_records import RunStages
 
 
 @flow(name="reconcile", log_prints=True)
@@ -53,9 +54,11 @@ def failure_notice(parameters: dict[str, Any], state: str, message: str, run_nam
     from jex.flows.campaign import STAGES, CampaignSpec
 
     spec = CampaignSpec.model_validate(parameters.get("spec") or {})
-    run_dir = spec.run_dir().resolve()
-    record = run_dir / "stages.json"
-    done = json.loads(record.read_text()) if record.exists() else {}
+    try:
+        run_dir: Path | str = spec.located().run_dir()
+        done = RunStages.read(run_dir).root
+    except (JexError, OSError) as e:  # the identity needs the suite and model: perhaps why it failed
+        run_dir, done = f"unknown ({e})", {}
     stage = next((s for s in STAGES if s not in done), "report")
     machines = len(report.machines)
     subject = f"jex: campaign {spec.name} {state.lower()} at stage {stage}"

@@ -3,8 +3,11 @@
 # with the same code and stack finds everything in place and only rewrites provenance.json.
 #   bash bootstrap.sh WORKDIR CODE_SHA PYTHON   (stdin: one JSON line of watchdog credentials, or empty)
 # WORKDIR holds code-CODE_SHA.tar.gz and stack.lock (pip requirement pins). Prints one JSON line:
-# the python the jobs must use and whether the stack was reused or installed. JEX_REQUIRED_TOOLS: executables
-# the engine needs on PATH ("a|b": any one of them); a missing one exits 4 with one line naming it.
+# the python the jobs must use, the folder put first on their PATH (BIN: the stack's bin folder, beside that
+# python) and whether the stack was reused or installed. JEX_REQUIRED_TOOLS: executables the engine needs on
+# PATH ("a|b": any one of them), looked up with BIN first, as the jobs will; a missing one exits 4 with one
+# line naming it. JEX_POWEROFF_AFTER_S (a cloud machine): its hard time to live; JEX_POWEROFF_COMMAND: how
+# it powers off, when not `shutdown -h`.
 set -euo pipefail
 W=$1; SHA=$2; PY=$3
 cd "$W"
@@ -47,11 +50,13 @@ if [ -n "$MISSING" ]; then
   [ -z "$MISSING" ] || { echo "stack still unsatisfied: $MISSING" >&2; exit 3; }
 fi
 
-# the tools the engine needs, looked up where the jobs will look (the stack's bin folder first)
+# the tools the engine needs, looked up where the jobs will look: the orchestrator starts every job with
+# BIN first on PATH (BootInfo.bin, MachineSession._env)
+BIN=$(dirname "$PY")
 for TOOL in ${JEX_REQUIRED_TOOLS:-}; do
   FOUND=""
   for T in ${TOOL//|/ }; do
-    if PATH="$(dirname "$PY"):$PATH" command -v "$T" > /dev/null 2>&1; then FOUND=$T; break; fi
+    if PATH="$BIN:$PATH" command -v "$T" > /dev/null 2>&1; then FOUND=$T; break; fi
   done
   [ -n "$FOUND" ] || { echo "machine pre-flight: ${TOOL//|/ or } not found on PATH (the engine needs it;" \
     "install it on the machine image)" >&2; exit 4; }
@@ -68,10 +73,16 @@ if [ -f "$W/watchdog.json" ]; then
     echo $! > "$W/watchdog.pid"
   fi
   unset CREDS
-  # a cloud machine that powers off terminates (EC2: InstanceInitiatedShutdownBehavior=terminate); schedule it
+  # a cloud machine that powers off terminates (EC2: InstanceInitiatedShutdownBehavior=terminate): the backstop,
+  # in whole minutes from now (after the watchdog's own deadline), in case the watchdog dies
   if [ -n "${JEX_POWEROFF_AFTER_S:-}" ]; then
     M=$(( (JEX_POWEROFF_AFTER_S + 59) / 60 ))
-    sudo -n shutdown -h "+$M" >/dev/null 2>&1 || shutdown -h "+$M" >/dev/null 2>&1 || true
+    if [ -z "${JEX_POWEROFF_COMMAND:-}" ]; then
+      sudo -n shutdown -h "+$M" >/dev/null 2>&1 || shutdown -h "+$M" >/dev/null 2>&1 || true
+    elif ! { [ -f "$W/poweroff.pid" ] && kill -0 -- "-$(cat "$W/poweroff.pid")" 2>/dev/null; }; then
+      setsid nohup sh -c "sleep $(( M * 60 )); $JEX_POWEROFF_COMMAND" > /dev/null 2>&1 < /dev/null &  # its own way
+      echo $! > "$W/poweroff.pid"
+    fi
   fi
 fi
 
@@ -94,4 +105,4 @@ print(json.dumps({"host": socket.gethostname(), "platform": platform.platform(),
                   "packages": {p: installed(p) for p in pins}, "gpus": sys.argv[3]}, sort_keys=True))
 EOF
 mv provenance.json.part provenance.json
-printf '{"python": "%s", "code": "%s", "stack": "%s"}\n' "$PY" "$CODE" "$STACK"
+printf '{"python": "%s", "code": "%s", "stack": "%s", "bin": "%s"}\n' "$PY" "$CODE" "$STACK" "$BIN"

@@ -89,6 +89,9 @@ class Policy:
     finish_grace_s: float = 0.0
     """After a lease expiry, how long a running job may go on before the watchdog stops it."""
     watchdog_check_s: float = 5.0
+    poweroff_command: str = ""
+    """How the watchdog of a cloud machine powers it off, run on the machine (`{id}`: the machine's id);
+    empty: `shutdown -h now`. Also what the bootstrap's backstop runs at the hard time to live."""
 
     def machine_ttl_s(self) -> float:
         """The hard time to live: worst case in money = this x `price_per_hour`."""
@@ -237,6 +240,8 @@ class MachineSession:
         """None until `start` (a session given a `machine` adopts it: a reconcile)."""
         self.python = python
         self.code_dir = ""
+        self.bin_dir = ""
+        """The folder first on the jobs' PATH (`BootInfo.bin`); empty before the bootstrap."""
         self.outcomes: list[JobOutcome] = []
         self.teardown_record: TeardownRecord | None = None
         self.provenance_file: Path | None = None
@@ -313,15 +318,22 @@ class MachineSession:
             creds = json.dumps(self.machine_credentials() if self.machine_credentials else {})
             if self.provider.self_shutdown == "poweroff":
                 poweroff = f"JEX_POWEROFF_AFTER_S={int(self.policy.machine_ttl_s())} "
+                if command := self._poweroff_command():
+                    poweroff += f"JEX_POWEROFF_COMMAND={shlex.quote(command)} "
         tools = f"JEX_REQUIRED_TOOLS={shlex.quote(' '.join(self.tools))} " if self.tools else ""
         out = sh.run(f"{poweroff}{tools}JEX_PIP_ARGS={shlex.quote(self.pip_args)} bash {wd}/bootstrap.sh {wd} {sha} "
                      f"{shlex.quote(self.python_hint)}", timeout=self.policy.boot_timeout_s, input=creds + "\n")
         boot = BootInfo.model_validate_json(out.stdout.strip().splitlines()[-1])
-        self.python, self.code_dir = boot.python, boot.code
+        self.python, self.code_dir, self.bin_dir = boot.python, boot.code, boot.bin
         self.provenance_file = self.state_dir / "machines-provenance" / f"{m.id}.json"
         sh.get(f"{m.workdir}/provenance.json", self.provenance_file)
         self.echo(f"machine {m.id}: bootstrapped (stack {boot.stack}, code {sha[:12]})")
         return boot
+
+    def _poweroff_command(self) -> str | None:
+        """`Policy.poweroff_command` for this machine (`{id}` filled in), None for the default."""
+        command = self.policy.poweroff_command.replace("{id}", shlex.quote(self.started.machine.id))
+        return command or None
 
     def watchdog_config(self) -> WatchdogConfig:
         m, p = self.started.machine, self.policy
@@ -329,7 +341,8 @@ class MachineSession:
         return WatchdogConfig(
             machine=m.id, campaign=self.campaign, created_at=m.created_at, lease_s=p.lease_s,
             ttl_s=p.machine_ttl_s(), finish_grace_s=p.finish_grace_s, check_s=min(p.watchdog_check_s, p.lease_s / 3),
-            shutdown=self.provider.self_shutdown,
+            shutdown=self.provider.self_shutdown, keeps_disk=self.provider.keeps_disk,
+            poweroff_command=self._poweroff_command(),
             remove_dir=str(PurePosixPath(m.workdir).parent) if self.provider.self_shutdown == "host" else "",
             bucket=s3.bucket if s3 else None, prefix=s3.prefix if s3 else "jex",
             endpoint_url=s3.client.meta.endpoint_url if s3 else None,
@@ -374,7 +387,14 @@ class MachineSession:
         return f"{self.started.machine.workdir}/jobs/{job.name}"
 
     def _py(self, args: str) -> str:
-        return f"env PYTHONPATH={self._pythonpath()} {shlex.quote(self.python)} {args}"
+        """`args` for the machine's python, with the environment every job gets (`_env`)."""
+        return f"{self._env()} {shlex.quote(self.python)} {args}"
+
+    def _env(self) -> str:
+        """`env ...` of what runs on the machine: the code bundle on PYTHONPATH and, first on PATH, the
+        folder the bootstrap checked the engine's tools in (`BootInfo.bin`), so jobs find what it found."""
+        path = f'PATH={shlex.quote(self.bin_dir)}:"$PATH" ' if self.bin_dir else ""
+        return f"env {path}PYTHONPATH={self._pythonpath()}"
 
     def _pythonpath(self) -> str:
         """The code bundle first, then whatever the machine's environment already puts on the path."""
@@ -396,7 +416,7 @@ class MachineSession:
         cmd = " ".join(shlex.quote(a) for a in [self.python, *job.argv])
         globs = " ".join(shlex.quote(a) for a in job.artifacts)
         wrapper = self._py(f"-m jex.infra.worker_protocol {shlex.quote(rd)} --heartbeat {self.policy.heartbeat_s} "
-                           f"--artifacts {globs} -- env PYTHONPATH={self._pythonpath()} {cmd}")
+                           f"--artifacts {globs} -- {self._env()} {cmd}")
         sh.run(f"cd {shlex.quote(rd)} && if [ -f worker.pgid ]; then exit 0; fi; "
                f"setsid nohup {wrapper} >/dev/null 2>&1 </dev/null & echo $! > {shlex.quote(rd)}/worker.pgid")
         self.echo(f"machine {m.id}: job {job.name} started")
@@ -633,7 +653,7 @@ def self_terminated_marker(s3: S3Store, campaign: str, machine_id: str, dest: Pa
 
 def adopt_artifacts(s3: S3Store, entry: JobUpload, local_path: Callable[[str], Path]) -> Transfer:
     """Download the artifacts a watchdog uploaded (each checked against the sha256 it recorded); what
-    it left on the machine's disk (its upload failed) is named as lost."""
+    it left on the machine's disk (its upload failed), or lost with it, is named as lost."""
     got, lost = [], []
     for art in entry.artifacts:
         rel = _safe_rel(art.path)
@@ -651,4 +671,4 @@ def adopt_artifacts(s3: S3Store, entry: JobUpload, local_path: Callable[[str], P
                                      s3_key=art.s3_key))
     lost += [Lost(path=art.path, reason="left on the machine's disk (its upload failed)")
              for art in entry.on_disk or []]
-    return Transfer(artifacts=got, lost=lost)
+    return Transfer(artifacts=got, lost=[*lost, *entry.lost])

@@ -8,15 +8,23 @@ Every call is idempotent and logged (never with secrets). A machine is tagged wi
     ec2      boto3: run, tag, describe, terminate instances
     command  any cloud CLI through create/describe/list/delete command templates printing JSON
 
-`python -m jex.infra.providers --state DIR create|describe|list|delete ...` drives the local provider
-from a shell; the command provider's tests point their templates at it.
+Each provider declares whether a machine's disk outlives the machine powering itself off
+(`Provider.keeps_disk`): a host lease's folder does; an EC2 instance (terminated on shutdown) and, unless
+configured otherwise, a command cloud's VM do not.
+
+`python -m jex.infra.providers --state DIR create|describe|list|delete|poweroff ...` drives the local
+provider from a shell; the command provider's tests point their templates at it (`poweroff`: what a
+cloud that does not keep disks does to a VM that powers off).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -31,12 +39,18 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from jex.errors import InfraError
+from jex.fileio import atomic_open
 from jex.infra.shell import LocalShell, Shell, ShellError, SSHShell
-from jex.infra.worker_protocol import DETACHED_PGIDS, PGID
+from jex.infra.worker_protocol import DETACHED_PGIDS, PGID, POWEROFF_PID
 from jex.record import Record
 
 log = logging.getLogger(__name__)
 TAG_CAMPAIGN, TAG_MACHINE, TAG_MANAGED = "jex:campaign", "jex:machine", "jex:managed"
+POWERED_OFF = frozenset({"stopping", "stopped", "shutoff", "poweroff", "powered-off", "powered_off", "off",
+                         "halted", "deallocating", "deallocated", "terminated", "exited"})
+"""Machine states (lower-cased) of a VM that powered off but still exists, holding quota: EC2 `stopped`,
+OpenStack `SHUTOFF`, GCP `TERMINATED`, Azure `deallocated`, DigitalOcean `off`. A command provider's
+`describe`/`list` print the cloud's state in the `state` field."""
 
 
 class Machine(BaseModel):
@@ -61,6 +75,11 @@ class Machine(BaseModel):
     def to_json(self) -> str:
         return json.dumps(self.model_dump(), sort_keys=True)
 
+    @property
+    def powered_off(self) -> bool:
+        """Stopped but not deleted (`POWERED_OFF`): nothing runs on it; reconcile deletes it."""
+        return self.state.lower() in POWERED_OFF
+
 
 class SSHAuth(Record):
     """How SSH shells authenticate and pin host keys (the `SSHShell` keywords of the same names)."""
@@ -68,6 +87,8 @@ class SSHAuth(Record):
     key_path: Path | None = None
     key_text: str | None = Field(default=None, repr=False)
     """A private key's text (a secret: never logged, never written)."""
+    key_source: str = "the SSH private key"
+    """Where `key_text` came from, named when it cannot be loaded (e.g. JEX_INFRA__SSH_PRIVATE_KEY)."""
     known_hosts: Path | None = None
     accept_new_host_keys: bool = False
 
@@ -85,6 +106,10 @@ class Provider(ABC):
     name: str
     self_shutdown: str = "poweroff"
     """How the machine's watchdog stops it: poweroff (a cloud machine) | host (a lease on a host)."""
+    keeps_disk: bool = False
+    """Whether a machine's disk, and the results on it, outlive the machine powering itself off. Where it
+    does not, a campaign needs a bucket (`jex.infra.reaper.check_results_survive`) and the watchdog never
+    powers off with results only on the disk before its hard time to live."""
 
     def create(self, campaign: str | None, label: str = "gpu") -> Machine:
         log.info("provider %s: create campaign=%s label=%s", self.name, campaign, label)
@@ -131,7 +156,8 @@ def new_machine_id(label: str) -> str:
 # outlives jobs (`DETACHED_PGIDS`: the engine hosts), then removes the folder.
 _LIST = 'for f in {root}/*/machine.json; do [ -f "$f" ] && cat "$f" && echo; done; true'
 _DELETE = ('d={root}/{id}; [ -d "$d" ] || exit 0; '
-           f'for p in "$d"/work/watchdog.pid "$d"/work/jobs/*/{PGID} "$d"/work/{DETACHED_PGIDS}; do '
+           f'for p in "$d"/work/watchdog.pid "$d"/work/{POWEROFF_PID} "$d"/work/jobs/*/{PGID} '
+           f'"$d"/work/{DETACHED_PGIDS}; do '
            '[ -f "$p" ] && kill -KILL -- -"$(cat "$p")" 2>/dev/null; done; '
            'rm -rf "$d"')
 
@@ -145,6 +171,7 @@ class HostProvider(Provider):
         self._next = 0
 
     self_shutdown = "host"
+    keeps_disk = True  # the watchdog ends a lease by killing its processes; the folder stays unless uploaded
 
     def _shell_for(self, host: str) -> Shell:
         raise NotImplementedError
@@ -195,17 +222,50 @@ class LocalProvider(HostProvider):
     def shell(self, machine: Machine) -> Shell:
         return LocalShell()
 
+    def power_off(self, machine_id: str) -> None:
+        """What a cloud that does not keep disks does to a VM that powers off: its processes end, its
+        disk (the work folder) is wiped, and it stays listed, `stopped`, until deleted. The command
+        provider's tests emulate such a cloud with it (`python -m jex.infra.providers ... poweroff ID`,
+        the watchdog's `poweroff_command`); a process of the machine that runs it is killed last."""
+        home = Path(self.root) / machine_id
+        if not (home / "machine.json").is_file():
+            return
+        work = home / "work"
+        groups = []
+        for pid_file in [work / "watchdog.pid", work / POWEROFF_PID, *work.glob(f"jobs/*/{PGID}"),
+                         *work.glob(DETACHED_PGIDS)]:
+            try:
+                groups.append(int(pid_file.read_text().strip()))
+            except (OSError, ValueError):
+                continue
+        own = os.getpgrp()
+        for pgid in (g for g in groups if g != own):
+            _kill_group(pgid)
+        machine = Machine.model_validate_json((home / "machine.json").read_text())
+        with atomic_open(home / "machine.json", "w") as f:
+            f.write(machine.model_copy(update={"state": "stopped"}).to_json())
+        shutil.rmtree(work, ignore_errors=True)
+        if own in groups:
+            _kill_group(own)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
 
 class SSHProvider(HostProvider):
     name = "ssh"
 
     def __init__(self, root: str, hosts: list[str], *, port: int = 22, user: str = "root",
                  key_path: Path | None = None, key_text: str | None = None, known_hosts: Path | None = None,
-                 accept_new_host_keys: bool = False):
+                 accept_new_host_keys: bool = False, key_source: str = "the SSH private key"):
         super().__init__(root, hosts)
         self.port, self.user = port, user
         self._ssh = SSHAuth(key_path=key_path, key_text=key_text, known_hosts=known_hosts,
-                            accept_new_host_keys=accept_new_host_keys)
+                            accept_new_host_keys=accept_new_host_keys, key_source=key_source)
         self._ssh.shell("", port, user).private_key()  # checked before the first connection
         self._shells: dict[str, SSHShell] = {}
 
@@ -227,6 +287,7 @@ class EC2Provider(Provider):
 
     name = "ec2"
     GONE = ("shutting-down", "terminated")
+    keeps_disk = False  # created with InstanceInitiatedShutdownBehavior=terminate: a poweroff ends it, disk and all
 
     def __init__(self, client: Any, *, image_id: str, instance_type: str, key_name: str | None = None,
                  workdir: str = "/opt/jex/work", user: str = "ubuntu", ssh: SSHAuth | None = None):
@@ -299,14 +360,18 @@ class CommandTemplates:
 
 
 class CommandProvider(Provider):
-    """Any cloud CLI: `create` prints the machine as JSON, `describe` prints it or nothing once gone."""
+    """Any cloud CLI: `create` prints the machine as JSON, `describe` prints it (with its `state`, also
+    when it is powered off) or nothing once gone; `list` prints powered-off machines too, which
+    reconcile deletes; `delete` deletes (a stopped VM still holds quota)."""
 
     name = "command"
 
     def __init__(self, templates: CommandTemplates, *, shell_for: Callable[[Machine], Shell] | None = None,
-                 timeout: float = 300):
+                 timeout: float = 300, keeps_disk: bool = False):
         self.t, self.timeout = templates, timeout
         self._shell_for = shell_for or (lambda m: LocalShell())
+        self.keeps_disk = keeps_disk
+        """Most clouds drop an ephemeral disk with the VM: False unless `JEX_INFRA__COMMAND_KEEPS_DISK`."""
 
     def _run(self, template: str, **kw: str) -> tuple[str, str]:
         """Run a template with its placeholders quoted; (the command, what it printed)."""
@@ -356,7 +421,7 @@ def _main(argv: list[str]) -> int:
     c.add_argument("--campaign", default="")
     c.add_argument("--label", default="gpu")
     sub.add_parser("list")
-    for name in ("describe", "delete"):
+    for name in ("describe", "delete", "poweroff"):
         sub.add_parser(name).add_argument("id")
     args = p.parse_args(argv)
     provider = LocalProvider(args.state)
@@ -368,6 +433,8 @@ def _main(argv: list[str]) -> int:
     elif args.cmd == "describe":
         if (found := provider.describe(args.id)) is not None:
             print(found.to_json())
+    elif args.cmd == "poweroff":
+        provider.power_off(args.id)
     else:
         provider.delete(args.id)
     return 0

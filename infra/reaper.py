@@ -2,7 +2,11 @@
 
 After a restart (the laptop-sleep case) `reconcile` lists every machine the provider tags as jex's:
 those still running are supervised to the end, those that finished while nobody watched are
-collected, orphans without a campaign are torn down. Every machine it touches ends deleted.
+collected, orphans without a campaign are torn down, those that powered off (their watchdog's doing)
+have their results adopted from S3. Every machine it touches ends deleted.
+
+`check_results_survive` is the one rule that a campaign on a provider whose machines lose their disk
+when they power off needs a bucket: the CLI's pre-flight and the fleet both apply it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ def make_provider(infra: InfraSettings, *, name: str | None = None, hosts: list[
     name = name or infra.provider
     ssh = SSHAuth(key_path=infra.ssh_key_path, known_hosts=infra.ssh_known_hosts,
                   key_text=infra.ssh_private_key.get_secret_value() if infra.ssh_private_key else None,
+                  key_source=(f"the SSH private key of the Prefect block {infra.ssh_private_key_block} "
+                              "(JEX_INFRA__SSH_PRIVATE_KEY_BLOCK)" if infra.ssh_private_key_block
+                              else "JEX_INFRA__SSH_PRIVATE_KEY"),
                   accept_new_host_keys=infra.accept_new_host_keys)
     if name == "local":
         return LocalProvider(Path(infra.state_dir) / "machines")
@@ -67,8 +74,30 @@ def make_provider(infra: InfraSettings, *, name: str | None = None, hosts: list[
                 return LocalShell()
             return ssh.shell(m.host, m.port or 22, m.user or infra.ssh_user, host_key=m.host_key)
 
-        return CommandProvider(templates, shell_for=shell_for)
+        return CommandProvider(templates, shell_for=shell_for, keeps_disk=infra.command_keeps_disk)
     raise InputError(f"unknown provider {name!r}; providers: local, ssh, ec2, command", field="provider")
+
+
+def keeps_disk(name: str, infra: InfraSettings) -> bool:
+    """Whether a machine of provider `name`, as the settings configure it, keeps its disk after it powers
+    off (`Provider.keeps_disk`); `inprocess` rents no machine, so nothing can be lost."""
+    if name == "command":
+        return infra.command_keeps_disk
+    cls: dict[str, type[Provider]] = {"local": LocalProvider, "ssh": SSHProvider, "ec2": EC2Provider}
+    return cls[name].keeps_disk if name in cls else True
+
+
+def check_results_survive(provider: str, *, keeps_disk: bool, bucket: str | None, watchdog: bool) -> None:
+    """Refuse, in one line, a campaign whose machines would power themselves off (their watchdog, at a
+    lease expiry) with results only on a disk the provider does not keep: it needs a bucket to upload to
+    first. Called before any machine is created (`jex run`'s pre-flight, `GpuFleet`)."""
+    if keeps_disk or bucket or not watchdog:
+        return
+    keep = " (or JEX_INFRA__COMMAND_KEEPS_DISK=true if your cloud keeps a stopped VM's disk)" \
+        if provider == "command" else ""
+    raise InputError(f"--provider {provider}: its machines lose their disk when they power off, as a machine whose "
+                     f"orchestrator disappears does, and no bucket is set for its results: set JEX_STORE__S3_BUCKET"
+                     f"{keep}")
 
 
 def policy_from_settings(infra: InfraSettings, **overrides: Any) -> Policy:
@@ -76,7 +105,8 @@ def policy_from_settings(infra: InfraSettings, **overrides: Any) -> Policy:
                      "heartbeat_timeout_s": infra.heartbeat_timeout_s, "budget_usd": infra.budget_usd,
                      "price_per_hour": infra.price_per_hour, "wall_budget_s": infra.budget_hours * 3600,
                      "watchdog": infra.watchdog, "lease_s": infra.lease_s, "finish_grace_s": infra.finish_grace_s,
-                     "ttl_s": infra.ttl_hours * 3600 if infra.ttl_hours else None, **overrides})
+                     "ttl_s": infra.ttl_hours * 3600 if infra.ttl_hours else None,
+                     "poweroff_command": infra.poweroff_command, **overrides})
 
 
 def _jobs_on(session: MachineSession) -> list[JobRecord]:
@@ -129,11 +159,16 @@ def sweep(provider: Provider, ledger: Ledger, *, policy: Policy | None = None, s
           campaign: str | None = None, echo: Echo | None = None, lost_after_s: float = LOST_AFTER_S
           ) -> ReconcileReport:
     """Supervise, collect and delete every jex machine the provider lists (of one campaign, or all);
-    adopt what machines that stopped themselves left in S3; name the machines that are gone (`report_lost`)."""
+    adopt what machines that stopped themselves left in S3, and delete those still listed powered off
+    (`_delete_powered_off`); name the machines that are gone (`report_lost`)."""
     say: Echo = echo or (lambda s: log.info("%s", s))
     machines: list[ReconciledMachine] = []
     errors: list[str] = []
+    powered_off = []
     for machine in provider.list_machines(campaign):
+        if machine.powered_off:  # nothing runs on it to collect: what it handed over is in S3, if anywhere
+            powered_off.append(machine)
+            continue
         machines.append(_reconcile_machine(provider, ledger, machine, errors, policy=policy, s3=s3, echo=say))
     if s3 is not None:
         try:
@@ -141,11 +176,50 @@ def sweep(provider: Provider, ledger: Ledger, *, policy: Policy | None = None, s
                                               provider=provider.name, policy=policy or Policy(), echo=say)
         except Exception as e:  # noqa: BLE001 - S3 down: report it; the next reconcile adopts them
             errors.append(f"adopting self-terminated machines from S3: {type(e).__name__}: {e}")
-            # S3 could not be read: what looks lost may be there; decide at the next reconcile
+            # S3 could not be read: what looks lost may be there (a powered-off machine's results too);
+            # decide at the next reconcile
             return ReconcileReport(machines=machines, errors=errors)
+    machines = _delete_powered_off(provider, ledger, powered_off, machines, errors, policy=policy, echo=say)
     machines += report_lost(ledger, provider, campaign=campaign, seen={m.machine for m in machines}, echo=say,
                             after_s=lost_after_s)
     return ReconcileReport(machines=machines, errors=errors)
+
+
+def _delete_powered_off(provider: Provider, ledger: Ledger, powered_off: list[Machine],
+                        machines: list[ReconciledMachine], errors: list[str], *, policy: Policy | None,
+                        echo: Echo) -> list[ReconciledMachine]:
+    """Delete the machines listed powered off (a stopped VM still holds quota): `machines` with each one's
+    teardown added to its adoption from S3, or a `stopped` entry naming the jobs whose results went with
+    its disk. A machine S3 does not account for, on a provider that keeps disks, is kept (its results may
+    be on its disk) and named in `errors`."""
+    adopted = {m.machine: m for m in machines if m.action == "adopted"}
+    out = [m for m in machines if m.machine not in {p.id for p in powered_off}]
+    for machine in powered_off:
+        entry = ledger.get(machine.id)
+        accounted = machine.id in adopted or (entry is not None and (entry.end_reason or "").startswith(
+            "self-terminated"))
+        if not accounted and provider.keeps_disk and machine.campaign:
+            errors.append(f"{machine.id} ({machine.campaign}) is powered off ({machine.state}) and its results are "
+                          f"not in S3 but may be on its disk, which provider {provider.name} keeps: start it and "
+                          "reconcile again to collect them, or delete it")
+            continue
+        session = MachineSession(provider, campaign=machine.campaign or "orphans", ledger=ledger, policy=policy,
+                                 echo=echo, machine=machine)
+        ledger.open(machine.id, machine.campaign, provider.name, session.policy.price_per_hour, machine.created_at)
+        teardown = session.teardown(f"reconcile: powered off ({machine.state})")
+        if accounted:
+            found = adopted.get(machine.id) or ReconciledMachine(machine=machine.id, campaign=machine.campaign,
+                                                                 action="adopted")
+            out.append(found.model_copy(update={"teardown": teardown}))
+            echo(f"reconcile: {machine.id} ({machine.campaign}) was powered off ({machine.state}): deleted")
+            continue
+        jobs = _recorded_jobs(ledger, machine.id) if machine.campaign else []
+        out.append(ReconciledMachine(machine=machine.id, campaign=machine.campaign, action="stopped", jobs=jobs,
+                                     teardown=teardown))
+        echo(f"reconcile: {machine.id} ({machine.campaign or 'no campaign'}) was powered off ({machine.state}) with "
+             f"nothing of it in S3: deleted; whatever job(s) {', '.join(j.job for j in jobs) or 'none recorded'} "
+             "had not handed over went with its disk")
+    return out
 
 
 def reconcile(provider: Provider, ledger: Ledger, *, policy: Policy | None = None, s3: S3Store | None = None,

@@ -137,6 +137,9 @@ class BootInfo(Record):
     python: str
     code: str
     stack: str
+    bin: str = ""
+    """The folder the bootstrap put first on PATH to check the engine's tools (the stack's bin folder, beside
+    `python`): the jobs get it first on theirs."""
 
 
 class MachineProvenance(Record):
@@ -279,7 +282,8 @@ class LostJob(Record):
 class ReconciledMachine(Record):
     machine: str
     campaign: str | None
-    action: Literal["orphan", "collected", "adopted", "lost", "error"]
+    action: Literal["orphan", "collected", "adopted", "lost", "stopped", "error"]
+    """stopped: listed powered off with nothing of it in S3, deleted; its jobs' results went with its disk."""
     jobs: list[ReconciledJob | LostJob] = Field(default_factory=list)
     teardown: TeardownRecord | None = None
 

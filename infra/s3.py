@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from jex.errors import InfraError, InputError
 from jex.fileio import sha256_file, write_json
 from jex.infra.records import ObjectHead, S3Manifest, S3Object, S3Upload
+from jex.run_records import CAMPAIGN_FILE, STAGES_FILE, RunStages
 
 if TYPE_CHECKING:
     from jex.settings import InfraSettings, StoreSettings
@@ -150,7 +151,7 @@ def sync_campaign(s3: S3Store, run_dir: Path, summaries: Mapping[str, StageFolde
 
 
 STAGE_SUCCESS = "_SUCCESS.json"
-RUN_RECORD = ("campaign.json", "stages.json")
+RUN_RECORD = (CAMPAIGN_FILE, STAGES_FILE)
 
 
 def stage_rel(folder: str | Path) -> str:
@@ -199,7 +200,7 @@ def find_run(s3: S3Store, campaign: str) -> str:
     """The run folder name in S3 of `campaign` (a run folder name, or a campaign name with one run)."""
     prefix = s3.key("runs") + "/"
     runs = sorted({o.key[len(prefix):].split("/", 1)[0] for o in s3.list_objects(prefix)
-                   if o.key.endswith("/campaign.json")})
+                   if o.key.endswith("/" + CAMPAIGN_FILE)})
     match = [r for r in runs if r == campaign] or [r for r in runs if r.rsplit("-", 1)[0] == campaign]
     if not match:
         raise UploadError(f"no campaign {campaign!r} in s3://{s3.bucket}/{prefix} (runs there: {runs[:20]})")
@@ -250,21 +251,19 @@ def _pull_stage(s3: S3Store, rel: str, store: Path, report: PullReport) -> None:
     report.pulled.append(rel)
 
 
-def pull_campaign(s3: S3Store, campaign: str, *, out: Path, store: Path | None = None) -> PullReport:
-    """Bring a campaign back from S3 into `out/<run folder>` and its store (default: the store named in
-    its `campaign.json`): the run record, every complete stage folder it names, its machines' shards."""
+def pull_campaign(s3: S3Store, campaign: str, *, out: Path, store: Path) -> PullReport:
+    """Bring a campaign back from S3 into `out/<run folder>` and `store`: the run record, every complete
+    stage folder it names (found by its key, `<stage>/<key>`), its machines' shards."""
     run = find_run(s3, campaign)
     run_dir = Path(out) / run
     prefix = s3.key("runs", run) + "/"
     objects = s3.list_objects(prefix)
     for o in objects:
         _get_verified(s3, o.key, run_dir / o.key[len(prefix):])
-    spec = json.loads((run_dir / "campaign.json").read_text())
-    store = Path(store if store is not None else spec["store"])
+    store = Path(store)
     report = PullReport(run_dir=run_dir, store=store, objects=len(objects))
-    stages = json.loads((run_dir / "stages.json").read_text()) if (run_dir / "stages.json").exists() else {}
-    for rec in stages.values():
-        rel = stage_rel(rec["folder"])
+    for rec in RunStages.read(run_dir).root.values():
+        rel = rec.in_store
         if (store / rel / STAGE_SUCCESS).exists():
             report.present.append(rel)
         else:

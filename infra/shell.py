@@ -89,6 +89,8 @@ class SSHShell:
     user: str = "root"
     key_path: Path | None = None
     key_text: str | None = field(default=None, repr=False)
+    key_source: str = "the SSH private key"
+    """Where `key_text` came from (a setting, a Prefect block), named when it cannot be loaded."""
     known_hosts: Path | None = None
     host_key: str | None = None
     """'TYPE BASE64' returned by the provider (e.g. from the cloud's console output)."""
@@ -105,7 +107,7 @@ class SSHShell:
     def private_key(self) -> Any:
         """The key this shell signs in with (its text, else its file), loaded and checked; None: none given."""
         if self.key_text:
-            return load_private_key(self.key_text)
+            return load_private_key(self.key_text, where=self.key_source)
         return load_private_key_file(self.key_path) if self.key_path else None
 
     def _host_pattern(self) -> str:
@@ -275,8 +277,17 @@ def load_private_key(text: str, *, where: str = "the SSH private key") -> Any:
     try:
         return cls.from_private_key(io.StringIO(text))
     except Exception as e:  # noqa: BLE001 - paramiko's parsers raise anything on a corrupted key
-        raise InfraError(f"{where} ({kind}) could not be loaded: {type(e).__name__}"
-                         f"{': ' + str(e) if str(e) else ''}; is it corrupted or truncated?") from None
+        raise InfraError(f"{where} ({kind}) could not be loaded ({_one_line(e)}); is it corrupted or truncated?"
+                         ) from None
+
+
+def _one_line(e: BaseException) -> str:
+    """paramiko's (or cryptography's) complaint about a key in one short line: its whitespace, newlines
+    included, collapsed, cryptography's boilerplate before 'Details:' dropped (a PEM header over garbage)."""
+    text = " ".join(str(e).split())
+    text = text.split("Details:", 1)[1].strip() if "Details:" in text else text
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _pkcs8_as_openssh(text: str, where: str) -> str:
@@ -289,8 +300,7 @@ def _pkcs8_as_openssh(text: str, where: str) -> str:
         return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                  serialization.NoEncryption()).decode()
     except (ValueError, TypeError, UnicodeError, UnsupportedAlgorithm) as e:
-        raise InfraError(f"{where} is not a readable PKCS#8 key ({str(e).splitlines()[0] if str(e) else e!r})"
-                         ) from None
+        raise InfraError(f"{where} is not a readable PKCS#8 key ({_one_line(e)})") from None
 
 
 def load_private_key_file(path: Path) -> Any:

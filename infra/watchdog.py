@@ -9,12 +9,18 @@ watchdog:
 1. lets a running job finish for `finish_grace_s` (lease expiry only), then stops it (its process group);
 2. uploads every job's artifacts to S3 with their sha256, in the orchestrator's layout
    (`PREFIX/campaigns/<campaign>/machines/<machine>/<job>/<path>`), retrying until the hard time to live;
-3. writes `SELF_TERMINATED.json` beside them (what it uploaded, what it lost, why), and a local copy;
+   a machine whose provider does not keep its disk after power-off (`keeps_disk` false: EC2, most command
+   clouds) and that has no bucket waits there instead, up and billing, so an orchestrator or `reconcile`
+   can still collect its results from its disk: it never powers off with results only on a disk that goes;
+3. writes `SELF_TERMINATED.json` beside them (what it uploaded, what stays on the disk or, at the hard time
+   to live on a machine that does not keep it, what is lost, and why), and a local copy;
 4. shuts the machine down: `poweroff` (cloud machines, which terminate on shutdown) or, for a lease on
    a host, kills the machine's processes and removes its folder. When the upload failed the folder
    is kept, so `reconcile` can salvage the artifacts from disk.
 
-The worst case in money is therefore the hard time to live times the machine's price.
+The worst case in money is therefore the hard time to live times the machine's price: it is the cost
+ceiling (`Policy.machine_ttl_s`: the wall budget, capped by the cost budget at the machine's price),
+and nothing, a failing upload included, keeps a machine up past it.
 """
 
 from __future__ import annotations
@@ -34,7 +40,16 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict
 
 from jex.fileio import write_json
-from jex.infra.records import Artifact, JobEnd, JobRecord, JobUpload, Record, SelfTerminated, UploadedArtifact
+from jex.infra.records import (
+    Artifact,
+    JobEnd,
+    JobRecord,
+    JobUpload,
+    Lost,
+    Record,
+    SelfTerminated,
+    UploadedArtifact,
+)
 from jex.infra.retry import retry, until_deadline, wait_until
 from jex.infra.worker_protocol import DETACHED_PGIDS, PGID, alive_group, artifact_manifest, read_marker
 
@@ -60,6 +75,11 @@ class WatchdogConfig(Record):
     check_s: float = 5.0
     shutdown: str = "host"
     """host: kill the machine's processes and remove `remove_dir` | poweroff: power the machine off."""
+    keeps_disk: bool = True
+    """The provider keeps the machine's disk after it powers off (`Provider.keeps_disk`). When it does not,
+    results that did not reach S3 keep the machine up until the hard time to live, then are named lost."""
+    poweroff_command: str | None = None
+    """poweroff: the shell command that powers the machine off, run in its workdir; None: `shutdown -h now`."""
     remove_dir: str = ""
     bucket: str | None = None
     prefix: str = "jex"
@@ -156,10 +176,31 @@ class Watchdog:
             if (pgid := alive_group(rd / PGID)) is not None:
                 _stop_group(pgid)
         self.stop_detached()  # engine hosts: no shard may land while the manifests are read
-        out = self._upload_all([self._on_disk(rd) for rd in self.jobs()], base)
+        jobs = [self._on_disk(rd) for rd in self.jobs()]
+        if not self.cfg.bucket and not self.cfg.keeps_disk and any(job.artifacts for job in jobs) \
+                and not self._hold(jobs):
+            return base  # the machine was deleted while it waited: its results were collected from its disk
+        out = self._upload_all(jobs, base).model_copy(update={"time": time.time()})  # it costs until now
+        for error in out.errors:
+            log.error("watchdog %s: %s", self.cfg.machine, error)
         write_json(self.workdir / MARKER, out.model_dump())
         self.shutdown(out)
         return out
+
+    def _hold(self, jobs: list[JobOnDisk]) -> bool:
+        """No bucket, and a disk the provider drops at power-off: stay up (billing) until the hard time to
+        live, the cost ceiling, so an orchestrator that comes back or `reconcile` collects the results from
+        this disk. False when the machine was deleted meanwhile (its `watchdog.json` is gone)."""
+        files = sum(len(job.artifacts) for job in jobs)
+        log.error("watchdog %s: no bucket configured and the provider does not keep this machine's disk: staying "
+                  "up until the hard time to live (%.0f s from now) so %d artifact(s) can be collected from its "
+                  "disk (jex infra reconcile); set JEX_STORE__S3_BUCKET", self.cfg.machine,
+                  self.cfg.deadline - time.time(), files)
+        while time.time() < self.cfg.deadline:
+            if not (self.workdir / CONFIG).exists():
+                return False
+            time.sleep(max(0.0, min(self.cfg.check_s, self.cfg.deadline - time.time())))
+        return True
 
     def _on_disk(self, rd: Path) -> JobOnDisk:
         record = JobRecord.model_validate_json((rd / "job.json").read_text())
@@ -189,16 +230,16 @@ class Watchdog:
 
     def _upload_all(self, jobs: list[JobOnDisk], base: SelfTerminated) -> SelfTerminated:
         """Every artifact, then the marker, to S3; retried (with jitter) until the hard time to live.
-        Returns the marker as uploaded, or (upload failed) naming what stays on the disk."""
+        Returns the marker as uploaded, or (upload failed) naming what stays on the disk or is lost with it."""
         if not self.cfg.bucket:
-            return base.model_copy(update={"errors": ["no bucket configured: artifacts stay on the machine"]})
+            return self._not_uploaded(jobs, base, {}, "no bucket configured")
         done: dict[str, JobUpload] = {}
 
         def attempt() -> SelfTerminated:
             s3 = self._store()
             for job in jobs:
                 done[job.record.name] = self._upload_job(s3, job)
-            doc = base.model_copy(update={"jobs": dict(done), "uploaded": True})
+            doc = base.model_copy(update={"jobs": dict(done), "uploaded": True, "time": time.time()})
             tmp = self.workdir / f".{MARKER}.upload"
             write_json(tmp, doc.model_dump())
             s3.put_file(tmp, s3.key("campaigns", self.cfg.campaign, "machines", self.cfg.machine, MARKER))
@@ -209,19 +250,39 @@ class Watchdog:
             return retry(attempt, until_deadline(self.cfg.deadline - time.time()),
                          what=f"watchdog upload {self.cfg.machine}")
         except Exception as e:  # noqa: BLE001 - whatever S3 says, the machine still stops at its TTL
-            for job in jobs:
-                done.setdefault(job.record.name, JobUpload(status=job.status, record=job.record,
-                                                           on_disk=job.artifacts))
-            return base.model_copy(update={"jobs": done, "errors": [
-                f"upload failed until the hard time to live: {type(e).__name__}: {str(e)[:300]}"]})
+            return self._not_uploaded(jobs, base, done, f"upload failed until the hard time to live: "
+                                      f"{type(e).__name__}: {str(e)[:300]}")
+
+    def _not_uploaded(self, jobs: list[JobOnDisk], base: SelfTerminated, done: dict[str, JobUpload],
+                      why: str) -> SelfTerminated:
+        """The marker of results that did not all reach S3 (`done`: the jobs that did): the others stay on
+        the disk (`on_disk`, for `reconcile`), or, on a machine whose provider drops its disk, are lost."""
+        names: list[str] = []
+        for job in jobs:
+            if job.record.name in done:
+                continue
+            if self.cfg.keeps_disk:
+                done[job.record.name] = JobUpload(status=job.status, record=job.record, on_disk=job.artifacts)
+                continue
+            gone = f"the machine powered off without it reaching S3 ({why}); its provider does not keep its disk"
+            done[job.record.name] = JobUpload(status=job.status, record=job.record,
+                                              lost=[Lost(path=a.path, reason=gone) for a in job.artifacts])
+            names += [f"{job.record.name}/{a.path}" for a in job.artifacts]
+        if self.cfg.keeps_disk:
+            return base.model_copy(update={"jobs": done, "errors": [f"{why}: artifacts stay on the machine's disk"]})
+        lost = f"lost with the machine's disk: {', '.join(names[:20])}" + (" ..." if len(names) > 20 else "") \
+            if names else "nothing was left to lose"
+        return base.model_copy(update={"jobs": done, "errors": [f"{why}: {lost}"]})
 
     def shutdown(self, out: SelfTerminated) -> None:
         """Power off, or end the host lease: kill its jobs; remove its folder unless artifacts remain only there."""
         log.warning("watchdog %s: shutting down (%s)", self.cfg.machine, self.cfg.shutdown)
         if self.cfg.shutdown == "poweroff":
-            for cmd in (["sudo", "-n", "shutdown", "-h", "now"], ["shutdown", "-h", "now"], ["poweroff"]):
+            commands = ([["sh", "-c", self.cfg.poweroff_command]] if self.cfg.poweroff_command else
+                        [["sudo", "-n", "shutdown", "-h", "now"], ["shutdown", "-h", "now"], ["poweroff"]])
+            for cmd in commands:
                 try:
-                    if subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0:
+                    if subprocess.run(cmd, capture_output=True, timeout=30, cwd=self.workdir).returncode == 0:
                         return
                 except (OSError, subprocess.TimeoutExpired):
                     continue

@@ -38,6 +38,9 @@ PGID = "worker.pgid"
 DETACHED_PGIDS = "engines/*/host.pgid"
 """Under a machine's workdir: process groups that outlive single jobs (the engine hosts of
 `jex.tasks.capture.engine_host`); a machine's teardown and its watchdog stop them with the jobs."""
+POWEROFF_PID = "poweroff.pid"
+"""Under a machine's workdir: the bootstrap's detached backstop that runs a custom poweroff command at the
+hard time to live (`JEX_INFRA__POWEROFF_COMMAND`); a host lease's teardown kills it with the jobs."""
 # The records (pydantic) are imported inside the functions: the wrapper starts its child first and
 # a poll pays for them only when it runs (about a second on a loaded machine, against a 1.5 s lease in tests).
 

@@ -55,6 +55,8 @@ class InfraSettings(BaseModel):
                                                             "capped by budget_usd / price_per_hour")
     finish_grace_s: float = Field(0.0, ge=0, description="After a lease expiry, time a running job may still "
                                                          "finish before the machine stops it")
+    poweroff_command: str = Field("", description="How a cloud machine's watchdog powers it off, run on the machine "
+                                                  "({id}: the machine); empty: `shutdown -h now`")
     worker_python: str | None = Field(None, description="Interpreter on the machine; None = this one (local) "
                                                         "or python3")
     pip_args: str = Field("", description="Extra pip options for the bootstrap (e.g. an index URL)")
@@ -81,6 +83,8 @@ class InfraSettings(BaseModel):
     command_describe: str = ""
     command_list: str = ""
     command_delete: str = ""
+    command_keeps_disk: bool = Field(False, description="command provider: a VM's disk outlives its power-off "
+                                                        "(most clouds drop it); if not, campaigns need a bucket")
     aws_access_key_id: SecretStr | None = None
     aws_secret_access_key: SecretStr | None = None
     aws_session_token: SecretStr | None = None

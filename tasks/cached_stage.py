@@ -55,7 +55,7 @@ class CachedStage(Generic[I, S]):
         of a shared stage's shards (another process merges them)."""
         folder = self.folder(store, inputs)
         if folder.complete:
-            return self.summary.model_validate_json(folder.summary())
+            return folder.read(self.summary)
         out = self.body(folder, store, inputs, **how)
         if isinstance(out, PartialSummary):
             return out

@@ -18,7 +18,7 @@ from jex.tasks.documents import FoldDoc, FoldRuleParams, write_doc
 from jex.tasks.inputs import CalibrateInputs, FoldInputs, GateInputs, OverlayInputs, ScoreInputs
 from jex.tasks.probabilities.calibrate import calibrate
 from jex.tasks.probabilities.coverage_gate import coverage_gate, margins
-from jex.tasks.probabilities.fold import error_counters, error_rows, fold_counters, fold_predictions
+from jex.tasks.probabilities.fold import error_counters, error_rows, failed_rows, fold_counters, fold_predictions
 from jex.tasks.records import (
     BundleSummary,
     CalibrateSummary,
@@ -84,7 +84,7 @@ def _fold(out: StageDir, store: LocalStore, inputs: FoldInputs) -> FoldSummary:
     measures = fold_counters(table.rows, folded, reasoned, table.spec, draws=draws, seed=seed)
     doc = FoldDoc(**measures._asdict(), errors=error_counters(fast.errors(), reason.errors(), unmatched=0),
                   error_rows=error_rows(panel, reasoned), rule=FoldRuleParams(rule=rule, weight=weight),
-                  rationale_tokens=reason.rationale_tokens)
+                  rationale_tokens=reason.rationale_tokens, failed_rows=failed_rows(fast, reason))
     write_parquet(folded, out.path / "folded.parquet")
     write_doc(out.path / "fold.json", doc)
     return FoldSummary(key=out.key, folded=str(out.path / "folded.parquet"),

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from pydantic import Field, model_serializer
 
 from jex.fileio import read_json, write_json
-from jex.tasks.records import RationaleTokens, Record
+from jex.tasks.records import FailedRow, RationaleTokens, Record
 
 Interval = tuple[float, float]
 """A 95% interval (low, high); a two-element list in the JSON."""
@@ -203,6 +203,24 @@ class FoldDoc(Document):
     error_rows: dict[str, list[ErrorRow]] = Field(description="The rows behind each non-zero counter (the first 50)")
     rule: FoldRuleParams
     rationale_tokens: RationaleTokens
+    failed_rows: dict[str, list[FailedRow]] | None = Field(
+        None, description="Every row behind `batch_errors`, by engine stage (`fast_pass`, `reason`): run_id, "
+                          "attempts, last error; absent when none failed")
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"failed_rows"})
+
+    def failed_lines(self) -> list[str]:
+        """One line per engine stage with failed rows (`failed_rows_line`); none on a clean run."""
+        return [failed_rows_line(stage, rows) for stage, rows in (self.failed_rows or {}).items()]
+
+
+def failed_rows_line(stage: str, rows: list[FailedRow], shown: int = 20) -> str:
+    """`fast pass: 2 rows failed after 3 attempts: ids a, b` (the first `shown` ids, then how many more)."""
+    tries = sorted({r.attempts for r in rows})
+    after = str(tries[0]) if len(tries) == 1 else f"{tries[0]} to {tries[-1]}"
+    more = f" and {len(rows) - shown} more" if len(rows) > shown else ""
+    return (f"{stage.replace('_', ' ')}: {len(rows)} row{'' if len(rows) == 1 else 's'} failed after {after} "
+            f"attempt{'' if tries == [1] else 's'}: ids {', '.join(r.run_id for r in rows[:shown])}{more}")
 
 
 # -- calibration.json ---------------------------------------------------------------------------------

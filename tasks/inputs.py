@@ -15,10 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, JsonValue, field_validator, model_validator
 
 from jex.engine.fingerprint import EngineFingerprint, engine_fingerprint
 from jex.engine_spec import EngineSpec
+from jex.errors import InputError
 from jex.fileio import sha256_file
 from jex.overlays.rules import OverlayRuleBase
 from jex.tasks.keys import KeyDoc, KeyedBy, KeyedThrough, Unkeyed, keyed_value, stage_key
@@ -64,13 +65,36 @@ class StageInputs(Record):
 
 # -- bundle ----------------------------------------------------------------------------------------
 def suite_content(suite_dir: str | Path) -> dict[str, str]:
-    """sha256 of every file a bundle is built from (the suite manifest and the files it lists)."""
+    """sha256 of every file a bundle is built from (the suite manifest and the files it lists), or of
+    a bundle file given as it was built (`{"bundle": sha256}`)."""
     from jex.suite import MANIFEST_NAME, load_manifest
     from jex.tasks.capture.bundle import suite_files
 
     folder = Path(suite_dir)
+    if folder.is_file():
+        return {"bundle": sha256_file(folder)}
     files = [folder / MANIFEST_NAME, *suite_files(folder, load_manifest(folder))]
     return {p.relative_to(folder).as_posix(): sha256_file(p) for p in files}
+
+
+def file_content(path: str | Path | None) -> str | None:
+    """sha256 of a file's bytes (None for no file): how a file given by its path enters an identity."""
+    return sha256_file(path) if path else None
+
+
+def engine_content(engine: EngineSpec) -> JsonValue:
+    """What an engine's numbers depend on, as content: its fingerprint's key (weights, tokenizer, render,
+    kind, dtype, the settings that change numbers), never the model's path, the cache folder or the device
+    index. A Hub model not on this machine (its machines download it) enters by its id and revision."""
+    from jex.engine.models import HUB_ID
+    from jex.engine.types import EngineDeadError
+
+    try:
+        return engine_fingerprint(engine).key_doc()
+    except EngineDeadError as e:
+        if not (engine.model and HUB_ID.match(engine.model) and not Path(engine.model).exists()):
+            raise InputError(str(e), field="engine.model") from None
+        return {"hub": engine.model, "spec": engine.model_dump(mode="json", exclude={"model", "cache_dir", "device"})}
 
 
 class BundleInputs(StageInputs):
@@ -83,6 +107,13 @@ class BundleInputs(StageInputs):
     @classmethod
     def _path_as_text(cls, value: object) -> object:
         return str(value) if isinstance(value, Path) else value
+
+    @model_validator(mode="after")
+    def _reference_of_a_bundle(self) -> BundleInputs:
+        if self.reference and Path(self.suite).is_file():
+            raise ValueError(f"{self.suite} is a bundle: its reference rows are inside it (build it with `jex "
+                             f"bundle build --reference`); a separate reference file is refused")
+        return self
 
 
 # -- engine stages ---------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ validated, so a stage folder written by other code is refused by name, not misre
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypedDict, get_args
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Self, TypedDict, get_args
 
 from pydantic import ConfigDict, Field
 
@@ -22,6 +23,16 @@ class StageSummary(Record):
     sha256: str = Field(description="sha256 of the stage's main artifact")
     folder: str = Field("", description="The stage folder (set when the stage is complete)")
     files: dict[str, str] = Field(default_factory=dict, description="sha256 of every file in the folder")
+
+    def moved_to(self, folder: str | Path) -> Self:
+        """The same summary with its folder, and every path under it, where the folder is now (a store
+        moved, copied or pulled elsewhere: a stage folder is found by its key, its paths follow it)."""
+        old, new = self.folder, str(folder)
+        if not old or old == new:
+            return self.model_copy(update={"folder": new})
+        update = {name: new + value[len(old):] for name in type(self).model_fields
+                  if isinstance(value := getattr(self, name), str) and (value == old or value.startswith(old + "/"))}
+        return self.model_copy(update=update)
 
 
 class BundleSummary(StageSummary):
@@ -64,6 +75,22 @@ class ReasonErrors(TypedDict):
     mechanism_failures: int
 
 
+class FailedRow(Record):
+    """A row whose engine calls kept failing (`EngineError`) after every try the row retry policy allows
+    (`tasks/capture/batch_errors.py`); its shard holds it as a `batch error` row."""
+
+    run_id: str
+    attempts: int = Field(description="Tries of the row on its own, over every computation of its stage")
+    error_type: str = Field(description="The last error's type")
+    error: str = Field(description="The last error's message (first line, 200 characters)")
+
+
+class FailedRows(Record):
+    """`shard-NNNNN.failed.json`, beside a shard that holds failed rows (`tasks/store.py`)."""
+
+    rows: list[FailedRow]
+
+
 class EngineStageSummary(StageSummary, ShardWork):
     """What both engine stages' summaries carry: rows, shards, the counters both count, the engine."""
 
@@ -73,6 +100,10 @@ class EngineStageSummary(StageSummary, ShardWork):
     context_refusals: int = 0
     batch_errors: int = 0
     engine: EngineFingerprint = Field(description="The engine fingerprint measured where the shards were computed")
+    failed_rows: list[FailedRow] | None = Field(None, description="The rows behind `batch_errors`, in shard order; "
+                                                                  "absent when none failed")
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"failed_rows"})
 
 
 class FastPassSummary(EngineStageSummary):

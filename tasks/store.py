@@ -9,9 +9,10 @@ Copying a store to S3 and back is the infra room's job (`infra/`); the stages on
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ import polars as pl
 
 from jex.fileio import atomic_path, sha256_file, write_json
 from jex.provenance import ProvenanceBlock
-from jex.tasks.records import PartialSummary, StageSummary
+from jex.tasks.records import FailedRow, FailedRows, PartialSummary, StageSummary
 
 SUCCESS = "_SUCCESS.json"
 PROVENANCE = "_PROVENANCE.json"
@@ -50,9 +51,9 @@ class StageDir:
     def complete(self) -> bool:
         return (self.path / SUCCESS).exists()
 
-    def summary(self) -> str:
-        """The completion record as written (JSON: validate it with the stage's summary type)."""
-        return (self.path / SUCCESS).read_text()
+    def read(self, kind: type[S]) -> S:
+        """The completion record, validated as `kind`, its paths where this folder is now."""
+        return kind.model_validate_json((self.path / SUCCESS).read_text()).moved_to(self.path)
 
     def finish(self, summary: S, provenance: ProvenanceBlock | None = None) -> S:
         """Record the provenance, every file's sha256 and the summary; this marks the stage complete."""
@@ -66,13 +67,24 @@ class StageDir:
 
 
 class LocalStore:
+    """A store folder on this machine. Its root is absolute, so every path a stage records names the
+    folder from anywhere (a run resumed from another working folder reads the same store)."""
+
     def __init__(self, root: str | Path):
-        self.root = Path(root)
+        self.root = Path(root).expanduser().absolute()
 
     def stage(self, stage: str, key: str) -> StageDir:
         path = self.root / stage / key
         path.mkdir(parents=True, exist_ok=True)
         return StageDir(path)
+
+    def holds(self, stage: str, key: str) -> bool:
+        """Whether the store holds the complete folder of `stage` under `key` (nothing is created)."""
+        return (self.root / stage / key / SUCCESS).is_file()
+
+    def extracted_bundle(self, bundle_key: str) -> Path:
+        """Where the stages read a bundle's rows: extracted once per store, beside its stage folder."""
+        return self.root / "bundle" / bundle_key / "extracted"
 
 
 def write_parquet(frame: pl.DataFrame, path: Path) -> None:
@@ -95,8 +107,22 @@ class ShardStats:
     """Wall seconds `prepare` (the engine start) took in this call, off the compute clock."""
 
 
+@dataclass(frozen=True)
+class ShardRows:
+    """What `run_sharded`'s `compute` may return instead of a frame: the frame (one row per item, in order,
+    with a `run_id` column) and the records of its rows that failed (kept beside the shard, `failed_path`)."""
+
+    frame: pl.DataFrame
+    failed: list[FailedRow] = field(default_factory=list)
+
+
+def row_id(item: Any) -> str:
+    """An item's id: its `run_id`, or the item itself as text."""
+    return str(getattr(item, "run_id", item))
+
+
 def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
-                compute: Callable[[Any], pl.DataFrame], worker: int = 0, workers: int = 1,
+                compute: Callable[[Any], pl.DataFrame | ShardRows], worker: int = 0, workers: int = 1,
                 on_shard: Callable[[int, int], None] | None = None,
                 prepare: Callable[[], Any] | None = None, claim: bool = False,
                 prepare_chunk: Callable[[Sequence[Any]], Any] | None = None, prepare_ahead: bool = True) -> ShardStats:
@@ -120,6 +146,12 @@ def run_sharded(items: Sequence[Any], *, shard_rows: int, folder: Path,
     end of a stage, the last shard may wait for a busy engine while another is free), and gives it back
     if it fails before reaching it. An exception from `prepare_chunk` is raised at its
     shard's turn, as `compute` would raise it: the shards before it are written, none after it is begun.
+
+    Failed rows (`compute` returns `ShardRows` with some): their record (`shard-NNNNN.failed.json`) is
+    written before the shard, so a shard never exists without it. A finished shard is reused as it is,
+    failed rows included; a missing shard whose partial and record lie beside it (`carry_failed_rows`: a
+    retry of the stage) is computed from its failed rows alone, spliced into the partial in order (the
+    same bytes as the whole shard, by batch invariance), their attempts added to the record's.
     """
     folder.mkdir(parents=True, exist_ok=True)
     n_shards = (len(items) + shard_rows - 1) // shard_rows
@@ -152,17 +184,32 @@ class _ShardRun:
     mine: range
     claim: bool
     on_shard: Callable[[int, int], None] | None
-    compute: Callable[[Any], pl.DataFrame]
+    compute: Callable[[Any], pl.DataFrame | ShardRows]
     computed: list[int] = field(default_factory=list)
     reused: list[int] = field(default_factory=list)
     seconds: float = 0.0
     rows: int = 0
+    retrying: dict[int, list[FailedRow]] = field(default_factory=dict)
+    """Shards taken up to compute only their failed rows, with the record of those rows."""
 
     def __post_init__(self) -> None:
         self.todo = iter(self.mine)
 
     def chunk(self, i: int) -> Sequence[Any]:
-        return self.items[i * self.shard_rows:(i + 1) * self.shard_rows]
+        """The items shard `i` computes: all of its items, or the failed ones of a shard being retried."""
+        items = self.items[i * self.shard_rows:(i + 1) * self.shard_rows]
+        if i not in self.retrying:
+            return items
+        ids = {r.run_id for r in self.retrying[i]}
+        return [x for x in items if row_id(x) in ids]
+
+    def take_up(self, i: int) -> None:
+        """Compute only the failed rows of shard `i` when its partial and their record lie beside it."""
+        record = failed_path(self.folder, i)
+        if _partial_path(self.folder, i).exists() and record.exists():
+            self.retrying[i] = FailedRows.model_validate_json(record.read_text()).rows
+            if not self.chunk(i):  # a record of none of its items: the whole shard is computed
+                del self.retrying[i]
 
     def progress(self) -> None:
         if self.on_shard:
@@ -175,13 +222,27 @@ class _ShardRun:
                 self.reused.append(i)
                 self.progress()
             elif not self.claim or _claim(_claim_path(self.folder, i)):
+                self.take_up(i)
                 return i
         return None
 
     def compute_shard(self, i: int, value: Any, t0: float) -> None:
-        write_parquet(self.compute(value), shard_path(self.folder, i))
+        rows = len(self.chunk(i))
+        out = self.compute(value)
+        got = out if isinstance(out, ShardRows) else ShardRows(out)
+        tried = self.retrying.pop(i, None)
+        if tried is None:
+            _record_failed(self.folder, i, got.failed)  # first: a shard never exists without this record
+            write_parquet(got.frame, shard_path(self.folder, i))
+        else:
+            partial = _partial_path(self.folder, i)
+            write_parquet(_spliced(pl.read_parquet(partial), got.frame), shard_path(self.folder, i))
+            before = {r.run_id: r.attempts for r in tried}  # after the shard: the record may only list too many
+            _record_failed(self.folder, i, [r.model_copy(update={"attempts": before.get(r.run_id, 0) + r.attempts})
+                                            for r in got.failed])
+            partial.unlink(missing_ok=True)
         self.seconds += time.perf_counter() - t0
-        self.rows += len(self.chunk(i))
+        self.rows += rows
         self.computed.append(i)
         self.progress()
 
@@ -215,6 +276,91 @@ def shard_path(folder: Path, shard: int) -> Path:
 
 def _claim_path(folder: Path, shard: int) -> Path:
     return folder / f".shard-{shard:05d}.claim"
+
+
+FAILED_ROWS = "shard-*.failed.json"
+"""Beside a shard that holds failed rows: their records (`FailedRows`), an artifact of the stage folder."""
+
+
+def failed_path(folder: Path, shard: int) -> Path:
+    return folder / f"shard-{shard:05d}.failed.json"
+
+
+def _partial_path(folder: Path, shard: int) -> Path:
+    """A shard carried for a retry of its failed rows (`carry_failed_rows`): not a finished shard."""
+    return folder / f".shard-{shard:05d}.partial.parquet"
+
+
+def _record_failed(folder: Path, shard: int, rows: list[FailedRow]) -> None:
+    """Write the record of a shard's failed rows (atomically), or remove it when none failed."""
+    if rows:
+        write_json(failed_path(folder, shard), FailedRows(rows=rows).model_dump(mode="json"))
+    else:
+        failed_path(folder, shard).unlink(missing_ok=True)
+
+
+def _spliced(shard: pl.DataFrame, redone: pl.DataFrame) -> pl.DataFrame:
+    """`shard` with the rows of `redone`'s run_ids replaced by `redone`'s, in the shard's order."""
+    kept = shard.with_row_index("_at").filter(~pl.col("run_id").is_in(redone["run_id"].to_list()))
+    at = shard.select("run_id").with_row_index("_at")
+    fresh = redone.join(at, on="run_id", how="left").select(kept.columns).cast(kept.schema)
+    return pl.concat([kept, fresh]).sort("_at").drop("_at").rechunk()
+
+
+def stage_failed_rows(folder: Path, n_shards: int, failing: Collection[str]) -> list[FailedRow]:
+    """The failed rows recorded beside a stage's shards (every one finished), in shard order, as far as the
+    shards still hold them (`failing`: their run_ids). A record listing rows its shard no longer holds as
+    failed (the shard computed again on a machine and collected) is rewritten or removed, and a partial
+    left beside a finished shard is removed."""
+    out: list[FailedRow] = []
+    for i in range(n_shards):
+        _partial_path(folder, i).unlink(missing_ok=True)
+        record = failed_path(folder, i)
+        if not record.exists():
+            continue
+        rows = FailedRows.model_validate_json(record.read_text()).rows
+        kept = [r for r in rows if r.run_id in failing]
+        if kept != rows:
+            _record_failed(folder, i, kept)
+        out += kept
+    return out
+
+
+def holds_failed_rows(folder: Path) -> bool:
+    """Whether an engine stage folder's shards hold rows that failed every try (their records beside them)."""
+    return any(folder.glob(f"shards-*/{FAILED_ROWS}"))
+
+
+def carry_failed_rows(retired: Path, folder: Path) -> int:
+    """Carry the shards of a retired engine stage folder to its fresh `folder` when some hold failed rows,
+    so that computing the stage again sends only those rows to the engine; returns how many failed rows were
+    carried (none: nothing is carried, and the stage is computed again whole).
+
+    A shard without failed rows is carried as it is; one with some as its partial beside their record (a
+    missing shard, which `run_sharded` computes from its failed rows alone); the records of work too. Each
+    file is hard-linked (copied where links fail): every write in the store replaces a file, so the retired
+    folder never changes."""
+    carried = 0
+    for src in sorted(d for d in retired.glob("shards-*") if d.is_dir() and any(d.glob(FAILED_ROWS))):
+        dst = folder / src.name
+        dst.mkdir(parents=True, exist_ok=True)
+        for path in sorted(src.iterdir()):
+            if not path.is_file() or path.name.startswith(".shard-"):  # claims, partials, temporary files
+                continue
+            name = path.name
+            if name.endswith(".parquet") and (src / name.replace(".parquet", ".failed.json")).exists():
+                name = f".{name.removesuffix('.parquet')}.partial.parquet"
+            elif name.endswith(".failed.json"):
+                carried += len(FailedRows.model_validate_json(path.read_text()).rows)
+            _link(path, dst / name)
+    return carried
+
+
+def _link(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def partial_summary(stage: Literal["fast_pass", "reason"], key: str, stats: ShardStats) -> PartialSummary:

@@ -1,6 +1,6 @@
-"""The audit through a whole campaign (slow): a planted failing batch is retried, split and counted
-while the campaign finishes; the reference audit reaches score.json, report.md and an artifact; the
-audit settings fail a run that does not meet them."""
+"""The audit through a whole campaign (slow): a planted failing batch is retried, split, its failing row
+retried by the row policy, counted and named while the campaign finishes; the reference audit reaches
+score.json, report.md and an artifact; the audit settings fail a run that does not meet them."""
 
 from __future__ import annotations
 
@@ -63,13 +63,20 @@ def test_campaign_counts_a_failing_batch_audits_the_reference_and_enforces_both(
                         machines=MachinesSpec(provider="inprocess"), reference=str(reference))
     run_dir = Path(campaign(spec))
 
-    assert engines["e"].failed_batches == [9, 9, 4, 4, 2, 2, 1, 1]  # retried, then split down to the row
+    assert engines["e"].failed_batches == [9, 9, 4, 4, 2, 2, 1, 1, 1]  # retried, split down to the row, its 3 tries
     fold = json.loads((run_dir / "fold.json").read_text())
     assert fold["errors"]["batch_errors"] == 1 and fold["error_rows"]["batch_errors"][0]["run_id"] == poisoned
+    assert fold["failed_rows"] == {"fast_pass": [{"run_id": poisoned, "attempts": 3, "error_type": "EngineError",
+                                                  "error": "planted: device lost this batch"}]}
+    named = f"fast pass: 1 row failed after 3 attempts: ids {poisoned}"
+    from jex.cli.results import run_results
+
+    assert run_results(run_dir).failed_rows == [named]
     assert {k: v for k, v in fold["errors"].items() if k != "batch_errors"} == dict.fromkeys(
         ("context_refusals", "readout_errors", "unmatched_rows", "key_fallbacks", "mechanism_failures"), 0)
     report = (run_dir / "report.md").read_text()
     assert "| error: batch_errors | 1 |" in report and f"| batch_errors | {poisoned} |" in report
+    assert f"- {named}" in report
 
     preds = pl.read_parquet(run_dir / "predictions.parquet")
     audit = json.loads((run_dir / "score.json").read_text())["reference_audit"]["final"]

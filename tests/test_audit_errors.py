@@ -6,7 +6,7 @@ import polars as pl
 import pytest
 
 from jex.engine.types import EngineDeadError, EngineError
-from jex.tasks.capture.batch_errors import BatchLog, compute_resilient
+from jex.tasks.capture.batch_errors import BatchLog, RowRetryPolicy, compute_resilient
 from jex.tasks.capture.stages import fast_pass_error_counters, reason_error_counters
 from jex.tasks.documents import ErrorRow
 from jex.tasks.probabilities.fold import ErrorCountersNotZero, error_counters, error_rows, require_zero
@@ -36,12 +36,23 @@ def failed(items, why):
 def test_failing_batch_is_retried_then_split_and_its_rows_counted():
     items = [f"r{i}" for i in range(8)]
     compute, log = Flaky({"r5"}), BatchLog()
-    out = compute_resilient(items, compute, failed, retries=1, log=log)
+    out = compute_resilient(items, compute, failed, retries=1, policy=RowRetryPolicy(attempts=3, backoff_s=0),
+                            log=log)
     assert out["run_id"].to_list() == items  # one row per item, in order: nothing dropped
     assert out.filter(pl.col("refusal").is_not_null())["run_id"].to_list() == ["r5"]
     assert out["refusal"][5] == "batch error: EngineError: poisoned batch"
-    assert log.failed_rows == ["r5"] and log.splits == 3 and log.retries == 4  # 8 -> 4 -> 2 -> 1, each retried
+    assert [(r.run_id, r.attempts, r.error_type, r.error) for r in log.failed_rows] == [
+        ("r5", 3, "EngineError", "poisoned batch")]
+    assert log.splits == 3 and log.retries == 5  # 8 -> 4 -> 2 each retried once, then the row alone tried 3 times
     assert compute.calls[:2] == [items, items]  # the whole batch first, then its retry
+    assert compute.calls.count(["r5"]) == 3
+
+
+def test_the_row_retry_policy_waits_longer_before_each_try():
+    policy = RowRetryPolicy(attempts=4, backoff_s=0.5)
+    assert [policy.wait_before(a) for a in (1, 2, 3, 4)] == [0.0, 0.5, 1.0, 2.0]
+    with pytest.raises(ValueError, match="attempts"):
+        RowRetryPolicy(attempts=0)
 
 
 def test_a_transient_failure_is_absorbed_by_the_retry():

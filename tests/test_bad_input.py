@@ -296,3 +296,67 @@ def test_jex_error_is_the_root_of_settings_errors():
     from jex.errors import SettingsError
 
     assert issubclass(SettingsError, InputError) and issubclass(SettingsError, JexError)
+
+
+# --- 8. models and keys that only look right -----------------------------------------------------------
+
+def _gguf(version: int, tensors: int = 0, keys: int = 0, body: bytes = b"garbage" * 20) -> bytes:
+    import struct
+
+    return struct.pack("<4sIQQ", b"GGUF", version, tensors, keys) + body
+
+
+@pytest.mark.parametrize("data, problem", [
+    (b"GGUF" + bytes(4) + b"garbage" * 20, "GGUF version 0; jex reads versions 2 and 3"),
+    (_gguf(3, 2**40, 2**40), "a corrupt or truncated GGUF file: its header declares 1099511627776 tensors"),
+    (b"GGUF\x03", "a GGUF file cut short: 5 bytes"),
+], ids=["version-0", "counts", "cut-short"])
+def test_a_gguf_with_a_bad_header_is_one_line_naming_it_before_any_flow(data, problem, tmp_path):
+    (tmp_path / "garbage.gguf").write_bytes(data)
+    t0 = time.monotonic()
+    p = subprocess.run([JEX, "run", "--model", "garbage.gguf", "--out", str(tmp_path / "runs")], capture_output=True,
+                       text=True, env={**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}, timeout=60)
+    took = time.monotonic() - t0
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith(f"error: file garbage.gguf: --model: {problem}"), p.stderr
+    assert not (tmp_path / "runs").exists()
+    assert took < 3 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)), took  # 3 s on an idle machine
+
+
+def test_a_gguf_whose_header_reads_but_whose_body_does_not_is_the_engines_one_line_error(tmp_path):
+    """What the pre-flight cannot see (it reads the header only) the engine names in one line, as its own
+    fatal error, not as a ValueError from inside transformers' reader."""
+    from jex.engine.models import resolve_model
+    from jex.engine.types import EngineDeadError
+
+    (tmp_path / "m.gguf").write_bytes(_gguf(3, 0, 2, b"\x05" * 60))
+    with pytest.raises(EngineDeadError) as err:
+        resolve_model(tmp_path / "m.gguf", tmp_path / "cache")
+    assert str(err.value).startswith(f"{tmp_path / 'm.gguf'}: not a GGUF model transformers can load (")
+    assert "\n" not in str(err.value) and not list((tmp_path / "cache").rglob("m-*"))  # nothing half-converted
+    (tmp_path / "v0.gguf").write_bytes(b"GGUF" + bytes(4) + b"garbage" * 20)
+    with pytest.raises(EngineDeadError, match="v0.gguf: GGUF version 0; jex reads versions 2 and 3"):
+        resolve_model(tmp_path / "v0.gguf", tmp_path / "cache")
+
+
+@pytest.mark.parametrize("kind", ["RSA", "EC"])
+@pytest.mark.parametrize("source", ["file", "variable"])
+def test_a_pem_key_header_over_garbage_is_one_line_naming_where_the_key_came_from(kind, source, tmp_path,
+                                                                                  no_prefect, monkeypatch):
+    import base64
+    import textwrap
+
+    body = "\n".join(textwrap.wrap(base64.b64encode(b"garbage, not a key " * 12).decode(), 64))
+    text = f"-----BEGIN {kind} PRIVATE KEY-----\n{body}\n-----END {kind} PRIVATE KEY-----\n"
+    if source == "file":
+        (tmp_path / "id_key").write_text(text)
+        monkeypatch.setenv("JEX_INFRA__SSH_KEY_PATH", str(tmp_path / "id_key"))
+        where = f"the SSH private key file {tmp_path / 'id_key'}"
+    else:
+        monkeypatch.setenv("JEX_INFRA__SSH_PRIVATE_KEY", text)
+        where = "JEX_INFRA__SSH_PRIVATE_KEY"
+    result = CliRunner().invoke(app, ["run", "--provider", "ssh", "--host", "127.0.0.1", "--out", "runs"])
+    assert result.exit_code == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"error: {where} ({'ssh-rsa' if kind == 'RSA' else 'ecdsa'}) could not be loaded (")
+    assert "Traceback" not in result.stderr and "The data may be in an incorrect format" not in result.stderr
+    assert len(result.stderr) < 400 and not (tmp_path / "runs").exists()

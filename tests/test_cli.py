@@ -44,7 +44,7 @@ def ran(monkeypatch) -> list[CampaignSpec]:
     specs: list[CampaignSpec] = []
     monkeypatch.setattr("jex.cli.run.connect_prefect", lambda settings, notice=True: False)  # a configured server
     monkeypatch.setattr("jex.cli.run.check_campaign", lambda spec: None)  # the paths named here need not exist
-    monkeypatch.setattr(campaign_module, "run_campaign", lambda spec: specs.append(spec) or "RUN")
+    monkeypatch.setattr(campaign_module, "run_campaign", lambda spec, **how: specs.append(spec) or "RUN")
     return specs
 
 
@@ -81,7 +81,8 @@ def test_importing_the_cli_imports_no_flow_and_no_prefect():
 def test_every_run_flag_sets_a_campaign_field():
     own = {"spec", "resume", "render", "chat_template", "system_prompt", "num_fewshot",  # files, engine.render
            "panel_catalogs",  # sets `suite` to the panel it writes
-           "quiet", "as_json"}  # what is printed at the end
+           "quiet", "as_json",  # what is printed at the end
+           "recompute", "retry"}  # flow parameters: what to compute again
     assert set(inspect.signature(run).parameters) - own == set(CAMPAIGN_FIELD_OF_FLAG)
     for path in CAMPAIGN_FIELD_OF_FLAG.values():
         model = CampaignSpec

@@ -46,6 +46,14 @@ def test_a_user_error_prints_one_line_and_no_traceback(argv, tmp_path):
     assert "Traceback" not in p.stderr and p.stderr.startswith("error: "), p.stderr
 
 
+def test_a_prefect_api_that_does_not_answer_is_one_line_naming_it(tmp_path):
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    p = subprocess.run([JEX, "run", "--provider", "inprocess", "--out", str(tmp_path / "runs")], capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=120)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.startswith("error: the Prefect API at http://127.0.0.1:9/api does not answer"), p.stderr
+
+
 def test_jex_traceback_shows_the_traceback_when_asked(tmp_path):
     env = {**os.environ, "JEX_TRACEBACK": "1"}
     p = subprocess.run([JEX, "stage", "run", "--args", "/nonexistent/args.json"], capture_output=True,

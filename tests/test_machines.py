@@ -408,3 +408,25 @@ def test_jex_infra_reconcile_deletes_orphans_from_the_command_line(tmp_path):
     assert LocalProvider(state / "machines").list_machines() == []
     ledger = Ledger(state / "ledger.json").get(orphan.id)
     assert ledger.end_reason == "reconcile: orphan" and ledger.deleted_at is not None
+
+
+def test_jobs_see_the_path_the_bootstrap_checked_the_engine_tools_on(tmp_path):
+    """A build tool only in the stack's bin folder (as pip puts `ninja` beside the stack's python) passes the
+    bootstrap's check, and the job finds it too: both look with that folder first on PATH."""
+    import shutil
+
+    stack = tmp_path / "stack" / "bin"
+    stack.mkdir(parents=True)
+    (stack / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (stack / "jex-test-build-tool").write_text("#!/bin/sh\necho built > built.bin\n")
+    for tool in stack.iterdir():
+        tool.chmod(0o755)
+    assert shutil.which("jex-test-build-tool") is None  # on no other PATH
+    provider = LocalProvider(tmp_path / "machines")
+    session = MachineSession(provider, campaign="c1", ledger=Ledger(tmp_path / "state" / "ledger.json"),
+                             policy=Policy(**FAST, watchdog=False), python=str(stack / "python"),
+                             state_dir=tmp_path / "state", tools=("jex-test-build-tool",))
+    with session:
+        outcome = session.run(shell_job("j", "jex-test-build-tool", tmp_path / "got"))
+    assert outcome.status == "success" and (tmp_path / "got" / "built.bin").read_text() == "built\n"
+    assert session.bin_dir == str(stack) and provider.list_machines() == []

@@ -39,11 +39,13 @@ class Hook:
 
 def test_the_notice_names_the_campaign_the_failed_stage_and_the_run_folder(tmp_path):
     from jex.flows.campaign import CampaignSpec
+    from jex.run_records import RunStages, StageRecord
 
     spec = CampaignSpec(name="nightly", out=str(tmp_path / "runs"), store=str(tmp_path / "store"))
     run_dir = spec.run_dir()
     run_dir.mkdir(parents=True)
-    (run_dir / "stages.json").write_text(json.dumps({"bundle": {}, "fast_pass": {}}))
+    RunStages({s: StageRecord(key="k", folder=str(tmp_path / "store" / s / "k")) for s in ("bundle", "fast_pass")}
+              ).write(run_dir)
     subject, body = failure_notice({"spec": spec.model_dump(mode="json")}, "Failed", "boom", "tidy-otter",
                                    ReconcileReport(machines=[ReconciledMachine(machine=m, campaign="nightly",
                                                                                action="orphan") for m in "ab"]))

@@ -51,12 +51,12 @@ def test_checkpointed_stages_come_back_verified_into_an_empty_store(tmp_path, s3
     assert keys[-1].endswith("_SUCCESS.json") or len(keys) == 3
     shutil.rmtree(store)
     shutil.rmtree(run_dir)
-    report = pull_campaign(s3_bucket, "camp", out=tmp_path / "runs")
+    report = pull_campaign(s3_bucket, "camp", out=tmp_path / "runs", store=store)
     assert sorted(report.pulled) == ["fast_pass/k1", "gate/k2"] and report.incomplete == []
     assert (store / "fast_pass/k1/shards-4/shard-00000.parquet").read_bytes() == b"s0"
     assert LocalStore(store).stage("gate", "k2").complete
     assert json.loads((run_dir / "campaign.json").read_text())["name"] == "camp"
-    again = pull_campaign(s3_bucket, "camp", out=tmp_path / "runs")  # idempotent: nothing downloaded twice
+    again = pull_campaign(s3_bucket, "camp", out=tmp_path / "runs", store=store)  # idempotent: nothing downloaded twice
     assert again.pulled == [] and sorted(again.present) == ["fast_pass/k1", "gate/k2"]
 
 
@@ -70,7 +70,7 @@ def test_an_object_that_does_not_match_its_sha256_is_refused_and_nothing_lands(t
     s3_bucket.client.put_object(Bucket=s3_bucket.bucket, Key=key, Body=b"tampered", Metadata=meta)
     shutil.rmtree(store)
     with pytest.raises(UploadError, match="does not match its sha256"):
-        pull_campaign(s3_bucket, "camp", out=tmp_path / "runs")
+        pull_campaign(s3_bucket, "camp", out=tmp_path / "runs", store=store)
     assert not (store / "fast_pass" / "k1").exists()
 
 
@@ -81,7 +81,7 @@ def test_a_stage_folder_without_its_success_record_in_s3_is_left_to_compute(tmp_
     checkpoint(s3_bucket, run_dir, a)
     s3_bucket.client.delete_object(Bucket=s3_bucket.bucket, Key="jex/store/fast_pass/k1/_SUCCESS.json")
     shutil.rmtree(store)
-    report = pull_campaign(s3_bucket, "camp", out=tmp_path / "runs")
+    report = pull_campaign(s3_bucket, "camp", out=tmp_path / "runs", store=store)
     assert report.incomplete == ["fast_pass/k1"] and not (store / "fast_pass/k1/_SUCCESS.json").exists()
 
 
@@ -100,7 +100,7 @@ def test_shards_machines_uploaded_are_placed_in_the_store(tmp_path, s3_bucket):
 
 def test_an_unknown_or_ambiguous_campaign_is_a_clear_error(tmp_path, s3_bucket):
     with pytest.raises(UploadError, match="no campaign 'nope'"):
-        pull_campaign(s3_bucket, "nope", out=tmp_path)
+        pull_campaign(s3_bucket, "nope", out=tmp_path, store=tmp_path / "store")
 
 
 @pytest.mark.slow
@@ -138,7 +138,7 @@ def test_orchestrator_killed_and_local_store_deleted_resumes_from_s3_with_zero_e
     shutil.rmtree(tmp_path / "runs")  # the local store and the run folder are gone with the orchestrator
 
     second = jex("run", "--resume", f"runs/{run_dir.name}", home="prefect-2")
-    assert second.stdout.strip().splitlines()[-1] == f"runs/{run_dir.name}"
+    assert Path(second.stdout.strip().splitlines()[-1]) == (tmp_path / "runs" / run_dir.name)
     assert "pulled 4 stage folder(s)" in second.stderr
     calls = json.loads((run_dir / "engine_calls.json").read_text())["calls"]
     assert calls == {"fast_pass": 0, "reason": 0}

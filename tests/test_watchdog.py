@@ -4,6 +4,10 @@ results (sha256-verified, into the campaign's prefix), leaves SELF_TERMINATED.js
 Real components: machines of the local provider (detached processes on this host), the watchdog
 started detached by the bootstrap, moto's S3/STS server on 127.0.0.1, an orchestrator in its own
 process frozen with SIGSTOP or killed with SIGKILL. Leases and times to live are seconds long.
+
+A cloud that drops a VM's disk when it powers off is the real command provider driving
+`python -m jex.infra.providers` (its `poweroff` verb wipes the VM's disk and lists it `stopped`), which
+the watchdog runs as its poweroff command.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import pytest
 from jex.fileio import sha256_file
 from jex.infra.ledger import Ledger
 from jex.infra.machine import JobFailed, MachineSession, Policy, RemoteJob
-from jex.infra.providers import LocalProvider
+from jex.infra.providers import CommandProvider, CommandTemplates, LocalProvider
 from jex.infra.reaper import reconcile
 from jex.infra.s3 import S3Store
 
@@ -53,16 +57,18 @@ from pydantic import SecretStr
 from jex.infra.aws import scoped_credentials
 from jex.infra.ledger import Ledger
 from jex.settings import InfraSettings
-from jex.infra.providers import LocalProvider
+from jex.infra.providers import CommandProvider, CommandTemplates, LocalProvider
 from jex.infra.machine import MachineSession, Policy, RemoteJob
 from jex.infra.s3 import S3Store
 endpoint, bucket, tmp, policy = sys.argv[1], sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
+cloud = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None  # CommandTemplates of a cloud, or a local machine
 s3 = S3Store(bucket, "jex", boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
                                          aws_access_key_id="test", aws_secret_access_key="test"))
 store = SimpleNamespace(s3_region="us-east-1", s3_endpoint_url=endpoint, s3_bucket=bucket)
 infra = InfraSettings(aws_access_key_id=SecretStr("test"), aws_secret_access_key=SecretStr("test"))
 creds = lambda: scoped_credentials(store, infra, key_prefix=s3.key("campaigns", "c1"), ttl_s=60)
-session = MachineSession(LocalProvider(tmp / "machines"), campaign="c1", ledger=Ledger(tmp / "state/ledger.json"),
+provider = CommandProvider(CommandTemplates(**cloud)) if cloud else LocalProvider(tmp / "machines")
+session = MachineSession(provider, campaign="c1", ledger=Ledger(tmp / "state/ledger.json"),
                          policy=Policy(**policy), python=sys.executable, state_dir=tmp / "state", s3=s3,
                          machine_credentials=creds)
 script = f"echo run >> {tmp}/runs.txt; sleep 3; head -c 200000 /dev/urandom > a.bin; echo b > b.bin"
@@ -75,9 +81,11 @@ print(outcome.model_dump_json(), flush=True)
 '''
 
 
-def _orchestrator(tmp_path, s3_server, bucket: str, **policy) -> tuple[subprocess.Popen, str]:
+def _orchestrator(tmp_path, s3_server, bucket: str, cloud: CommandTemplates | None = None,
+                  **policy) -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen([sys.executable, "-c", ORCHESTRATOR, s3_server, bucket, str(tmp_path),
-                          json.dumps({**FAST, "finish_grace_s": 15.0, **policy})], cwd=ROOT, stdout=subprocess.PIPE,
+                          json.dumps({**FAST, "finish_grace_s": 15.0, **policy}),
+                          *([json.dumps(cloud.__dict__)] if cloud else [])], cwd=ROOT, stdout=subprocess.PIPE,
                          text=True, start_new_session=True)
     machine = json.loads(p.stdout.readline())["machine"]
     wait_until(lambda: (tmp_path / "runs.txt").exists(), 60, "the job started")
@@ -209,3 +217,131 @@ def test_a_machine_gone_before_its_results_reached_s3_is_reported_lost_by_name(t
     again = reconcile(session.provider, session.ledger, policy=Policy(**FAST), s3=s3_bucket, campaign="c1",
                       lost_after_s=0)
     assert again["machines"] == []  # a loss is reported once, then the ledger holds it
+
+
+# -- a cloud that drops a VM's disk when it powers off ---------------------------------------------------
+
+def _cloud(tmp_path) -> tuple[CommandTemplates, str]:
+    """The templates of a cloud whose VMs lose their disk at power-off (the command provider's default),
+    and the poweroff command its VMs' watchdogs run (`{id}`: the VM)."""
+    cli = f"{sys.executable} -m jex.infra.providers --state {tmp_path / 'cloud'}"
+    return (CommandTemplates(create=f"{cli} create --campaign {{campaign}} --label {{label}}",
+                             describe=f"{cli} describe {{id}}", list_machines=f"{cli} list",
+                             delete=f"{cli} delete {{id}}"),
+            f"{cli} poweroff {{id}}")
+
+
+def _cloud_session(tmp_path, s3=None, *, poweroff: str = "", **policy) -> MachineSession:
+    templates, cloud_poweroff = _cloud(tmp_path)
+    return MachineSession(CommandProvider(templates), campaign="c1", ledger=Ledger(tmp_path / "state/ledger.json"),
+                          policy=Policy(**{**FAST, "poweroff_command": poweroff or cloud_poweroff, **policy}),
+                          python=sys.executable, state_dir=tmp_path / "state", s3=s3)
+
+
+def test_a_campaign_on_a_cloud_that_drops_the_disk_needs_a_bucket_before_any_machine(tmp_path):
+    """Refused by `jex run`'s pre-flight (one line, before any flow) and by the fleet itself (a run from the
+    Prefect UI has no CLI): no VM was ever created."""
+    from jex.errors import InputError
+    from jex.flows.fleet import GpuFleet, MachinesSpec
+    from jex.settings import load_settings
+
+    templates, _ = _cloud(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JEX_")}
+    env.update({"JEX_INFRA__STATE_DIR": str(tmp_path / "state"), "PREFECT_API_URL": "http://127.0.0.1:9/api",
+                "JEX_INFRA__COMMAND_CREATE": templates.create, "JEX_INFRA__COMMAND_DESCRIBE": templates.describe,
+                "JEX_INFRA__COMMAND_LIST": templates.list_machines, "JEX_INFRA__COMMAND_DELETE": templates.delete})
+    t0 = time.monotonic()
+    p = subprocess.run([str(Path(sys.executable).with_name("jex")), "run", "--provider", "command", "--out",
+                        str(tmp_path / "runs")], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    took = time.monotonic() - t0
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith("error: --provider command: its machines lose their disk when they power off")
+    assert "JEX_STORE__S3_BUCKET" in p.stderr and not (tmp_path / "runs").exists()
+    assert took < 5 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)), took
+    settings = load_settings(infra={"state_dir": tmp_path / "state", "command_create": templates.create,
+                                    "command_describe": templates.describe, "command_list": templates.list_machines,
+                                    "command_delete": templates.delete})
+    assert settings.store.s3_bucket is None
+    with pytest.raises(InputError, match="--provider command: .* set JEX_STORE__S3_BUCKET"):
+        GpuFleet(MachinesSpec(provider="command"), campaign="c1", store=str(tmp_path / "store"), settings=settings)
+    kept = load_settings(infra={**settings.infra.model_dump(), "command_keeps_disk": True})
+    GpuFleet(MachinesSpec(provider="command"), campaign="c1", store=str(tmp_path / "store"), settings=kept)
+    assert not (tmp_path / "cloud").exists()  # the cloud never saw a create
+
+
+@pytest.mark.parametrize("after", ["sigcont", "new_orchestrator"])
+def test_on_a_cloud_that_drops_the_disk_a_frozen_orchestrator_loses_nothing(tmp_path, s3_server, s3_bucket, after):
+    """The lease-expiry path with a bucket: the VM uploads its results, powers off (its disk gone, the VM
+    listed stopped), and the results are collected from S3; the stopped VM is deleted."""
+    templates, poweroff = _cloud(tmp_path)
+    orch, machine = _orchestrator(tmp_path, s3_server, s3_bucket.bucket, cloud=templates, poweroff_command=poweroff)
+    provider = CommandProvider(templates)
+    os.kill(orch.pid, signal.SIGSTOP)  # the laptop sleeps mid stage
+    try:
+        wait_until(lambda: s3_bucket.head(_marker_key(s3_bucket, machine)) is not None, 40, "SELF_TERMINATED.json")
+        wait_until(lambda: [m.state for m in provider.list_machines("c1")] == ["stopped"], 20, "the VM powered off")
+        assert not (tmp_path / "cloud" / machine / "work").exists()  # its disk went with it
+    finally:
+        os.kill(orch.pid, signal.SIGCONT if after == "sigcont" else signal.SIGKILL)
+    ledger = Ledger(tmp_path / "state/ledger.json")
+    if after == "sigcont":  # the orchestrator wakes up, adopts from S3 and its teardown deletes the stopped VM
+        outcome = json.loads(orch.communicate(timeout=120)[0].strip().splitlines()[-1])
+        assert orch.returncode == 0 and outcome["status"] == "adopted" and not outcome["lost"]
+    else:  # a new orchestrator: reconcile adopts what the VM uploaded and deletes the VM, stopped as it is
+        orch.wait(timeout=30)
+        report = reconcile(provider, ledger, policy=Policy(**FAST), s3=s3_bucket, campaign="c1")
+        (entry,) = report["machines"]
+        assert entry["action"] == "adopted" and entry["jobs"][0]["status"] == "adopted" and not report["errors"]
+        assert entry["teardown"]["reason"].startswith("reconcile: powered off (stopped)")
+    assert provider.list_machines() == []  # a stopped VM holds quota: deleted
+    marker = json.loads(s3_bucket.client.get_object(Bucket=s3_bucket.bucket,
+                                                    Key=_marker_key(s3_bucket, machine))["Body"].read())
+    assert marker["uploaded"] and marker["reason"].startswith("lease expired") and not marker["errors"]
+    for name, art in {a["path"]: a for a in marker["jobs"]["fast_pass"]["artifacts"]}.items():
+        assert s3_bucket.head(art["s3_key"]).sha256 == art["sha256"]
+        assert sha256_file(tmp_path / "collected" / name) == art["sha256"]
+    assert {p.name for p in (tmp_path / "collected").iterdir()} == {"a.bin", "b.bin"}
+    assert (tmp_path / "runs.txt").read_text() == "run\n"  # computed once
+    assert ledger.get(machine).end_reason.startswith("self-terminated: lease expired")
+
+
+def test_without_a_bucket_a_vm_that_would_lose_its_disk_stays_up_until_its_results_are_collected(tmp_path):
+    session = _cloud_session(tmp_path, lease_s=1.5, ttl_s=120.0)
+    session.start()  # the orchestrator starts the job, then disappears: nobody polls
+    session.launch(_job(tmp_path, "echo x > a.bin; sleep 120"))
+    workdir, machine = Path(session.machine.workdir), session.machine.id
+    wait_until(lambda: "staying up until the hard time to live" in (workdir / "watchdog.log").read_text(), 30,
+               "the watchdog holds the machine")
+    time.sleep(1.0)
+    # its lease expired and its job was stopped, but it did not power off with its results on its disk
+    assert session.provider.describe(machine).state == "running" and (workdir / "jobs/j/a.bin").exists()
+    assert _alive(workdir / "watchdog.pid") and not (workdir / "SELF_TERMINATED.json").exists()
+    report = reconcile(session.provider, session.ledger, policy=Policy(**FAST), campaign="c1")
+    (entry,) = report["machines"]
+    assert entry["action"] == "collected" and entry["jobs"][0]["artifacts"] == 1 and not report["errors"]
+    assert (tmp_path / "collected" / "a.bin").read_text() == "x\n"
+    assert session.provider.list_machines() == [] and not _alive(workdir / "watchdog.pid")
+
+
+def test_without_a_bucket_the_cost_ceiling_still_powers_the_vm_off_and_names_what_was_lost(tmp_path):
+    console = tmp_path / "console.json"  # the cloud's serial console: what the VM showed last
+    _, cloud_poweroff = _cloud(tmp_path)
+    session = _cloud_session(tmp_path, poweroff=f"cp SELF_TERMINATED.json {console}; {cloud_poweroff}", lease_s=1.5,
+                             ttl_s=8.0)
+    session.start()
+    session.launch(_job(tmp_path, "echo x > a.bin; sleep 120"))
+    machine, t_ttl = session.machine.id, session.machine.created_at + 8.0
+    wait_until(lambda: session.provider.describe(machine).state == "stopped", 40, "the VM powered off at its TTL")
+    assert time.time() >= t_ttl - 0.5  # held until its hard time to live, not at its lease expiry
+    marker = json.loads(console.read_text())
+    assert not marker["uploaded"] and marker["time"] >= t_ttl - 0.5
+    assert marker["errors"] == ["no bucket configured: lost with the machine's disk: j/a.bin"]
+    assert [x["path"] for x in marker["jobs"]["j"]["lost"]] == ["a.bin"]
+    assert not Path(session.machine.workdir).exists()  # the disk went with it
+    report = reconcile(session.provider, session.ledger, policy=Policy(**FAST), campaign="c1")
+    (entry,) = report["machines"]  # listed stopped, nothing of it in S3: deleted, its jobs named
+    assert (entry["machine"], entry["action"]) == (machine, "stopped")
+    assert entry["jobs"] == [{"job": "j", "status": "lost", "artifacts": 0, "lost": ["*.bin"],
+                              "collect_to": str(tmp_path / "collected")}]
+    assert session.provider.list_machines() == []
+    assert session.ledger.get(machine).end_reason == "reconcile: powered off (stopped)"

@@ -14,7 +14,7 @@ import typer
 from pydantic import BaseModel, ValidationError
 
 from jex.engine_spec import closest_name
-from jex.errors import InputError, JexError, user_error
+from jex.errors import InputError, JexError, ServerError, user_error
 from jex.settings import JexSettings
 
 
@@ -85,11 +85,24 @@ def connect_prefect(settings: JexSettings, *, notice: bool = True) -> bool:
         os.environ.setdefault("PREFECT_API_URL", url)
         for name, value in client_env(settings).items():
             os.environ.setdefault(name, value)
+    if os.environ.get("PREFECT_API_URL"):
+        check_api_answers(os.environ["PREFECT_API_URL"])
     temporary = ensure_local_api()
     if temporary and notice:
         typer.echo(TEMPORARY_API_NOTICE, err=True)
     quiet_user_errors_in_flows()
     return temporary
+
+
+def check_api_answers(url: str, timeout_s: float = 10.0) -> None:
+    """A configured Prefect API answers (any HTTP reply will do); else one ServerError line naming it."""
+    import httpx
+
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s)
+    except httpx.TransportError as e:
+        raise ServerError(f"the Prefect API at {url} does not answer ({type(e).__name__}): start it (`jex server "
+                          f"start`) or point PREFECT_API_URL / JEX_PREFECT__API_URL at one that runs") from None
 
 
 def input_error(err: ValidationError, *, file: Path | str | None = None,

@@ -79,12 +79,12 @@ def overlays_gate(run: Annotated[Path, typer.Argument(help="A finished run folde
 
 
 def record_gate(doc: Any, rules: list[Any], run: Path, out: Path) -> tuple[Path, int]:
-    """Append each rule's verdict to the store ledger of the run (its `campaign.json` names the store)."""
-    from jex.flows.campaign import load_spec
+    """Append each rule's verdict to the store ledger of the run (the store that holds its stages now)."""
+    from jex.flows.campaign import resume_spec
     from jex.tasks.decisions import append_decisions, ledger_path, model_facts
     from jex.tasks.lab.overlay_lab import gate_decisions
 
-    spec = load_spec(run)
+    spec = resume_spec(run)
     name, params = model_facts(spec.engine)
     path = ledger_path(spec.store)
     return path, len(append_decisions(path, gate_decisions(doc, rules, run, source=out, model_name=name,

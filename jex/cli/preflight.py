@@ -19,10 +19,10 @@ from jex.errors import InputError, os_error
 
 if TYPE_CHECKING:
     from jex.engine_spec import EngineSpec
+    from jex.settings import JexSettings
 
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
 """`org/name[@revision]`: the syntax of a Hub model id (as `engine/models.py` resolves it)."""
-GGUF_MAGIC = b"GGUF"
 PROVIDERS = ("inprocess", "local", "ssh", "ec2", "command")
 ENGINE_KINDS = ("hf", "hf-batched", "vllm", "vllm-control")
 
@@ -139,7 +139,12 @@ def suite(path: Path | str, flag: str = "--suite", *, bundle_ok: bool = True) ->
         if not path.name.endswith((".tar.gz", ".tgz")):
             raise InputError(f"{flag}: expected a suite folder (holds suite.toml) or a bundle (.tar.gz)",
                              file=str(path))
-        return existing_file(path, flag)
+        from jex.tasks.capture.bundle import bundle_manifest
+
+        existing_file(path, flag)
+        if bundle_manifest(path)["rows"] < 1:
+            raise InputError(f"{flag}: the bundle has no rows", file=str(path))
+        return path
     existing_dir(path, flag)
     manifest = load_manifest(path)
     if next(iter(iter_rows(path, manifest)), None) is None:
@@ -148,7 +153,8 @@ def suite(path: Path | str, flag: str = "--suite", *, bundle_ok: bool = True) ->
 
 
 def model(value: str | None, flag: str = "--model") -> None:
-    """A model folder (holds config.json), a GGUF file (its header magic), or a Hub id `org/name[@rev]`."""
+    """A model folder (holds config.json), a GGUF file (its header: magic, a version jex reads, counts
+    its size can hold; `engine.models.gguf_header_problem`), or a Hub id `org/name[@rev]`."""
     if value is None:
         return
     path = Path(value)
@@ -157,12 +163,28 @@ def model(value: str | None, flag: str = "--model") -> None:
     elif path.is_file():
         if path.suffix != ".gguf":
             raise InputError(f"{flag}: expected a model folder, a .gguf file or a Hub id", file=value)
-        with open(existing_file(path, flag), "rb") as f:
-            if f.read(4) != GGUF_MAGIC:
-                raise InputError(f"{flag}: not a GGUF file (its first bytes are not 'GGUF')", file=value)
+        from jex.engine.models import gguf_header_problem
+
+        try:
+            problem = gguf_header_problem(existing_file(path, flag))
+        except OSError as e:
+            raise os_error(e, what=flag) from None
+        if problem:
+            raise InputError(f"{flag}: {problem}", file=value)
     elif path.exists() or not HUB_ID.match(value):
         raise InputError(f"{flag}: no such model folder or file, and not a Hub id (org/name[@revision])",
                          file=value)
+
+
+def results_survive_poweroff(provider: str, settings: JexSettings) -> None:
+    """A campaign on a provider whose machines lose their disk when they power off (`ec2`, `command`
+    unless JEX_INFRA__COMMAND_KEEPS_DISK) has a bucket for its results: refused in one line otherwise
+    (`jex.infra.reaper.check_results_survive`, which the fleet applies too)."""
+    from jex.infra.reaper import check_results_survive, keeps_disk
+
+    if provider != "inprocess":
+        check_results_survive(provider, keeps_disk=keeps_disk(provider, settings.infra),
+                              bucket=settings.store.s3_bucket, watchdog=settings.infra.watchdog)
 
 
 def rules(path: Path | str | None, flag: str = "--overlays") -> None:

@@ -2,9 +2,9 @@
 
 `print_results(run_dir, style)` reads the run folder's documents (`score.json`, `fold.json`,
 `stages.json`, `engine_calls.json`) and prints, by style: `table` (the full index with its interval,
-each leg, each catalog, the fold's non-zero counters, engine calls and wall time, then the run
-folder), `quiet` (the run folder only, for scripts) or `json` (the same summary as one JSON object).
-The run folder's path is always the last line of the table and quiet styles.
+each leg, each catalog, the fold's non-zero counters, the rows that failed (by id), engine calls and
+wall time, then the run folder), `quiet` (the run folder only, for scripts) or `json` (the same summary
+as one JSON object). The run folder's path is always the last line of the table and quiet styles.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from jex.fileio import read_json
+from jex.run_records import ENGINE_CALLS_FILE, EngineCalls, RunStages
 
 ResultsStyle = Literal["table", "quiet", "json"]
 
@@ -41,6 +41,8 @@ class RunResults(BaseModel):
     legs: dict[str, tuple[float, tuple[float, float]]]
     catalogs: list[CatalogLine]
     fold: dict[str, int]
+    failed_rows: list[str] = []
+    """`N rows failed after K attempts: ids ...`, one line per engine stage with failed rows (`FoldDoc`)."""
     engine_calls: int | None
     wall_s: float | None
 
@@ -53,17 +55,17 @@ def run_results(run_dir: Path) -> RunResults:
     fold = read_doc(FoldDoc, run_dir / "fold.json")
     counters = {k: v for k, v in fold.overall.model_dump().items() if isinstance(v, int) and v}
     counters.update({k: v for k, v in fold.errors.model_dump().items() if v})
-    stages = read_json(str(run_dir / "stages.json")) if (run_dir / "stages.json").is_file() else {}
-    calls = read_json(str(run_dir / "engine_calls.json")) if (run_dir / "engine_calls.json").is_file() else {}
-    call_count = calls.get("calls")
+    stages = RunStages.read(run_dir)
+    calls = EngineCalls.read(run_dir) if (run_dir / ENGINE_CALLS_FILE).is_file() else None
     return RunResults(
         run_dir=str(run_dir), full=score.full, full_ci=score.ci,
         legs={leg: (s.index, s.ci) for leg, s in score.legs.items()},
         catalogs=[CatalogLine(catalog=c, leg=r.leg, kind=r.kind, n=r.n, acc=r.acc, skill=r.skill, ci=r.ci)
                   for c, r in sorted(score.catalogs.items())],
         fold=counters,
-        engine_calls=sum(call_count.values()) if isinstance(call_count, dict) else call_count,
-        wall_s=round(sum(s.get("seconds", 0.0) for s in stages.values()), 1) if stages else None)
+        failed_rows=fold.failed_lines(),
+        engine_calls=calls.total() if calls is not None else None,
+        wall_s=round(stages.seconds(), 1) if stages.root else None)
 
 
 def _ci(ci: tuple[float, float]) -> str:
@@ -100,6 +102,8 @@ def print_results(run_dir: Path, style: ResultsStyle = "table") -> None:
     console.print("legs: " + ", ".join(f"{leg} {index:.1f} {_ci(ci)}" for leg, (index, ci) in results.legs.items()))
     if results.fold:
         console.print("fold: " + ", ".join(f"{k} {v}" for k, v in results.fold.items()))
+    for line in results.failed_rows:
+        console.print(f"FAILED ROWS {line}")
     tail = [f"engine calls {results.engine_calls}" if results.engine_calls is not None else None,
             f"stages {results.wall_s} s" if results.wall_s is not None else None]
     if any(tail):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
@@ -17,6 +17,7 @@ from jex.cli import preflight
 from jex.cli.common import TEMPORARY_API_NOTICE, connect_prefect, fail, input_error, spec_fields
 from jex.cli.store import resume_from_s3
 from jex.errors import InputError, JexError
+from jex.run_records import CAMPAIGN_FILE, STAGE_NAMES, StageName
 from jex.settings import JexSettings, load_settings
 from jex.tasks.inputs import FAST_SHARD_ROWS, REASON_SHARD_ROWS
 
@@ -64,7 +65,13 @@ Provider = Annotated[str | None, typer.Option(help="Where engine stages run: inp
 Hosts = Annotated[list[str] | None, typer.Option(help="ssh provider: host (repeatable)")]
 Workers = Annotated[int | None, typer.Option(help="Machines sharing each engine stage (default: 1)")]
 BudgetUsd = Annotated[float | None, typer.Option(help="Campaign machine budget (default: settings)")]
-Resume = Annotated[Path | None, typer.Option(help="Continue the campaign of this run folder")]
+Resume = Annotated[Path | None, typer.Option(help="Continue the campaign of this run folder, from any folder "
+                                                  "(its store: the recorded one, OUT/store, or --store)")]
+RetryFrom = Annotated[str | None, typer.Option("--retry", help="With --resume: compute STAGE and every later one "
+                                                              "again (an engine stage: only its failed rows), as "
+                                                              "the retry-stage deployment")]
+Recompute = Annotated[bool, typer.Option("--recompute", help="Compute again the stages the run folder records but "
+                                                             "no store here holds (refused otherwise)")]
 ChatTemplate = Annotated[str | None, typer.Option(help="auto (the model's; plain text if it has none, and none "
                                                        "for verbatim catalogs) | model (the model's, verbatim "
                                                        "catalogs too) | none | a Jinja template FILE (default: auto)")]
@@ -121,7 +128,7 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
         gpus_per_machine: GpusPerMachine = None, engines_per_gpu: EnginesPerGpu = None,
         kv_cache_memory_gib: KvCacheGib = None, host_stall_s: HostStall = None, spec: SpecFile = None,
         unverified_overlays: UnverifiedOverlays = None, panel_catalogs: PanelCatalogs = None, quiet: Quiet = False,
-        as_json: AsJson = False) -> None:
+        as_json: AsJson = False, recompute: Recompute = False, retry: RetryFrom = None) -> None:
     """Run a whole campaign (embedded defaults: sample suite, SmolLM2, local Prefect, local store).
 
     Settings first, then --spec FILE, then the flags given. At the end, the results table (the full
@@ -132,11 +139,15 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
     settings = load_settings()
     try:  # pre-flight: every input checked before Prefect starts or anything is written
         check_flags(flags, settings)  # the flags' own paths first: no import of the flows room (prefect) needed
+        redo = retried_stages(retry, resume)
         campaign = spec_from(settings, spec_file=spec, flags=flags)
-        if resume is not None:
-            resume_from_s3(resume)  # with S3 configured, the run folder may exist only there until now
-            resumed = resumed_spec(resume)
+        if resume is not None:  # from any folder: the run folder read where it is, its store found by its stages
+            resume_from_s3(resume, store)  # with S3 configured, the run folder may exist only there until now
+            resumed = resumed_spec(resume, store)
             campaign = resumed.model_copy(update={"machines": campaign.machines}) if provider else resumed
+            from jex.flows.campaign import check_stages_held
+
+            check_stages_held(campaign, resume.absolute(), redo=redo, recompute=recompute)  # before a server starts
         check_campaign(campaign)
         check_hub_model(campaign.engine.model)
     except JexError as e:
@@ -149,16 +160,26 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
         if panel_catalogs and resume is None:  # a resumed run already reads its panel
             campaign = on_panel(campaign, catalog_list(panel_catalogs))
         # with no server to record the run, a campaign stored in full needs no temporary one started
-        run_dir = stored_run(campaign, settings) if temporary else None
+        run_dir = stored_run(campaign, settings) if temporary and not redo else None
         if run_dir is None:
             if temporary:
                 typer.echo(TEMPORARY_API_NOTICE, err=True)
-            run_dir = run_campaign(campaign)
+            run_dir = run_campaign(campaign, recompute=recompute, redo=redo)
     except (JexError, EngineError, EngineDeadError) as e:
         fail(e)
     from jex.cli.results import print_results
 
     print_results(Path(run_dir), "json" if as_json else "quiet" if quiet else "table")
+
+
+def retried_stages(stage: str | None, resume: Path | None) -> list[StageName]:
+    """`--retry STAGE`: that stage and every later one, computed again (needs `--resume`)."""
+    if stage is None:
+        return []
+    preflight.choice(stage, "--retry", STAGE_NAMES)
+    if resume is None:
+        raise InputError("--retry needs --resume RUN: the run whose stage is computed again")
+    return list(STAGE_NAMES[STAGE_NAMES.index(cast(StageName, stage)):])
 
 
 def catalog_list(text: str) -> list[str]:
@@ -179,17 +200,19 @@ def on_panel(campaign: CampaignSpec, catalogs: list[str]) -> CampaignSpec:
     return campaign.model_copy(update={"suite": str(panel.suite)})
 
 
-def resumed_spec(run_dir: Path) -> CampaignSpec:
-    """The campaign recorded in a run folder's `campaign.json`, named with its field when it is bad."""
+def resumed_spec(run_dir: Path, store: Path | None = None) -> CampaignSpec:
+    """The campaign recorded in a run folder's `campaign.json` (named with its field when it is bad), to
+    go on with from here: `resume_spec` finds its store (`store`, when given)."""
     from pydantic import ValidationError
 
-    from jex.flows.campaign import CampaignSpec
+    from jex.flows.campaign import CampaignSpec, resume_spec
 
-    path = run_dir / "campaign.json"
+    path = run_dir / CAMPAIGN_FILE
     try:
-        return CampaignSpec.model_validate_json(preflight.text_file(path, "--resume"))
+        CampaignSpec.model_validate_json(preflight.text_file(path, "--resume"))
     except ValidationError as e:
         raise input_error(e, file=path, model=CampaignSpec) from None
+    return resume_spec(run_dir, store=store)
 
 
 def check_flags(flags: dict[str, Any], settings: JexSettings) -> None:
@@ -207,7 +230,7 @@ def check_flags(flags: dict[str, Any], settings: JexSettings) -> None:
     if flags["resume"] is not None:  # with S3, `jex run --resume` first pulls a run folder that is not here
         s3 = settings.store.s3_bucket
         if Path(flags["resume"]).exists() or not s3:
-            preflight.existing_dir(flags["resume"], "--resume", holds=None if s3 else "campaign.json")
+            preflight.existing_dir(flags["resume"], "--resume", holds=None if s3 else CAMPAIGN_FILE)
     for flag in ("out", "store"):
         if flags[flag] is not None:
             preflight.writable_dir(flags[flag], f"--{flag}")
@@ -236,6 +259,7 @@ def check_campaign(campaign: CampaignSpec) -> None:
     if warning := preflight.model_fits(campaign.engine, gpu_kind=infra.gpu_kind, gpu_kinds=infra.gpu_kinds,
                                        reason_max_tokens=campaign.reason_max_tokens, suite=campaign.suite):
         typer.echo(f"WARNING: {warning}", err=True)
+    preflight.results_survive_poweroff(campaign.machines.provider, load_settings())
     if campaign.machines.provider == "ssh":
         from jex.infra.shell import load_private_key, load_private_key_file
 

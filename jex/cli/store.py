@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from jex.errors import InfraError, InputError
+from jex.run_records import CAMPAIGN_FILE
 from jex.settings import load_settings
 
 if TYPE_CHECKING:
@@ -39,14 +40,15 @@ def _s3() -> S3Store:
 
 
 def pull(campaign: str, out: Path, store: Path | None = None) -> PullReport:
-    """Pull `campaign` (a campaign name with one run in S3, or a run folder name) into `out` and its store."""
+    """Pull `campaign` (a campaign name with one run in S3, or a run folder name) into `out` and `store`
+    (default: OUT/store, beside the run folder, where `jex run --resume` looks for it)."""
     from jex.cli import preflight
     from jex.errors import user_error
     from jex.infra.s3 import pull_campaign
 
+    store = store if store is not None else out / "store"
     preflight.writable_dir(out, "--out")
-    if store is not None:
-        preflight.writable_dir(store, "--store")
+    preflight.writable_dir(store, "--store")
     s3 = _s3()
     try:
         return pull_campaign(s3, campaign, out=out, store=store)
@@ -58,11 +60,21 @@ def pull(campaign: str, out: Path, store: Path | None = None) -> PullReport:
         raise InfraError(f"S3 bucket {settings.s3_bucket!r} at {settings.s3_endpoint_url or 'AWS'}: {err}") from None
 
 
-def resume_from_s3(run_dir: Path) -> None:
-    """Before `jex run --resume RUN`: with S3 configured, pull RUN's record and stage folders (idempotent)."""
+def resume_from_s3(run_dir: Path, store: Path | None = None) -> None:
+    """Before `jex run --resume RUN [--store S]`: with S3 configured, pull RUN's record and the stage
+    folders it records that no store here holds (by their keys), into the store the run will use."""
     if not load_settings().store.s3_bucket:
         return
-    report = pull(Path(run_dir).name, Path(run_dir).parent)
+    if (run_dir / CAMPAIGN_FILE).is_file():
+        from jex.flows.campaign import load_spec
+        from jex.tasks.run_store import find_run_store
+
+        spec = load_spec(run_dir)
+        search = find_run_store(run_dir, given=store, recorded=spec.store)
+        if search.found is not None:
+            return  # every recorded stage is here
+        store = search.store
+    report = pull(Path(run_dir).name, Path(run_dir).parent, store)
     typer.echo(_summary(report), err=True)
 
 
@@ -75,7 +87,7 @@ def _summary(report: PullReport) -> str:
 @store_app.command("pull")
 def pull_cmd(campaign: Annotated[str, typer.Option(help="Campaign name (one run in S3) or run folder name")],
              out: Annotated[Path, typer.Option(help="Folder for the run folder")] = Path("runs"),
-             store: Annotated[Path | None, typer.Option(help="Local store (default: the campaign's own)")] = None
+             store: Annotated[Path | None, typer.Option(help="Local store (default: OUT/store)")] = None
              ) -> None:
     """Bring a campaign's run record, complete stage folders and machine shards back from S3 (verified).
 

@@ -460,6 +460,35 @@ def _check_members(tar: tarfile.TarFile, path: Path, listed: dict[str, MemberEnt
     return members
 
 
+def is_bundle_file(path: str | Path) -> bool:
+    """A bundle is given as its file (`jex bundle build`'s .tar.gz), a suite as its folder."""
+    return Path(path).is_file()
+
+
+def bundle_manifest(path: str | Path) -> BundleManifest:
+    """The manifest of a bundle file (its first member), read without extracting anything."""
+    path = Path(path)
+    try:
+        with tarfile.open(path, mode="r:gz") as tar:
+            return _read_manifest(tar, path)[1]
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise BundleError(f"{path}: not a readable bundle ({e})") from None
+
+
+def take_bundle(source: str | Path, out: str | Path) -> BuildResult:
+    """A bundle built elsewhere (`jex bundle build`) taken as it is: verified (every member against
+    the manifest's sha256), then copied to `out`. Its bytes are the bundle's identity, so a campaign on
+    it reads what a campaign on the suite folder it was built from reads."""
+    out = Path(out)
+    with tempfile.TemporaryDirectory(prefix="jex-bundle-check-") as tmp:
+        opened = open_bundle(source, Path(tmp) / "extracted")
+    with atomic_path(out) as part:
+        shutil.copyfile(source, part)
+    if sha256_file(out) != opened.sha256:
+        raise BundleError(f"{source}: changed while it was copied")
+    return BuildResult(path=out, sha256=opened.sha256, rows=opened.manifest["rows"], manifest=opened.manifest)
+
+
 def open_bundle(path: str | Path, dest: str | Path, *, limits: BundleLimits | None = None) -> Bundle:
     """Extract `path` into `dest` after checking every member's name, type and size against the
     manifest and the size limits (nothing is written before all passed); then verify every member's sha256.

@@ -79,7 +79,7 @@ def _write_proof_sample(out: StageDir, store: LocalStore, inputs: ProofSampleInp
     from jex.tasks.capture.bundle import open_bundle
 
     bundle = inputs.bundle
-    opened = open_bundle(bundle.bundle, store.root / "bundle" / bundle.key / "extracted")
+    opened = open_bundle(bundle.bundle, store.extracted_bundle(bundle.key))
     golden = opened.rows(["run_id"]).head(inputs.golden_rows)["run_id"].to_list()
     gated = pl.read_parquet(inputs.gate.gated)
     if "catalog" not in gated.columns:

@@ -22,8 +22,8 @@ from jex.engine_spec import EngineSpec, RenderSpec
 from jex.fileio import sha256_file
 from jex.numerics import length_normalised_choice
 from jex.tasks.cached_stage import CachedStage
-from jex.tasks.capture.batch_errors import BATCH_ERROR, compute_resilient
-from jex.tasks.capture.bundle import PolarsType, build_bundle, open_bundle
+from jex.tasks.capture.batch_errors import BATCH_ERROR, ROW_RETRIES, BatchLog, compute_resilient
+from jex.tasks.capture.bundle import PolarsType, build_bundle, is_bundle_file, open_bundle, take_bundle
 from jex.tasks.capture.engine_calls import (
     CaptureRow,
     CatalogRead,
@@ -41,6 +41,7 @@ from jex.tasks.capture.engine_pool import CALLS, get_engine
 from jex.tasks.inputs import BundleInputs, EngineStageInputs, FastPassInputs, ReasonInputs
 from jex.tasks.records import (
     BundleSummary,
+    FailedRow,
     FastPassErrors,
     FastPassSummary,
     PartialSummary,
@@ -50,7 +51,16 @@ from jex.tasks.records import (
     ShardWork,
     StagePlan,
 )
-from jex.tasks.store import LocalStore, ShardStats, StageDir, merge_shards, partial_summary, run_sharded
+from jex.tasks.store import (
+    LocalStore,
+    ShardRows,
+    ShardStats,
+    StageDir,
+    merge_shards,
+    partial_summary,
+    run_sharded,
+    stage_failed_rows,
+)
 
 Progress = Callable[[str, int, int], None]
 Prepared = TypeVar("Prepared")
@@ -76,16 +86,20 @@ REASON_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "rationale": pl.Str
 
 
 def _bundle(out: StageDir, store: LocalStore, inputs: BundleInputs) -> BundleSummary:
-    result = build_bundle(Path(inputs.suite), out.path / "bundle.tar.gz", reference=inputs.reference)
+    if is_bundle_file(inputs.suite):
+        result = take_bundle(inputs.suite, out.path / "bundle.tar.gz")
+    else:
+        result = build_bundle(Path(inputs.suite), out.path / "bundle.tar.gz", reference=inputs.reference)
     return BundleSummary(key=out.key, bundle=str(result.path), sha256=result.sha256, rows=result.rows)
 
 
 bundle_stage = CachedStage(BundleInputs, BundleSummary, body=_bundle)
-"""Build (or reuse) the bundle of a suite folder: `bundle_stage(store, suite=..., reference=None)`."""
+"""Build (or reuse) the bundle of a suite folder, or take a bundle file as built:
+`bundle_stage(store, suite=..., reference=None)`."""
 
 
 def _bundle_rows(bundle: BundleSummary, store: LocalStore) -> pl.DataFrame:
-    opened = open_bundle(bundle.bundle, store.root / "bundle" / bundle.key / "extracted")
+    opened = open_bundle(bundle.bundle, store.extracted_bundle(bundle.key))
     if opened.sha256 != bundle.sha256:
         raise RuntimeError(f"{bundle.bundle} changed since it was built")
     return opened.rows(["run_id", "catalog", "question_id", "prompt", "options", "labels", "gold"])
@@ -99,7 +113,7 @@ def fewshot_pool(bundle: BundleSummary, store: LocalStore, engine: EngineSpec) -
     """The bundle's few-shot rows by catalog, when the render asks for examples (else None)."""
     if engine.render.num_fewshot == 0:
         return None
-    opened = open_bundle(bundle.bundle, store.root / "bundle" / bundle.key / "extracted")
+    opened = open_bundle(bundle.bundle, store.extracted_bundle(bundle.key))
     frame = opened.fewshot()
     pool: dict[str, list[CaptureRow]] = {}
     for r in _as_rows(frame) if frame is not None else []:
@@ -127,7 +141,7 @@ def readouts_frame(readouts: list[Readout], continued: dict[str, Sequence[str]] 
 
 def catalog_reads(bundle: BundleSummary, store: LocalStore) -> CatalogReads:
     """The bundle's catalogs read otherwise than the label slot of a templated question (often none)."""
-    opened = open_bundle(bundle.bundle, store.root / "bundle" / bundle.key / "extracted")
+    opened = open_bundle(bundle.bundle, store.extracted_bundle(bundle.key))
     return {c.id: CatalogRead(c.readout, c.prompt_format, c.target_delimiter)
             for c in opened.suite_manifest().catalogs
             if (c.readout, c.prompt_format, c.target_delimiter) != ("label_slot", "template", " ")}
@@ -173,8 +187,9 @@ def _sharded(stage: Literal["fast_pass", "reason"], out: StageDir, rows: list[Ca
              *, engine: EngineSpec, shard_rows: int, share: ShardShare) -> tuple[Path, ShardStats] | PartialSummary:
     """The shards of an engine stage: each rendered and tokenised (`prepare`; one shard ahead on a thread
     beside the engine, with the engine's `preparer()`, as `PREPARE_AHEAD_ENV` says), then read in one
-    engine call (`read`; a batch that keeps failing is split, and its rows that still fail become
-    `failed` rows); a `PartialSummary` when other processes still compute some shards."""
+    engine call (`read`; a batch that keeps failing is split, a row on its own is retried as `ROW_RETRIES`
+    says, and a row that still fails becomes a `failed` row, recorded beside its shard); a `PartialSummary`
+    when other processes still compute some shards."""
     setting = os.environ.get(PREPARE_AHEAD_ENV)
     ahead = AHEAD_BY_DEFAULT[stage] if setting is None else setting != "0"
 
@@ -184,9 +199,10 @@ def _sharded(stage: Literal["fast_pass", "reason"], out: StageDir, rows: list[Ca
         eng = get_engine(engine)
         return eng.preparer() if ahead else eng
 
-    def compute(prepared: Sequence[Prepared]) -> pl.DataFrame:
+    def compute(prepared: Sequence[Prepared]) -> ShardRows:
         CALLS[stage] += 1
-        return compute_resilient(prepared, read, failed)
+        log = BatchLog()
+        return ShardRows(compute_resilient(prepared, read, failed, policy=ROW_RETRIES, log=log), log.failed_rows)
 
     shards = out.path / f"shards-{shard_rows}"
     progress = share.progress
@@ -225,6 +241,12 @@ def _shard_fields(stats: ShardStats, shards: Path) -> ShardFields:
             "compute_seconds": sum(w.compute_seconds for w in works),
             "computed_rows": sum(w.computed_rows for w in works),
             "engine_start_seconds": sum(w.engine_start_seconds for w in works)}
+
+
+def failed_rows(shards: Path, stats: ShardStats, frame: pl.DataFrame) -> list[FailedRow] | None:
+    """The records of the rows the merged `frame` holds as batch errors, in shard order (None: none failed)."""
+    failing = frame.filter(pl.col("refusal").str.starts_with(BATCH_ERROR).fill_null(False))["run_id"]
+    return stage_failed_rows(shards, stats.shards, set(failing.to_list())) or None
 
 
 class ShardFields(TypedDict):
@@ -267,6 +289,7 @@ def _fast_pass(out: StageDir, store: LocalStore, inputs: FastPassInputs,
     frame = merge_shards(shards, stats.shards, merged)
     return FastPassSummary(key=out.key, capture=str(merged), sha256=sha256_file(merged), rows=frame.height,
                            shard_rows=inputs.shard_rows, **_shard_fields(stats, shards),
+                           failed_rows=failed_rows(shards, stats, frame),
                            **fast_pass_error_counters(frame),
                            engine=inputs.fingerprint())
 
@@ -370,6 +393,7 @@ def _reason(out: StageDir, store: LocalStore, inputs: ReasonInputs,
                              hit_max_tokens=frame.filter(pl.col("finish_reason") == "length").height)
     return ReasonSummary(key=out.key, reasoned=str(merged), sha256=sha256_file(merged), rows=frame.height,
                          **_shard_fields(stats, shards), **reason_error_counters(frame), rationale_tokens=tokens,
+                         failed_rows=failed_rows(shards, stats, frame),
                          engine=inputs.fingerprint())
 
 

@@ -21,7 +21,8 @@ from jex.record import Record
 from jex.tasks.decisions import Decision, now, read_decisions
 from jex.tasks.lab.arms import ArmsFile, ExperimentTestSettings
 from jex.tasks.lab.experiment_stats import ArmStats, Delta, DeltaJson, OofChoice, versus
-from jex.tasks.records import CampaignSummaries, FinishedCampaign
+from jex.tasks.records import FinishedCampaign
+from jex.tasks.run_store import run_summaries
 from jex.tasks.scoring.inputs import SuiteTable
 
 
@@ -163,10 +164,8 @@ def predictions(run_dir: Path) -> pl.DataFrame:
 
 
 def stage_summaries(run_dir: Path) -> FinishedCampaign:
-    """The stage summaries a finished run used (`stages.json` names the folders; `_SUCCESS.json` holds them)."""
-    stages = read_json(run_dir / "stages.json")
-    return CampaignSummaries.model_validate({k: read_json(Path(v["folder"]) / "_SUCCESS.json")
-                                             for k, v in stages.items()}).finished()
+    """The stage summaries a finished run used (`stages.json` names them, the store that holds them now has them)."""
+    return run_summaries(run_dir).finished()
 
 
 def engine_cost(run_dir: Path) -> tuple[float, float]:

@@ -29,13 +29,15 @@ import numpy as np
 import polars as pl
 
 from jex.errors import InputError
-from jex.fileio import read_json, write_json
+from jex.fileio import write_json
 from jex.numerics import logit, named_rng, question_folds
 from jex.overlays.apply import apply_overlays, no_degrade_check, reversibility_check
 from jex.overlays.rules import IsotonicShrink, OverlayRuleBase
+from jex.run_records import STAGES_FILE
 from jex.settings import BOOTSTRAP_SEED
 from jex.tasks.decisions import Decision, now
 from jex.tasks.lab.experiment_report import register_with_base, stage_summaries
+from jex.tasks.run_store import run_summaries
 from jex.tasks.scoring.bootstrap_ci import paired_bootstrap_ci
 from jex.tasks.scoring.index import catalog_chances, score_predictions, scored_frame
 from jex.tasks.scoring.inputs import ScoreSpec, load_suite_table
@@ -63,17 +65,10 @@ def load_capture(run_dir: str | Path) -> Capture:
     if not run_dir.is_dir():
         raise InputError("expected a finished run folder (holds provenance.json and predictions.parquet)",
                          file=str(run_dir))
-    prov_file = run_dir / "provenance.json"
-    try:
-        prov = read_json(prov_file)
-        bundle = Path(prov["stages"]["bundle"]["folder"]) / "bundle.tar.gz"
-    except (OSError, ValueError) as e:
-        raise InputError(f"unreadable ({str(e).splitlines()[0]}); expected a finished run's provenance",
-                         file=str(prov_file)) from None
-    except (KeyError, TypeError):
-        raise InputError("no stages.bundle.folder; expected a finished run's provenance", file=str(prov_file),
-                         field="stages") from None
-    table = load_suite_table(bundle)
+    summaries = run_summaries(run_dir)  # its store found wherever it lies now
+    if summaries.bundle is None:
+        raise InputError("no bundle stage recorded; expected a finished run", file=str(run_dir / STAGES_FILE))
+    table = load_suite_table(summaries.bundle.bundle)
     try:
         preds = pl.read_parquet(run_dir / "predictions.parquet")
     except (OSError, pl.exceptions.PolarsError) as e:

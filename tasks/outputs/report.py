@@ -159,7 +159,7 @@ def _fold_section(fold: FoldDoc, gate: GateSummary) -> list[str]:
                      f"{_f(v.fix_rate, 3)} "
                      f"| {_f(v.baseline_acc, 3)} | {_f(v.policy_acc, 3)} | {v.delta_skill:+.4f} | "
                      f"{ci[0]:+.3f} to {ci[1]:+.3f} |")
-    return lines + error_rows_section(fold)
+    return lines + failed_rows_section(fold) + error_rows_section(fold)
 
 
 def _score_section(policy: ScoreDoc, spec: ScoreSpec | None = None) -> list[str]:
@@ -196,6 +196,16 @@ def _stages_section(s: FinishedCampaign, timings: dict[str, float], machines: Ma
         lines.append(f"| {stage} | {secs:.2f} | {len(summary.computed_shards) if summary else '-'} | "
                      f"{'-' if remote is None else remote} | {'-' if reused is None else reused} |")
     return lines
+
+
+def failed_rows_section(fold: FoldDoc) -> list[str]:
+    """The rows whose engine calls still failed after every retry, named by stage (from fold.json); nothing
+    on a clean run."""
+    lines = fold.failed_lines()
+    if not lines:
+        return []
+    return ["", "Failed rows (engine errors after every retry: no answer, counted in `batch_errors`; the "
+            "retry-stage flow from their stage computes only them again):", "", *[f"- {line}" for line in lines]]
 
 
 def error_rows_section(fold: FoldDoc) -> list[str]:

@@ -271,7 +271,7 @@ def bundle_metadata(bundle: BundleSummary, store: LocalStore) -> pl.DataFrame:
     """run_id and the row's metadata (JSON text) from the bundle."""
     from jex.tasks.capture.bundle import open_bundle
 
-    opened = open_bundle(bundle.bundle, store.root / "bundle" / bundle.key / "extracted")
+    opened = open_bundle(bundle.bundle, store.extracted_bundle(bundle.key))
     return opened.rows(["run_id", "metadata"])
 
 
@@ -348,6 +348,18 @@ def _dist(labels: Sequence[str], values: Sequence[float] | None, *, log: bool) -
     return "  ".join(f"{lab} {math.exp(v) if log else v:.3f}" for lab, v in zip(labels, values, strict=True))
 
 
+def _why_missing(refusal: str | None) -> str:
+    """Why a readout is missing: a failed row (engine errors after every retry, `batch error: ...`) is named as
+    failed, not as a refusal."""
+    from jex.tasks.capture.batch_errors import BATCH_ERROR
+
+    if not refusal:
+        return ""
+    if refusal.startswith(BATCH_ERROR):
+        return f"   FAILED after every retry ({refusal}); the retry-stage flow computes it again"
+    return f"   refused: {refusal}"
+
+
 def format_sample(r: dict[str, Any], *, prompt: bool = False) -> str:
     """One sample, readably: verdict, the readouts as probabilities, the rationale, decisions, [prompt]."""
     labels = r["labels"]
@@ -361,7 +373,7 @@ def format_sample(r: dict[str, Any], *, prompt: bool = False) -> str:
     lines = [head]
     lines += [f"  {label}. {option}" for label, option in zip(labels, r["options"], strict=True)]
     lines.append(f"  fast pass   {_dist(labels, r['label_logprobs'], log=True)}   -> {lab(r['fast_choice'])}"
-                 + (f"   refused: {r['fast_refusal']}" if r["fast_refusal"] else ""))
+                 + _why_missing(r["fast_refusal"]))
     if r.get("choice_loglikelihoods") is not None:
         lls = "  ".join(f"{label} {ll:.4f}" for label, ll in zip(labels, r["choice_loglikelihoods"], strict=True))
         lines.append(f"  loglikelihood {lls}   acc -> {lab(r['fast_choice'])}, acc_norm -> "
@@ -371,7 +383,7 @@ def format_sample(r: dict[str, Any], *, prompt: bool = False) -> str:
                      f"{r['finish_reason']}:")
         lines += [f"    | {line}" for line in (r["rationale"] or "").strip().splitlines() or [""]]
         lines.append(f"  after it    {_dist(labels, r['post_logprobs'], log=True)}"
-                     + (f"   refused: {r['reason_refusal']}" if r["reason_refusal"] else ""))
+                     + _why_missing(r["reason_refusal"]))
         lines.append(f"  folded      {_dist(labels, r['folded_logprobs'], log=True)}" if r["folded"]
                      else "  not folded (no post-thought readout)")
     lines.append(f"  final       {_dist(labels, r['final_probs'], log=False)}")

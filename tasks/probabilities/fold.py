@@ -25,7 +25,7 @@ from jex.tasks.documents import (
     FoldRule,
     Interval,
 )
-from jex.tasks.records import FastPassErrors, ReasonErrors
+from jex.tasks.records import FailedRow, FastPassErrors, FastPassSummary, ReasonErrors, ReasonSummary
 from jex.tasks.scoring.bootstrap_ci import paired_bootstrap_ci
 from jex.tasks.scoring.index import catalog_chances, scored_frame, skill_of
 from jex.tasks.scoring.inputs import ScoreSpec
@@ -147,6 +147,13 @@ def error_counters(fast: FastPassErrors, reason: ReasonErrors, unmatched: int) -
                          key_fallbacks=fast["key_fallbacks"],
                          batch_errors=fast["batch_errors"] + reason["batch_errors"],
                          mechanism_failures=reason["mechanism_failures"])
+
+
+def failed_rows(fast: FastPassSummary, reason: ReasonSummary) -> dict[str, list[FailedRow]] | None:
+    """Every row behind `batch_errors`, by engine stage, as the stage summaries record them (run_id,
+    attempts, last error); None when none failed."""
+    by_stage = {"fast_pass": fast.failed_rows, "reason": reason.failed_rows}
+    return {stage: rows for stage, rows in by_stage.items() if rows} or None
 
 
 def error_rows(panel: pl.DataFrame, reasoned: pl.DataFrame, limit: int = 50) -> dict[str, list[ErrorRow]]:

@@ -36,7 +36,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from jex.errors import InputError
 from jex.fileio import read_json
 from jex.record import Record
+from jex.run_records import STAGES_FILE
 from jex.tasks.documents import ScoreDoc, read_doc
+from jex.tasks.run_store import run_summaries
 
 MapMode = Literal["auto", "doc_id", "id", "content"]
 LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -368,13 +370,14 @@ def _synthesized_row(s: ToolSample, task: str) -> dict[str, Any]:
 
 
 def run_suite_manifest(run_dir: Path) -> Any:
-    """The `SuiteManifest` of a run, from its bundle (the bundle named in stages.json)."""
+    """The `SuiteManifest` of a run, from its bundle (the bundle stage its stages.json records)."""
     from jex.tasks.capture.bundle import open_bundle
 
-    stages = read_json(run_dir / "stages.json")
-    bundle = read_json(Path(stages["bundle"]["folder"]) / "_SUCCESS.json")
+    bundle = run_summaries(run_dir).bundle
+    if bundle is None:
+        raise InputError("no bundle stage recorded; expected a finished run", file=str(run_dir / STAGES_FILE))
     with tempfile.TemporaryDirectory(prefix="jex-interop-") as tmp:
-        return open_bundle(bundle["bundle"], tmp).suite_manifest()
+        return open_bundle(bundle.bundle, tmp).suite_manifest()
 
 
 def _slug(name: str) -> str:

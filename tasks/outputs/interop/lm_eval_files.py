@@ -32,6 +32,7 @@ import polars as pl
 from jex.errors import InputError
 from jex.fileio import read_json
 from jex.numerics import argmax, length_normalised_choice  # ties to the first, as numpy (and lm-eval)
+from jex.run_records import RunStages
 from jex.tasks.documents import ScoreDoc
 from jex.tasks.outputs.interop.common import (
     ImportRecord,
@@ -441,8 +442,7 @@ def _version(metadata: Any, package: str) -> str:
 
 def _run_seconds(run: RunToExport) -> float:
     """The campaign's stage time (stages.json's `seconds`, summed), lm-eval's evaluation time."""
-    stages = read_json(run.run_dir / "stages.json") if (run.run_dir / "stages.json").exists() else {}
-    return math.fsum(float(v.get("seconds") or 0.0) for v in stages.values() if isinstance(v, dict))
+    return RunStages.read(run.run_dir).seconds()
 
 
 class LmEvalSampleLine(TypedDict):
