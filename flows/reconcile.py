@@ -57,8 +57,8 @@ def failure_notice(parameters: dict[str, Any], state: str, message: str, run_nam
     try:
         run_dir: Path | str = spec.located().run_dir()
         done = RunStages.read(run_dir).root
-    except (JexError, OSError) as e:  # the identity needs the suite and model: perhaps why it failed
-        run_dir, done = f"unknown ({e})", {}
+    except (JexError, OSError) as e:  # its identity needs the suite and model: it failed before it had a folder
+        run_dir, done = f"none yet ({e})", {}
     stage = next((s for s in STAGES if s not in done), "report")
     machines = len(report.machines)
     subject = f"jex: campaign {spec.name} {state.lower()} at stage {stage}"

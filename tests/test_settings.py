@@ -82,13 +82,33 @@ def test_the_budget_cron_reaches_its_deployment_under_either_name(variable, monk
     assert {d["name"]: d for d in deployment_specs(load_settings())}["budget"]["cron"] == "15 4 * * *"
 
 
-def test_the_prefect_api_url_setting_reaches_the_prefect_client(monkeypatch):
+@pytest.fixture
+def api_url():
+    """The URL of something answering HTTP on 127.0.0.1 (all `connect_prefect` asks of a configured API)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Ok(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Ok)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/api"
+    server.shutdown()
+
+
+def test_the_prefect_api_url_setting_reaches_the_prefect_client(monkeypatch, api_url):
     from jex.cli.common import connect_prefect
 
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"})
-    monkeypatch.setenv("JEX_PREFECT__API_URL", "http://127.0.0.1:9/api")
+    monkeypatch.setenv("JEX_PREFECT__API_URL", api_url)
     connect_prefect(load_settings())
-    assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:9/api"
+    assert os.environ["PREFECT_API_URL"] == api_url
 
 
 def test_the_bootstrap_seed_is_written_once():
@@ -96,7 +116,7 @@ def test_the_bootstrap_seed_is_written_once():
     from jex.tasks.scoring.bootstrap_ci import DEFAULT_SEED
 
     assert CampaignSpec().bootstrap_seed == DEFAULT_SEED == BOOTSTRAP_SEED
-    rooms = ("jex", "engine", "tasks", "flows", "infra", "overlays", "deployments", "bench")
+    rooms = ("jex", "engine", "tasks", "lab", "flows", "infra", "overlays", "deployments", "bench")
     hits = [str(p.relative_to(ROOT)) for room in rooms for p in (ROOT / room).rglob("*.py")
             if str(BOOTSTRAP_SEED) in p.read_text()]
     assert hits == ["jex/settings.py"]
@@ -126,10 +146,10 @@ def test_with_no_server_configured_a_flow_says_in_one_line_that_it_uses_a_tempor
 
 
 @pytest.mark.parametrize("variable", ["PREFECT_API_URL", "JEX_PREFECT__API_URL"])
-def test_a_configured_server_takes_the_runs_and_no_temporary_one_is_announced(variable, tmp_path):
-    out = _connect_in_a_fresh_process(tmp_path, **{variable: "http://127.0.0.1:9/api"})
+def test_a_configured_server_takes_the_runs_and_no_temporary_one_is_announced(variable, tmp_path, api_url):
+    out = _connect_in_a_fresh_process(tmp_path, **{variable: api_url})
     assert out.returncode == 0, out.stderr
-    assert out.stderr == "" and out.stdout.strip() == "http://127.0.0.1:9/api"
+    assert out.stderr == "" and out.stdout.strip() == api_url
 
 
 def test_a_new_prefect_home_gets_a_copy_of_the_migrated_database_template(tmp_path):
