@@ -23,6 +23,7 @@ from jex.engine.types import (
     Readout,
     ReadoutMode,
     ReadoutRequest,
+    RefusalKind,
     renormalise,
 )
 from jex.engine_spec import RenderSpec
@@ -171,9 +172,9 @@ class TokenizedEngine(ChatTokenizer, ABC):
             reason = None
             if any(t is None for t in labels):
                 bad = [lab for lab, t in zip(r.labels, labels, strict=True) if t is None]
-                reason = f"label token: ' {bad[0]}' is not a single token"
+                reason = RefusalKind.LABEL_TOKEN.refusal(f"' {bad[0]}' is not a single token")
             elif len(ids) + 1 > self.max_context:
-                reason = f"context: {len(ids)} prompt tokens + 1 > {self.max_context}"
+                reason = RefusalKind.CONTEXT.refusal(f"{len(ids)} prompt tokens + 1 > {self.max_context}")
             if reason:
                 refused[i] = Readout(r.run_id, None, None, None, ReadoutMode.LABEL_SLOT, reason)
             else:
@@ -200,7 +201,8 @@ class TokenizedEngine(ChatTokenizer, ABC):
         for i, (r, pair) in enumerate(zip(requests, self.encode_pairs(requests), strict=True)):
             reason = pair if isinstance(pair, str) else None
             if not isinstance(pair, str) and max(map(len, pair[1])) >= window:
-                reason = f"context: an option of {max(map(len, pair[1]))} tokens leaves no context in {window}"
+                reason = RefusalKind.CONTEXT.refusal(f"an option of {max(map(len, pair[1]))} tokens leaves no "
+                                                     f"context in {window}")
             if reason is not None:
                 refused[i] = Readout(r.run_id, None, None, None, ReadoutMode.OPTION_CONTINUATION, reason)
             elif not isinstance(pair, str):
@@ -229,9 +231,10 @@ class TokenizedEngine(ChatTokenizer, ABC):
             ctx_ids = next(ids)
             conts = [next(ids)[len(ctx_ids):] for _ in r.options]
             if not ctx:
-                out.append("context: the prompt is only whitespace")
+                out.append(RefusalKind.CONTEXT.refusal("the prompt is only whitespace"))
             elif not all(conts):
-                out.append(f"continuation: option {[len(c) for c in conts].index(0)} encodes to no tokens")
+                out.append(RefusalKind.CONTINUATION.refusal(f"option {[len(c) for c in conts].index(0)} encodes "
+                                                            "to no tokens"))
             else:
                 out.append((ctx_ids, conts))
         return out

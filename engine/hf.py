@@ -30,6 +30,7 @@ from jex.engine.types import (
     Readout,
     ReadoutMode,
     ReadoutRequest,
+    RefusalKind,
     cut_at_stop,
     renormalise,
 )
@@ -239,7 +240,7 @@ class HFEngine(TokenizedEngine):
         for r, seq in zip(requests, seqs, strict=True):
             if len(seq) + 1 > self.max_context:
                 out.append(NextTokenStats(r.run_id, (None,) * len(r.watch), (None,) * len(r.watch),
-                                          f"context: {len(seq)} tokens + 1 > {self.max_context}"))
+                                          RefusalKind.CONTEXT.refusal(f"{len(seq)} tokens + 1 > {self.max_context}")))
                 continue
             lp = self._forward_logprobs([seq], last_only=True)[0]
             out.append(NextTokenStats(r.run_id, tuple(float(lp[t]) for t in r.watch),

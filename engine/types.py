@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from jex.errors import JexError
 from jex.numerics import argmax
 from jex.provenance import ProvenanceBlock
 
@@ -30,12 +31,34 @@ class FinishReason(str, enum.Enum):
     REFUSED = "refused"    # not run: the prompt does not fit the context
 
 
-class EngineError(Exception):
+class EngineError(JexError):
     """Recoverable: the request or batch failed, the engine is fine; a retry may succeed."""
 
 
-class EngineDeadError(Exception):
-    """Fatal: the engine cannot serve any more requests (bad model, refused profile, CUDA error)."""
+class EngineDeadError(JexError):
+    """Fatal: the engine cannot serve any more requests (bad model, refused profile, CUDA error); it is
+    released, never retried."""
+
+
+class RefusalKind(str, enum.Enum):
+    """Why a row was not read: the head of its refusal text (`<kind>: <detail>`, as captures store it)."""
+
+    CONTEXT = "context"
+    """The prompt, with what must follow it, does not fit the model's context (or is only whitespace)."""
+    LABEL_TOKEN = "label token"
+    """A label is not one token, or its log-prob was not returned."""
+    CONTINUATION = "continuation"
+    """An option encodes to no tokens."""
+    BATCH_ERROR = "batch error"
+    """The row's batch kept failing, and so did the row on its own (`tasks/capture/batch_errors.py`)."""
+
+    def refusal(self, detail: str) -> str:
+        """The refusal text of this kind."""
+        return f"{self.value}: {detail}"
+
+    def of(self, refusal: str | None) -> bool:
+        """Whether a refusal text is of this kind."""
+        return refusal is not None and refusal.startswith(self.value)
 
 
 class ContextRefusal(EngineError):

@@ -29,6 +29,7 @@ from jex.engine.types import (
     Readout,
     ReadoutMode,
     ReadoutRequest,
+    RefusalKind,
     cut_at_stop,
     renormalise,
 )
@@ -212,7 +213,8 @@ class VLLMEngine(TokenizedEngine):
                 missing = [t for t in label_ids if t not in lp]
                 if missing:
                     results[i] = Readout(requests[i].run_id, None, None, None, ReadoutMode.LABEL_SLOT,
-                                         f"label token: ids {missing} not among the returned top-k log-probs")
+                                         RefusalKind.LABEL_TOKEN.refusal(f"ids {missing} not among the returned "
+                                                                         "top-k log-probs"))
                     continue
                 raw = tuple(float(lp[t].logprob) for t in label_ids)
                 mass = sum(2.718281828459045 ** x for x in raw)
@@ -282,7 +284,7 @@ class VLLMEngine(TokenizedEngine):
             seq = self.encode(r.prompt) + list(r.continuation)
             if len(seq) + 1 > self.max_context:
                 out.append(NextTokenStats(r.run_id, (None,) * len(r.watch), (None,) * len(r.watch),
-                                          f"context: {len(seq)} tokens + 1 > {self.max_context}"))
+                                          RefusalKind.CONTEXT.refusal(f"{len(seq)} tokens + 1 > {self.max_context}")))
                 continue
             # the top 20 with their vocabulary ranks (measured on the H200: with `logprob_token_ids` vLLM ranks
             # the listed ids among themselves, so every watched token came back rank 1)

@@ -20,7 +20,9 @@ from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE, CachePolicy
 from prefect.context import TaskRunContext
+from prefect.states import State
 
+from jex.engine.types import EngineError
 from jex.progress import shard_progress
 from jex.tasks import cpu_stages
 from jex.tasks.capture import stages
@@ -105,7 +107,19 @@ def bundle_task(inputs: BundleInputs, store: str) -> BundleSummary:
     return stages.bundle_stage(LocalStore(store), inputs)
 
 
-@task(name="fast_pass", retries=1, **CACHED)
+def recoverable(task: Any, task_run: Any, state: State[Any]) -> bool:
+    """The engine tasks' retry condition (Prefect's `retry_condition_fn`): only a recoverable engine error
+    (`EngineError`) is tried again; a dead engine (`EngineDeadError`, released where it died), a user's
+    error or a bug is not."""
+    error = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+    return isinstance(error, EngineError)
+
+
+ENGINE_RETRIES: dict[str, Any] = {"retries": 1, "retry_condition_fn": recoverable}
+"""How the engine stage tasks retry: once, and only what can recover."""
+
+
+@task(name="fast_pass", **ENGINE_RETRIES, **CACHED)
 def fast_pass_task(inputs: FastPassInputs, store: str) -> FastPassSummary:
     return _complete(stages.fast_pass_stage.run(LocalStore(store), inputs,
                                                 share=stages.ShardShare(progress=progress_artifact("fast_pass"))))
@@ -116,7 +130,7 @@ def gate_task(inputs: GateInputs, store: str) -> GateSummary:
     return cpu_stages.gate_stage(LocalStore(store), inputs)
 
 
-@task(name="reason", retries=1, **CACHED)
+@task(name="reason", **ENGINE_RETRIES, **CACHED)
 def reason_task(inputs: ReasonInputs, store: str) -> ReasonSummary:
     return _complete(stages.reason_stage.run(LocalStore(store), inputs,
                                              share=stages.ShardShare(progress=progress_artifact("reason"))))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from jex.engine.types import EngineDeadError, EngineError
 from jex.errors import FlowError, InfraError, JexError, ServerError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,8 +28,21 @@ def test_infra_flow_and_server_errors_share_the_one_root():
 
     for cls in (ShellError, Unreachable, ProviderError, UploadError, BudgetExceeded, JobFailed):
         assert issubclass(cls, InfraError) and issubclass(cls, JexError), cls
+    assert issubclass(EngineError, JexError) and issubclass(EngineDeadError, JexError)
     assert issubclass(GoldenMismatch, FlowError) and issubclass(StartError, ServerError)
     assert issubclass(BundleError, JexError)
+
+
+@pytest.mark.parametrize(("error", "retried"), [(EngineError("device busy"), True),
+                                                (EngineDeadError("CUDA error"), False),
+                                                (ValueError("a bug"), False), (FlowError("a user's error"), False)])
+def test_the_engine_tasks_retry_only_a_recoverable_engine_error(error, retried):
+    from prefect.states import Failed
+
+    from jex.tasks.prefect_tasks import fast_pass_task, reason_task, recoverable
+
+    assert recoverable(fast_pass_task, None, Failed(data=error)) is retried
+    assert fast_pass_task.retry_condition_fn is reason_task.retry_condition_fn is recoverable
 
 
 @pytest.mark.parametrize("argv", [

@@ -210,3 +210,23 @@ def test_a_dead_engine_still_stops_the_row_retries():
     with pytest.raises(EngineDeadError):
         compute_resilient(["a"], dead, lambda items, why: pl.DataFrame(), policy=NO_WAIT)
     assert calls == [["a"]]
+
+
+class DeadEngine(FlakyEngine):
+    """The real engine, dead at its first readout (a CUDA error: nothing more can be served)."""
+
+    def readout(self, requests, *args, **kwargs):
+        self.sent.append([r.run_id for r in requests])
+        raise EngineDeadError("planted: CUDA error, the engine is gone")
+
+
+def test_a_dead_engine_is_released_and_its_stage_not_retried(fast_pass, monkeypatch):
+    from jex.engine_spec import EngineSpec
+    from jex.tasks.capture import engine_pool
+
+    dead = DeadEngine(fast_pass.real(), "q0")
+    monkeypatch.setitem(engine_pool._ENGINES, EngineSpec().loaded_key(), dead)
+    with pytest.raises(EngineDeadError):
+        fast_pass("store")
+    assert dead.sent == [["q0", "q1", "q2"]]  # no retry of the batch, no split, no row retries
+    assert not engine_pool.is_loaded(EngineSpec())  # the next stage that needs it starts a new one

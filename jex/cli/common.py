@@ -1,5 +1,5 @@
-"""What every command group shares: one-line user errors, flags as CampaignSpec fields, and the Prefect
-API a flow reports to."""
+"""What every command group shares: one-line user errors, flags as the fields of a record (a CampaignSpec,
+a lab job), and the Prefect API a flow reports to."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import typer
 from pydantic import BaseModel, ValidationError
@@ -16,6 +16,8 @@ from pydantic import BaseModel, ValidationError
 from jex.engine_spec import closest_name
 from jex.errors import InputError, JexError, ServerError, user_error
 from jex.settings import JexSettings
+
+R = TypeVar("R", bound=BaseModel)
 
 
 def fail(err: Exception) -> NoReturn:
@@ -26,11 +28,9 @@ def fail(err: Exception) -> NoReturn:
 
 def boundary_error(exc: BaseException) -> JexError | None:
     """The CLI's one error boundary: `exc` as a one-line JexError, or None when it is a bug. Beyond
-    `jex.errors.user_error`: invalid parameters (pydantic) and the engine's refusals of a model or device."""
+    `jex.errors.user_error`: invalid parameters (pydantic)."""
     if isinstance(exc, ValidationError):
         return input_error(exc)
-    if type(exc).__module__ == "jex.engine.types":  # EngineError, EngineDeadError
-        return JexError(str(exc))
     return user_error(exc)
 
 
@@ -144,3 +144,26 @@ def spec_fields(flags: Mapping[str, Any], field_of_flag: Mapping[str, str]) -> d
             node = node.setdefault(table, {})
         node[leaf] = str(value) if isinstance(value, Path) else value
     return fields
+
+
+def field_option(record: type[BaseModel], name: str, *decls: str, more: str = "") -> Any:
+    """The typer option of the flag that sets `record`'s field `name`: its help is the field's description
+    (what the Prefect form shows), then `more`, what only the flag needs (how to write a list)."""
+    return typer.Option(*decls, help=f"{record.model_fields[name].description}{more}")
+
+
+def field_default(record: type[BaseModel], name: str) -> Any:
+    """The default of `record`'s field `name`: the default of the flag that sets it, declared once."""
+    return record.model_fields[name].get_default(call_default_factory=True)
+
+
+def record_from_flags(record: type[R], renamed: Mapping[str, str] | None = None, **fields: Any) -> R:
+    """`record(**fields)`, built from a command's flags; a value it refuses is an InputError naming the flag
+    that set it (`--` and the field's name, dashed, unless `renamed` maps the field to its flag)."""
+    try:
+        return record(**fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        name = str(first["loc"][0])
+        flag = (renamed or {}).get(name, "--" + name.replace("_", "-"))
+        raise InputError(f"{flag}: {first['msg'].removeprefix('Value error, ')}, got {first['input']!r}") from None

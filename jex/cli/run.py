@@ -153,7 +153,6 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
     except JexError as e:
         fail(e)
     temporary = connect_prefect(settings, notice=False)  # before Prefect is imported: it reads its settings once
-    from jex.engine.types import EngineDeadError, EngineError
     from jex.flows.campaign import run_campaign, stored_run
 
     try:
@@ -165,7 +164,7 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
             if temporary:
                 typer.echo(TEMPORARY_API_NOTICE, err=True)
             run_dir = run_campaign(campaign, recompute=recompute, redo=redo)
-    except (JexError, EngineError, EngineDeadError) as e:
+    except JexError as e:  # the engine's errors too
         fail(e)
     from jex.cli.results import print_results
 
@@ -188,10 +187,10 @@ def catalog_list(text: str) -> list[str]:
 
 
 def on_panel(campaign: CampaignSpec, catalogs: list[str]) -> CampaignSpec:
-    """The campaign on the panel of `catalogs` of its suite (`tasks.lab.panel.prepare_panel`, the one the
+    """The campaign on the panel of `catalogs` of its suite (`jex.lab.panel.prepare_panel`, the one the
     experiments use), written beside its run folder as RUN-panel-suite."""
     from jex.flows.campaign import sample_suite_dir
-    from jex.tasks.lab.panel import prepare_panel
+    from jex.lab.panel import prepare_panel
 
     run_dir = campaign.run_dir()
     dest = run_dir.with_name(run_dir.name + "-panel-suite")
@@ -356,13 +355,9 @@ def check_hub_model(model: str | None) -> None:
     from huggingface_hub import constants
 
     from jex.engine.models import HUB_ID, resolve_hub
-    from jex.engine.types import EngineDeadError
 
     if model and constants.HF_HUB_OFFLINE and not Path(model).exists() and HUB_ID.match(model):
-        try:
-            resolve_hub(model)
-        except EngineDeadError as e:
-            raise JexError(str(e)) from None
+        resolve_hub(model)  # EngineDeadError, a JexError, when it is not in the cache
 
 
 def calibrate(coverage: Annotated[float, typer.Option(help="Coverage gated within the sample")] = 0.30,

@@ -3,9 +3,9 @@
 A recoverable engine error (`engine.types.EngineError`) on a batch is not fatal for its shard: the batch
 is tried again (`retries` times), then split in halves and each half handled the same way, down to single
 rows. A row on its own is tried as the row retry policy says (`ROW_RETRIES`, one policy for both engine
-stages). A row that still fails becomes a row of its stage's frame with no readout and a refusal starting
-with `BATCH_ERROR` (`batch error: <type>: <message>`), and a `FailedRow` record (run_id, attempts, last
-error): its shard keeps the record beside it (`tasks/store.py: run_sharded`), the stage summary lists it
+stages). A row that still fails becomes a row of its stage's frame with no readout and a refusal of the
+kind `RefusalKind.BATCH_ERROR` (`batch error: <type>: <message>`), and a `FailedRow` record (run_id,
+attempts, last error): its shard keeps the record beside it (`tasks/store.py: run_sharded`), the stage summary lists it
 (`failed_rows`), fold.json, the report and `jex run`'s results name it, and a retry of the stage sends only
 the failed rows to the engine again (`tasks/store.py: carry_failed_rows`). A fatal `EngineDeadError` is not
 caught: the engine cannot serve anything more.
@@ -21,12 +21,10 @@ from typing import Any
 import polars as pl
 from pydantic import Field
 
-from jex.engine.types import EngineError
+from jex.engine.types import EngineError, RefusalKind
 from jex.record import Record
 from jex.tasks.records import FailedRow
 from jex.tasks.store import row_id
-
-BATCH_ERROR = "batch error"
 
 
 class RowRetryPolicy(Record):
@@ -59,9 +57,14 @@ def error_line(error: BaseException) -> str:
     return (str(error).splitlines() or [""])[0][:200]
 
 
+def refused(kind: RefusalKind) -> pl.Expr:
+    """The rows of a capture or a reasoned frame whose refusal is of `kind` (a null refusal is none)."""
+    return pl.col("refusal").str.starts_with(kind.value).fill_null(False)
+
+
 def batch_error_text(error: BaseException) -> str:
     """The refusal text of a row that failed on its own."""
-    return f"{BATCH_ERROR}: {type(error).__name__}: {error_line(error)}"
+    return RefusalKind.BATCH_ERROR.refusal(f"{type(error).__name__}: {error_line(error)}")
 
 
 def compute_resilient(items: Sequence[Any], compute: Callable[[Sequence[Any]], pl.DataFrame],

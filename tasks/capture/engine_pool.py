@@ -39,6 +39,14 @@ def release_engines() -> None:
         torch.cuda.empty_cache()
 
 
+def release_engine(spec: EngineSpec) -> None:
+    """Let go of the engine `spec` names (a dead one: the next stage that needs it starts a new one)."""
+    if _ENGINES.pop(spec.loaded_key(), None) is not None:
+        import gc
+
+        gc.collect()
+
+
 def get_engine(spec: EngineSpec) -> TokenizedEngine:
     """This process's engine for `spec`, started on first use."""
     from jex.engine.factory import make_engine

@@ -17,12 +17,20 @@ from typing import Any, Literal, TypedDict, TypeVar
 import polars as pl
 
 from jex.engine.base import ChatTokenizer
-from jex.engine.types import FinishReason, Generation, Readout, ReadoutMode, ReadoutRequest
+from jex.engine.types import (
+    EngineDeadError,
+    FinishReason,
+    Generation,
+    Readout,
+    ReadoutMode,
+    ReadoutRequest,
+    RefusalKind,
+)
 from jex.engine_spec import EngineSpec, RenderSpec
 from jex.fileio import sha256_file
 from jex.numerics import length_normalised_choice
 from jex.tasks.cached_stage import CachedStage
-from jex.tasks.capture.batch_errors import BATCH_ERROR, ROW_RETRIES, BatchLog, compute_resilient
+from jex.tasks.capture.batch_errors import ROW_RETRIES, BatchLog, compute_resilient, refused
 from jex.tasks.capture.bundle import PolarsType, build_bundle, is_bundle_file, open_bundle, take_bundle
 from jex.tasks.capture.engine_calls import (
     CaptureRow,
@@ -37,7 +45,7 @@ from jex.tasks.capture.engine_calls import (
     read_questions,
     reread,
 )
-from jex.tasks.capture.engine_pool import CALLS, get_engine
+from jex.tasks.capture.engine_pool import CALLS, get_engine, release_engine
 from jex.tasks.inputs import BundleInputs, EngineStageInputs, FastPassInputs, ReasonInputs
 from jex.tasks.records import (
     BundleSummary,
@@ -206,10 +214,14 @@ def _sharded(stage: Literal["fast_pass", "reason"], out: StageDir, rows: list[Ca
 
     shards = out.path / f"shards-{shard_rows}"
     progress = share.progress
-    stats = run_sharded(rows, shard_rows=shard_rows, folder=shards, compute=compute, worker=share.worker,
-                        workers=share.workers, on_shard=(lambda d, t: progress(stage, d, t)) if progress else None,
-                        prepare=tokenizer, claim=share.claim, prepare_chunk=lambda chunk: prepare(tokenizer(), chunk),
-                        prepare_ahead=ahead)
+    try:
+        stats = run_sharded(rows, shard_rows=shard_rows, folder=shards, compute=compute, worker=share.worker,
+                            workers=share.workers, on_shard=(lambda d, t: progress(stage, d, t)) if progress else None,
+                            prepare=tokenizer, claim=share.claim,
+                            prepare_chunk=lambda chunk: prepare(tokenizer(), chunk), prepare_ahead=ahead)
+    except EngineDeadError:
+        release_engine(engine)  # never served again: whoever needs this engine next starts a new one
+        raise
     if stats.computed:
         record_work(shards, ShardWork(computed_shards=stats.computed, compute_seconds=stats.compute_seconds,
                                       computed_rows=stats.computed_rows,
@@ -245,7 +257,7 @@ def _shard_fields(stats: ShardStats, shards: Path) -> ShardFields:
 
 def failed_rows(shards: Path, stats: ShardStats, frame: pl.DataFrame) -> list[FailedRow] | None:
     """The records of the rows the merged `frame` holds as batch errors, in shard order (None: none failed)."""
-    failing = frame.filter(pl.col("refusal").str.starts_with(BATCH_ERROR).fill_null(False))["run_id"]
+    failing = frame.filter(refused(RefusalKind.BATCH_ERROR))["run_id"]
     return stage_failed_rows(shards, stats.shards, set(failing.to_list())) or None
 
 
@@ -311,7 +323,7 @@ def read_with_fallback(eng: Any, requests: Sequence[ReadoutRequest], *, render: 
     read again through the fallback path, the options' continuation log-likelihoods (its `label_mass`
     stays null)."""
     readouts = read_questions(eng, requests, render=render, plan=plan)
-    redo = [i for i, r in enumerate(readouts) if r.refusal is not None and r.refusal.startswith("label token")]
+    redo = [i for i, r in enumerate(readouts) if RefusalKind.LABEL_TOKEN.of(r.refusal)]
     if redo:
         again = read_questions(eng, [requests[i] for i in redo], ReadoutMode.OPTION_CONTINUATION, render=render,
                                plan=plan)
@@ -323,11 +335,10 @@ def read_with_fallback(eng: Any, requests: Sequence[ReadoutRequest], *, render: 
 def fast_pass_error_counters(frame: pl.DataFrame) -> FastPassErrors:
     """Disjoint counters of a capture: context refusals, batch errors, other readout errors, and
     key fallbacks (label-slot rows read, but through the continuation fallback: logprobs without label mass)."""
-    refusal = pl.col("refusal")
-    return {"context_refusals": frame.filter(refusal.str.starts_with("context")).height,
-            "batch_errors": frame.filter(refusal.str.starts_with(BATCH_ERROR)).height,
-            "readout_errors": frame.filter(refusal.is_not_null() & ~refusal.str.starts_with("context")
-                                           & ~refusal.str.starts_with(BATCH_ERROR)).height,
+    context, batch = refused(RefusalKind.CONTEXT), refused(RefusalKind.BATCH_ERROR)
+    return {"context_refusals": frame.filter(context).height,
+            "batch_errors": frame.filter(batch).height,
+            "readout_errors": frame.filter(pl.col("refusal").is_not_null() & ~context & ~batch).height,
             "key_fallbacks": frame.filter(pl.col("logprobs").is_not_null() & pl.col("label_mass").is_null()
                                           & _label_slot_row(frame)).height}
 
@@ -340,7 +351,7 @@ def _label_slot_row(frame: pl.DataFrame) -> pl.Expr:
 def reason_error_counters(frame: pl.DataFrame) -> ReasonErrors:
     """Disjoint counters of the reason stage: rationale prompts refused for context, batch errors,
     and mechanism failures (a rationale was written but could not be re-read)."""
-    batch = pl.col("refusal").str.starts_with(BATCH_ERROR).fill_null(False)
+    batch = refused(RefusalKind.BATCH_ERROR)
     return {"context_refusals": frame.filter(pl.col("finish_reason") == FinishReason.REFUSED.value).height,
             "batch_errors": frame.filter(batch).height,
             "mechanism_failures": frame.filter(pl.col("finish_reason").is_in(["stop", "length"])
@@ -361,7 +372,8 @@ def reason_frame(gens: list[Generation], posts: list[Readout]) -> pl.DataFrame:
         "token_ids": [list(g.token_ids) for g in gens], "finish_reason": [g.finish_reason.value for g in gens],
         "post_logprobs": [list(p.logprobs) if p.logprobs is not None and g.finish_reason is not FinishReason.REFUSED
                           else None for g, p in zip(gens, posts, strict=True)],
-        "refusal": ["context: rationale prompt too long" if g.finish_reason is FinishReason.REFUSED else p.refusal
+        "refusal": [RefusalKind.CONTEXT.refusal("rationale prompt too long") if g.finish_reason is FinishReason.REFUSED
+                    else p.refusal
                     for g, p in zip(gens, posts, strict=True)]},
         schema=REASON_SCHEMA)
 

@@ -351,11 +351,11 @@ def _dist(labels: Sequence[str], values: Sequence[float] | None, *, log: bool) -
 def _why_missing(refusal: str | None) -> str:
     """Why a readout is missing: a failed row (engine errors after every retry, `batch error: ...`) is named as
     failed, not as a refusal."""
-    from jex.tasks.capture.batch_errors import BATCH_ERROR
+    from jex.engine.types import RefusalKind
 
     if not refusal:
         return ""
-    if refusal.startswith(BATCH_ERROR):
+    if RefusalKind.BATCH_ERROR.of(refusal):
         return f"   FAILED after every retry ({refusal}); the retry-stage flow computes it again"
     return f"   refused: {refusal}"
 

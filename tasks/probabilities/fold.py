@@ -14,8 +14,10 @@ from typing import NamedTuple
 
 import polars as pl
 
+from jex.engine.types import RefusalKind
 from jex.errors import JexError
 from jex.numerics import argmax
+from jex.tasks.capture.batch_errors import refused
 from jex.tasks.documents import (
     ErrorCounters,
     ErrorRow,
@@ -158,19 +160,19 @@ def failed_rows(fast: FastPassSummary, reason: ReasonSummary) -> dict[str, list[
 
 def error_rows(panel: pl.DataFrame, reasoned: pl.DataFrame, limit: int = 50) -> dict[str, list[ErrorRow]]:
     """The rows behind the non-zero counters (first `limit` of each): run_id and why."""
-    refusal = pl.col("refusal")
-    fast_batch = refusal.str.starts_with("batch error").fill_null(False)
+    refusal, batch = pl.col("refusal"), refused(RefusalKind.BATCH_ERROR)
+    fast_batch = batch
     picks = {
         "key_fallbacks": panel.filter(pl.col("logprobs").is_not_null() & pl.col("label_mass").is_null())
         .select("run_id", why=pl.lit("labels read through the continuation fallback")),
-        "readout_errors": panel.filter(refusal.is_not_null() & ~refusal.str.starts_with("context") & ~fast_batch)
+        "readout_errors": panel.filter(refusal.is_not_null() & ~refused(RefusalKind.CONTEXT) & ~fast_batch)
         .select("run_id", why=refusal),
         "batch_errors": pl.concat([panel.filter(fast_batch).select("run_id", why=pl.format("fast pass: {}", refusal)),
-                                   reasoned.filter(refusal.str.starts_with("batch error").fill_null(False))
+                                   reasoned.filter(batch)
                                    .select("run_id", why=pl.format("reason: {}", refusal))]),
         "mechanism_failures": reasoned.filter(pl.col("finish_reason").is_in(["stop", "length"])
                                               & pl.col("post_logprobs").is_null()
-                                              & ~refusal.str.starts_with("batch error").fill_null(False))
+                                              & ~batch)
         .select("run_id", why=refusal.fill_null("no re-read")),
     }
     return {k: [ErrorRow(**r) for r in v.head(limit).to_dicts()] for k, v in picks.items() if v.height}
