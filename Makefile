@@ -28,8 +28,8 @@ run: setup
 # linked into build/typecheck/jex/ (pyproject's mypy_path) and the links' prefix is cut from the report;
 # the core `jex` (with `jex.cli`) is found in jex/ from the repository root. Every package, as pyproject's
 # `packages` (`.venv/bin/mypy` alone checks the same).
-MYPY_PACKAGES := -p jex -p jex.engine -p jex.overlays -p jex.tasks -p jex.flows -p jex.infra -p jex.deployments
-TYPECHECK = mkdir -p build/typecheck/jex && for room in engine tasks flows infra overlays deployments; do \
+MYPY_PACKAGES := -p jex -p jex.engine -p jex.overlays -p jex.tasks -p jex.lab -p jex.flows -p jex.infra -p jex.deployments
+TYPECHECK = mkdir -p build/typecheck/jex && for room in engine tasks lab flows infra overlays deployments; do \
 		ln -sfn ../../../$$room build/typecheck/jex/$$room; done && \
 	set -o pipefail && $(VENV)/bin/mypy $(MYPY_PACKAGES) | sed 's|^build/typecheck/jex/||'
 

@@ -65,8 +65,8 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/cpu-experiments.json")
     args = p.parse_args()
     from jex.flows.campaign import CampaignSpec
-    from jex.flows.experiment import ExperimentSpec, plan_experiment
     from jex.flows.fleet import MachinesSpec
+    from jex.flows.lab import ExperimentSpec, plan_experiment
 
     tmp = Path(tempfile.mkdtemp(prefix="jex-bench-exp-"))
     arms_file = tmp / "arms.toml"

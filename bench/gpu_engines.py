@@ -17,11 +17,13 @@ from pathlib import Path
 
 
 def bakeoff(args: argparse.Namespace) -> None:
-    from jex.tasks.lab.bakeoff import run_bakeoff
+    from jex.lab.bakeoff import run_bakeoff
+    from jex.lab.jobs import BakeoffJob
 
-    res = run_bakeoff(args.arms.split(","), model=args.model, prompts=args.prompts, tokens=args.tokens,
-                      ladder=[int(x) for x in args.ladder.split(",")], repeats=args.repeats,
-                      max_num_seqs=args.max_num_seqs, device=args.device, out_dir=Path(args.out))
+    job = BakeoffJob(arms=args.arms.split(","), model=args.model, prompts=args.prompts, tokens=args.tokens,
+                     ladder=[int(x) for x in args.ladder.split(",")], repeats=args.repeats,
+                     max_num_seqs=args.max_num_seqs, device=args.device)
+    res = run_bakeoff(job, Path(args.out))
     print(res["verdict"])
     print((Path(args.out) / "bakeoff.md").read_text())
 
@@ -29,9 +31,9 @@ def bakeoff(args: argparse.Namespace) -> None:
 def parity(args: argparse.Namespace) -> None:
     from jex.engine.hf import HFEngine
     from jex.engine.vllm_engine import VLLMEngine, VLLMProfile
+    from jex.lab.parity import markdown, run_parity
     from jex.sample_suite import write_sample_suite
     from jex.suite import iter_rows
-    from jex.tasks.lab.parity import markdown, run_parity
 
     with tempfile.TemporaryDirectory() as tmp:
         suite = write_sample_suite(Path(tmp) / "suite", rows=args.rows, seed=0)

@@ -9,7 +9,7 @@ sample, `tasks/capture/spec_proof.py: prove`) in a shared store: one process for
 pass, the reason stage on every gated row, the proof sample), one for the `audit-ngram` engine (its
 fast pass is the base's: speculation does not key a readout). It reports identical rationales over
 all gated rows, the per-run proof on the 64-row sample, and tok/s of each reason stage.
-`probe` runs `tasks/lab/early_exit.py` on gated rows with the audited vLLM engine.
+`probe` runs `lab/early_exit.py` on gated rows with the audited vLLM engine.
 """
 
 from __future__ import annotations
@@ -106,9 +106,9 @@ def workload(args: argparse.Namespace) -> dict:
 
 
 def probe(args: argparse.Namespace) -> dict:
+    from jex.lab.early_exit import markdown, pick_gated, plot, probe_rows, suite_rows
     from jex.sample_suite import write_sample_suite
     from jex.tasks.capture.engine_pool import get_engine
-    from jex.tasks.lab.early_exit import markdown, pick_gated, plot, probe_rows, suite_rows
 
     work = Path(args.work)
     suite = work / "probe-suite"

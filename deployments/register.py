@@ -68,23 +68,23 @@ def deployment_specs(settings: JexSettings, campaign_defaults: Mapping[str, Any]
          "parameters": {"spec": BudgetSpec(campaign=spec).model_dump(mode="json")},
          "cron": settings.prefect.budget_cron,
          "description": "Measure reasoning cost and fix rate on a sample; project time and cost per coverage"},
-        {"name": "bakeoff", "entrypoint": "flows/experiments.py:bakeoff",
+        {"name": "bakeoff", "entrypoint": "flows/lab.py:bakeoff",
          "description": "Batch-invariance bake-off of engine arms"},
-        {"name": "parity", "entrypoint": "flows/experiments.py:parity",
+        {"name": "parity", "entrypoint": "flows/lab.py:parity",
          "description": "Engine parity (argmax agreement, max |dp|) on a suite"},
         {"name": "reconcile", "entrypoint": "flows/reconcile.py:reconcile_flow",
          "interval": settings.prefect.reconcile_every_s, "job_variables": _notify_env(settings),
          "description": "Supervise, collect and delete every jex machine; orphans are torn down"},
         {"name": "retry-stage", "entrypoint": "flows/retry.py:retry_stage",
          "description": "Continue a campaign (its run folder) from a named stage; the capture upstream is reused"},
-        {"name": "experiment", "entrypoint": "flows/experiment.py:experiment",
+        {"name": "experiment", "entrypoint": "flows/lab.py:experiment",
          "parameters": {"spec": _experiment_defaults(spec)},
          "description": "Arms against the base: placebos, twin audit, sweeps, pre-registered test, decision ledger"},
     ]
 
 
 def _experiment_defaults(spec: CampaignSpec) -> dict[str, Any]:
-    from jex.flows.experiment import ExperimentSpec
+    from jex.flows.lab import ExperimentSpec
 
     return ExperimentSpec(campaign=spec, out=str(Path(spec.out) / "experiment")).model_dump(mode="json")
 

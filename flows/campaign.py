@@ -11,9 +11,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
-from prefect import flow
+from prefect import Task, flow
 from pydantic import BaseModel, ConfigDict, Field
 
 from jex.engine_spec import EngineSpec
@@ -22,7 +22,7 @@ from jex.fileio import sha256_json, write_json, write_text
 from jex.flows.fleet import MachinesSpec, s3_store
 from jex.flows.machines_doc import MachinesDoc, machines_section, report_section
 from jex.flows.runners import StageRunner, make_runner
-from jex.infra.s3 import checkpoint
+from jex.infra.s3 import S3Store, checkpoint
 from jex.run_records import (
     CAMPAIGN_FILE,
     STAGE_NAMES,
@@ -32,7 +32,8 @@ from jex.run_records import (
     StageName,
     StageRecord,
 )
-from jex.settings import BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, JexSettings
+from jex.settings import BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, PROOF_ROWS, JexSettings
+from jex.store_layout import SUCCESS
 from jex.tasks.capture.engine_pool import CALLS
 from jex.tasks.capture.spec_proof import ExactnessProof, prove, write_proof
 from jex.tasks.decisions import (
@@ -81,10 +82,12 @@ from jex.tasks.records import (
     FastPassSummary,
     FinishedCampaign,
     GateSummary,
+    StageSummary,
 )
 from jex.tasks.run_store import find_run_store
 from jex.tasks.store import LocalStore
 
+S = TypeVar("S", bound=StageSummary)
 AUDIT_SETTINGS = {"require_zero_errors", "reference_min_agreement"}
 """Settings that decide whether a run passes, not what it computes (so not in the run's identity)."""
 
@@ -100,7 +103,7 @@ class CampaignSpec(BaseModel):
     coverage: float = Field(0.10, ge=0, le=1, description="Share of rows gated for a rationale")
     per_catalog_cap: float | None = Field(None, gt=0, le=1, description="Max gated share of one catalog")
     reason_max_tokens: int = Field(48, ge=1)
-    spec_proof_rows: int = Field(64, ge=1, description="Gated rows the audited base re-generates to prove a "
+    spec_proof_rows: int = Field(PROOF_ROWS, ge=1, description="Gated rows the audited base re-generates to prove a "
                                                        "speculative profile exact")
     fold_rule: Literal["replace", "mix"] = "mix"
     fold_weight: float = Field(0.5, ge=0, le=1, description="Weight of the post-thought readout (mix)")
@@ -218,7 +221,7 @@ class CampaignRun:
     run_dir: Path
     runner: StageRunner
     redo: list[StageName] = field(default_factory=list)
-    s3: Any = None
+    s3: S3Store | None = None
     summaries: CampaignSummaries = field(default_factory=CampaignSummaries)
     timings: dict[str, float] = field(default_factory=dict)
     overlays_unverified: bool = False
@@ -226,14 +229,14 @@ class CampaignRun:
     stored_only: bool = False
     """Look every stage up in the store instead of running it (`stored_run`); a missing one raises NotStored."""
 
-    def stage(self, name: str, task: Any, inputs: StageInputs) -> Any:
+    def stage(self, name: str, task: Task[..., S], inputs: StageInputs) -> S:
         """Run one stage task on its inputs record: an engine stage has its missing shards computed by
         the runner first (on machines, whose measured engine fingerprint the inputs then carry).
         Returns the stage's summary, recorded under `name`."""
         if self.stored_only:
-            out = stored_summary(self.spec.store, name, inputs)
-            setattr(self.summaries, name, out)
-            return out
+            stored = cast(S, stored_summary(self.spec.store, name, inputs))
+            setattr(self.summaries, name, stored)
+            return stored
         t0 = time.perf_counter()
         if isinstance(inputs, FastPassInputs | ReasonInputs):
             if isinstance(inputs, ReasonInputs) and not LocalStore(self.spec.store).stage(inputs.stage,
@@ -242,7 +245,7 @@ class CampaignRun:
             inputs = self.runner.compute(EngineJob(inputs=inputs, store=self.spec.store)).inputs
         call = {"inputs": inputs, "store": self.spec.store}
         out = task.with_options(refresh_cache=True)(**call) if name in self.redo else task(**call)
-        if not (Path(out.folder) / "_SUCCESS.json").exists():  # Prefect cached a result the store lost
+        if not (Path(out.folder) / SUCCESS).exists():  # Prefect cached a result the store lost
             out = task.with_options(refresh_cache=True)(**call)
         self.timings[name] = time.perf_counter() - t0
         setattr(self.summaries, name, out)
@@ -341,8 +344,8 @@ def prove_speculation(run: CampaignRun) -> ExactnessProof:
     spec, s = run.spec, run.summaries
     assert s.bundle is not None and s.gate is not None and s.reason is not None  # the capture stages ran before
     base = spec.engine.audited_base()
-    sample = run.stage("spec_proof_sample", proof_sample_task, ProofSampleInputs(bundle=s.bundle, gate=s.gate,
-                                                                                 rows=spec.spec_proof_rows))
+    sample = run.stage("spec_proof_sample", proof_sample_task, ProofSampleInputs(
+        bundle=s.bundle, gate=s.gate, rows=spec.spec_proof_rows, golden_rows=spec.machines.golden_rows))
     proved = run.stage("spec_proof", reason_task, spec.reason_inputs(s.bundle, sample, engine=base))
     proof = prove(s.reason, proved, profile=spec.engine.profile)
     print(f"speculative decoding ({spec.engine.profile}): {proof.rows_checked} rows, {proof.tokens_compared} tokens "
@@ -463,24 +466,23 @@ def retire_stages(run_dir: Path, stages: list[StageName]) -> list[str]:
     return retired
 
 
-def upload_to_s3(s3: Any, run_dir: Path, summaries: CampaignSummaries, store: str) -> None:
+def upload_to_s3(s3: S3Store | None, run_dir: Path, summaries: CampaignSummaries, store: str) -> None:
     """With an S3 store (`s3_store`: JEX_STORE__S3_BUCKET set), copy the stage folders and the run folder
     to S3 (verified)."""
     if s3 is None:
         return
-    from jex.infra.s3 import sync_campaign
+    from jex.infra.s3 import push_campaign
 
-    folders = {name: {"folder": summary.folder} for name, summary in summaries.done().items()}
-    manifest = sync_campaign(s3, run_dir, folders, Path(store))
-    print(f"uploaded {sum(o['uploaded'] for o in manifest['objects'])} of {len(manifest['objects'])} objects to "
-          f"s3://{manifest['bucket']}/{manifest['prefix']}")
+    manifest = push_campaign(s3, run_dir, summaries.done(), Path(store))
+    print(f"uploaded {sum(o.uploaded for o in manifest.objects)} of {len(manifest.objects)} objects to "
+          f"s3://{manifest.bucket}/{manifest.prefix}")
 
 
 class NotStored(LookupError):
     """A stage of the campaign is not in the store (`stored_run`): the flow must run."""
 
 
-def stored_summary(store: str, name: str, inputs: StageInputs) -> Any:
+def stored_summary(store: str, name: str, inputs: StageInputs) -> StageSummary:
     """The summary of stage `name` (a CampaignSummaries field) for `inputs`, from the store's complete
     stage folder of their key; NotStored if there is none."""
     if not LocalStore(store).holds(inputs.stage, inputs.key()):

@@ -21,14 +21,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import polars as pl
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from jex.engine_spec import EngineSpec
 from jex.errors import FlowError, InfraError, JexError
@@ -39,6 +39,10 @@ from jex.infra.machine import JobFailed, MachineSession, RemoteJob, required_too
 from jex.infra.providers import Machine
 from jex.infra.reaper import check_results_survive, make_provider, policy_from_settings
 from jex.infra.records import MachineProvenance
+from jex.infra.s3 import S3Store
+from jex.lab.jobs import MACHINE_OUT, OUTPUTS, LabJob
+from jex.settings import GOLDEN_ROWS, JexSettings, ProviderName
+from jex.store_layout import shards_dir, stage_dir
 from jex.tasks.capture.engine_host import COMPILE_CACHE, STARTS, HostOptions, parse_starts
 from jex.tasks.capture.engine_host.protocol import EngineStart
 from jex.tasks.capture.engine_pool import compile_cache_key
@@ -46,12 +50,9 @@ from jex.tasks.capture.golden import compare_golden, find_reference, has_referen
 from jex.tasks.capture.stages import WORK_RECORDS, stage_plan
 from jex.tasks.documents import GoldenVerdict
 from jex.tasks.inputs import EngineJob, FastPassInputs, ReasonInputs
-from jex.tasks.lab.jobs import MACHINE_OUT, OUTPUTS, LabJob
 from jex.tasks.prefect_tasks import progress_artifact
 from jex.tasks.records import EngineFingerprint, StagePlan
 from jex.tasks.store import FAILED_ROWS, LocalStore
-
-ProviderName = Literal["inprocess", "local", "ssh", "ec2", "command"]
 
 
 class MachinesSpec(BaseModel):
@@ -63,9 +64,11 @@ class MachinesSpec(BaseModel):
     workers: int = Field(1, ge=1, description="Machines sharing each engine stage (one engine each)")
     budget_usd: float | None = Field(None, ge=0, description="Campaign cost budget (empty = settings)")
     price_per_hour: float | None = Field(None, ge=0, description="Price of one machine (empty = settings)")
-    wall_budget_hours: float | None = Field(None, gt=0, description="Max life of a machine (empty = settings)")
+    budget_hours: float | None = Field(None, gt=0, validation_alias=AliasChoices("budget_hours", "wall_budget_hours"),
+                                       description="Max life of a machine, hours (empty = settings)")
     heartbeat_timeout_s: float | None = Field(None, gt=0)
-    golden_rows: int = Field(64, ge=1, description="Rows replayed before a machine runs its shards")
+    golden_rows: int = Field(GOLDEN_ROWS, ge=1, description="Rows replayed before a machine runs its shards (and "
+                                                            "proved first by a speculative profile's proof)")
     golden_tolerance: float = Field(1e-4, ge=0, description="Max |dp| of the golden replay")
     concurrent: bool = Field(True, description="Machines compute at the same time (off: one after another, e.g. "
                                                "workers emulated on one shared GPU)")
@@ -124,8 +127,9 @@ class GoldenMismatch(FlowError):
 class GpuFleet:
     """N machines for the engine stages of one campaign (see the module docstring)."""
 
-    def __init__(self, spec: MachinesSpec, *, campaign: str, store: str, echo: Any = print, settings: Any = None,
-                 on_poll: Any = None):
+    def __init__(self, spec: MachinesSpec, *, campaign: str, store: str, echo: Callable[[str], None] = print,
+                 settings: JexSettings | None = None,
+                 on_poll: Callable[[MachineSession, RemoteJob, int], None] | None = None):
         from jex.flows.credentials import with_block_credentials
         from jex.settings import load_settings
 
@@ -136,8 +140,7 @@ class GpuFleet:
         self.state_dir = Path(infra.state_dir)
         self.provider = make_provider(infra, name=spec.provider, hosts=spec.hosts or None)
         over = {k: v for k, v in {"budget_usd": spec.budget_usd, "price_per_hour": spec.price_per_hour,
-                                  "heartbeat_timeout_s": spec.heartbeat_timeout_s,
-                                  "wall_budget_s": spec.wall_budget_hours * 3600 if spec.wall_budget_hours else None
+                                  "heartbeat_timeout_s": spec.heartbeat_timeout_s, "budget_hours": spec.budget_hours
                                   }.items() if v is not None}
         self.policy = policy_from_settings(infra, **over)
         # before any machine: one whose orchestrator disappears powers off, and its disk may go with it
@@ -375,7 +378,7 @@ class GpuFleet:
         return job.model_copy(update={"inputs": inputs.model_copy(update={"engine_fp": fp})})
 
     def run_lab(self, job: LabJob) -> None:
-        """Run a lab job (`jex.tasks.lab.jobs`) as the next step of the first machine (started here when
+        """Run a lab job (`jex.lab.jobs`) as the next step of the first machine (started here when
         none is; no golden replay: a lab job measures engines, it adds no rows to the store) and collect
         its outputs into `job.out`."""
         if not self.sessions:
@@ -385,7 +388,7 @@ class GpuFleet:
         inbox = self.store.root / ".machines" / _machine(session).id / name
         inbox.mkdir(parents=True, exist_ok=True)
         write_json(inbox / "args.json", job.on_machine().model_dump(mode="json"))
-        remote = RemoteJob(name, ["-m", "jex.tasks.lab.jobs", "args.json"],
+        remote = RemoteJob(name, ["-m", "jex.lab.jobs", "args.json"],
                            [f"{MACHINE_OUT}/{pattern}" for pattern in OUTPUTS[job.kind]], Path(job.out),
                            files={**job.machine_files(), "args.json": inbox / "args.json"},
                            strip_prefix=f"{MACHINE_OUT}/")
@@ -395,7 +398,7 @@ class GpuFleet:
         """Worker i of N on each machine; the verified shards land in this store's stage folder (the
         stage's progress artifact counts them as each machine's job is collected)."""
         n, stage, name = len(self.sessions), job.inputs.stage, self._job_name(job.inputs.stage, plan.key)
-        shards = f"store/{stage}/{plan.key}/shards-{job.inputs.shard_rows}"
+        shards = shards_dir(stage_dir("store", stage, plan.key), job.inputs.shard_rows).as_posix()
         progress = progress_artifact(stage)
 
         def one(i: int, session: MachineSession) -> None:
@@ -572,7 +575,7 @@ def _job_files(job: EngineJob, inbox: Path) -> dict[str, Path]:
     return files
 
 
-def s3_store(settings: Any = None, *, aws_credentials_block: str | None = None) -> Any:
+def s3_store(settings: JexSettings | None = None, *, aws_credentials_block: str | None = None) -> S3Store | None:
     """The S3 store of the settings (`JEX_STORE__S3_*`), or None when no bucket is set; its keys from the
     named credential blocks first (`jex.flows.credentials`)."""
     from jex.settings import load_settings
@@ -581,7 +584,6 @@ def s3_store(settings: Any = None, *, aws_credentials_block: str | None = None) 
     if not settings.store.s3_bucket:
         return None
     from jex.flows.credentials import with_block_credentials
-    from jex.infra.s3 import S3Store
 
     settings = with_block_credentials(settings, aws_credentials_block=aws_credentials_block)
 

@@ -1,4 +1,8 @@
-"""The experiment flow: the base and each arm as a cached campaign sub-run, judged by a pre-registered test.
+"""The lab's flows: the experiment, and the lab jobs (the batch-invariance bake-off, engine parity, the
+early-exit probe). Each takes one record, which is also its form in the Prefect UI: `ExperimentSpec`, and
+the jobs' `BakeoffJob`, `ParityJob`, `ProbeJob` (`jex.lab.jobs`, which the CLI's flags and a machine read too).
+
+The experiment: the base and each arm as a cached campaign sub-run, judged by a pre-registered test.
 
 1. The arms file is parsed and every arm's campaign is derived and validated: a bad file fails here,
    before any engine starts (an `InputError` naming the arm and the field).
@@ -13,6 +17,9 @@
 4. Paired statistics, verdicts, sweeps, the panel projection and the twin audit go to `OUT/`
    (`experiment.json`, `report.md`, `forest.png`, `sweep-*.png`), the ledger is appended, and the report
    becomes a Prefect artifact. A twin that is not byte-identical fails the run (after the report).
+
+A lab job runs where its `machines` say (None: the settings' provider): in this process or on a machine
+(`jex.flows.runners.run_lab`); its Markdown report becomes a Prefect artifact.
 """
 
 from __future__ import annotations
@@ -22,16 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jex.errors import FlowError, InputError
 from jex.fileio import write_json
 from jex.flows.campaign import CampaignSpec, campaign, sample_suite_dir
+from jex.flows.fleet import MachinesSpec
+from jex.flows.runners import run_lab
 from jex.infra.ledger import Ledger
-from jex.run_records import EngineCalls
-from jex.tasks.decisions import append_decisions, ledger_path, model_facts
-from jex.tasks.lab.arms import ArmDecl, ArmsFile, parse_arms
-from jex.tasks.lab.experiment_report import (
+from jex.lab.arms import ArmDecl, ArmsFile, parse_arms
+from jex.lab.experiment_report import (
     ArmRun,
     TwinAudit,
     analyse,
@@ -40,6 +48,9 @@ from jex.tasks.lab.experiment_report import (
     register_with_base,
     twin_audit,
 )
+from jex.lab.jobs import BakeoffJob, LabJob, ParityJob, ProbeJob
+from jex.run_records import EngineCalls
+from jex.tasks.decisions import append_decisions, ledger_path, model_facts
 from jex.tasks.outputs.inline_images import inline_images
 
 EXAMPLE_ARMS = '''name = "sample"
@@ -132,14 +143,14 @@ def plan_experiment(spec: ExperimentSpec) -> Plan:
     base = spec.campaign.model_copy(update={"out": str(out / "runs")})
     suite = base.suite or sample_suite_dir(base)
     if Path(suite).is_file():  # a bundle: the campaign reads a suite folder, so write one from it
-        from jex.tasks.lab.panel import panel_suite
+        from jex.lab.panel import panel_suite
         from jex.tasks.scoring.inputs import load_suite_table
 
         ids = [c.id for c in load_suite_table(suite).spec.catalogs]
         suite = str(panel_suite(suite, out / "suite-of-bundle", ids))
     shares = None
     if spec.panel_catalogs:
-        from jex.tasks.lab.panel import prepare_panel
+        from jex.lab.panel import prepare_panel
 
         panel = prepare_panel(suite, out / "panel-suite", spec.panel_catalogs, declared_share=spec.panel_share)
         shares = panel.shares
@@ -147,7 +158,7 @@ def plan_experiment(spec: ExperimentSpec) -> Plan:
         suite = str(panel.suite)
     base = derive(base.model_copy(update={"suite": suite}), arms.base, name="base", path=spec.arms_path)
     try:
-        from jex.tasks.lab.experiment_stats import metric_weights
+        from jex.lab.experiment_stats import metric_weights
         from jex.tasks.scoring.inputs import load_suite_table
 
         table = load_suite_table(suite)
@@ -227,8 +238,6 @@ def run_twin(base: CampaignSpec, name: str, out: Path) -> tuple[Path, dict[str, 
 @flow(name="experiment", log_prints=True)
 def experiment(spec: ExperimentSpec = ExperimentSpec()) -> str:  # noqa: B008 - UI form default
     """Run an experiment (see the module docstring); returns the experiment folder."""
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
     plan = plan_experiment(spec)
     out = Path(spec.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -282,3 +291,38 @@ def experiment(spec: ExperimentSpec = ExperimentSpec()) -> str:  # noqa: B008 - 
 def run_experiment(spec: ExperimentSpec) -> Path:
     """Run the flow in this process (Prefect's local API unless PREFECT_API_URL is set)."""
     return Path(experiment(spec))
+
+
+def _lab_job(spec: BakeoffJob | ParityJob | ProbeJob, out: str, machines: MachinesSpec | None, *,
+             report: str, key: str) -> tuple[dict[str, Any], str]:
+    """Run a lab job where `machines` say; its Markdown `report` (a file in `out`) becomes the artifact `key`.
+    Returns the job's summary and the report."""
+    summary = run_lab(LabJob(spec=spec, out=out), machines)
+    text = (Path(out) / report).read_text()
+    create_markdown_artifact(markdown=text, key=key)
+    return summary, text
+
+
+@flow(name="bakeoff", log_prints=True)
+def bakeoff(job: BakeoffJob = BakeoffJob(), out: str = "runs/bakeoff",  # noqa: B008 - UI form default
+            machines: MachinesSpec | None = None) -> dict[str, Any]:
+    """Each arm in its own process; the verdict and the table become a Prefect artifact."""
+    summary, _ = _lab_job(job, out, machines, report="bakeoff.md", key="bakeoff-report")
+    print(summary["verdict"])
+    return summary
+
+
+@flow(name="parity", log_prints=True)
+def parity(job: ParityJob, out: str = "runs/parity", machines: MachinesSpec | None = None) -> dict[str, Any]:
+    """Readout parity (and choice parity after a rationale) of two engines on the same rows: a stratified
+    sample of `job.rows` (0: all); the mismatches after a rationale also go to parity-mismatches.parquet."""
+    summary, _ = _lab_job(job, out, machines, report="parity.md", key="parity-report")
+    return summary
+
+
+@flow(name="early-exit-probe", log_prints=True)
+def early_exit_probe(job: ProbeJob, out: str = "runs/probe", machines: MachinesSpec | None = None) -> dict[str, Any]:
+    """Probe `job.rows` gated rows of a suite folder or bundle; writes probe.json, probe.md, probe.png."""
+    summary, text = _lab_job(job, out, machines, report="probe.md", key="early-exit-probe")
+    print(text.splitlines()[4] if len(text.splitlines()) > 4 else text)
+    return summary

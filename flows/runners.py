@@ -9,7 +9,7 @@ In every case the stage task then runs in the flow's process and finds the shard
 merges them (or finds the stage complete) without loading an engine. `make_runner` is the only place
 that decides which runner a campaign gets (`MachinesSpec.provider`, `workers`, `fresh_processes`).
 
-Lab jobs (the early-exit probe, parity, the bake-off: `jex.tasks.lab.jobs`) go the same way
+Lab jobs (the early-exit probe, parity, the bake-off: `jex.lab.jobs`) go the same way
 (`run_lab`): in this process, or as a job on the fleet's first machine, its outputs collected back.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 
 from jex.flows.fleet import GpuFleet, MachinesSpec
 from jex.flows.machines_doc import MachinesDoc
+from jex.lab.jobs import LabJob, lab_summary, run_lab_job
 from jex.tasks.capture.workers import WorkerReport, run_workers
 from jex.tasks.inputs import EngineJob
-from jex.tasks.lab.jobs import LabJob, lab_summary, run_lab_job
 
 
 class StageRunner(ABC):

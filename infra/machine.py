@@ -58,10 +58,11 @@ __all__ = ["JobFailed", "JobOutcome", "MachineSession", "Policy", "RemoteJob", "
            "code_bundle", "self_terminated_marker", "stack_lock"]
 
 log = logging.getLogger(__name__)
-CODE_PACKAGES = {"jex": "jex", "jex.engine": "jex/engine", "jex.tasks": "jex/tasks", "jex.overlays": "jex/overlays",
-                 "jex.infra": "jex/infra"}
-"""Installed package -> its place in the code bundle: what a worker imports, never flows or deployments."""
-ROOMS = ("engine", "tasks", "flows", "infra", "overlays", "deployments")
+CODE_PACKAGES = {"jex": "jex", "jex.engine": "jex/engine", "jex.tasks": "jex/tasks", "jex.lab": "jex/lab",
+                 "jex.overlays": "jex/overlays", "jex.infra": "jex/infra"}
+"""Installed package -> its place in the code bundle: what a worker imports (a lab job: `jex.lab`), never
+flows or deployments."""
+ROOMS = ("engine", "tasks", "lab", "flows", "infra", "overlays", "deployments")
 """The rooms: installed from a wheel they lie inside `jex/`, and come into the bundle as their own package."""
 STACK_PACKAGES = ("transformers", "gguf", "accelerate", "safetensors", "numpy", "polars", "pyarrow", "pydantic",
                   "pydantic-settings", "typer", "boto3")
@@ -73,7 +74,9 @@ class Policy:
     poll_s: float = 2.0
     heartbeat_s: float = 5.0
     heartbeat_timeout_s: float = 60.0
-    wall_budget_s: float | None = None
+    budget_hours: float | None = None
+    """The longest a machine may live (wall clock); with `budget_usd` and `price_per_hour`, one policy whose
+    names are the settings' (`JEX_INFRA__BUDGET_HOURS`, ...) and the campaign's (`machines.budget_hours`)."""
     budget_usd: float = 100.0
     price_per_hour: float = 3.5
     teardown_attempts: int = 12
@@ -97,7 +100,8 @@ class Policy:
         """The hard time to live: worst case in money = this x `price_per_hour`."""
         if self.ttl_s:
             return self.ttl_s
-        caps = [self.wall_budget_s or 0, self.budget_usd / self.price_per_hour * 3600 if self.price_per_hour else 0]
+        by_cost = self.budget_usd / self.price_per_hour * 3600 if self.price_per_hour else 0
+        caps = [(self.budget_hours or 0) * 3600, by_cost]
         caps = [c for c in caps if c > 0]
         return min(caps) if caps else 72 * 3600.0
 
@@ -496,8 +500,8 @@ class MachineSession:
         spent = self.ledger.total(self.campaign)
         if spent >= p.budget_usd:
             return f"cost budget reached: ${spent:.4f} of ${p.budget_usd:.4f}"
-        if p.wall_budget_s is not None and time.time() - self.started.machine.created_at > p.wall_budget_s:
-            return f"wall-clock budget of {p.wall_budget_s:.0f} s reached"
+        if p.budget_hours is not None and time.time() - self.started.machine.created_at > p.budget_hours * 3600:
+            return f"wall-clock budget of {p.budget_hours * 3600:.0f} s reached"
         return None
 
     def _stopped_itself(self, job: RemoteJob, st: WorkerStatus, t0: float, tail: list[str]) -> JobOutcome:

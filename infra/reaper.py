@@ -75,7 +75,10 @@ def make_provider(infra: InfraSettings, *, name: str | None = None, hosts: list[
             return ssh.shell(m.host, m.port or 22, m.user or infra.ssh_user, host_key=m.host_key)
 
         return CommandProvider(templates, shell_for=shell_for, keeps_disk=infra.command_keeps_disk)
-    raise InputError(f"unknown provider {name!r}; providers: local, ssh, ec2, command", field="provider")
+    from jex.settings import PROVIDER_NAMES
+
+    raise InputError(f"unknown provider {name!r}; providers that rent machines: "
+                     f"{', '.join(p for p in PROVIDER_NAMES if p != 'inprocess')}", field="provider")
 
 
 def keeps_disk(name: str, infra: InfraSettings) -> bool:
@@ -103,7 +106,7 @@ def check_results_survive(provider: str, *, keeps_disk: bool, bucket: str | None
 def policy_from_settings(infra: InfraSettings, **overrides: Any) -> Policy:
     return Policy(**{"poll_s": infra.poll_s, "heartbeat_s": infra.heartbeat_s,
                      "heartbeat_timeout_s": infra.heartbeat_timeout_s, "budget_usd": infra.budget_usd,
-                     "price_per_hour": infra.price_per_hour, "wall_budget_s": infra.budget_hours * 3600,
+                     "price_per_hour": infra.price_per_hour, "budget_hours": infra.budget_hours,
                      "watchdog": infra.watchdog, "lease_s": infra.lease_s, "finish_grace_s": infra.finish_grace_s,
                      "ttl_s": infra.ttl_hours * 3600 if infra.ttl_hours else None,
                      "poweroff_command": infra.poweroff_command, **overrides})

@@ -29,6 +29,7 @@ from jex.errors import InfraError, InputError
 from jex.fileio import sha256_file, write_json
 from jex.infra.records import ObjectHead, S3Manifest, S3Object, S3Upload
 from jex.run_records import CAMPAIGN_FILE, STAGES_FILE, RunStages
+from jex.store_layout import SUCCESS
 
 if TYPE_CHECKING:
     from jex.settings import InfraSettings, StoreSettings
@@ -120,22 +121,12 @@ class HasFolder(Protocol):
     def folder(self) -> str: ...
 
 
-StageFolderRef = Mapping[str, Any] | HasFolder
-"""What names a stage folder to upload: a stage's summary as the flows hand it over (a typed record, or
-its JSON form)."""
-
-
-def _folder_of(summary: StageFolderRef) -> Path:
-    return Path(summary["folder"] if isinstance(summary, Mapping) else summary.folder)
-
-
-def push_campaign(s3: S3Store, run_dir: Path, summaries: Mapping[str, StageFolderRef],
-                  store_root: Path) -> S3Manifest:
+def push_campaign(s3: S3Store, run_dir: Path, summaries: Mapping[str, HasFolder], store_root: Path) -> S3Manifest:
     """Upload the stage folders a campaign used (each summary names its folder) and its run folder;
     write the manifest to `s3.json` there."""
     uploaded: list[S3Upload] = []
     for summary in summaries.values():
-        folder = _folder_of(summary)
+        folder = Path(summary.folder)
         rel = folder.resolve().relative_to(Path(store_root).resolve()).as_posix()
         uploaded += s3.put_tree(folder, f"store/{rel}")
     uploaded += s3.put_tree(run_dir, f"runs/{run_dir.name}")
@@ -144,13 +135,6 @@ def push_campaign(s3: S3Store, run_dir: Path, summaries: Mapping[str, StageFolde
     return manifest
 
 
-def sync_campaign(s3: S3Store, run_dir: Path, summaries: Mapping[str, StageFolderRef],
-                  store_root: Path) -> dict[str, Any]:
-    """`push_campaign`, its manifest as JSON (for the flows that read it by key)."""
-    return push_campaign(s3, run_dir, summaries, store_root).model_dump()
-
-
-STAGE_SUCCESS = "_SUCCESS.json"
 RUN_RECORD = (CAMPAIGN_FILE, STAGES_FILE)
 
 
@@ -166,11 +150,11 @@ def checkpoint(s3: S3Store, run_dir: Path, stage_folder: str | Path | None) -> l
     """After a stage: its folder (if complete; `_SUCCESS.json` last), then the run record, to S3."""
     done: list[S3Upload] = []
     folder = Path(stage_folder) if stage_folder else None
-    if folder is not None and (folder / STAGE_SUCCESS).exists():
+    if folder is not None and (folder / SUCCESS).exists():
         rel = stage_rel(folder)
         files = [p for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".")
-                 and p.name != STAGE_SUCCESS]
-        for p in [*files, folder / STAGE_SUCCESS]:
+                 and p.name != SUCCESS]
+        for p in [*files, folder / SUCCESS]:
             done.append(s3.put_file(p, s3.key("store", rel, p.relative_to(folder).as_posix())))
     for name in RUN_RECORD:
         if (run_dir / name).exists():
@@ -224,7 +208,7 @@ def _get_verified(s3: S3Store, key: str, dest: Path) -> int:
 def _pull_stage(s3: S3Store, rel: str, store: Path, report: PullReport) -> None:
     prefix = s3.key("store", rel) + "/"
     objects = {o.key[len(prefix):]: o for o in s3.list_objects(prefix)}
-    if STAGE_SUCCESS not in objects:
+    if SUCCESS not in objects:
         report.incomplete.append(rel)
         return
     final = store / rel
@@ -234,16 +218,16 @@ def _pull_stage(s3: S3Store, rel: str, store: Path, report: PullReport) -> None:
         for name in sorted(objects):
             report.bytes += _get_verified(s3, prefix + name, tmp / name)
             report.objects += 1
-        record = json.loads((tmp / STAGE_SUCCESS).read_text())
-        files = {n for n in objects if n != STAGE_SUCCESS and not Path(n).name.startswith(".")}
+        record = json.loads((tmp / SUCCESS).read_text())
+        files = {n for n in objects if n != SUCCESS and not Path(n).name.startswith(".")}
         listed = record.get("files") or {}
         if not set(listed) <= files:
-            raise UploadError(f"s3 stage folder {rel}: {STAGE_SUCCESS} lists files S3 lacks: "
+            raise UploadError(f"s3 stage folder {rel}: {SUCCESS} lists files S3 lacks: "
                               f"{sorted(set(listed) - files)[:5]}")
         for name, sha in listed.items():
             if sha256_file(tmp / name) != sha:
-                raise UploadError(f"s3 stage folder {rel}: {name} does not match its {STAGE_SUCCESS}")
-        for name in sorted(objects, key=lambda n: n == STAGE_SUCCESS):  # the completion record last
+                raise UploadError(f"s3 stage folder {rel}: {name} does not match its {SUCCESS}")
+        for name in sorted(objects, key=lambda n: n == SUCCESS):  # the completion record last
             (final / name).parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp / name, final / name)
     finally:
@@ -264,7 +248,7 @@ def pull_campaign(s3: S3Store, campaign: str, *, out: Path, store: Path) -> Pull
     report = PullReport(run_dir=run_dir, store=store, objects=len(objects))
     for rec in RunStages.read(run_dir).root.values():
         rel = rec.in_store
-        if (store / rel / STAGE_SUCCESS).exists():
+        if (store / rel / SUCCESS).exists():
             report.present.append(rel)
         else:
             _pull_stage(s3, rel, store, report)

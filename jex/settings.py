@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -27,6 +27,10 @@ BOOTSTRAP_SEED = 20260929
 """The one default seed of every bootstrap and permutation draw (scores, pre-registered tests, experiments)."""
 BOOTSTRAP_DRAWS = 2000
 """The default number of bootstrap draws."""
+GOLDEN_ROWS = 64
+"""Rows of the bundle's head a machine's golden replay reads before its shards (`machines.golden_rows`)."""
+PROOF_ROWS = 64
+"""Gated rows the audited base re-generates to prove a speculative profile exact (`spec_proof_rows`)."""
 
 
 class StoreSettings(BaseModel):
@@ -39,8 +43,13 @@ class StoreSettings(BaseModel):
     bundle_total_max_bytes: int = Field(64 << 30, ge=1, description="Most a bundle may unpack in all (64 GiB)")
 
 
+ProviderName = Literal["inprocess", "local", "ssh", "ec2", "command"]
+"""Where engine stages run: in this process, or on machines a provider rents (`infra/reaper.py: make_provider`)."""
+PROVIDER_NAMES: tuple[ProviderName, ...] = get_args(ProviderName)
+
+
 class InfraSettings(BaseModel):
-    provider: Literal["inprocess", "local", "ssh", "ec2", "command"] = "local"
+    provider: ProviderName = "local"
     state_dir: Path = Field(Path("runs/infra"), description="Ledger, code bundles, job records of the orchestrator")
     price_per_hour: float = Field(3.5, ge=0, description="GPU machine price, $/hour")
     budget_usd: float = Field(100.0, ge=0)

@@ -1,1 +1,2 @@
-"""Experiments on a campaign: arms against the base, bake-offs, parity, probes, overlay research."""
+"""The lab: research on campaigns, never a stage of one (`tasks/` may not import it): experiments (arms
+against the base), bake-offs, parity, probes, overlay research, and one record per lab job (`jobs.py`)."""

@@ -3,14 +3,14 @@
 Each arm (an engine under one profile) generates G tokens for N divergence-prone prompts at every
 rung of a batch ladder, with repeats. Tokens are compared with the arm's own batch-1 run: the count
 of positions that differ, the first divergence (prompt, step), and run-to-run identity per rung.
-Arms run in separate processes (`python -m jex.tasks.lab.bakeoff arm ...`): batch invariance is
-process-wide in vLLM, so a control arm and an invariant arm must not share one. If the control arm
-shows no divergence, the verdict says the test was underpowered instead of claiming invariance.
+Arms run in separate processes (`python -m jex.lab.bakeoff ARM OUT JOB`, JOB the `BakeoffJob` as JSON):
+batch invariance is process-wide in vLLM, so a control arm and an invariant arm must not share one. If
+the control arm shows no divergence, the verdict says the test was underpowered instead of claiming
+invariance.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -23,6 +23,7 @@ from typing import Any, TypedDict, cast
 from jex.engine.types import GenerateRequest
 from jex.engine.vllm_engine import NGRAM
 from jex.fileio import read_json
+from jex.lab.jobs import BakeoffJob
 
 TOPICS = ["a lighthouse keeper", "a failed rocket launch", "the history of a small bakery", "a chess endgame",
           "a river delta in flood", "a bug in a compiler", "a winter expedition", "the economics of a ferry"]
@@ -259,39 +260,37 @@ def speculation(arms: dict[str, ArmResult]) -> dict[str, Speculation]:
     return out
 
 
-def arm_engine(arm: str, model: str | None, max_num_seqs: int, device: str) -> Any:
+def arm_engine(arm: str, job: BakeoffJob) -> Any:
     """The engine of one bake-off arm (its kind and profile from `ARMS`); campaigns build theirs with
     `jex.engine.factory.make_engine`."""
     kind, settings = ARMS[arm]
+    model = job.model or None  # empty: the embedded model
     if kind == "hf":
         from jex.engine.hf import HFEngine
 
-        return HFEngine(model, device=device, **settings)
+        return HFEngine(model, device=job.device, **settings)
     from jex.engine.vllm_engine import VLLMEngine, VLLMProfile
 
-    # vLLM needs a model path: a missing --model fails in VLLMEngine (Path(None)) as it always has
-    return VLLMEngine(cast(str, model), VLLMProfile(max_num_seqs=max_num_seqs, **settings))
+    # vLLM needs a model path: a missing model fails in VLLMEngine (Path(None)) as it always has
+    return VLLMEngine(cast(str, model), VLLMProfile(max_num_seqs=job.max_num_seqs, **settings))
 
 
-def _arm_main(args: argparse.Namespace) -> None:
-    engine = arm_engine(args.arm, args.model, args.max_num_seqs, args.device)
-    prompts = divergence_prompts(args.prompts, args.seed)
-    rungs = run_ladder(engine, prompts, ladder=args.ladder, repeats=args.repeats, tokens=args.tokens)
-    out: ArmResult = {"arm": args.arm, "rungs": compare(rungs), "provenance": engine.provenance(),
-           "prompt_tokens": [len(engine.encode(engine.chat_prompt(p))) for p in prompts]}
-    Path(args.out).write_text(json.dumps(out, default=str))
+def _arm_main(arm: str, target: str, job_json: str) -> None:
+    """One arm's process: its ladder under the bake-off `job_json` (a `BakeoffJob`), written to `target`."""
+    job = BakeoffJob.model_validate_json(job_json)
+    engine = arm_engine(arm, job)
+    prompts = divergence_prompts(job.prompts)
+    rungs = run_ladder(engine, prompts, ladder=job.ladder, repeats=job.repeats, tokens=job.tokens)
+    out: ArmResult = {"arm": arm, "rungs": compare(rungs), "provenance": engine.provenance(),
+                      "prompt_tokens": [len(engine.encode(engine.chat_prompt(p))) for p in prompts]}
+    Path(target).write_text(json.dumps(out, default=str))
 
 
-def run_bakeoff(arms: list[str], *, model: str | None, prompts: int = 32, tokens: int = 256,
-                ladder: list[int] | None = None, repeats: int = 2, max_num_seqs: int = 32, device: str = "cpu",
-                out_dir: Path, seed: int = 0) -> BakeoffResult:
+def run_bakeoff(job: BakeoffJob, out_dir: Path) -> BakeoffResult:
     """Run each arm in a fresh process, then compare; writes bakeoff.json, bakeoff.md, bakeoff.png."""
-    ladder = ladder or [1, 8, 16, 32]
     out_dir.mkdir(parents=True, exist_ok=True)
-    flags = ["--prompts", str(prompts), "--tokens", str(tokens), "--ladder", ",".join(map(str, ladder)),
-             "--repeats", str(repeats), "--max-num-seqs", str(max_num_seqs), "--device", device, "--seed", str(seed),
-             *(["--model", model] if model else [])]
-    results = {arm: _run_arm(arm, flags, out_dir / f"arm-{arm}.json") for arm in arms}
+    arms = job.arms
+    results = {arm: _run_arm(arm, job, out_dir / f"arm-{arm}.json") for arm in arms}
     ok = {a: r for a, r in results.items() if "error" not in r}
     inv = [a for a in arms if a in INVARIANT_ARMS]
     ctl = [a for a in arms if a not in INVARIANT_ARMS]
@@ -299,8 +298,8 @@ def run_bakeoff(arms: list[str], *, model: str | None, prompts: int = 32, tokens
     if inv and ctl and inv[0] in ok and ctl[0] in ok:
         tax = {b: ok[ctl[0]]["rungs"][b]["tok_s"] / ok[inv[0]]["rungs"][b]["tok_s"] for b in ok[inv[0]]["rungs"]}
     result: BakeoffResult = {
-        "engine": ARMS[arms[0]][0], "prompts": prompts, "tokens": tokens, "ladder": ladder, "repeats": repeats,
-        "arms": results, "tax": tax, "speculation": speculation(ok),
+        "engine": ARMS[arms[0]][0], "prompts": job.prompts, "tokens": job.tokens, "ladder": job.ladder,
+        "repeats": job.repeats, "arms": results, "tax": tax, "speculation": speculation(ok),
         "errors": {a: r["error"] for a, r in results.items() if "error" in r},
         "verdict": verdict(ok, inv, ctl) if ok else "NO RESULT: every arm failed"}
     slim = {**result, "arms": {a: {**r, "rungs": {b: {k: v for k, v in x.items() if k != "token_ids"}
@@ -313,11 +312,11 @@ def run_bakeoff(arms: list[str], *, model: str | None, prompts: int = 32, tokens
     return result
 
 
-def _run_arm(arm: str, flags: list[str], target: Path) -> ArmResult:
-    """One arm in a fresh process (`python -m jex.tasks.lab.bakeoff arm ...`) writing `target`."""
+def _run_arm(arm: str, job: BakeoffJob, target: Path) -> ArmResult:
+    """One arm in a fresh process (`python -m jex.lab.bakeoff ARM OUT JOB`) writing `target`."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; known: {sorted(ARMS)}")
-    cmd = [sys.executable, "-m", "jex.tasks.lab.bakeoff", "arm", arm, *flags, "--out", str(target)]
+    cmd = [sys.executable, "-m", "jex.lab.bakeoff", arm, str(target), job.model_dump_json()]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=os.environ.copy())
     if proc.returncode != 0:
@@ -327,22 +326,5 @@ def _run_arm(arm: str, flags: list[str], target: Path) -> ArmResult:
     return result
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jex.tasks.lab.bakeoff")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("arm")
-    a.add_argument("arm", choices=sorted(ARMS))
-    a.add_argument("--model")
-    a.add_argument("--prompts", type=int, default=32)
-    a.add_argument("--tokens", type=int, default=256)
-    a.add_argument("--ladder", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16, 32])
-    a.add_argument("--repeats", type=int, default=2)
-    a.add_argument("--max-num-seqs", type=int, default=32)
-    a.add_argument("--device", default="cpu")
-    a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--out", required=True)
-    return p.parse_args(argv)
-
-
 if __name__ == "__main__":
-    _arm_main(_parse(sys.argv[1:]))
+    _arm_main(*sys.argv[1:])

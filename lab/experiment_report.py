@@ -17,10 +17,10 @@ from pydantic import Field
 
 from jex.errors import InputError
 from jex.fileio import canonical_json, read_json, sha256_json, write_json, write_text
+from jex.lab.arms import ArmsFile, ExperimentTestSettings
+from jex.lab.experiment_stats import ArmStats, Delta, DeltaJson, OofChoice, versus
 from jex.record import Record
 from jex.tasks.decisions import Decision, now, read_decisions
-from jex.tasks.lab.arms import ArmsFile, ExperimentTestSettings
-from jex.tasks.lab.experiment_stats import ArmStats, Delta, DeltaJson, OofChoice, versus
 from jex.tasks.records import FinishedCampaign
 from jex.tasks.run_store import run_summaries
 from jex.tasks.scoring.inputs import SuiteTable
@@ -426,8 +426,8 @@ def analyse(arms: ArmsFile, *, base: ArmRun, runs: list[ArmRun], test_sha256: st
             settings: Mapping[str, Any] | None = None) -> ExperimentDoc:
     """Paired statistics, verdicts, sweeps and panel projection of finished sub-runs; writes
     `experiment.json`, `report.md`, `forest.png` and one `sweep-NAME.png` per sweep. Returns the doc."""
+    from jex.lab.experiment_stats import paired_arms
     from jex.provenance import provenance
-    from jex.tasks.lab.experiment_stats import paired_arms
     from jex.tasks.scoring.inputs import load_suite_table
 
     test = arms.test
@@ -481,7 +481,7 @@ def _arm_entries(arms: ArmsFile, runs: list[ArmRun], stats: Mapping[str, ArmStat
 def _sweeps(arms: ArmsFile, runs: list[ArmRun], entries: Mapping[str, ArmEntry], table: SuiteTable,
             base_preds: pl.DataFrame, out: Path) -> dict[str, SweepDoc]:
     """Per declared sweep: its points, the out-of-fold choice of its value, and its plot (written)."""
-    from jex.tasks.lab.experiment_stats import oof_choice, row_contributions
+    from jex.lab.experiment_stats import oof_choice, row_contributions
 
     metric = arms.test.metric
     sweeps: dict[str, SweepDoc] = {}
@@ -502,7 +502,7 @@ def _sweeps(arms: ArmsFile, runs: list[ArmRun], entries: Mapping[str, ArmEntry],
 
 def _panel(panel: PanelSpec, stats: Mapping[str, ArmStats]) -> PanelDoc:
     """Each arm's panel-scale delta and its projection onto the full index."""
-    from jex.tasks.lab.experiment_stats import project
+    from jex.lab.experiment_stats import project
 
     shares = panel["shares"]
     return {"catalogs": list(shares), "share": sum(shares.values()), "asserted_share": panel.get("asserted_share"),

@@ -1,7 +1,7 @@
 """Lab jobs: the early-exit probe, engine parity and the bake-off as typed job messages.
 
 One function (`run_lab_job`) runs a job wherever it is: in the orchestrator's process (`--provider
-inprocess`) or on a machine, where the fleet starts `python -m jex.tasks.lab.jobs args.json` in the
+inprocess`) or on a machine, where the fleet starts `python -m jex.lab.jobs args.json` in the
 job's folder (its suite under `inputs/suite`, its outputs under `out/`, collected back into the job's
 `out`). The flows read their summaries from the output files (`lab_summary`), so both places give
 the same answer; `flows/runners.py` decides which place.
@@ -21,45 +21,52 @@ from jex.record import Record
 
 
 class ProbeJob(Record):
-    """`jex probe early-exit` (tasks/lab/early_exit.py) on `rows` gated rows of a suite folder or bundle."""
+    """`jex probe early-exit` (lab/early_exit.py) on `rows` gated rows of a suite folder or bundle. The one
+    declaration of the probe's parameters: the flow's form, the command's flags and a machine's job read it.
+    The stable-margin grid is `taus` x `ks`; unset: the probe's default (`DEFAULT_TAUS` x `DEFAULT_KS`)."""
 
     kind: Literal["probe"] = "probe"
-    suite: str
-    rows: int = Field(200, ge=1)
-    every: int = Field(8, ge=1)
-    max_tokens: int = Field(128, ge=1)
-    engine: EngineSpec = EngineSpec()
-    taus: list[float] | None = None
-    ks: list[int] | None = None
+    suite: str = Field(description="Suite folder or bundle file")
+    rows: int = Field(200, ge=1, description="Gated rows to probe")
+    every: int = Field(8, ge=1, description="A checkpoint every M generated tokens")
+    max_tokens: int = Field(128, ge=1, description="Rationale length limit")
+    engine: EngineSpec = Field(EngineSpec(), description="The engine that writes and re-reads the rationales")
+    taus: list[float] | None = Field(None, description="Stable-margin exit: margin thresholds (log-odds)")
+    ks: list[Annotated[int, Field(ge=1)]] | None = Field(None, description="Stable-margin exit: consecutive "
+                                                                           "checkpoints above tau")
 
 
 class ParityJob(Record):
-    """`jex parity` of two engine kinds (tasks/lab/parity.py) on a stratified sample of a suite folder."""
+    """`jex parity` of two engine kinds (lab/parity.py) on a stratified sample of a suite folder. The one
+    declaration of parity's parameters: the flow's form, the command's flags and a machine's job read it."""
 
     kind: Literal["parity"] = "parity"
-    suite: str
-    engine_a: str = "hf"
-    engine_b: str = "hf-batched"
-    model: str | None = None
-    rows: int = Field(0, ge=0)
-    reason_rows: int = Field(0, ge=0)
-    max_tokens: int = Field(96, ge=1)
-    device: str = "cpu"
-    batch_size: int = Field(8, ge=1)
+    suite: str = Field(description="Suite folder")
+    engine_a: str = Field("hf", description="hf | hf-batched | vllm | vllm-control")
+    engine_b: str = Field("hf-batched", description="hf | hf-batched | vllm | vllm-control")
+    model: str | None = Field(None, description="Model folder (default: embedded)")
+    rows: int = Field(0, ge=0, description="Rows to read, a stratified sample (0 = all)")
+    reason_rows: int = Field(0, ge=0, description="Rows for generation parity")
+    max_tokens: int = Field(96, ge=1, description="Rationale length limit (generation parity)")
+    device: str = Field("cpu", description="cpu, cuda, ...")
+    batch_size: int = Field(8, ge=1, description="Requests per engine call")
 
 
 class BakeoffJob(Record):
-    """`jex bakeoff` (tasks/lab/bakeoff.py): each arm in its own process."""
+    """`jex bakeoff` (lab/bakeoff.py): each arm in its own process. The one declaration of the bake-off's
+    parameters: the flow's form, the command's flags and each arm's process read it."""
 
     kind: Literal["bakeoff"] = "bakeoff"
-    arms: list[str] = Field(default_factory=lambda: ["hf-control", "hf-bi"])
-    model: str | None = None
-    prompts: int = Field(32, ge=1)
-    tokens: int = Field(256, ge=1)
-    ladder: list[int] = Field(default_factory=lambda: [1, 8, 16, 32])
-    repeats: int = Field(2, ge=1)
-    max_num_seqs: int = Field(32, ge=1)
-    device: str = "cpu"
+    arms: list[str] = Field(["hf-control", "hf-bi"], min_length=1, description="Arms, each in its own process "
+                                                                               "(`ARMS` of lab/bakeoff.py)")
+    model: str | None = Field(None, description="Model folder (default: embedded)")
+    prompts: int = Field(32, ge=1, description="Divergence-prone prompts")
+    tokens: int = Field(256, ge=1, description="Tokens generated per prompt")
+    ladder: list[Annotated[int, Field(ge=1)]] = Field([1, 8, 16, 32], min_length=1, description="Batch sizes, "
+                                                      "1 (the reference) among them")
+    repeats: int = Field(2, ge=1, description="Runs per batch size (run-to-run identity)")
+    max_num_seqs: int = Field(32, ge=1, description="vLLM: sequences per scheduler step")
+    device: str = Field("cpu", description="cpu, cuda, ...")
 
 
 LabSpec = Annotated[ProbeJob | ParityJob | BakeoffJob, Field(discriminator="kind")]
@@ -95,7 +102,7 @@ class LabJob(Record):
             return [spec.engine.kind]
         if isinstance(spec, ParityJob):
             return [spec.engine_a, spec.engine_b]
-        from jex.tasks.lab.bakeoff import ARMS
+        from jex.lab.bakeoff import ARMS
 
         return [ARMS[arm][0] for arm in spec.arms if arm in ARMS]
 
@@ -130,15 +137,14 @@ def run_lab_job(job: LabJob) -> None:
     elif isinstance(spec, ParityJob):
         _parity(spec, out)
     else:
-        from jex.tasks.lab.bakeoff import run_bakeoff
+        from jex.lab.bakeoff import run_bakeoff
 
-        run_bakeoff(spec.arms, model=spec.model, prompts=spec.prompts, tokens=spec.tokens, ladder=spec.ladder,
-                    repeats=spec.repeats, max_num_seqs=spec.max_num_seqs, device=spec.device, out_dir=out)
+        run_bakeoff(spec, out)
 
 
 def _probe(spec: ProbeJob, out: Path) -> None:
+    from jex.lab.early_exit import DEFAULT_KS, DEFAULT_TAUS, markdown, pick_gated, plot, probe_rows, suite_rows
     from jex.tasks.capture.engine_pool import get_engine
-    from jex.tasks.lab.early_exit import DEFAULT_KS, DEFAULT_TAUS, markdown, pick_gated, plot, probe_rows, suite_rows
 
     eng = get_engine(spec.engine)
     picked = pick_gated(eng, suite_rows(spec.suite, out), spec.rows, render=spec.engine.render)
@@ -150,8 +156,8 @@ def _probe(spec: ProbeJob, out: Path) -> None:
 
 
 def _parity(spec: ParityJob, out: Path) -> None:
+    from jex.lab.parity import markdown, parity_of_kinds, stratified_rows, write_mismatches
     from jex.suite import iter_rows
-    from jex.tasks.lab.parity import markdown, parity_of_kinds, stratified_rows, write_mismatches
 
     picked = stratified_rows(list(iter_rows(spec.suite)), spec.rows)
     res = parity_of_kinds(spec.engine_a, spec.engine_b, picked, model=spec.model, device=spec.device,

@@ -30,13 +30,13 @@ import polars as pl
 
 from jex.errors import InputError
 from jex.fileio import write_json
+from jex.lab.experiment_report import register_with_base, stage_summaries
 from jex.numerics import logit, named_rng, question_folds
 from jex.overlays.apply import apply_overlays, no_degrade_check, reversibility_check
 from jex.overlays.rules import IsotonicShrink, OverlayRuleBase
 from jex.run_records import STAGES_FILE
 from jex.settings import BOOTSTRAP_SEED
 from jex.tasks.decisions import Decision, now
-from jex.tasks.lab.experiment_report import register_with_base, stage_summaries
 from jex.tasks.run_store import run_summaries
 from jex.tasks.scoring.bootstrap_ci import paired_bootstrap_ci
 from jex.tasks.scoring.index import catalog_chances, score_predictions, scored_frame
@@ -236,7 +236,7 @@ def candidate_rules_toml(candidates: list[Candidate], top: int = 5) -> str:
 @dataclass(frozen=True)
 class OverlayTestSettings:
     """The overlay lab's pre-registered test (an overlay rule must pass it to be applied), as an
-    experiment's arms are judged by theirs (`tasks/lab/arms.py: ExperimentTestSettings`)."""
+    experiment's arms are judged by theirs (`lab/arms.py: ExperimentTestSettings`)."""
 
     alpha: float = 0.05
     draws: int = 2000

@@ -42,7 +42,7 @@ def prepare_panel(source: str | Path, dest: str | Path, catalogs: Sequence[str],
                   declared_share: float | None = None) -> Panel:
     """The panel of `catalogs` of the suite at `source`: shares first (an unknown catalog, or a share
     more than SHARE_TOLERANCE from `declared_share`, is an `InputError` before anything is written)."""
-    from jex.tasks.lab.experiment_stats import panel_share
+    from jex.lab.experiment_stats import panel_share
     from jex.tasks.scoring.inputs import load_suite_table
 
     try:

@@ -22,6 +22,7 @@ from jex.engine_spec import EngineSpec
 from jex.errors import InputError
 from jex.fileio import sha256_file
 from jex.overlays.rules import OverlayRuleBase
+from jex.settings import GOLDEN_ROWS, PROOF_ROWS
 from jex.tasks.keys import KeyDoc, KeyedBy, KeyedThrough, Unkeyed, keyed_value, stage_key
 from jex.tasks.records import (
     BundleSummary,
@@ -172,9 +173,6 @@ class EngineJob(Record):
         return self.with_paths(store=under(self.store), bundle=under(self.inputs.bundle.bundle), gated=gated)
 
 
-GOLDEN_ROWS = 64
-"""The golden replay reads the bundle's first 64 rows (`flows/fleet.py`)."""
-
 
 class GoldenInputs(StageInputs):
     """The golden replay's rows: the bundle's first `rows` rows read by the engine (a machine's
@@ -204,7 +202,7 @@ class ProofSampleInputs(StageInputs):
     stage: Literal["spec_proof_sample"] = "spec_proof_sample"
     bundle: BundleSummary
     gate: GateSummary
-    rows: int = Field(64, ge=1)
+    rows: int = Field(PROOF_ROWS, ge=1)
     golden_rows: int = Field(GOLDEN_ROWS, ge=0, description="Leading rows of the bundle (the golden replay's) "
                                                            "proved first")
 

@@ -18,8 +18,9 @@ from typing import cast
 
 from jex.errors import FlowError
 from jex.run_records import RunStages
+from jex.store_layout import SUCCESS
 from jex.tasks.records import CampaignSummaries
-from jex.tasks.store import SUCCESS, LocalStore
+from jex.tasks.store import LocalStore
 
 
 class StoresLacking(FlowError):

@@ -22,13 +22,8 @@ import polars as pl
 
 from jex.fileio import atomic_path, sha256_file, write_json
 from jex.provenance import ProvenanceBlock
+from jex.store_layout import PROVENANCE, SHARD_FOLDERS, SUCCESS, extracted_bundle, shard_file, stage_dir
 from jex.tasks.records import FailedRow, FailedRows, PartialSummary, StageSummary
-
-SUCCESS = "_SUCCESS.json"
-PROVENANCE = "_PROVENANCE.json"
-"""What computed a stage folder (jex commit, package versions, the keyed inputs): beside the artifacts,
-never in a key."""
-
 
 S = TypeVar("S", bound=StageSummary)
 
@@ -74,17 +69,17 @@ class LocalStore:
         self.root = Path(root).expanduser().absolute()
 
     def stage(self, stage: str, key: str) -> StageDir:
-        path = self.root / stage / key
+        path = stage_dir(self.root, stage, key)
         path.mkdir(parents=True, exist_ok=True)
         return StageDir(path)
 
     def holds(self, stage: str, key: str) -> bool:
         """Whether the store holds the complete folder of `stage` under `key` (nothing is created)."""
-        return (self.root / stage / key / SUCCESS).is_file()
+        return (stage_dir(self.root, stage, key) / SUCCESS).is_file()
 
     def extracted_bundle(self, bundle_key: str) -> Path:
-        """Where the stages read a bundle's rows: extracted once per store, beside its stage folder."""
-        return self.root / "bundle" / bundle_key / "extracted"
+        """Where the stages read a bundle's rows (`jex.store_layout.extracted_bundle`)."""
+        return extracted_bundle(self.root, bundle_key)
 
 
 def write_parquet(frame: pl.DataFrame, path: Path) -> None:
@@ -218,7 +213,7 @@ class _ShardRun:
     def next_to_compute(self) -> int | None:
         """The next of this call's shards to compute (claimed with `claim`), reusing those that exist."""
         for i in self.todo:
-            if shard_path(self.folder, i).exists():
+            if shard_file(self.folder, i).exists():
                 self.reused.append(i)
                 self.progress()
             elif not self.claim or _claim(_claim_path(self.folder, i)):
@@ -233,10 +228,10 @@ class _ShardRun:
         tried = self.retrying.pop(i, None)
         if tried is None:
             _record_failed(self.folder, i, got.failed)  # first: a shard never exists without this record
-            write_parquet(got.frame, shard_path(self.folder, i))
+            write_parquet(got.frame, shard_file(self.folder, i))
         else:
             partial = _partial_path(self.folder, i)
-            write_parquet(_spliced(pl.read_parquet(partial), got.frame), shard_path(self.folder, i))
+            write_parquet(_spliced(pl.read_parquet(partial), got.frame), shard_file(self.folder, i))
             before = {r.run_id: r.attempts for r in tried}  # after the shard: the record may only list too many
             _record_failed(self.folder, i, [r.model_copy(update={"attempts": before.get(r.run_id, 0) + r.attempts})
                                             for r in got.failed])
@@ -268,10 +263,6 @@ def _compute_prepared_ahead(first: int | None, next_shard: Callable[[], int | No
         finally:
             if ahead is not None:
                 give_back(ahead[0])
-
-
-def shard_path(folder: Path, shard: int) -> Path:
-    return folder / f"shard-{shard:05d}.parquet"
 
 
 def _claim_path(folder: Path, shard: int) -> Path:
@@ -328,7 +319,7 @@ def stage_failed_rows(folder: Path, n_shards: int, failing: Collection[str]) -> 
 
 def holds_failed_rows(folder: Path) -> bool:
     """Whether an engine stage folder's shards hold rows that failed every try (their records beside them)."""
-    return any(folder.glob(f"shards-*/{FAILED_ROWS}"))
+    return any(folder.glob(f"{SHARD_FOLDERS}/{FAILED_ROWS}"))
 
 
 def carry_failed_rows(retired: Path, folder: Path) -> int:
@@ -341,7 +332,7 @@ def carry_failed_rows(retired: Path, folder: Path) -> int:
     file is hard-linked (copied where links fail): every write in the store replaces a file, so the retired
     folder never changes."""
     carried = 0
-    for src in sorted(d for d in retired.glob("shards-*") if d.is_dir() and any(d.glob(FAILED_ROWS))):
+    for src in sorted(d for d in retired.glob(SHARD_FOLDERS) if d.is_dir() and any(d.glob(FAILED_ROWS))):
         dst = folder / src.name
         dst.mkdir(parents=True, exist_ok=True)
         for path in sorted(src.iterdir()):
@@ -408,7 +399,7 @@ def _held_by_other_live_process(path: Path) -> bool:
 
 
 def merge_shards(folder: Path, n_shards: int, out: Path) -> pl.DataFrame:
-    paths = [shard_path(folder, i) for i in range(n_shards)]
+    paths = [shard_file(folder, i) for i in range(n_shards)]
     missing = [p.name for p in paths if not p.exists()]
     if missing:
         raise FileNotFoundError(f"{folder}: shards missing: {missing[:5]}")

@@ -9,10 +9,10 @@ import polars as pl
 import pytest
 
 from jex.errors import InputError
+from jex.lab.parity import capture_readouts
 from jex.tasks.capture.stages import bundle_stage
 from jex.tasks.cpu_stages import score_stage
 from jex.tasks.documents import ScoreDoc, read_doc
-from jex.tasks.lab.parity import capture_readouts
 from jex.tasks.records import FoldSummary, OverlaySummary
 from jex.tasks.scoring.reference_audit import audit_markdown
 from jex.tasks.store import LocalStore, write_parquet
@@ -102,10 +102,10 @@ def test_parity_against_a_stored_capture_needs_no_second_engine(tmp_path):
 
     from jex.cli import app
     from jex.engine_spec import EngineSpec
+    from jex.lab.parity import parity_with_capture
     from jex.sample_suite import write_sample_suite
     from jex.tasks.capture.engine_pool import get_engine
     from jex.tasks.capture.stages import _as_rows, _bundle_rows, fast_pass_stage
-    from jex.tasks.lab.parity import parity_with_capture
 
     suite = write_sample_suite(tmp_path / "suite", rows=18, seed=3)
     store = LocalStore(tmp_path / "store")

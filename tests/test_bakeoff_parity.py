@@ -8,8 +8,9 @@ import math
 import pytest
 
 from jex.engine.types import Readout, ReadoutMode
-from jex.tasks.lab.bakeoff import compare, divergence_prompts, run_bakeoff, verdict
-from jex.tasks.lab.parity import compare_readouts
+from jex.lab.bakeoff import compare, divergence_prompts, run_bakeoff, verdict
+from jex.lab.jobs import BakeoffJob
+from jex.lab.parity import compare_readouts
 
 
 def test_compare_counts_mismatches_and_first_divergence():
@@ -58,8 +59,8 @@ def test_readout_parity_metrics_by_hand():
 
 @pytest.mark.slow
 def test_cpu_bakeoff_twin_runs_each_arm_in_its_own_process(tmp_path):
-    res = run_bakeoff(["hf-control", "hf-bi"], model=None, prompts=3, tokens=6, ladder=[1, 3], repeats=2,
-                      out_dir=tmp_path)
+    res = run_bakeoff(BakeoffJob(arms=["hf-control", "hf-bi"], prompts=3, tokens=6, ladder=[1, 3], repeats=2),
+                      tmp_path)
     assert res["errors"] == {}
     bi = res["arms"]["hf-bi"]["rungs"]
     assert all(r["mismatches"] == 0 and r["run_to_run_identical"] for r in bi.values())

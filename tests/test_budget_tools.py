@@ -56,7 +56,7 @@ def test_the_budget_markdown_lists_the_cut_and_the_cliff():
 
 
 def test_stable_exit_waits_for_k_consecutive_margins_above_tau():
-    from jex.tasks.lab.early_exit import stable_exit
+    from jex.lab.early_exit import stable_exit
 
     margins = [3.0, 0.5, 3.0, None, 3.0, 3.0, 3.0]
     assert stable_exit(margins, tau=2.0, k=1) == 0
@@ -66,8 +66,8 @@ def test_stable_exit_waits_for_k_consecutive_margins_above_tau():
 
 
 def test_stable_margin_stats_count_exits_savings_and_lost_answers():
+    from jex.lab.early_exit import stable_margin_stats
     from jex.tasks.capture.engine_calls import CaptureRow
-    from jex.tasks.lab.early_exit import stable_margin_stats
 
     rows = [CaptureRow(f"r{g}", "p", ("A", "B"), ("x", "y"), gold=g) for g in (0, 1)]
     lengths = [12, 10]

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("no_user_settings")
 
 
 def test_the_arms_example_parses_as_jex_experiment_run_reads_it():
-    from jex.tasks.lab.arms import parse_arms
+    from jex.lab.arms import parse_arms
 
     arms = parse_arms((EXAMPLES / "arms.toml").read_text(), path="examples/arms.toml")
     assert [a.name for a in arms.arms] == ["hidden-options", "system", "reworded", "twin", "fold-weight"]

@@ -18,8 +18,8 @@ import polars as pl
 import pytest
 
 from jex.errors import InputError
-from jex.tasks.lab.arms import parse_arms
-from jex.tasks.lab.experiment_stats import (
+from jex.lab.arms import parse_arms
+from jex.lab.experiment_stats import (
     arm_rng,
     oof_choice,
     paired_arms,
@@ -104,7 +104,7 @@ def test_a_bad_arms_file_fails_in_the_cli_before_any_engine_or_prefect_starts(tm
 
 def test_a_derived_arm_with_a_bad_campaign_value_names_the_arm(tmp_path):
     from jex.flows.campaign import CampaignSpec
-    from jex.flows.experiment import ExperimentSpec, plan_experiment
+    from jex.flows.lab import ExperimentSpec, plan_experiment
 
     spec = ExperimentSpec(campaign=CampaignSpec(sample_rows=18, store=str(tmp_path / "s")), out=str(tmp_path),
                           arms_toml='[[arms]]\nname = "big"\nfold_weight = 1.5\n', arms_path="a.toml")
@@ -253,8 +253,8 @@ def test_the_permutation_p_agrees_with_swapping_predictions_question_by_question
 
 def test_a_planted_arm_that_hides_the_options_is_a_no_go_with_a_ci_below_zero(small_suite):
     """Hiding the options leaves a model the first label only: planted as 'always label 0'."""
-    from jex.tasks.lab.arms import ExperimentTestSettings
-    from jex.tasks.lab.experiment_report import verdict
+    from jex.lab.arms import ExperimentTestSettings
+    from jex.lab.experiment_report import verdict
 
     base = _preds(small_suite, p_right=0.9, seed=1)
     planted = _preds(small_suite, p_right=0.0, seed=0, first=True)
@@ -267,8 +267,8 @@ def test_a_planted_arm_that_hides_the_options_is_a_no_go_with_a_ci_below_zero(sm
 
 
 def test_the_preregistered_test_says_go_only_above_zero_and_above_the_placebo(small_suite):
-    from jex.tasks.lab.arms import ExperimentTestSettings
-    from jex.tasks.lab.experiment_report import verdict
+    from jex.lab.arms import ExperimentTestSettings
+    from jex.lab.experiment_report import verdict
 
     base = _preds(small_suite, p_right=0.3, seed=1)
     better, placebo_same = _preds(small_suite, p_right=0.95, seed=2), _preds(small_suite, p_right=0.3, seed=1)
@@ -286,8 +286,8 @@ def test_the_preregistered_test_says_go_only_above_zero_and_above_the_placebo(sm
 
 
 def test_the_retention_gate_judges_the_share_of_the_base_correct_rows_the_arm_keeps(small_suite):
-    from jex.tasks.lab.arms import ExperimentTestSettings
-    from jex.tasks.lab.experiment_report import verdict
+    from jex.lab.arms import ExperimentTestSettings
+    from jex.lab.experiment_report import verdict
 
     base = _preds(small_suite, p_right=1.0, seed=1)  # every row right
     n = base.height
@@ -318,8 +318,8 @@ def test_the_out_of_fold_choice_picks_the_value_that_wins_on_held_out_questions(
 
 
 def test_the_panel_share_is_the_catalogs_weight_in_the_full_index(sample_suite, tmp_path):
+    from jex.lab.panel import panel_suite
     from jex.suite import iter_rows, load_manifest
-    from jex.tasks.lab.panel import panel_suite
 
     spec = load_suite_table(sample_suite).spec
     shares = panel_share(spec, ["arith", "boolean"])
@@ -342,7 +342,7 @@ def test_the_panel_share_is_the_catalogs_weight_in_the_full_index(sample_suite, 
 # ---------------------------------------------------------------- test registration and ledger
 
 def test_the_preregistered_test_is_registered_once_and_a_changed_one_is_refused(tmp_path):
-    from jex.tasks.lab.experiment_report import register_experiment_test
+    from jex.lab.experiment_report import register_experiment_test
 
     sha = register_experiment_test(parse_arms(GOOD), tmp_path)
     assert sha == register_experiment_test(parse_arms(GOOD), tmp_path) and len(sha) == 64
@@ -366,9 +366,9 @@ def test_one_ledger_per_store_keyed_by_test_suite_and_model_and_the_ledger_comma
 
     from jex.cli import app
     from jex.fileio import write_json
+    from jex.lab.arms import parse_arms
+    from jex.lab.experiment_report import RegisteredTest, experiment_decisions
     from jex.tasks.decisions import Decision, append_decisions, ledger_path, read_decisions
-    from jex.tasks.lab.arms import parse_arms
-    from jex.tasks.lab.experiment_report import RegisteredTest, experiment_decisions
 
     arms = parse_arms(GOOD.replace('name = "system"\n', 'name = "system"\nreopen_when = "a model of 1B parameters '
                                    'or more"\nreopen_if = {model_params_at_least = 1e9}\n', 1))
@@ -407,7 +407,7 @@ def test_one_ledger_per_store_keyed_by_test_suite_and_model_and_the_ledger_comma
 
 
 def test_the_twin_audit_reports_the_first_differing_row(tmp_path):
-    from jex.tasks.lab.experiment_report import first_difference
+    from jex.lab.experiment_report import first_difference
     from jex.tasks.store import write_parquet
 
     a = pl.DataFrame({"run_id": ["r1", "r2", "r3"], "logprobs": [[-0.1, -2.0], [-0.5, -1.0], [-1.0, -0.4]]})
@@ -429,8 +429,8 @@ ARMS_E2E = (Path(__file__).resolve().parent.parent / "examples" / "arms.toml").r
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, prefect_harness):
     from jex.flows.campaign import CampaignSpec
-    from jex.flows.experiment import ExperimentSpec, experiment
     from jex.flows.fleet import MachinesSpec
+    from jex.flows.lab import ExperimentSpec, experiment
 
     tmp = tmp_path_factory.mktemp("experiment")
     base = CampaignSpec(sample_rows=36, coverage=0.2, reason_max_tokens=8, bootstrap_draws=50,
@@ -503,7 +503,7 @@ def test_arms_that_change_only_cpu_stages_make_no_engine_calls(finished):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_experiment_ledger_records_the_decided_arms(finished):
-    from jex.tasks.lab.experiment_report import experiment_ledger
+    from jex.lab.experiment_report import experiment_ledger
 
     out, doc = finished
     path, entries = experiment_ledger(out)

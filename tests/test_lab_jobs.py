@@ -46,7 +46,7 @@ def _ran_on_a_machine(out: Path, job: str) -> Path:
 def _here(args: Path, out: Path, suite: Path | None = None):
     """The machine's lab job (`args`) as this process runs it: on `suite` (the rows the machine was
     sent), its outputs in `out`."""
-    from jex.tasks.lab.jobs import LabJob
+    from jex.lab.jobs import LabJob
 
     job = LabJob.model_validate_json(args.read_text())
     spec = job.spec.model_copy(update={"suite": str(suite)}) if suite is not None else job.spec
@@ -63,7 +63,7 @@ def _cli(*argv: str) -> None:
 
 
 def test_probe_runs_on_a_local_machine_and_equals_in_process(lab_suite, tmp_path, prefect_harness, local_machines):
-    from jex.tasks.lab.jobs import run_lab_job
+    from jex.lab.jobs import run_lab_job
 
     out = tmp_path / "local"
     _cli("probe", "early-exit", "--suite", str(lab_suite), "--rows", "2", "--every", "4", "--max-tokens", "8",
@@ -74,7 +74,7 @@ def test_probe_runs_on_a_local_machine_and_equals_in_process(lab_suite, tmp_path
 
 
 def test_parity_runs_on_a_local_machine_and_equals_in_process(lab_suite, tmp_path, prefect_harness, local_machines):
-    from jex.tasks.lab.jobs import run_lab_job
+    from jex.lab.jobs import run_lab_job
 
     out = tmp_path / "local"
     _cli("parity", "--suite", str(lab_suite), "--rows", "3", "--engine-a", "hf", "--engine-b", "hf-batched",
@@ -87,20 +87,20 @@ def test_parity_runs_on_a_local_machine_and_equals_in_process(lab_suite, tmp_pat
 
 def test_bakeoff_runs_on_a_local_machine_and_equals_in_process(tmp_path, prefect_harness, local_machines):
     """The arm's ladder computed here as its arm process computes it (`_arm_main`), without the process."""
-    from jex.flows.experiments import bakeoff
     from jex.flows.fleet import MachinesSpec
-    from jex.tasks.lab.bakeoff import arm_engine, compare, divergence_prompts, run_ladder
-    from jex.tasks.lab.jobs import BakeoffJob
+    from jex.flows.lab import bakeoff
+    from jex.lab.bakeoff import arm_engine, compare, divergence_prompts, run_ladder
+    from jex.lab.jobs import BakeoffJob
 
     out = tmp_path / "local"
-    res = bakeoff(arms=["hf-bi"], prompts=2, tokens=4, ladder=[1, 2], repeats=1, out=str(out),
+    res = bakeoff(BakeoffJob(arms=["hf-bi"], prompts=2, tokens=4, ladder=[1, 2], repeats=1), out=str(out),
                   machines=MachinesSpec(provider="local"))
     assert res["errors"] == {}
     spec = _here(_ran_on_a_machine(out, "lab-bakeoff"), tmp_path / "here").spec
     assert isinstance(spec, BakeoffJob) and spec.arms == ["hf-bi"]
     arm = json.loads((out / "arm-hf-bi.json").read_text())
     there = {b: r["token_ids"] for b, r in arm["rungs"].items()}
-    engine = arm_engine("hf-bi", spec.model, spec.max_num_seqs, spec.device)
+    engine = arm_engine("hf-bi", spec)
     rungs = compare(run_ladder(engine, divergence_prompts(spec.prompts), ladder=spec.ladder, repeats=spec.repeats,
                                tokens=spec.tokens))
     assert there == {b: r["token_ids"] for b, r in rungs.items()} and set(there) == {"1", "2"}

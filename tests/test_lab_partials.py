@@ -7,8 +7,8 @@ import math
 import polars as pl
 
 from jex.engine.types import FinishReason, Generation, Readout, ReadoutMode
+from jex.lab.parity import compare_reasoned, stratified_rows, write_mismatches
 from jex.tasks.capture.engine_calls import CaptureRow
-from jex.tasks.lab.parity import compare_reasoned, stratified_rows, write_mismatches
 
 
 def _rows(sizes: dict[str, int]) -> list[CaptureRow]:
@@ -70,7 +70,7 @@ def test_an_experiment_shares_one_machine_budget_across_its_sub_runs(tmp_path):
 
     from jex.errors import FlowError
     from jex.flows.campaign import CampaignSpec
-    from jex.flows.experiment import ExperimentBudget
+    from jex.flows.lab import ExperimentBudget
     from jex.infra.ledger import Ledger
 
     ledger = Ledger(tmp_path / "ledger.json")

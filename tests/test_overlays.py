@@ -9,10 +9,7 @@ import polars as pl
 import pytest
 
 from jex.errors import InputError
-from jex.overlays import IsotonicShrink, PositionalThreshold, SignedLogitThreshold, load_rule_file
-from jex.overlays.apply import NoDegradeViolation, apply_overlays, no_degrade_check
-from jex.overlays.rules import isotonic_apply, isotonic_fit
-from jex.tasks.lab.overlay_lab import (
+from jex.lab.overlay_lab import (
     Capture,
     OverlayTestSettings,
     disclosure,
@@ -21,6 +18,9 @@ from jex.tasks.lab.overlay_lab import (
     overlay_test,
     overlay_test_rule,
 )
+from jex.overlays import IsotonicShrink, PositionalThreshold, SignedLogitThreshold, load_rule_file
+from jex.overlays.apply import NoDegradeViolation, apply_overlays, no_degrade_check
+from jex.overlays.rules import isotonic_apply, isotonic_fit
 from jex.tasks.scoring.inputs import CatalogSpec, ScoreSpec
 
 

@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ROOMS = ("engine", "tasks", "flows", "infra", "overlays", "deployments")
+ROOMS = ("engine", "tasks", "lab", "flows", "infra", "overlays", "deployments")
 
 
 def test_every_package_folder_is_installed_under_jex():
@@ -91,3 +91,12 @@ def test_a_wheel_install_runs_a_machine_job_with_the_code_it_installed(tmp_path)
     assert Path(done["installed"]).is_relative_to(tmp_path / "venv")  # the wheel's jex, not the checkout's
     assert Path(done["ran"]).is_relative_to(done["code"])  # the job imported the bundle the machine unpacked
     assert done["left"] == []
+
+
+def test_the_machines_code_bundle_holds_what_a_machine_job_imports():
+    """A machine runs stage jobs (`jex.tasks`) and lab jobs (`python -m jex.lab.jobs`, the bake-off's arm
+    processes) from the code bundle alone: from a checkout too, where `lab/` is not inside `jex/`."""
+    from jex.infra.machine import bundle_files
+
+    names = {arcname for _, arcname in bundle_files()}
+    assert {"jex/tasks/inputs.py", "jex/lab/jobs.py", "jex/lab/bakeoff.py"} <= names

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from jex.fileio import sha256_file
-from jex.infra.records import ObjectHead
-from jex.infra.s3 import S3Store, UploadError, push_campaign, sync_campaign
+from jex.infra.records import ObjectHead, S3Manifest
+from jex.infra.s3 import S3Store, UploadError, push_campaign
 
 
 @pytest.fixture
@@ -58,15 +57,13 @@ def _stage_and_run(tmp_path, stage: str, key: str, name: str) -> tuple[Path, Pat
     return folder, run
 
 
-def test_sync_campaign_uploads_stage_folders_and_run_folder(store, tmp_path):
+def test_push_campaign_uploads_stage_folders_and_run_folder(store, tmp_path):
     stage, run = _stage_and_run(tmp_path, "fast_pass", "k1", "capture.parquet")
     (run / "score.json").write_text("{}")
-    manifest = sync_campaign(store, run, {"fast_pass": {"folder": str(stage)}}, tmp_path / "store")
-    keys = sorted(o["key"] for o in manifest["objects"])
-    assert keys == ["jex/runs/run/score.json", "jex/store/fast_pass/k1/capture.parquet"]
-    written = json.loads((run / "s3.json").read_text())
-    assert set(written) == {"bucket", "prefix", "objects"} and written["objects"] == manifest["objects"]
-    assert set(written["objects"][0]) == {"key", "sha256", "bytes", "uploaded"}
+    manifest = push_campaign(store, run, {"fast_pass": SimpleNamespace(folder=str(stage))}, tmp_path / "store")
+    assert sorted(o.key for o in manifest.objects) == ["jex/runs/run/score.json",
+                                                      "jex/store/fast_pass/k1/capture.parquet"]
+    assert S3Manifest.model_validate_json((run / "s3.json").read_text()) == manifest
 
 
 def test_a_typed_stage_summary_names_its_folder_too(store, tmp_path):

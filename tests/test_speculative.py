@@ -59,7 +59,7 @@ def test_the_proof_names_the_first_differing_row_and_token(tmp_path):
 
 
 def test_bakeoff_counts_speculative_tokens_identical_to_the_audited_arm_and_the_speed_up():
-    from jex.tasks.lab.bakeoff import speculation
+    from jex.lab.bakeoff import speculation
 
     def arm(tokens, tok_s):
         return {"rungs": {"1": {"token_ids": tokens, "tok_s": tok_s}}}
@@ -189,7 +189,7 @@ def test_a_speculative_campaign_on_local_machines_proves_itself_and_reports_mach
     from jex.engine_spec import EngineSpec
     from jex.flows.campaign import CampaignSpec, run_campaign
     from jex.flows.fleet import MachinesSpec
-    from jex.tasks.lab.experiment_report import stage_summaries
+    from jex.lab.experiment_report import stage_summaries
 
     for k, v in {"JEX_INFRA__STATE_DIR": str(tmp_path / "infra"), "JEX_INFRA__POLL_S": "0.3",
                  "JEX_INFRA__WORKER_PYTHON": sys.executable}.items():

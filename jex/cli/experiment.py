@@ -50,7 +50,7 @@ def run(arms: Annotated[Path, typer.Option(help="Arms file (TOML): [base], [gate
         arms_toml = preflight.text_file(arms, "--arms")
         if not preflight.toml_file(arms, "--arms").get("arms"):
             raise InputError("--arms: the arms file holds no [[arms]] table", file=str(arms))
-        from jex.tasks.lab.arms import parse_arms
+        from jex.lab.arms import parse_arms
 
         parse_arms(arms_toml, path=str(arms))  # every arm and field, before Prefect starts
         preflight.writable_dir(out, "--out")
@@ -69,7 +69,7 @@ def run(arms: Annotated[Path, typer.Option(help="Arms file (TOML): [base], [gate
     settings = load_settings()
     connect_prefect(settings)
     from jex.flows.campaign import campaign_spec
-    from jex.flows.experiment import ExperimentSpec, plan_experiment, run_experiment
+    from jex.flows.lab import ExperimentSpec, plan_experiment, run_experiment
 
     try:
         base = campaign_spec(settings, spec_fields(flags, {**CAMPAIGN_FIELD_OF_FLAG, "sample_rows": "sample_rows"}))
@@ -88,8 +88,8 @@ def ledger(out: Annotated[Path, typer.Argument(help="Experiment folder (its expe
                                                     "ledger.toml)")]) -> None:
     """Print this experiment's decisions from its store's ledger: arm, verdict, effect and CI, test hash, model,
     reopen-when (`jex ledger` lists every decision of a store)."""
+    from jex.lab.experiment_report import experiment_ledger
     from jex.tasks.decisions import format_decisions
-    from jex.tasks.lab.experiment_report import experiment_ledger
 
     try:
         path, decisions = experiment_ledger(out)

@@ -22,7 +22,7 @@ def overlays_mine(run: Annotated[Path, typer.Argument(help="A finished run folde
                   top: int = 5) -> None:
     """Propose candidate rules where errors are systematic, with their out-of-fold gain."""
     from jex.fileio import write_json, write_text
-    from jex.tasks.lab.overlay_lab import candidate_rules_toml, load_capture, mine
+    from jex.lab.overlay_lab import candidate_rules_toml, load_capture, mine
 
     try:
         preflight.writable_dir(out, "--out")
@@ -51,8 +51,8 @@ def overlays_gate(run: Annotated[Path, typer.Argument(help="A finished run folde
     """The pre-registered test: settings hashed first (written once per folder); CI above zero, permutation
     p < alpha, no-degrade (other catalogs bit-identical, no catalog's skill dropping beyond the tolerance).
     Each rule's verdict goes to the run's store ledger: a campaign applies a rule only with a PASS there."""
+    from jex.lab.overlay_lab import OverlayTestSettings, load_capture, overlay_test
     from jex.overlays import load_rule_file
-    from jex.tasks.lab.overlay_lab import OverlayTestSettings, load_capture, overlay_test
 
     settings = load_settings()
     draws = settings.bootstrap_draws if draws is None else draws
@@ -81,8 +81,8 @@ def overlays_gate(run: Annotated[Path, typer.Argument(help="A finished run folde
 def record_gate(doc: Any, rules: list[Any], run: Path, out: Path) -> tuple[Path, int]:
     """Append each rule's verdict to the store ledger of the run (the store that holds its stages now)."""
     from jex.flows.campaign import resume_spec
+    from jex.lab.overlay_lab import gate_decisions
     from jex.tasks.decisions import append_decisions, ledger_path, model_facts
-    from jex.tasks.lab.overlay_lab import gate_decisions
 
     spec = resume_spec(run)
     name, params = model_facts(spec.engine)
@@ -99,8 +99,8 @@ def overlays_ladder(run: Annotated[Path, typer.Argument(help="A finished run fol
                     = None) -> None:
     """Ladder, leave-one-outs, no-degrade and reversibility checks, and the disclosure sheet."""
     from jex.fileio import write_json, write_text
+    from jex.lab.overlay_lab import disclosure, ladder, load_capture
     from jex.overlays import load_rule_file
-    from jex.tasks.lab.overlay_lab import disclosure, ladder, load_capture
 
     try:
         preflight.writable_dir(out, "--out")

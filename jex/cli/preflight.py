@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jex.errors import InputError, os_error
+from jex.settings import PROVIDER_NAMES
 
 if TYPE_CHECKING:
     from jex.engine_spec import EngineSpec
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
 """`org/name[@revision]`: the syntax of a Hub model id (as `engine/models.py` resolves it)."""
-PROVIDERS = ("inprocess", "local", "ssh", "ec2", "command")
+PROVIDERS = PROVIDER_NAMES
 ENGINE_KINDS = ("hf", "hf-batched", "vllm", "vllm-control")
 
 

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 from pydantic import BaseModel
 
+from jex.settings import GOLDEN_ROWS
+
 if TYPE_CHECKING:
     from jex.engine_spec import EngineSpec
     from jex.tasks.capture.engine_host import HostOptions
@@ -31,7 +33,7 @@ HostOptionsOption = Annotated[Path | None, typer.Option(
 
 @stage_app.command("golden")
 def stage_golden(args_file: JobOption,
-                 rows: Annotated[int, typer.Option(help="Rows from the head of the bundle")] = 64,
+                 rows: Annotated[int, typer.Option(help="Rows from the head of the bundle")] = GOLDEN_ROWS,
                  out: Annotated[Path, typer.Option(help="Readout Parquet")] = Path("golden.parquet"),
                  fingerprint_out: Annotated[Path, typer.Option("--fingerprint")] = Path("fingerprint.json"),
                  host_options: HostOptionsOption = None,

@@ -481,7 +481,7 @@ def take_bundle(source: str | Path, out: str | Path) -> BuildResult:
     it reads what a campaign on the suite folder it was built from reads."""
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="jex-bundle-check-") as tmp:
-        opened = open_bundle(source, Path(tmp) / "extracted")
+        opened = open_bundle(source, Path(tmp) / "members")
     with atomic_path(out) as part:
         shutil.copyfile(source, part)
     if sha256_file(out) != opened.sha256:

@@ -29,6 +29,7 @@ from jex.engine.types import (
 from jex.engine_spec import EngineSpec, RenderSpec
 from jex.fileio import sha256_file
 from jex.numerics import length_normalised_choice
+from jex.store_layout import SUCCESS, shards_dir, stage_dir
 from jex.tasks.cached_stage import CachedStage
 from jex.tasks.capture.batch_errors import ROW_RETRIES, BatchLog, compute_resilient, refused
 from jex.tasks.capture.bundle import PolarsType, build_bundle, is_bundle_file, open_bundle, take_bundle
@@ -164,10 +165,10 @@ def stage_plan(inputs: EngineStageInputs, store: str | Path) -> StagePlan:
     """Where an engine stage's shards go and how many there are, without loading anything heavy."""
     key = inputs.key()
     rows = inputs.gate.rows if isinstance(inputs, ReasonInputs) else inputs.bundle.rows
-    folder = Path(store) / inputs.stage / key
+    folder = stage_dir(store, inputs.stage, key)
     return StagePlan(stage=inputs.stage, key=key, folder=str(folder),
-                     shards_dir=str(folder / f"shards-{inputs.shard_rows}"), shards=-(-rows // inputs.shard_rows),
-                     complete=(folder / "_SUCCESS.json").exists(), engine=inputs.fingerprint())
+                     shards_dir=str(shards_dir(folder, inputs.shard_rows)), shards=-(-rows // inputs.shard_rows),
+                     complete=(folder / SUCCESS).exists(), engine=inputs.fingerprint())
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,7 @@ def _sharded(stage: Literal["fast_pass", "reason"], out: StageDir, rows: list[Ca
         log = BatchLog()
         return ShardRows(compute_resilient(prepared, read, failed, policy=ROW_RETRIES, log=log), log.failed_rows)
 
-    shards = out.path / f"shards-{shard_rows}"
+    shards = shards_dir(out.path, shard_rows)
     progress = share.progress
     try:
         stats = run_sharded(rows, shard_rows=shard_rows, folder=shards, compute=compute, worker=share.worker,

@@ -3,7 +3,7 @@
 A bundle may carry reference rows 1:1 with its rows (`jex bundle build --reference FILE`): the
 choices and probabilities of an earlier, trusted run. Every campaign on such a bundle compares its
 fast-pass and its final predictions with them, question by question, with the metrics of engine
-parity (`tasks/lab/parity.py`):
+parity (`lab/parity.py`):
 
     compared           rows where both sides have a choice (a missing one is counted, not compared)
     argmax_agreement   agree / compared; flips = compared - agree, each listed with its catalog, both

@@ -1,0 +1,66 @@
+"""Each concept is declared once, and every list that names it agrees with that declaration."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE = [p for room in ("jex", "engine", "tasks", "lab", "flows", "infra", "overlays", "deployments")
+        for p in (ROOT / room).rglob("*.py")]
+
+
+def files_saying(text: str) -> list[str]:
+    return sorted(str(p.relative_to(ROOT)) for p in CODE if text in p.read_text())
+
+
+def test_the_store_layout_is_written_down_once():
+    assert files_saying('"_SUCCESS.json"') == ["jex/store_layout.py"]
+    assert files_saying('"_PROVENANCE.json"') == ["jex/store_layout.py"]
+    assert files_saying('"shards-') == ["jex/store_layout.py"]
+    assert files_saying('"extracted"') == ["jex/store_layout.py"]
+
+
+def test_the_campaign_stages_are_one_list():
+    from jex.flows.campaign import STAGES
+    from jex.flows.retry import retry_stage
+    from jex.run_records import STAGE_NAMES, ProofStageName, StageName
+    from jex.tasks.records import CampaignSummaries
+
+    assert STAGES == STAGE_NAMES == typing.get_args(StageName)
+    assert set(CampaignSummaries.model_fields) == {*STAGE_NAMES, *typing.get_args(ProofStageName)}
+    assert typing.get_type_hints(retry_stage.fn)["stage"] == StageName
+
+
+def test_the_providers_are_one_list():
+    from jex.cli import preflight
+    from jex.flows.fleet import MachinesSpec
+    from jex.settings import PROVIDER_NAMES, InfraSettings
+
+    assert preflight.PROVIDERS == PROVIDER_NAMES
+    for field in (MachinesSpec.model_fields["provider"], InfraSettings.model_fields["provider"]):
+        assert typing.get_args(field.annotation) == PROVIDER_NAMES
+
+
+def test_golden_and_proof_rows_each_come_from_one_constant():
+    from jex.flows.campaign import CampaignSpec
+    from jex.flows.fleet import MachinesSpec
+    from jex.settings import GOLDEN_ROWS, PROOF_ROWS
+    from jex.tasks.inputs import ProofSampleInputs
+
+    assert MachinesSpec().golden_rows == ProofSampleInputs.model_fields["golden_rows"].default == GOLDEN_ROWS
+    assert CampaignSpec().spec_proof_rows == ProofSampleInputs.model_fields["rows"].default == PROOF_ROWS
+    assert files_saying("golden_rows: int = Field(64") == []
+
+
+def test_the_machine_budget_has_one_set_of_names():
+    import dataclasses
+
+    from jex.flows.fleet import MachinesSpec
+    from jex.infra.machine import Policy
+    from jex.settings import InfraSettings
+
+    budget = {"budget_usd", "budget_hours", "price_per_hour", "heartbeat_timeout_s"}
+    assert budget <= set(MachinesSpec.model_fields) & set(InfraSettings.model_fields)
+    assert budget <= {f.name for f in dataclasses.fields(Policy)}
+    assert files_saying("wall_budget_s") == []
