@@ -29,7 +29,7 @@ def direct(spec) -> float:
     """The stage functions in order, no Prefect (all stored already)."""
     from jex.flows.campaign import sample_suite_dir
     from jex.overlays.loading import load_rules
-    from jex.tasks import cpu_stages as c
+    from jex.tasks import decision_stages as c
     from jex.tasks.capture import stages as s
     from jex.tasks.outputs.run_folder import write_run_folder
     from jex.tasks.records import CampaignSummaries

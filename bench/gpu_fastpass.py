@@ -73,7 +73,7 @@ def child(args: argparse.Namespace) -> None:
     from jex.tasks.capture.engine_calls import question_prompts
     from jex.tasks.capture.engine_pool import get_engine
     from jex.tasks.capture.stages import bundle_stage, fast_pass_stage, reason_stage
-    from jex.tasks.cpu_stages import gate_stage
+    from jex.tasks.decision_stages import gate_stage
     from jex.tasks.store import LocalStore
 
     cfg = CONFIGS[args.config]

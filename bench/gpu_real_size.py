@@ -131,7 +131,7 @@ def child(a: argparse.Namespace) -> None:
     from jex.tasks.capture.engine_pool import get_engine
     from jex.tasks.capture.golden import golden_readout
     from jex.tasks.capture.stages import _as_rows, _bundle_rows, bundle_stage, fast_pass_stage, reason_stage
-    from jex.tasks.cpu_stages import gate_stage
+    from jex.tasks.decision_stages import gate_stage
     from jex.tasks.store import LocalStore
 
     spec = EngineSpec(kind="vllm", model=a.model, batch_size=0, max_num_seqs=a.max_num_seqs,

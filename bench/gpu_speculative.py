@@ -34,7 +34,7 @@ def stage_process(args: argparse.Namespace) -> None:
     from jex.sample_suite import write_sample_suite
     from jex.tasks.capture.spec_proof import proof_sample_stage
     from jex.tasks.capture.stages import bundle_stage, fast_pass_stage, reason_stage
-    from jex.tasks.cpu_stages import gate_stage
+    from jex.tasks.decision_stages import gate_stage
     from jex.tasks.store import LocalStore
 
     work = Path(args.work)

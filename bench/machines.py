@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from jex.infra.ledger import Ledger  # noqa: E402
+from jex.infra.cost_ledger import CostLedger  # noqa: E402
 from jex.infra.machine import JobFailed, MachineSession, Policy, RemoteJob  # noqa: E402
 from jex.infra.providers import LocalProvider, SSHProvider  # noqa: E402
 
@@ -60,7 +60,7 @@ def start_sshd(d: Path) -> dict | None:
 
 
 def session(provider, work: Path, policy: Policy) -> MachineSession:
-    return MachineSession(provider, campaign="bench", ledger=Ledger(work / "state" / "ledger.json"), policy=policy,
+    return MachineSession(provider, campaign="bench", ledger=CostLedger(work / "state" / "ledger.json"), policy=policy,
                           python=sys.executable, state_dir=work / "state", echo=lambda s: None)
 
 
@@ -127,7 +127,7 @@ def lease_expiry(provider, work: Path, policy: Policy, client) -> dict:
     from jex.infra.s3 import S3Store
 
     s3 = S3Store("bench", f"lease-{work.name}", client)
-    s = MachineSession(provider, campaign="bench", ledger=Ledger(work / "state" / "ledger.json"), policy=policy,
+    s = MachineSession(provider, campaign="bench", ledger=CostLedger(work / "state" / "ledger.json"), policy=policy,
                        python=sys.executable, state_dir=work / "state", echo=lambda m: None, s3=s3,
                        machine_credentials=lambda: {"aws_access_key_id": "x", "aws_secret_access_key": "x"})
     s.start()

@@ -74,8 +74,8 @@ def main() -> None:
 
         from jex.tasks.scoring.bootstrap_ci import bootstrap_ci
         from jex.tasks.scoring.index import catalog_chances, scored_frame
-        from jex.tasks.scoring.inputs import load_suite_table
         from jex.tasks.scoring.score import score_twice
+        from jex.tasks.scoring.suite_table import load_suite_table
 
         t0 = time.perf_counter()
         table = load_suite_table(tmp / "b.tar.gz")

@@ -75,7 +75,7 @@ def deployment_specs(settings: JexSettings, campaign_defaults: Mapping[str, Any]
         {"name": "reconcile", "entrypoint": "flows/reconcile.py:reconcile_flow",
          "interval": settings.prefect.reconcile_every_s, "job_variables": _notify_env(settings),
          "description": "Supervise, collect and delete every jex machine; orphans are torn down"},
-        {"name": "retry-stage", "entrypoint": "flows/retry.py:retry_stage",
+        {"name": "retry-stage", "entrypoint": "flows/retry_stage.py:retry_stage",
          "description": "Continue a campaign (its run folder) from a named stage; the capture upstream is reused"},
         {"name": "experiment", "entrypoint": "flows/lab.py:experiment",
          "parameters": {"spec": _experiment_defaults(spec)},

@@ -1,13 +1,11 @@
-"""The engine fingerprint: what changes the numbers an engine computes, and nothing else.
+"""The engine fingerprint, computed: what changes the numbers an engine computes, and nothing else.
 
-It is part of every engine stage's cache key. It holds the weights' and the tokenizer's content
-hashes, what the engine reads (the render digest), the engine's name and its numerics version, the
-dtype, and the settings that change results (batch shape for `hf-batched`, vLLM's scheduler width
-and context limit). It never holds library versions or jex's commit: those are provenance, recorded
-beside every artifact (`jex/provenance.py`), so upgrading jex or a library never re-keys a capture.
-A library upgrade that does change the numbers is caught on every machine by the golden replay
-(`tasks/capture/golden.py`: the replay must match the stored golden rows within 1e-4), and jex bumps
-`ENGINE_VERSIONS` when it pins an engine library whose numerics differ.
+The record (`EngineFingerprint`, with its `RenderDigest` and `HubRevision`) is the core's
+(`jex/engine_identity.py`, where every room reads it from); here it is computed from an engine spec and
+the model files (`engine_fingerprint`), with the engines' numerics versions (`ENGINE_VERSIONS`) and the
+tokenizer's content hash. A library upgrade that does change the numbers is caught on every machine by
+the golden replay (`tasks/capture/golden.py`: the replay must match the stored golden rows within 1e-4),
+and jex bumps `ENGINE_VERSIONS` when it pins an engine library whose numerics differ.
 
 Computed from the spec and the model files without loading the model, so a fully cached campaign
 never loads one.
@@ -18,10 +16,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from pydantic import Field, JsonValue
-
+from jex.engine_identity import EngineFingerprint, HubRevision, RenderDigest
 from jex.engine_spec import EngineKind, EngineSpec
-from jex.record import Record
 
 ENGINE_VERSIONS: dict[EngineKind, int] = {"hf": 2, "hf-batched": 1, "vllm": 1, "vllm-control": 1}
 """Bump an engine's version by hand when its numerics change (its code, or a pinned library).
@@ -30,42 +26,6 @@ hf 2: CPU generation's linear layers in fixed 8-row products (`engine/hf_decode.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 """The files of a model folder that decide how text becomes token ids (and the chat template)."""
-
-
-class HubRevision(Record):
-    repo: str
-    commit: str
-
-
-class RenderDigest(Record):
-    version: str
-    sha256: str
-
-
-class EngineFingerprint(Record):
-    """What an engine's numbers depend on. Equal fingerprints on equal inputs give equal bytes."""
-
-    kind: EngineKind
-    engine_version: int = Field(description="jex's numerics version of this engine kind (ENGINE_VERSIONS)")
-    weights_sha256: str
-    tokenizer_sha256: str = Field(description="sha256 over the tokenizer files (TOKENIZER_FILES) present")
-    hub: HubRevision | None = None
-    device_type: str
-    renderer: RenderDigest
-    dtype: str | None = None
-    profile: str | None = Field(None, description="A speculative profile; None = the plain audit profile")
-    batch_size: int | None = Field(None, description="hf-batched only: its numerics depend on the batch shape")
-    max_num_seqs: int | None = Field(None, description="vLLM only")
-    max_model_len: int | None = Field(None, description="vLLM only")
-
-    def audited(self) -> EngineFingerprint:
-        """The same engine under the plain audit profile. It keys every readout (fast pass, golden
-        replay) of a speculative profile too: speculation changes only generation."""
-        return self.model_copy(update={"profile": None})
-
-    def key_doc(self) -> dict[str, JsonValue]:
-        """The fingerprint as it enters a cache key (unset fields left out)."""
-        return self.model_dump(mode="json", exclude_none=True)
 
 
 def tokenizer_sha256(folder: Path) -> str:

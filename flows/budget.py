@@ -27,7 +27,7 @@ from jex.fileio import write_json, write_text
 from jex.flows.campaign import CampaignSpec, publish_machines, sample_suite_dir
 from jex.flows.runners import StageRunner, make_runner
 from jex.record import Record
-from jex.tasks.cpu_stages import gate_stage
+from jex.tasks.decision_stages import gate_stage
 from jex.tasks.documents import FoldDoc, read_doc
 from jex.tasks.inputs import BundleInputs, EngineJob, FastPassInputs, FoldInputs, ReasonInputs
 from jex.tasks.prefect_tasks import bundle_task, fast_pass_task, fold_task, reason_task

@@ -1,4 +1,5 @@
-"""The campaign flow: bundle -> fast pass -> gate -> reason -> fold -> calibrate -> overlay -> score -> report.
+"""The campaign flow: bundle -> fast pass -> gate -> reason (-> a speculative profile's proof) -> fold ->
+calibrate -> overlay -> score -> report; the first four are `capture_stages`, the next four `decision_stages`.
 
 Every stage is a cached Prefect task keyed by its inputs' content, so running the flow again, a
 flow-run retry, or `jex run --resume RUN` recomputes only what is missing: completed stages come back
@@ -208,8 +209,11 @@ def sample_suite_dir(spec: CampaignSpec) -> str:
 
 
 STAGES = STAGE_NAMES
+"""The campaign's stages in order, what `redo` and retry-stage name (a speculative profile adds
+`spec_proof_sample` and `spec_proof`, `ProofStageName`)."""
 ENGINE_STAGES: tuple[EngineStageName, ...] = ("fast_pass", "reason")
-"""The campaign's stages in order (a speculative profile adds `spec_proof_sample` and `spec_proof`)."""
+"""The stages that call the engine: the runner computes their shards, and a retry of one computes only
+its failed rows again (`retire_stages`)."""
 
 
 @dataclass
@@ -262,7 +266,9 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[StageName] | None =
     """Run (or resume) a campaign; returns the run folder.
 
     `redo` names stages to compute again although cached (retry-stage): their stage folders from the
-    last run of this campaign are set aside (renamed, never deleted) and their Prefect cache refreshed.
+    last run of this campaign are set aside (renamed, never deleted; an engine stage keeps its folder
+    when no row failed, else computes only its failed rows again: `retire_stages`) and their Prefect
+    cache refreshed.
     A stage the run folder records but the store does not hold is refused (`StoresLacking`: the store
     moved, or is another one) unless `recompute` allows computing it again.
     """

@@ -2,9 +2,12 @@
 
 `GpuFleet` starts its machines lazily, the first time a stage has shards to compute, so a cached
 campaign never rents one; leaving the `with` block tears every machine down, whatever happened.
-Each machine first replays the golden rows against the stored reference (and stops there on a
-mismatch), then computes worker i of N of each stage; the shards come back verified and are merged
-here by the same stage function that runs in-process, so the capture is the same bytes.
+Each machine first replays the golden rows (and stops there on a mismatch) against the store's golden
+reference (or the head of this engine's fast-pass capture); with neither, the first machine's replay
+becomes the reference, or, on a fleet of one, the first rows of the fast pass it computes (`_golden`).
+Then each computes worker i of N of each stage, through its engine hosts; the shards come back
+verified and the stage's task merges them in the flow's process with the same stage function that
+runs in-process, so the capture is the same bytes.
 
 Each machine's life is one Prefect task run, `machine-LABEL` (`machine_life`), submitted to Prefect's
 thread-pool task runner: it takes the steps the fleet hands it (bootstrap, golden replay, each
@@ -30,11 +33,12 @@ from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
+from jex.engine_identity import EngineFingerprint
 from jex.engine_spec import EngineSpec
 from jex.errors import FlowError, InfraError, JexError
 from jex.fileio import sha256_json, write_json
 from jex.flows.machines_doc import FingerprintMismatch, FleetMachine, GoldenReplay, MachinesDoc
-from jex.infra.ledger import Ledger
+from jex.infra.cost_ledger import CostLedger
 from jex.infra.machine import JobFailed, MachineSession, RemoteJob, required_tools, stack_lock
 from jex.infra.providers import Machine
 from jex.infra.reaper import check_results_survive, make_provider, policy_from_settings
@@ -51,7 +55,7 @@ from jex.tasks.capture.stages import WORK_RECORDS, stage_plan
 from jex.tasks.documents import GoldenVerdict
 from jex.tasks.inputs import EngineJob, FastPassInputs, ReasonInputs
 from jex.tasks.prefect_tasks import progress_artifact
-from jex.tasks.records import EngineFingerprint, StagePlan
+from jex.tasks.records import StagePlan
 from jex.tasks.store import FAILED_ROWS, LocalStore
 
 
@@ -61,7 +65,7 @@ class MachinesSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     provider: ProviderName = Field("local", description="inprocess = in this process; others rent machines")
     hosts: list[str] = Field(default_factory=list, description="ssh: hosts to use (empty = settings)")
-    workers: int = Field(1, ge=1, description="Machines sharing each engine stage (one engine each)")
+    workers: int = Field(1, ge=1, description="Machines sharing each engine stage (each with its engine slots)")
     budget_usd: float | None = Field(None, ge=0, description="Campaign cost budget (empty = settings)")
     price_per_hour: float | None = Field(None, ge=0, description="Price of one machine (empty = settings)")
     budget_hours: float | None = Field(None, gt=0, validation_alias=AliasChoices("budget_hours", "wall_budget_hours"),
@@ -147,7 +151,7 @@ class GpuFleet:
         # (a run from the Prefect UI has had no CLI pre-flight)
         check_results_survive(self.provider.name, keeps_disk=self.provider.keeps_disk,
                               bucket=self.settings.store.s3_bucket, watchdog=self.policy.watchdog)
-        self.ledger = Ledger(self.state_dir / "ledger.json")
+        self.ledger = CostLedger(self.state_dir / "ledger.json")
         self.s3 = s3_store(self.settings)
         self.on_poll = on_poll
         self.sessions: list[MachineSession] = []

@@ -37,7 +37,7 @@ from jex.fileio import write_json
 from jex.flows.campaign import CampaignSpec, campaign, sample_suite_dir
 from jex.flows.fleet import MachinesSpec
 from jex.flows.runners import run_lab
-from jex.infra.ledger import Ledger
+from jex.infra.cost_ledger import CostLedger
 from jex.lab.arms import ArmDecl, ArmsFile, parse_arms
 from jex.lab.experiment_report import (
     ArmRun,
@@ -144,7 +144,7 @@ def plan_experiment(spec: ExperimentSpec) -> Plan:
     suite = base.suite or sample_suite_dir(base)
     if Path(suite).is_file():  # a bundle: the campaign reads a suite folder, so write one from it
         from jex.lab.panel import panel_suite
-        from jex.tasks.scoring.inputs import load_suite_table
+        from jex.tasks.scoring.suite_table import load_suite_table
 
         ids = [c.id for c in load_suite_table(suite).spec.catalogs]
         suite = str(panel_suite(suite, out / "suite-of-bundle", ids))
@@ -159,7 +159,7 @@ def plan_experiment(spec: ExperimentSpec) -> Plan:
     base = derive(base.model_copy(update={"suite": suite}), arms.base, name="base", path=spec.arms_path)
     try:
         from jex.lab.experiment_stats import metric_weights
-        from jex.tasks.scoring.inputs import load_suite_table
+        from jex.tasks.scoring.suite_table import load_suite_table
 
         table = load_suite_table(suite)
         metric_weights(table.spec, dict.fromkeys((c.id for c in table.spec.catalogs), 0.0), arms.test.metric)
@@ -185,7 +185,7 @@ class ExperimentBudget:
     """One machine budget for every sub-run of an experiment: the ledger's cost of the sub-runs so far
     (each a ledger campaign, its run folder's name) is taken off before the next one starts."""
 
-    def __init__(self, total_usd: float, ledger: Ledger):
+    def __init__(self, total_usd: float, ledger: CostLedger):
         self.total_usd, self.ledger = total_usd, ledger
         self.spent_usd = 0.0
 
@@ -208,7 +208,7 @@ def experiment_budget(base: CampaignSpec) -> ExperimentBudget:
 
     infra = load_settings().infra
     total = base.machines.budget_usd if base.machines.budget_usd is not None else infra.budget_usd
-    return ExperimentBudget(total, Ledger(Path(infra.state_dir) / "ledger.json"))
+    return ExperimentBudget(total, CostLedger(Path(infra.state_dir) / "ledger.json"))
 
 
 def _sub_run(spec: CampaignSpec) -> tuple[Path, dict[str, int], float]:

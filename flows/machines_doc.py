@@ -11,12 +11,12 @@ from pathlib import Path
 
 from pydantic import Field
 
+from jex.engine_identity import EngineFingerprint
 from jex.fileio import read_json
 from jex.infra.records import CostLedgerReport, MachineReport, Record
 from jex.tasks.capture.engine_host.protocol import EngineStart
 from jex.tasks.documents import GoldenVerdict
 from jex.tasks.outputs.report import MachinesSection
-from jex.tasks.records import EngineFingerprint
 
 
 class GoldenReplay(GoldenVerdict):

@@ -13,7 +13,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from jex.errors import JexError
-from jex.infra.ledger import Ledger
+from jex.infra.cost_ledger import CostLedger
 from jex.infra.reaper import make_provider, policy_from_settings, sweep
 from jex.infra.records import ReconcileReport
 from jex.run_records import RunStages
@@ -34,9 +34,9 @@ def reconcile_flow(provider: str | None = None, campaign: str | None = None,
     log = get_run_logger()
     if flow_run_id:
         log.info("triggered by the failure of flow run %s", flow_run_id)
-    report = sweep(make_provider(settings.infra, name=provider), Ledger(Path(settings.infra.state_dir) / "ledger.json"),
-                   policy=policy_from_settings(settings.infra), s3=s3_store(settings), campaign=campaign,
-                   echo=log.info)
+    ledger = CostLedger(Path(settings.infra.state_dir) / "ledger.json")
+    report = sweep(make_provider(settings.infra, name=provider), ledger, policy=policy_from_settings(settings.infra),
+                   s3=s3_store(settings), campaign=campaign, echo=log.info)
     log.info("reconciled %d machine(s); errors: %s", len(report.machines), report.errors or "none")
     if flow_run_id and settings.prefect.notify_block:
         try:

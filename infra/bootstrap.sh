@@ -2,7 +2,9 @@
 # Worker bootstrap, uploaded by the orchestrator and run on the machine. Idempotent: a second run
 # with the same code and stack finds everything in place and only rewrites provenance.json.
 #   bash bootstrap.sh WORKDIR CODE_SHA PYTHON   (stdin: one JSON line of watchdog credentials, or empty)
-# WORKDIR holds code-CODE_SHA.tar.gz and stack.lock (pip requirement pins). Prints one JSON line:
+# WORKDIR holds code-CODE_SHA.tar.gz and stack.lock (pip requirement pins), installed into a venv when the
+# interpreter does not satisfy them (with uv, pip the fallback; JEX_PIP_ARGS: options for both, e.g. an
+# index URL). Prints one JSON line:
 # the python the jobs must use, the folder put first on their PATH (BIN: the stack's bin folder, beside that
 # python) and whether the stack was reused or installed. JEX_REQUIRED_TOOLS: executables the engine needs on
 # PATH ("a|b": any one of them), looked up with BIN first, as the jobs will; a missing one exits 4 with one
@@ -36,13 +38,42 @@ for line in open(sys.argv[1]):
 EOF
 }
 
+# shellcheck disable=SC2086  # JEX_PIP_ARGS is a list of pip options (e.g. an index URL)
+install_stack() {  # stack.lock into the venv $W/stack: with uv where it can stand in for pip, else with pip
+  "$PY" -m venv "$W/stack"
+  local SPY="$W/stack/bin/python" UV=""
+  # uv downloads and unpacks in parallel where pip goes one wheel at a time (a torch or vLLM stack is
+  # gigabytes). It reads JEX_PIP_ARGS but not pip's configuration: a machine whose pip is configured
+  # (pip.conf or PIP_*: an index, find-links, a certificate, a constraint file) keeps pip, which reads it.
+  # uv is the machine's own, else its wheel (one static binary, no dependencies) from the same index, kept
+  # beside the stack; it installs the same pins as pip would (several indexes read as pip reads them:
+  # unsafe-best-match; the system's certificates; bytecode compiled as pip does), and whatever it refuses
+  # or fails at falls back to pip. The same check follows either way.
+  local PIPCONF
+  PIPCONF=$("$SPY" -m pip config list 2>/dev/null || true)
+  if ! grep -Eq '\.(index-url|extra-index-url|find-links|no-index|cert|client-cert|trusted-host|constraint|proxy)=' \
+      <<< "$PIPCONF"; then
+    UV=$(PATH="$PATH:${HOME:-/nonexistent}/.local/bin:${HOME:-/nonexistent}/.cargo/bin" command -v uv || true)
+    if [ -z "$UV" ] && { [ -x "$W/uv/bin/uv" ] || "$SPY" -m pip install -q ${JEX_PIP_ARGS:-} --target "$W/uv" uv \
+        >> bootstrap.log 2>&1; } && [ -x "$W/uv/bin/uv" ]; then
+      UV="$W/uv/bin/uv"
+    fi
+  fi
+  if [ -n "$UV" ] && UV_NATIVE_TLS=1 "$UV" pip install --python "$SPY" --index-strategy unsafe-best-match \
+      --compile-bytecode -q ${JEX_PIP_ARGS:-} -r stack.lock >> bootstrap.log 2>&1; then
+    echo "stack installed with $("$UV" --version)" >> bootstrap.log
+  else
+    [ -z "$UV" ] || echo "uv ($UV) failed; installing with pip" >> bootstrap.log
+    "$SPY" -m pip install -q ${JEX_PIP_ARGS:-} -r stack.lock >> bootstrap.log 2>&1
+    echo "stack installed with pip" >> bootstrap.log
+  fi
+}
+
 STACK=reused
 MISSING=$(check_stack "$PY")
 if [ -n "$MISSING" ]; then
   if [ ! -x "$W/stack/bin/python" ] || [ -n "$(check_stack "$W/stack/bin/python")" ]; then
-    "$PY" -m venv "$W/stack"
-    # shellcheck disable=SC2086  # JEX_PIP_ARGS is a list of pip options (e.g. an index URL)
-    "$W/stack/bin/python" -m pip install -q ${JEX_PIP_ARGS:-} -r stack.lock >> bootstrap.log 2>&1
+    install_stack
     STACK=installed
   fi
   PY="$W/stack/bin/python"

@@ -30,7 +30,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from jex.errors import InfraError
 from jex.fileio import atomic_open, sha256_bytes, sha256_file, write_json
-from jex.infra.ledger import Ledger
+from jex.infra.backoff import MACHINE_CALL, VERIFY_DOWNLOAD, Backoff, retry
+from jex.infra.cost_ledger import CostLedger
 from jex.infra.providers import Machine, Provider
 from jex.infra.records import (
     Artifact,
@@ -49,7 +50,6 @@ from jex.infra.records import (
     Transfer,
     WorkerStatus,
 )
-from jex.infra.retry import MACHINE_CALL, VERIFY_DOWNLOAD, Backoff, retry
 from jex.infra.s3 import S3Store
 from jex.infra.shell import Shell, ShellError
 from jex.infra.watchdog import MARKER, WatchdogConfig
@@ -226,7 +226,7 @@ class StartedMachine:
 class MachineSession:
     """Owns one machine from create to confirmed deletion; see the module docstring."""
 
-    def __init__(self, provider: Provider, *, campaign: str, ledger: Ledger, policy: Policy | None = None,
+    def __init__(self, provider: Provider, *, campaign: str, ledger: CostLedger, policy: Policy | None = None,
                  label: str = "gpu", python: str = "python3", state_dir: Path | None = None,
                  stack: str | None = None, s3: S3Store | None = None, echo: Callable[[str], None] | None = None,
                  on_poll: Callable[[MachineSession, RemoteJob, int], None] | None = None,

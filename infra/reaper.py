@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from jex.errors import InputError
-from jex.infra.ledger import Ledger
+from jex.infra.cost_ledger import CostLedger
 from jex.infra.machine import JobFailed, MachineSession, Policy, RemoteJob, adopt_artifacts, self_terminated_marker
 from jex.infra.providers import (
     CommandProvider,
@@ -138,7 +138,7 @@ def _collect_jobs(session: MachineSession, jobs: list[ReconciledJob]) -> None:
                                   lost=outcome.lost))
 
 
-def _reconcile_machine(provider: Provider, ledger: Ledger, machine: Machine, errors: list[str], *,
+def _reconcile_machine(provider: Provider, ledger: CostLedger, machine: Machine, errors: list[str], *,
                        policy: Policy | None, s3: S3Store | None, echo: Echo) -> ReconciledMachine:
     """Collect a campaign's machine (or call it an orphan), then delete it; errors are added to `errors`."""
     session = MachineSession(provider, campaign=machine.campaign or "orphans", ledger=ledger, policy=policy,
@@ -158,7 +158,7 @@ def _reconcile_machine(provider: Provider, ledger: Ledger, machine: Machine, err
                              teardown=teardown)
 
 
-def sweep(provider: Provider, ledger: Ledger, *, policy: Policy | None = None, s3: S3Store | None = None,
+def sweep(provider: Provider, ledger: CostLedger, *, policy: Policy | None = None, s3: S3Store | None = None,
           campaign: str | None = None, echo: Echo | None = None, lost_after_s: float = LOST_AFTER_S
           ) -> ReconcileReport:
     """Supervise, collect and delete every jex machine the provider lists (of one campaign, or all);
@@ -188,7 +188,7 @@ def sweep(provider: Provider, ledger: Ledger, *, policy: Policy | None = None, s
     return ReconcileReport(machines=machines, errors=errors)
 
 
-def _delete_powered_off(provider: Provider, ledger: Ledger, powered_off: list[Machine],
+def _delete_powered_off(provider: Provider, ledger: CostLedger, powered_off: list[Machine],
                         machines: list[ReconciledMachine], errors: list[str], *, policy: Policy | None,
                         echo: Echo) -> list[ReconciledMachine]:
     """Delete the machines listed powered off (a stopped VM still holds quota): `machines` with each one's
@@ -225,7 +225,7 @@ def _delete_powered_off(provider: Provider, ledger: Ledger, powered_off: list[Ma
     return out
 
 
-def reconcile(provider: Provider, ledger: Ledger, *, policy: Policy | None = None, s3: S3Store | None = None,
+def reconcile(provider: Provider, ledger: CostLedger, *, policy: Policy | None = None, s3: S3Store | None = None,
               campaign: str | None = None, echo: Echo | None = None, lost_after_s: float = LOST_AFTER_S
               ) -> dict[str, Any]:
     """`sweep`, its report as JSON (for the reconcile flow and the CLI, which read it by key)."""
@@ -233,7 +233,7 @@ def reconcile(provider: Provider, ledger: Ledger, *, policy: Policy | None = Non
                  lost_after_s=lost_after_s).model_dump()
 
 
-def _recorded_jobs(ledger: Ledger, machine_id: str) -> list[LostJob]:
+def _recorded_jobs(ledger: CostLedger, machine_id: str) -> list[LostJob]:
     """The jobs the orchestrator launched on a machine (its records in the state folder), with the
     artifact patterns whatever it had not handed over would have matched."""
     records = sorted((Path(ledger.path).parent / "jobs").glob(f"{machine_id}-*.json"))
@@ -241,7 +241,7 @@ def _recorded_jobs(ledger: Ledger, machine_id: str) -> list[LostJob]:
             for rec in (JobRecord.model_validate_json(p.read_text()) for p in records)]
 
 
-def report_lost(ledger: Ledger, provider: Provider, *, campaign: str | None, seen: set[str], echo: Echo,
+def report_lost(ledger: CostLedger, provider: Provider, *, campaign: str | None, seen: set[str], echo: Echo,
                 after_s: float = LOST_AFTER_S) -> list[ReconciledMachine]:
     """Machines the ledger holds open that this provider leased (same provider, and for host providers
     one of its hosts), that it no longer knows (`describe` is None), that S3 did not account for, and
@@ -285,7 +285,7 @@ def _adopt_jobs(s3: S3Store, machine_id: str, doc: SelfTerminated) -> list[Recon
     return jobs
 
 
-def adopt_self_terminated(s3: S3Store, ledger: Ledger, *, campaign: str | None, skip: set[str], provider: str,
+def adopt_self_terminated(s3: S3Store, ledger: CostLedger, *, campaign: str | None, skip: set[str], provider: str,
                           policy: Policy, echo: Echo) -> list[ReconciledMachine]:
     """Machines that stopped themselves (their SELF_TERMINATED.json in S3): fetch their artifacts where
     their jobs said they belong (sha256-verified) and record them in the ledger as self-terminated."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from jex.errors import InfraError
-from jex.infra.retry import SSH_CONNECT, SSH_RECONNECT, retry
+from jex.infra.backoff import SSH_CONNECT, SSH_RECONNECT, retry
 
 T = TypeVar("T")
 

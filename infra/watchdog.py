@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict
 
 from jex.fileio import write_json
+from jex.infra.backoff import retry, until_deadline, wait_until
 from jex.infra.records import (
     Artifact,
     JobEnd,
@@ -50,7 +51,6 @@ from jex.infra.records import (
     SelfTerminated,
     UploadedArtifact,
 )
-from jex.infra.retry import retry, until_deadline, wait_until
 from jex.infra.worker_protocol import DETACHED_PGIDS, PGID, alive_group, artifact_manifest, read_marker
 
 if TYPE_CHECKING:

@@ -3,8 +3,8 @@
 map to the same record (`engine/factory.py: make_engine(spec)`).
 
 `RenderSpec` holds every setting that changes what the engine reads besides the row itself; its
-digest is part of the engine fingerprint (`engine/fingerprint.py`), so of every engine stage key.
-Both records refuse unknown keys, so a misspelt key in a `--spec` file is an error, not ignored.
+digest is part of the engine fingerprint (`EngineFingerprint`, `engine_identity.py`), so of every
+engine stage key. Both records refuse unknown keys, so a misspelt key in a `--spec` file is an error, not ignored.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Atomic writes and content hashes: nothing is ever half-written."""
+"""Atomic writes (JSON, TOML through tomli-w, text, tar.gz) and content hashes: nothing is ever half-written."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import json
 import os
 import tarfile
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, BinaryIO
+
+from jex.errors import InputError
 
 CHUNK = 1 << 20
 
@@ -65,18 +67,62 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, indent=2, default=str, allow_nan=True) + "\n"
 
 
-def toml_value(v: Any) -> str:
-    """`v` as a TOML value: booleans, numbers, strings (as JSON strings, which are valid TOML basic
-    strings), arrays, and inline tables (None entries left out, TOML has no null)."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{toml_value(str(k))} = {toml_value(x)}" for k, x in v.items() if x is not None) + " }"
-    return json.dumps(str(v), ensure_ascii=False)
+def toml_text(doc: Mapping[str, Any], *, comment: str | None = None) -> str:
+    """`doc` as TOML, written by tomli-w (its default basic strings: every control character, DEL included,
+    escaped as `\\uXXXX`, so the text reads back equal through `tomllib`), after `comment` as `# ` lines.
+    None anywhere is refused (TOML has no null): an `InputError` naming its key path; leave the key out."""
+    return _toml(doc, comment=comment)
+
+
+def toml_tables_text(name: str, tables: Sequence[Mapping[str, Any]]) -> str:
+    """`tables` as `[[name]]` tables, each however short: text that may follow a file's other tables (the
+    decision ledger appends its entries so, the entries before keep their bytes). tomli-w writes an array
+    whose every table is short as one inline array (`name = [{ ... }]`), which may not follow a table;
+    beside a table too long to be inline it writes each one as `[[name]]`: that one's text is cut off."""
+    if not tables:
+        return ""
+    text = toml_text({name: [*tables, _NEVER_INLINE]})
+    tail = "\n" + toml_text({name: [_NEVER_INLINE]})
+    if not text.endswith(tail):  # pragma: no cover - a tomli-w that lays arrays of tables out otherwise
+        raise AssertionError(f"tomli-w wrote the array of tables {name!r} in an unexpected layout")
+    return text[:-len(tail)]
+
+
+def write_toml(path: str | Path, doc: Mapping[str, Any], *, comment: str | None = None) -> str:
+    """Atomically write `doc` as TOML (`toml_text`; None refused naming the file and the key path); returns
+    the sha256 of the bytes written."""
+    text = _toml(doc, comment=comment, file=str(path))
+    with atomic_open(path, "w") as f:
+        f.write(text)
+    return sha256_bytes(text.encode())
+
+
+def _toml(doc: Mapping[str, Any], *, comment: str | None, file: str | None = None) -> str:
+    import tomli_w  # here, not above: a machine's jobs write no TOML, and its stack (STACK_PACKAGES) has none
+
+    _refuse_none(doc, "", file)
+    head = "".join(f"# {line}\n" for line in comment.splitlines()) if comment else ""
+    if any(c in _COMMENT_CTRL for c in head):
+        raise ValueError(f"a TOML comment may not hold a control character: {comment!r}")
+    return head + tomli_w.dumps(doc)
+
+
+_COMMENT_CTRL = frozenset(chr(i) for i in range(32) if chr(i) not in "\t\n") | {"\x7f"}
+_NEVER_INLINE = {"_": "_" * 100}
+"""A table tomli-w never writes inline (its inline tables fit in a 100-character line)."""
+
+
+def _refuse_none(value: Any, where: str, file: str | None) -> None:
+    """An `InputError` naming the key path (`catalogs[2].chance`) of the first None in `value`."""
+    if value is None:
+        raise InputError("None cannot be written to TOML (TOML has no null): leave the key out", file=file,
+                         field=where or "(the document)")
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _refuse_none(v, f"{where}.{k}" if where else str(k), file)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _refuse_none(v, f"{where}[{i}]", file)
 
 
 def write_json(path: str | Path, obj: Any) -> str:

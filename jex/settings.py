@@ -68,7 +68,8 @@ class InfraSettings(BaseModel):
                                                   "({id}: the machine); empty: `shutdown -h now`")
     worker_python: str | None = Field(None, description="Interpreter on the machine; None = this one (local) "
                                                         "or python3")
-    pip_args: str = Field("", description="Extra pip options for the bootstrap (e.g. an index URL)")
+    pip_args: str = Field("", description="Extra pip options for the bootstrap's stack install (uv and pip "
+                                          "alike, e.g. an index URL)")
     hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1"], description="ssh provider: existing hosts")
     remote_root: str = Field("/tmp/jex-machines", description="Machine folders on a host (local/ssh providers)")
     ssh_user: str = "root"

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from jex.errors import InputError
-from jex.fileio import sha256_file, toml_value
+from jex.fileio import sha256_file, write_toml
 from jex.suite import MANIFEST_NAME, load_manifest
 
 LETTERS = string.ascii_uppercase
@@ -56,11 +56,11 @@ class ReadoutSettings:
     target_delimiter: str = " "
     scoring: str = "accuracy"
 
-    def lines(self) -> list[str]:
+    def declared(self) -> dict[str, str]:
+        """The settings that are not the default, as the catalog's manifest keys."""
         default = ReadoutSettings()
-        return [f"{k} = {toml_value(getattr(self, k))}" for k in ("readout", "prompt_format", "target_delimiter",
-                                                                  "scoring")
-                if getattr(self, k) != getattr(default, k)]
+        return {k: getattr(self, k) for k in ("readout", "prompt_format", "target_delimiter", "scoring")
+                if getattr(self, k) != getattr(default, k)}
 
 
 LM_EVAL_READOUT = ReadoutSettings(readout="loglikelihood", prompt_format="verbatim")
@@ -164,20 +164,20 @@ def write_suite(out: str | Path, catalogs: Sequence[ImportedCatalog], *, name: s
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "rows").mkdir(parents=True)
-    legs = sorted({c.leg for c in catalogs})
-    lines = [f"name = {toml_value(name)}", "", "[legs]", *(f"{toml_value(leg)} = 1.0" for leg in legs)]
+    manifest: dict[str, Any] = {"name": name, "legs": dict.fromkeys(sorted({c.leg for c in catalogs}), 1.0),
+                                "catalogs": []}
     try:
         for cat in catalogs:
             slug = _slug(cat.id)
             _write_jsonl(tmp / "rows" / f"{slug}.jsonl", (r.record(cat.id) for r in cat.rows))
-            lines += ["", "[[catalogs]]", f"id = {toml_value(cat.id)}", f"name = {toml_value(cat.name or cat.id)}",
-                      f"leg = {toml_value(cat.leg)}", f"weight = {cat.weight!r}", f'files = ["rows/{slug}.jsonl"]',
-                      *cat.readout.lines()]
+            entry = {"id": cat.id, "name": cat.name or cat.id, "leg": cat.leg, "weight": cat.weight,
+                     "files": [f"rows/{slug}.jsonl"], **cat.readout.declared()}
             if cat.fewshot:
                 _write_jsonl(tmp / "rows" / f"{slug}.fewshot.jsonl", (r.record(cat.id) for r in cat.fewshot))
-                lines.append(f'fewshot_files = ["rows/{slug}.fewshot.jsonl"]')
-        lines += ["", "[source]", *(f"{toml_value(k)} = {toml_value(v)}" for k, v in source.items() if v is not None)]
-        (tmp / MANIFEST_NAME).write_text("\n".join(lines) + "\n", encoding="utf-8")
+                entry["fewshot_files"] = [f"rows/{slug}.fewshot.jsonl"]
+            manifest["catalogs"].append(entry)
+        manifest["source"] = _without_none(source)
+        write_toml(tmp / MANIFEST_NAME, manifest)
         load_manifest(tmp)  # what we wrote must read back
         if out.exists():
             shutil.rmtree(out)
@@ -185,6 +185,16 @@ def write_suite(out: str | Path, catalogs: Sequence[ImportedCatalog], *, name: s
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return ImportResult(out, {c.id: len(c.rows) for c in catalogs}, {c.id: len(c.fewshot) for c in catalogs})
+
+
+def _without_none(value: Any) -> Any:
+    """`value` with the None entries of its tables left out, at every depth (TOML has no null: an unset
+    source field, such as a Hub revision not given, is absent from `[source]`)."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_without_none(v) for v in value]
+    return value
 
 
 def _write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:

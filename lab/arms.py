@@ -40,7 +40,7 @@ from jex.tasks.decisions import ReopenIf
 ArmKind = Literal["arm", "placebo", "twin", "sweep"]
 CAMPAIGN_SETTINGS = ("coverage", "per_catalog_cap", "reason_max_tokens", "fold_rule", "fold_weight",
                      "calibration_folds", "overlays")
-"""Campaign settings an arm may change (the CPU stages, and the coverage gate's coverage)."""
+"""Campaign settings an arm may change (the decision stages, and the coverage gate's coverage)."""
 ENGINE_SETTINGS = ("kind", "device", "batch_size", "max_num_seqs", "dtype", "gpu_memory_utilization",
                    "max_model_len")
 """Engine profile settings an arm may change (`[arms.engine]`)."""

@@ -36,7 +36,7 @@ from jex.tasks.scoring.bootstrap_ci import (
     statistics_per_draw,
 )
 from jex.tasks.scoring.index import BEST, catalog_chances, catalog_shares, score_predictions, scored_frame
-from jex.tasks.scoring.inputs import ScoreSpec
+from jex.tasks.scoring.suite_table import ScoreSpec
 
 
 class DeltaJson(TypedDict):

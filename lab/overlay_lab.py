@@ -29,7 +29,7 @@ import numpy as np
 import polars as pl
 
 from jex.errors import InputError
-from jex.fileio import write_json
+from jex.fileio import toml_tables_text, write_json
 from jex.lab.experiment_report import register_with_base, stage_summaries
 from jex.numerics import logit, named_rng, question_folds
 from jex.overlays.apply import apply_overlays, no_degrade_check, reversibility_check
@@ -40,7 +40,7 @@ from jex.tasks.decisions import Decision, now
 from jex.tasks.run_store import run_summaries
 from jex.tasks.scoring.bootstrap_ci import paired_bootstrap_ci
 from jex.tasks.scoring.index import catalog_chances, score_predictions, scored_frame
-from jex.tasks.scoring.inputs import ScoreSpec, load_suite_table
+from jex.tasks.scoring.suite_table import ScoreSpec, load_suite_table
 
 
 @dataclass(frozen=True)
@@ -223,14 +223,11 @@ def mine(capture: Capture, *, folds: int = 5) -> MiningDoc:
 
 def candidate_rules_toml(candidates: list[Candidate], top: int = 5) -> str:
     """A rule file for the best candidates (a person keeps what the pre-registered test passed)."""
-    out = []
-    for i, c in enumerate(candidates[:top]):
-        params = {k: v for k, v in c.items() if k in ("label_index", "tau", "positive_index", "shrink", "folds")}
-        lines = ["[[rules]]", f'id = "M{i + 1}-{c["catalog"]}"', f'kind = "{c["kind"]}"', f'target = "{c["catalog"]}"',
-                 f'projection_class = "{c["projection_class"]}"', "enabled = true"]
-        lines += [f"{k} = {json.dumps(v)}" for k, v in params.items()]
-        out.append("\n".join(lines))
-    return "\n\n".join(out) + "\n"
+    rules = [{"id": f"M{i + 1}-{c['catalog']}", "kind": c["kind"], "target": c["catalog"],
+              "projection_class": c["projection_class"], "enabled": True,
+              **{k: v for k, v in c.items() if k in ("label_index", "tau", "positive_index", "shrink", "folds")}}
+             for i, c in enumerate(candidates[:top])]
+    return toml_tables_text("rules", rules)
 
 
 @dataclass(frozen=True)

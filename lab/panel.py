@@ -15,10 +15,9 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from jex.errors import InputError
-from jex.fileio import atomic_open, write_text
+from jex.fileio import atomic_open, write_toml
 from jex.suite import SuiteManifest, SuiteRow, iter_fewshot_rows, iter_rows, load_manifest
 
 FIELDS = ("run_id", "catalog", "question_id", "prompt", "options", "labels", "gold")
@@ -43,7 +42,7 @@ def prepare_panel(source: str | Path, dest: str | Path, catalogs: Sequence[str],
     """The panel of `catalogs` of the suite at `source`: shares first (an unknown catalog, or a share
     more than SHARE_TOLERANCE from `declared_share`, is an `InputError` before anything is written)."""
     from jex.lab.experiment_stats import panel_share
-    from jex.tasks.scoring.inputs import load_suite_table
+    from jex.tasks.scoring.suite_table import load_suite_table
 
     try:
         shares = panel_share(load_suite_table(source).spec, catalogs)
@@ -54,16 +53,6 @@ def prepare_panel(source: str | Path, dest: str | Path, catalogs: Sequence[str],
         raise InputError(f"the panel's share of the full weight is {total:.5f}, not the declared "
                          f"{declared_share}", field="panel_share")
     return Panel(suite=panel_suite(source, dest, catalogs), shares=shares)
-
-
-def _toml(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml(x) for x in v) + "]"
-    return json.dumps(str(v))
 
 
 def _write_rows(path: Path, rows: Iterable[SuiteRow]) -> None:
@@ -110,8 +99,7 @@ def _panel_of_folder(source: Path, dest: Path, catalogs: Sequence[str], *, from_
         for r in iter_fewshot_rows(source, manifest):
             if r.catalog in shots:
                 shots[r.catalog].append(r)
-    lines = [f"name = {_toml(manifest.name + '-panel')}", "", "[legs]", *(f"{_toml(k)} = {_toml(v)}"
-                                                                           for k, v in legs.items())]
+    entries = []
     for c in keep:
         _write_rows(dest / "rows" / f"{c.id}.jsonl", rows[c.id])
         entry = c.model_dump(exclude_none=True)
@@ -121,6 +109,6 @@ def _panel_of_folder(source: Path, dest: Path, catalogs: Sequence[str], *, from_
             entry["fewshot_files"] = [f"fewshot/{c.id}.jsonl"]
         else:
             entry.pop("fewshot_files", None)
-        lines += ["", "[[catalogs]]", *(f"{k} = {_toml(v)}" for k, v in entry.items() if v != ())]
-    write_text(dest / "suite.toml", "\n".join(lines) + "\n")
+        entries.append({k: v for k, v in entry.items() if v != ()})
+    write_toml(dest / "suite.toml", {"name": manifest.name + "-panel", "legs": legs, "catalogs": entries})
     return dest

@@ -7,9 +7,10 @@ summary recorded last, with the provenance of what computed it beside it.
     gated = gate_stage(store, bundle=b, fast=f, coverage=0.1)               # the same, fields as keywords
 
 The inputs record (`tasks/inputs.py`) is the one declaration of what the stage takes: its key, the
-body's arguments, the Prefect task's parameter (`tasks/prefect_tasks.py`) and a machine's job. The
-keywords of `run` beyond the record (a worker's share, progress callbacks) say how to compute, never
-what: they cannot change the output.
+body's arguments, the Prefect task's parameter (`tasks/prefect_tasks.py`) and a machine's job
+(`EngineJob`). The keywords of `run` beyond the record (an engine stage's `share`: which shards this
+process computes, and its progress callback) say how to compute, never what: they cannot change the
+output.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from pydantic import Field
 
 from jex.engine_spec import EngineSpec
 from jex.errors import InputError
-from jex.fileio import atomic_path, toml_value
+from jex.fileio import atomic_path, toml_tables_text
 from jex.record import Record
 
 LEDGER_NAME = "ledger.toml"
@@ -117,12 +117,13 @@ def now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _block(d: Decision) -> str:
-    doc = d.model_dump(mode="json", exclude_none=True)
+def _entry(d: Decision) -> dict[str, object]:
+    """The decision as its `[[decisions]]` table: unset fields and a value that is not a finite number (a
+    campaign's NaN index) left out. Dumped as Python values: JSON mode would turn a NaN into None."""
+    doc = d.model_dump(exclude_none=True)
     if d.reopen_if is not None:
-        doc["reopen_if"] = d.reopen_if.model_dump(mode="json", exclude_defaults=True)
-    keep = {k: v for k, v in doc.items() if not (isinstance(v, float) and not math.isfinite(v))}
-    return "[[decisions]]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in keep.items())
+        doc["reopen_if"] = d.reopen_if.model_dump(exclude_defaults=True)
+    return {k: v for k, v in doc.items() if not (isinstance(v, float) and not math.isfinite(v))}
 
 
 def read_decisions(path: str | Path) -> list[Decision]:
@@ -154,7 +155,7 @@ def append_decisions(path: str | Path, decisions: Iterable[Decision]) -> list[De
         if new:
             lead = "\n" if old and not old.endswith("\n\n") else ""
             with atomic_path(path) as tmp:
-                tmp.write_text(old + lead + "\n".join(_block(d) for d in new), encoding="utf-8")
+                tmp.write_text(old + lead + toml_tables_text("decisions", [_entry(d) for d in new]), encoding="utf-8")
     return new
 
 

@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, JsonValue, field_validator, model_validator
 
-from jex.engine.fingerprint import EngineFingerprint, engine_fingerprint
+from jex.engine.fingerprint import engine_fingerprint
+from jex.engine_identity import EngineFingerprint
 from jex.engine_spec import EngineSpec
 from jex.errors import InputError
 from jex.fileio import sha256_file
@@ -185,7 +186,7 @@ class GoldenInputs(StageInputs):
     rows: int = Field(ge=1)
 
 
-# -- CPU stages ------------------------------------------------------------------------------------
+# -- decision stages -------------------------------------------------------------------------------
 class GateInputs(StageInputs):
     stage: Literal["gate"] = "gate"
     bundle: BundleSummary

@@ -24,7 +24,7 @@ from prefect.states import State
 
 from jex.engine.types import EngineError
 from jex.progress import shard_progress
-from jex.tasks import cpu_stages
+from jex.tasks import decision_stages
 from jex.tasks.capture import stages
 from jex.tasks.capture.spec_proof import proof_sample_stage
 from jex.tasks.inputs import (
@@ -127,7 +127,7 @@ def fast_pass_task(inputs: FastPassInputs, store: str) -> FastPassSummary:
 
 @task(name="gate", **CACHED)
 def gate_task(inputs: GateInputs, store: str) -> GateSummary:
-    return cpu_stages.gate_stage(LocalStore(store), inputs)
+    return decision_stages.gate_stage(LocalStore(store), inputs)
 
 
 @task(name="reason", **ENGINE_RETRIES, **CACHED)
@@ -143,22 +143,22 @@ def proof_sample_task(inputs: ProofSampleInputs, store: str) -> GateSummary:
 
 @task(name="fold", **CACHED)
 def fold_task(inputs: FoldInputs, store: str) -> FoldSummary:
-    return cpu_stages.fold_stage(LocalStore(store), inputs)
+    return decision_stages.fold_stage(LocalStore(store), inputs)
 
 
 @task(name="calibrate", **CACHED)
 def calibrate_task(inputs: CalibrateInputs, store: str) -> CalibrateSummary:
-    return cpu_stages.calibrate_stage(LocalStore(store), inputs)
+    return decision_stages.calibrate_stage(LocalStore(store), inputs)
 
 
 @task(name="overlay", **CACHED)
 def overlay_task(inputs: OverlayInputs, store: str) -> OverlaySummary:
-    return cpu_stages.overlay_stage(LocalStore(store), inputs)
+    return decision_stages.overlay_stage(LocalStore(store), inputs)
 
 
 @task(name="score", **CACHED)
 def score_task(inputs: ScoreInputs, store: str) -> ScoreSummary:
-    return cpu_stages.score_stage(LocalStore(store), inputs)
+    return decision_stages.score_stage(LocalStore(store), inputs)
 
 
 @task(name="report", cache_policy=NO_CACHE)

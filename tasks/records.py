@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal, Self, TypedDict, get_args
 
 from pydantic import ConfigDict, Field
 
-from jex.engine.fingerprint import EngineFingerprint
+from jex.engine_identity import EngineFingerprint
 from jex.record import Record
 
 

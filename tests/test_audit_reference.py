@@ -11,7 +11,7 @@ import pytest
 from jex.errors import InputError
 from jex.lab.parity import capture_readouts
 from jex.tasks.capture.stages import bundle_stage
-from jex.tasks.cpu_stages import score_stage
+from jex.tasks.decision_stages import score_stage
 from jex.tasks.documents import ScoreDoc, read_doc
 from jex.tasks.records import FoldSummary, OverlaySummary
 from jex.tasks.scoring.reference_audit import audit_markdown

@@ -18,8 +18,8 @@ from jex.errors import InputError
 from jex.tasks.records import CalibrateSummary, FoldSummary
 from jex.tasks.scoring.bootstrap_ci import bootstrap_ci, bootstrap_loop
 from jex.tasks.scoring.index import catalog_chances, scored_frame
-from jex.tasks.scoring.inputs import load_predictions, load_suite_table
 from jex.tasks.scoring.score import score_files, score_twice
+from jex.tasks.scoring.suite_table import load_predictions, load_suite_table
 from tests.conftest import row, write_suite
 
 KINDS = {"acc": "accuracy", "bri": "brier", "ll": "log_loss", "cal": "calibrated_accuracy"}
@@ -113,7 +113,7 @@ def test_chance_baselines_are_the_uniform_guess():
     import polars as pl
 
     from jex.tasks.scoring.index import score_predictions
-    from jex.tasks.scoring.inputs import CatalogSpec, ScoreSpec
+    from jex.tasks.scoring.suite_table import CatalogSpec, ScoreSpec
 
     spec = ScoreSpec(legs={"L": 1.0}, catalogs=tuple(CatalogSpec(c, "L", 1.0, None, scoring=k)
                                                      for c, k in KINDS.items() if k != "accuracy"))
@@ -181,7 +181,7 @@ def test_an_overlay_sets_abstain_and_the_campaigns_score_reads_it(tmp_path):
     from jex.fileio import read_json
     from jex.overlays import AbstainBelow
     from jex.tasks.capture.stages import bundle_stage
-    from jex.tasks.cpu_stages import overlay_stage, score_stage
+    from jex.tasks.decision_stages import overlay_stage, score_stage
     from jex.tasks.store import LocalStore, write_parquet
 
     suite, rows = mixed_suite(tmp_path / "s", secondary={"acc": ["abstain"]})

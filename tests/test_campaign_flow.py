@@ -61,7 +61,7 @@ def _spec(suite, tmp_path):
 
 
 def test_fold_failure_retry_makes_no_engine_calls_upstream(harness, tiny_suite, tmp_path, monkeypatch, s3_server):
-    import jex.tasks.cpu_stages as cpu
+    import jex.tasks.decision_stages as cpu
     from jex.flows.campaign import campaign, stored_run
     from jex.settings import load_settings
 

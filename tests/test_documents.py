@@ -34,7 +34,7 @@ def test_a_document_refuses_a_field_it_does_not_know():
 
 
 def test_a_fingerprint_mismatch_is_its_own_golden_entry_not_a_verdict():
-    from jex.engine.fingerprint import EngineFingerprint, RenderDigest
+    from jex.engine_identity import EngineFingerprint, RenderDigest
     from jex.flows.fleet import GoldenMismatch
     from jex.flows.machines_doc import FingerprintMismatch, GoldenReplay, MachinesDoc, machines_section
 

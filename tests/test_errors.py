@@ -19,7 +19,7 @@ JEX = str(Path(sys.executable).with_name("jex"))
 def test_infra_flow_and_server_errors_share_the_one_root():
     from jex.deployments.server import ServerError as StartError
     from jex.flows.fleet import GoldenMismatch
-    from jex.infra.ledger import BudgetExceeded
+    from jex.infra.cost_ledger import BudgetExceeded
     from jex.infra.machine import JobFailed
     from jex.infra.providers import ProviderError
     from jex.infra.s3 import UploadError

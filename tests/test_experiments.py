@@ -28,7 +28,7 @@ from jex.lab.experiment_stats import (
     versus,
 )
 from jex.tasks.scoring.index import aggregate, catalog_chances, score_predictions, scored_frame
-from jex.tasks.scoring.inputs import load_suite_table
+from jex.tasks.scoring.suite_table import load_suite_table
 from tests.conftest import row, write_suite
 
 GOOD = '''
@@ -487,7 +487,7 @@ def test_the_twin_is_byte_identical_and_ran_its_engine_in_another_process(finish
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_arms_that_change_only_cpu_stages_make_no_engine_calls(finished):
+def test_arms_that_change_only_decision_stages_make_no_engine_calls(finished):
     _, doc = finished
     assert doc["base"]["engine_calls"]["fast_pass"] > 0 and doc["base"]["engine_calls"]["reason"] > 0
     for point in ("fold-weight@0.25", "fold-weight@1.0"):

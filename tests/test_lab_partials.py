@@ -71,9 +71,9 @@ def test_an_experiment_shares_one_machine_budget_across_its_sub_runs(tmp_path):
     from jex.errors import FlowError
     from jex.flows.campaign import CampaignSpec
     from jex.flows.lab import ExperimentBudget
-    from jex.infra.ledger import Ledger
+    from jex.infra.cost_ledger import CostLedger
 
-    ledger = Ledger(tmp_path / "ledger.json")
+    ledger = CostLedger(tmp_path / "ledger.json")
     budget = ExperimentBudget(25.0, ledger)
     spec = CampaignSpec()
     assert budget.spec_for(spec, "base").machines.budget_usd == 25.0
@@ -93,8 +93,8 @@ def test_the_report_area_table_splits_the_full_index_by_the_manifests_area(sampl
 
     from jex.tasks.outputs.report import _score_section
     from jex.tasks.scoring.index import catalog_shares
-    from jex.tasks.scoring.inputs import load_suite_table
     from jex.tasks.scoring.score import area_table, score_with_ci
+    from jex.tasks.scoring.suite_table import load_suite_table
 
     table = load_suite_table(sample_suite)
     rng = random.Random(4)
@@ -114,8 +114,8 @@ def test_the_report_area_table_splits_the_full_index_by_the_manifests_area(sampl
 def test_no_area_table_when_every_catalog_is_general(sample_suite):
     from dataclasses import replace
 
-    from jex.tasks.scoring.inputs import load_suite_table
     from jex.tasks.scoring.score import area_table, score_with_ci
+    from jex.tasks.scoring.suite_table import load_suite_table
 
     table = load_suite_table(sample_suite)
     general = replace(table.spec, catalogs=tuple(replace(c, area="general") for c in table.spec.catalogs))
@@ -137,7 +137,7 @@ def test_the_machine_preflight_names_a_tool_missing_from_path(tmp_path):
 
     import pytest
 
-    from jex.infra.ledger import Ledger
+    from jex.infra.cost_ledger import CostLedger
     from jex.infra.machine import MachineSession, Policy
     from jex.infra.providers import LocalProvider
     from jex.infra.shell import ShellError
@@ -145,7 +145,7 @@ def test_the_machine_preflight_names_a_tool_missing_from_path(tmp_path):
     provider = LocalProvider(tmp_path / "machines")
 
     def session(tools: tuple[str, ...]) -> MachineSession:
-        return MachineSession(provider, campaign="c1", ledger=Ledger(tmp_path / "state" / "ledger.json"),
+        return MachineSession(provider, campaign="c1", ledger=CostLedger(tmp_path / "state" / "ledger.json"),
                               policy=Policy(backoff_s=0.1, watchdog=False), python=sys.executable,
                               state_dir=tmp_path / "state", tools=tools)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from jex.infra.ledger import BudgetExceeded, Ledger
+from jex.infra.cost_ledger import BudgetExceeded, CostLedger
 from jex.infra.machine import JobFailed, MachineSession, Policy, RemoteJob
 from jex.infra.providers import CommandProvider, CommandTemplates, EC2Provider, LocalProvider, SSHProvider
 from jex.infra.reaper import reconcile
@@ -34,7 +34,7 @@ def ssh_provider(sshd, root: Path, cls=SSHProvider) -> SSHProvider:
 
 def session_for(provider, tmp_path, s3=None, *, campaign="c1", **policy) -> MachineSession:
     state = tmp_path / "state"
-    return MachineSession(provider, campaign=campaign, ledger=Ledger(state / "ledger.json"),
+    return MachineSession(provider, campaign=campaign, ledger=CostLedger(state / "ledger.json"),
                           policy=Policy(**{**FAST, **policy}), python=sys.executable, state_dir=state, s3=s3)
 
 
@@ -267,19 +267,19 @@ def test_budget_tears_down_running_machines_and_refuses_new_ones(tmp_path, s3_bu
     with pytest.raises(BudgetExceeded):
         session_for(provider, tmp_path, s3_bucket, price_per_hour=36_000.0, budget_usd=20.0).start()
     assert provider.list_machines() == []
-    ledger = Ledger(tmp_path / "state" / "ledger.json").usage("c1")
+    ledger = CostLedger(tmp_path / "state" / "ledger.json").usage("c1")
     assert len(ledger.machines) == 1 and ledger.total_usd >= 20.0
 
 
 _ORCHESTRATOR = """
 import sys, time
 from pathlib import Path
-from jex.infra.ledger import Ledger
+from jex.infra.cost_ledger import CostLedger
 from jex.infra.providers import SSHProvider
 from jex.infra.machine import MachineSession, Policy, RemoteJob
 tmp, port, key, known = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 p = SSHProvider(str(tmp / "remote"), ["127.0.0.1"], port=port, key_path=Path(key), known_hosts=Path(known))
-s = MachineSession(p, campaign="c1", ledger=Ledger(tmp / "state/ledger.json"), python=sys.executable,
+s = MachineSession(p, campaign="c1", ledger=CostLedger(tmp / "state/ledger.json"), python=sys.executable,
                    state_dir=tmp / "state", policy=Policy(poll_s=0.3, heartbeat_s=0.5, heartbeat_timeout_s=10))
 s.start()
 job = RemoteJob("j", ["-c", "import os; os.execvp('sh', ['sh', '-c', 'sleep 3; echo result > r.bin'])"],
@@ -300,7 +300,7 @@ def test_orchestrator_killed_mid_run_then_reconcile_collects_and_deletes(sshd, t
     provider = ssh_provider(sshd, tmp_path / "remote")
     orphan = provider.create(None, "stray")  # a machine nobody claims
     assert len(provider.list_machines("c1")) == 1
-    report = reconcile(provider, Ledger(tmp_path / "state" / "ledger.json"), policy=Policy(**FAST), s3=s3_bucket)
+    report = reconcile(provider, CostLedger(tmp_path / "state" / "ledger.json"), policy=Policy(**FAST), s3=s3_bucket)
     by_id = {m["machine"]: m for m in report["machines"]}
     assert by_id[orphan.id]["action"] == "orphan"
     collected = next(m for m in report["machines"] if m["campaign"] == "c1")
@@ -406,7 +406,7 @@ def test_jex_infra_reconcile_deletes_orphans_from_the_command_line(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"{orphan.id} (no campaign): orphan" in out.stdout
     assert LocalProvider(state / "machines").list_machines() == []
-    ledger = Ledger(state / "ledger.json").get(orphan.id)
+    ledger = CostLedger(state / "ledger.json").get(orphan.id)
     assert ledger.end_reason == "reconcile: orphan" and ledger.deleted_at is not None
 
 
@@ -423,10 +423,100 @@ def test_jobs_see_the_path_the_bootstrap_checked_the_engine_tools_on(tmp_path):
         tool.chmod(0o755)
     assert shutil.which("jex-test-build-tool") is None  # on no other PATH
     provider = LocalProvider(tmp_path / "machines")
-    session = MachineSession(provider, campaign="c1", ledger=Ledger(tmp_path / "state" / "ledger.json"),
+    session = MachineSession(provider, campaign="c1", ledger=CostLedger(tmp_path / "state" / "ledger.json"),
                              policy=Policy(**FAST, watchdog=False), python=str(stack / "python"),
                              state_dir=tmp_path / "state", tools=("jex-test-build-tool",))
     with session:
         outcome = session.run(shell_job("j", "jex-test-build-tool", tmp_path / "got"))
     assert outcome.status == "success" and (tmp_path / "got" / "built.bin").read_text() == "built\n"
     assert session.bin_dir == str(stack) and provider.list_machines() == []
+
+
+# -- the stack install: uv where it can stand in for pip, pip the fallback ------------------------------
+
+FAKE_UV = """#!{python}
+import json, os, subprocess, sys
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("uv 0.0.0 (fake)")
+    sys.exit(0)
+with open(os.environ["FAKE_UV_CALLS"], "a") as f:
+    f.write(json.dumps(args) + "\\n")
+if os.environ.get("FAKE_UV_FAILS"):
+    sys.exit(2)
+# `uv pip install --python P [uv's own options] [pip's options] -r stack.lock`: pip does the install
+python = args[args.index("--python") + 1]
+own = {{"--python", python, "--index-strategy", "unsafe-best-match", "--compile-bytecode"}}
+sys.exit(subprocess.call([python, "-m", "pip", "install", *[a for a in args[2:] if a not in own]]))
+"""
+
+
+def _tiny_wheel(folder: Path) -> None:
+    """`jex-test-pin` 1.0, a wheel pip installs offline from `folder`."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {"jex_test_pin/__init__.py": b"",
+             "jex_test_pin-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: jex-test-pin\nVersion: 1.0\n",
+             "jex_test_pin-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: jex-test\nRoot-Is-Purelib: true\n"
+                                                 b"Tag: py3-none-any\n"}
+    record = "".join(f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},"
+                     f"{len(d)}\n" for p, d in files.items()) + "jex_test_pin-1.0.dist-info/RECORD,,\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(folder / "jex_test_pin-1.0-py3-none-any.whl", "w") as z:
+        for p, d in {**files, "jex_test_pin-1.0.dist-info/RECORD": record.encode()}.items():
+            z.writestr(p, d)
+
+
+def _bootstrap(tmp_path: Path, *, fake_uv: bool = True, uv_fails: bool = False,
+               pip_conf: str | None = None) -> tuple[dict, str, list[list[str]]]:
+    """Run bootstrap.sh on a stack.lock the interpreter does not satisfy (the pin `jex-test-pin==1.0`, offline
+    from a folder); returns its JSON line, its log and the fake uv's calls."""
+    import tarfile
+
+    w, tools = tmp_path / "w", tmp_path / "tools"
+    _tiny_wheel(tmp_path / "wheels")
+    w.mkdir(exist_ok=True)
+    tools.mkdir(exist_ok=True)
+    with tarfile.open(w / "code-abc.tar.gz", "w:gz"):
+        pass
+    (w / "stack.lock").write_text("jex-test-pin==1.0\n")
+    if fake_uv:
+        (tools / "uv").write_text(FAKE_UV.format(python=sys.executable))
+        (tools / "uv").chmod(0o755)
+    conf = tmp_path / "pip.conf"
+    conf.write_text(pip_conf or "")
+    calls = tmp_path / "uv-calls"
+    env = {"PATH": f"{tools}:/usr/bin:/bin", "HOME": str(tmp_path), "PIP_CONFIG_FILE": str(conf) if pip_conf
+           else os.devnull, "FAKE_UV_CALLS": str(calls), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+           "JEX_PIP_ARGS": "" if pip_conf else f"--no-index --find-links {tmp_path / 'wheels'}",
+           **({"FAKE_UV_FAILS": "1"} if uv_fails else {})}
+    out = subprocess.run(["bash", str(ROOT / "infra" / "bootstrap.sh"), str(w), "abc", sys.executable], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:] + (w / "bootstrap.log").read_text()[-2000:]
+    uv_calls = [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
+    return json.loads(out.stdout.splitlines()[-1]), (w / "bootstrap.log").read_text(), uv_calls
+
+
+def test_the_bootstrap_installs_a_missing_stack_with_uv_and_reuses_it(tmp_path):
+    boot, log, calls = _bootstrap(tmp_path)
+    assert boot["stack"] == "installed" and boot["python"] == str(tmp_path / "w" / "stack" / "bin" / "python")
+    assert "stack installed with uv 0.0.0 (fake)" in log
+    (call,) = calls
+    assert call[:4] == ["pip", "install", "--python", boot["python"]] and call[-2:] == ["-r", "stack.lock"]
+    assert f"--find-links {tmp_path / 'wheels'}" in " ".join(call)  # JEX_PIP_ARGS reach uv too
+    again, _, calls = _bootstrap(tmp_path)  # the same pins: the stack is found, nothing installed
+    assert again["stack"] == "reused" and again["python"] == boot["python"] and len(calls) == 1
+
+
+def test_the_bootstrap_falls_back_to_pip_when_uv_fails(tmp_path):
+    boot, log, calls = _bootstrap(tmp_path, uv_fails=True)
+    assert boot["stack"] == "installed" and len(calls) == 1
+    assert "failed; installing with pip" in log and log.rstrip().endswith("stack installed with pip")
+
+
+def test_a_machine_whose_pip_is_configured_keeps_pip(tmp_path):
+    """uv reads no pip.conf: where pip is configured (here its index and find-links), pip installs."""
+    boot, log, calls = _bootstrap(tmp_path, pip_conf=f"[global]\nno-index = true\nfind-links = {tmp_path / 'wheels'}\n")
+    assert boot["stack"] == "installed" and calls == [] and log.rstrip().endswith("stack installed with pip")

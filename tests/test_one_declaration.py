@@ -23,7 +23,7 @@ def test_the_store_layout_is_written_down_once():
 
 def test_the_campaign_stages_are_one_list():
     from jex.flows.campaign import STAGES
-    from jex.flows.retry import retry_stage
+    from jex.flows.retry_stage import retry_stage
     from jex.run_records import STAGE_NAMES, ProofStageName, StageName
     from jex.tasks.records import CampaignSummaries
 

@@ -21,7 +21,7 @@ from jex.lab.overlay_lab import (
 from jex.overlays import IsotonicShrink, PositionalThreshold, SignedLogitThreshold, load_rule_file
 from jex.overlays.apply import NoDegradeViolation, apply_overlays, no_degrade_check
 from jex.overlays.rules import isotonic_apply, isotonic_fit
-from jex.tasks.scoring.inputs import CatalogSpec, ScoreSpec
+from jex.tasks.scoring.suite_table import CatalogSpec, ScoreSpec
 
 
 def frame(probs, choice, gold=None, catalog="c"):
@@ -296,7 +296,7 @@ def test_the_ledger_gate_check_needs_a_pass_of_the_rules_hash_on_the_suite_and_c
 
 
 def test_unverified_overlays_mark_the_rows_they_decide_and_their_records(tmp_path):
-    from jex.tasks.cpu_stages import overlay_stage
+    from jex.tasks.decision_stages import overlay_stage
     from jex.tasks.inputs import OverlayInputs
     from jex.tasks.records import CalibrateSummary
     from jex.tasks.store import LocalStore

@@ -34,13 +34,13 @@ import json, sys
 from pathlib import Path
 
 import jex
-from jex.infra.ledger import Ledger
+from jex.infra.cost_ledger import CostLedger
 from jex.infra.machine import MachineSession, Policy, RemoteJob
 from jex.infra.providers import LocalProvider
 
 tmp, policy = Path(sys.argv[1]), Policy(**json.loads(sys.argv[2]))
 provider = LocalProvider(tmp / "machines")
-session = MachineSession(provider, campaign="c1", ledger=Ledger(tmp / "state" / "ledger.json"), policy=policy,
+session = MachineSession(provider, campaign="c1", ledger=CostLedger(tmp / "state" / "ledger.json"), policy=policy,
                          python=sys.executable, state_dir=tmp / "state")
 imports = "import jex.engine.render, jex.tasks.records; open('where.txt', 'w').write(jex.engine.render.__file__)"
 with session:

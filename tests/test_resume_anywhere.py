@@ -114,7 +114,7 @@ def test_a_run_is_resumed_retried_mined_moved_and_pulled_without_computing_its_c
 
     # the retry-stage flow, as the deployment's worker runs it (its own working folder)
     for stage in ("fold", "reason"):
-        b.run(sys.executable, "-c", f"from jex.flows.retry import retry_stage; retry_stage({str(run_dir)!r}, "
+        b.run(sys.executable, "-c", f"from jex.flows.retry_stage import retry_stage; retry_stage({str(run_dir)!r}, "
               f"{stage!r})")
         assert_nothing_recomputed(run_dir, predictions)
         assert EngineCalls.read(run_dir).redo[0] == stage

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from jex.infra.retry import Backoff, retry, until_deadline, wait_until
+from jex.infra.backoff import Backoff, retry, until_deadline, wait_until
 
 
 def test_delays_are_jittered_within_the_exponential_envelope():

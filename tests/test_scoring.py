@@ -8,8 +8,8 @@ import polars as pl
 import pytest
 
 from jex.errors import InputError
-from jex.tasks.scoring.inputs import load_predictions, load_suite_table
 from jex.tasks.scoring.score import ScorerDisagreement, score_files, score_twice
+from jex.tasks.scoring.suite_table import load_predictions, load_suite_table
 from tests.conftest import row, write_suite
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from jex.engine.fingerprint import EngineFingerprint, RenderDigest
 from jex.engine.types import EngineDeadError
 from jex.engine.vllm_engine import NGRAM, VLLMProfile
+from jex.engine_identity import EngineFingerprint, RenderDigest
 from jex.tasks.capture.spec_proof import proof_sample, prove
 from jex.tasks.records import RationaleTokens, ReasonSummary
 

@@ -10,7 +10,8 @@ from typing import Any
 import pydantic
 import pytest
 
-from jex.engine.fingerprint import EngineFingerprint, RenderDigest, engine_fingerprint
+from jex.engine.fingerprint import engine_fingerprint
+from jex.engine_identity import EngineFingerprint, RenderDigest
 from jex.engine_spec import EngineSpec
 from jex.overlays.rules import AbstainBelow
 from jex.tasks.inputs import (

@@ -219,7 +219,7 @@ def test_the_reason_stage_output_has_the_same_bytes_with_and_without_preparing_a
                                                                                       monkeypatch):
     from jex.engine_spec import EngineSpec
     from jex.tasks.capture.stages import PREPARE_AHEAD_ENV, reason_stage
-    from jex.tasks.cpu_stages import gate_stage
+    from jex.tasks.decision_stages import gate_stage
     from jex.tasks.store import LocalStore
 
     bundle, fast = fast_pass_in(tmp_path / "fast", suite, monkeypatch, ahead=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from jex.fileio import sha256_file
-from jex.infra.ledger import Ledger
+from jex.infra.cost_ledger import CostLedger
 from jex.infra.machine import JobFailed, MachineSession, Policy, RemoteJob
 from jex.infra.providers import CommandProvider, CommandTemplates, LocalProvider
 from jex.infra.reaper import reconcile
@@ -55,7 +55,7 @@ from types import SimpleNamespace
 import boto3
 from pydantic import SecretStr
 from jex.infra.aws import scoped_credentials
-from jex.infra.ledger import Ledger
+from jex.infra.cost_ledger import CostLedger
 from jex.settings import InfraSettings
 from jex.infra.providers import CommandProvider, CommandTemplates, LocalProvider
 from jex.infra.machine import MachineSession, Policy, RemoteJob
@@ -68,7 +68,7 @@ store = SimpleNamespace(s3_region="us-east-1", s3_endpoint_url=endpoint, s3_buck
 infra = InfraSettings(aws_access_key_id=SecretStr("test"), aws_secret_access_key=SecretStr("test"))
 creds = lambda: scoped_credentials(store, infra, key_prefix=s3.key("campaigns", "c1"), ttl_s=60)
 provider = CommandProvider(CommandTemplates(**cloud)) if cloud else LocalProvider(tmp / "machines")
-session = MachineSession(provider, campaign="c1", ledger=Ledger(tmp / "state/ledger.json"),
+session = MachineSession(provider, campaign="c1", ledger=CostLedger(tmp / "state/ledger.json"),
                          policy=Policy(**policy), python=sys.executable, state_dir=tmp / "state", s3=s3,
                          machine_credentials=creds)
 script = f"echo run >> {tmp}/runs.txt; sleep 3; head -c 200000 /dev/urandom > a.bin; echo b > b.bin"
@@ -103,7 +103,7 @@ def test_frozen_orchestrator_its_machine_uploads_stops_itself_and_the_results_ar
         wait_until(lambda: provider.list_machines("c1") == [], 10, "the machine is gone")
     finally:
         os.kill(orch.pid, signal.SIGCONT if after == "sigcont" else signal.SIGKILL)
-    ledger = Ledger(tmp_path / "state/ledger.json")
+    ledger = CostLedger(tmp_path / "state/ledger.json")
     if after == "sigcont":  # the orchestrator wakes up, finds the machine gone and its results in S3
         outcome = json.loads(orch.communicate(timeout=120)[0].strip().splitlines()[-1])
         assert orch.returncode == 0 and outcome["status"] == "adopted" and not outcome["lost"]
@@ -130,7 +130,7 @@ SECRET = "s3cr3t-for-the-watchdog-only"
 def _session(tmp_path, s3, **policy) -> MachineSession:
     creds = {"aws_access_key_id": "AKIAWATCHDOG", "aws_secret_access_key": SECRET, "aws_session_token": "tok"}
     return MachineSession(LocalProvider(tmp_path / "machines"), campaign="c1",
-                          ledger=Ledger(tmp_path / "state/ledger.json"), policy=Policy(**{**FAST, **policy}),
+                          ledger=CostLedger(tmp_path / "state/ledger.json"), policy=Policy(**{**FAST, **policy}),
                           python=sys.executable, state_dir=tmp_path / "state", s3=s3,
                           machine_credentials=lambda: creds)
 
@@ -233,7 +233,7 @@ def _cloud(tmp_path) -> tuple[CommandTemplates, str]:
 
 def _cloud_session(tmp_path, s3=None, *, poweroff: str = "", **policy) -> MachineSession:
     templates, cloud_poweroff = _cloud(tmp_path)
-    return MachineSession(CommandProvider(templates), campaign="c1", ledger=Ledger(tmp_path / "state/ledger.json"),
+    return MachineSession(CommandProvider(templates), campaign="c1", ledger=CostLedger(tmp_path / "state/ledger.json"),
                           policy=Policy(**{**FAST, "poweroff_command": poweroff or cloud_poweroff, **policy}),
                           python=sys.executable, state_dir=tmp_path / "state", s3=s3)
 
@@ -283,7 +283,7 @@ def test_on_a_cloud_that_drops_the_disk_a_frozen_orchestrator_loses_nothing(tmp_
         assert not (tmp_path / "cloud" / machine / "work").exists()  # its disk went with it
     finally:
         os.kill(orch.pid, signal.SIGCONT if after == "sigcont" else signal.SIGKILL)
-    ledger = Ledger(tmp_path / "state/ledger.json")
+    ledger = CostLedger(tmp_path / "state/ledger.json")
     if after == "sigcont":  # the orchestrator wakes up, adopts from S3 and its teardown deletes the stopped VM
         outcome = json.loads(orch.communicate(timeout=120)[0].strip().splitlines()[-1])
         assert orch.returncode == 0 and outcome["status"] == "adopted" and not outcome["lost"]

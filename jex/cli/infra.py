@@ -36,9 +36,9 @@ def infra_reconcile(provider: Annotated[str | None, typer.Option(help="default: 
 @infra_app.command("ledger")
 def infra_ledger(campaign: Annotated[str | None, typer.Option(help="Only this campaign")] = None) -> None:
     """Every machine's life in seconds, its price and cost, and the running total."""
-    from jex.infra.ledger import Ledger
+    from jex.infra.cost_ledger import CostLedger
 
-    report = Ledger(Path(load_settings().infra.state_dir) / "ledger.json").usage(campaign)
+    report = CostLedger(Path(load_settings().infra.state_dir) / "ledger.json").usage(campaign)
     for m in report.machines:
         typer.echo(f"{m.machine_id:<28} {m.campaign or '-':<28} {m.seconds:>9.1f} s "
                    f"${m.cost_usd:>9.4f}  {m.end_reason or 'running'}")

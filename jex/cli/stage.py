@@ -42,8 +42,9 @@ def stage_golden(args_file: JobOption,
                           "engine start")] = None,
                  compile_cache_out: Annotated[Path | None, typer.Option(
                      help="With --host-options: write this machine's packed compile cache here")] = None) -> None:
-    """Pre-flight golden replay on a machine: read out the bundle's first rows; record the engine
-    fingerprint. With engine hosts, every slot's engine is started too: beside the replay's when
+    """Pre-flight golden replay on a machine: read out the bundle's first `rows` rows (0: none) and
+    record the engine fingerprint; with --host-options on slot 0's engine host. With hosts kept up for
+    every job (`max_requests` 0), every other slot's engine is started too: beside the replay's when
     engines start together, else right after it."""
     from jex.engine.compile_cache import bring_compile_cache, take_compile_cache
     from jex.tasks.capture.engine_host import HostRequest, run_request

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import polars as pl
 
-from jex.engine.fingerprint import EngineFingerprint, engine_fingerprint
+from jex.engine.fingerprint import engine_fingerprint
+from jex.engine_identity import EngineFingerprint
 from jex.engine_spec import EngineSpec
 from jex.numerics import argmax
 from jex.tasks.capture.engine_pool import get_engine

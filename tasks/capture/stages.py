@@ -1,8 +1,10 @@
-"""Engine stages: bundle, fast pass and reason, content-addressed in the store and sharded.
+"""The capture's stages: the bundle, and the two engine stages, fast pass and reason, sharded.
 
-Each is a `CachedStage` over its inputs record (`BundleInputs`, `FastPassInputs`, `ReasonInputs`) and
-returns a small summary (paths, sha256s, counters): tasks hand each other these, never the frames. A
-completed stage folder is reused as is: the engine is not even loaded.
+Each is a `CachedStage` over its inputs record (`BundleInputs`, `FastPassInputs`, `ReasonInputs`),
+content-addressed in the store, and returns a small summary (paths, sha256s, counters): tasks hand each
+other these, never the frames. A completed stage folder is reused as is: the engine is not even loaded.
+An engine stage computed outside the flow's process (a machine, an engine host, a worker process) enters
+through `engine_job.run_engine_job`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Data parallelism over engine stages: N worker processes, one engine each, then one merge.
 
-Worker w of N computes shards w, w+N, ... of a stage (`run_sharded`); each process sees one GPU
-through CUDA_VISIBLE_DEVICES (tensor parallel 1: batch invariance survives data parallelism, not
-tensor parallelism). The merge is the stage called once more with workers=1: every shard exists,
-so nothing is recomputed, and the merged capture is the same bytes as a one-worker run.
+Worker w of N computes shards w, w+N, ... of a stage (`engine_job.run_engine_job` with its
+`ShardShare`, then `run_sharded`); each process sees one GPU through CUDA_VISIBLE_DEVICES (tensor
+parallel 1: batch invariance survives data parallelism, not tensor parallelism). The merge is the
+stage called once more with workers=1: every shard exists, so nothing is recomputed, and the merged
+capture is the same bytes as a one-worker run.
 
     python -m jex.tasks.capture.workers JOB.json WORKER WORKERS    (one worker; used by `run_workers`)
 """
@@ -15,14 +16,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from jex.tasks.inputs import EngineJob, FastPassInputs
+from jex.tasks.inputs import EngineJob
 from jex.tasks.records import FastPassSummary, PartialSummary, ReasonSummary, Record
-from jex.tasks.store import LocalStore
-
-if TYPE_CHECKING:
-    from jex.tasks.capture.stages import ShardShare
 
 
 class WorkerReport(Record):
@@ -42,6 +38,8 @@ def run_workers(job: EngineJob, *, workers: int, devices: list[str] | None = Non
 
     `devices[i]` becomes worker i's CUDA_VISIBLE_DEVICES (None: inherit). Raises if any worker fails.
     """
+    from jex.tasks.capture.engine_job import run_engine_job
+
     stage = job.inputs.stage
     spec_file = Path(job.store) / f".workers-{stage}-{os.getpid()}.json"
     spec_file.parent.mkdir(parents=True, exist_ok=True)
@@ -59,24 +57,15 @@ def run_workers(job: EngineJob, *, workers: int, devices: list[str] | None = Non
         if p.returncode != 0:
             raise RuntimeError(f"{stage} worker {w} exited {p.returncode}")
         reports.append(WorkerReport.model_validate_json(out.strip().splitlines()[-1]))
-    summary = stage_call(job)
+    summary = run_engine_job(job)  # the merge: every shard exists, so nothing is recomputed
     spec_file.unlink(missing_ok=True)
     if isinstance(summary, PartialSummary):
         raise RuntimeError(f"{stage}: shards missing after every worker finished")
     return summary, reports
 
 
-def stage_call(job: EngineJob, share: ShardShare | None = None) -> FastPassSummary | ReasonSummary | PartialSummary:
-    """Compute (this process's share of) the job's engine stage in this process."""
-    from jex.tasks.capture.stages import ALONE, fast_pass_stage, reason_stage
-
-    store, inputs = LocalStore(job.store), job.inputs
-    if isinstance(inputs, FastPassInputs):
-        return fast_pass_stage.run(store, inputs, share=share or ALONE)
-    return reason_stage.run(store, inputs, share=share or ALONE)
-
-
 def _main(spec_file: str, worker: int, workers: int) -> None:
+    from jex.tasks.capture.engine_job import run_engine_job
     from jex.tasks.capture.engine_pool import get_engine
     from jex.tasks.capture.stages import ShardShare
 
@@ -84,7 +73,7 @@ def _main(spec_file: str, worker: int, workers: int) -> None:
     t0 = time.perf_counter()
     get_engine(job.inputs.engine)
     started = time.perf_counter()
-    summary = stage_call(job, ShardShare(worker=worker, workers=workers))
+    summary = run_engine_job(job, ShardShare(worker=worker, workers=workers))
     done = time.perf_counter()
     print(WorkerReport(worker=worker, engine_start_s=started - t0, compute_s=done - started,
                        computed_shards=summary.computed_shards,

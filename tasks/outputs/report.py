@@ -9,12 +9,12 @@ from typing import Any
 import polars as pl
 from pydantic import Field
 
-from jex.engine.fingerprint import EngineFingerprint
+from jex.engine_identity import EngineFingerprint
 from jex.tasks.documents import CalibrationDoc, FoldDoc, ScoreDoc
 from jex.tasks.records import FastPassSummary, FinishedCampaign, GateSummary, ReasonSummary, Record
-from jex.tasks.scoring.inputs import ScoreSpec
 from jex.tasks.scoring.reference_audit import audit_markdown
 from jex.tasks.scoring.score import area_table, catalog_table
+from jex.tasks.scoring.suite_table import ScoreSpec
 
 
 class MachinesSection(Record):

@@ -70,7 +70,7 @@ def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: dict[str
     write_json(run_dir / "provenance.json", prov)
     skill_plot(docs.baseline, docs.policy, run_dir / "skill.png")
     reliability_plot(docs.calibration, run_dir / "reliability.png")
-    from jex.tasks.cpu_stages import _suite
+    from jex.tasks.decision_stages import _suite
 
     report = render_report(spec["name"], docs, s, timings, machines, notes=_score_notes(run_dir, s, spec),
                            score_spec=_suite(s.bundle).spec)
@@ -87,7 +87,7 @@ def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: dict[str
 def _score_notes(run_dir: Path, s: FinishedCampaign, spec: dict[str, Any]) -> list[str]:
     """The report's lines after the score: what verbatim catalogs read, and whether every row is its own
     bootstrap cluster."""
-    from jex.tasks.cpu_stages import _suite
+    from jex.tasks.decision_stages import _suite
 
     verbatim = [c.id for c in _suite(s.bundle).spec.catalogs if c.prompt_format == "verbatim"]
     own = every_row_own_cluster(pl.read_parquet(run_dir / "samples.parquet", columns=["catalog", "question_id",

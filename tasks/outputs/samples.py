@@ -242,7 +242,7 @@ def write_samples(run_dir: Path, summaries: FinishedCampaign, spec: dict[str, An
     CampaignSpec as JSON). With `prompts="sha256"` the texts go to the store and the run keeps hashes."""
     from jex.engine_spec import EngineSpec
     from jex.tasks.capture.stages import _as_rows, _bundle_rows
-    from jex.tasks.cpu_stages import _suite
+    from jex.tasks.decision_stages import _suite
     from jex.tasks.store import write_parquet
 
     art = StageArtifacts.from_summaries(summaries)

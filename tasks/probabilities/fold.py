@@ -30,7 +30,7 @@ from jex.tasks.documents import (
 from jex.tasks.records import FailedRow, FastPassErrors, FastPassSummary, ReasonErrors, ReasonSummary
 from jex.tasks.scoring.bootstrap_ci import paired_bootstrap_ci
 from jex.tasks.scoring.index import catalog_chances, scored_frame, skill_of
-from jex.tasks.scoring.inputs import ScoreSpec
+from jex.tasks.scoring.suite_table import ScoreSpec
 
 
 def fold_logprobs(fast: list[float], post: list[float], *, rule: FoldRule, weight: float) -> list[float]:

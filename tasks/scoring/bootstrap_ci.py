@@ -20,7 +20,7 @@ import polars as pl
 from jex.numerics import named_rng
 from jex.settings import BOOTSTRAP_SEED
 from jex.tasks.scoring.index import BEST, aggregate, skill_of
-from jex.tasks.scoring.inputs import ScoreSpec
+from jex.tasks.scoring.suite_table import ScoreSpec
 
 DRAW_CHUNK = 128
 DEFAULT_DRAWS = 2000

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from jex.tasks.scoring.inputs import ScoreSpec
+from jex.tasks.scoring.suite_table import ScoreSpec
 
 if TYPE_CHECKING:  # the shape only: the plain scorer shares no code with this one
     from jex.tasks.scoring.plain import PlainCatalogScore, PlainScore

@@ -1,9 +1,9 @@
 """One engine process per engine slot of a machine, serving every engine job the machine runs.
 
 A machine's jobs (golden replay, fast-pass shards, reason shards) are short client processes, each
-under the worker protocol (heartbeat, marker, salvage) as before. Instead of loading an engine
-themselves they hand their work to the slot's engine host, which loads each engine once and stays
-up between jobs, so a machine pays one engine start per slot instead of one per job:
+under the worker protocol (heartbeat, marker, salvage). Instead of loading an engine themselves they
+hand their work to the slot's engine host, which loads each engine once and stays up between jobs, so
+a machine pays one engine start per slot instead of one per job:
 
     python -m jex.tasks.capture.engine_host serve LAUNCH   (started by the golden job, or the first client
                                                          that finds none listening; LAUNCH: a HostLaunch)
@@ -22,8 +22,10 @@ time. Engines start together, except those that size their memory by profiling t
 a fixed KV cache): vLLM engines that profile together on one GPU each count the other's memory as
 their own, so those take turns under a machine-wide lock (their imports happen before it).
 
-The golden job starts every slot's host (`prestart`), so a machine's engines are up when its first
-stage job arrives. A host accepts connections on a thread and serves them one at a time.
+With hosts kept up for every job (`HostOptions.max_requests` 0), the golden job starts every slot's
+host (`prestart`), so a machine's engines are up when its first stage job arrives. A host accepts
+connections on a thread and serves them one at a time; what it runs for a stage request is
+`jex.tasks.capture.engine_job.run_engine_job`.
 
 A host that dies during a request: the client starts a new host and asks once more (shards
 already written are reused), then gives up and the job fails under its marker. A host that stays

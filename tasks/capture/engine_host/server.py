@@ -211,17 +211,17 @@ class EngineHost:
 def execute(request: HostRequest, progress: Progress | None = None, engine_start_s: float = 0.0) -> JobSummary:
     """The engine work of one request, in this process (the host's, or a client's with no host);
     `engine_start_s`: what starting the engine for it took just before (recorded with the shards)."""
+    from jex.tasks.capture.engine_job import run_engine_job
     from jex.tasks.capture.stages import ShardShare
-    from jex.tasks.capture.workers import stage_call
 
     if request.job == "golden":
         from jex.tasks.capture.golden import golden_job
 
         golden_job(request.engine_job, request.golden_rows, Path(request.golden_out), Path(request.fingerprint_out))
         return GoldenDone(rows=request.golden_rows)
-    return stage_call(request.engine_job, ShardShare(worker=request.worker, workers=request.workers,
-                                                     claim=request.claim, progress=progress,
-                                                     engine_start_s=engine_start_s))
+    share = ShardShare(worker=request.worker, workers=request.workers, claim=request.claim, progress=progress,
+                       engine_start_s=engine_start_s)
+    return run_engine_job(request.engine_job, share)
 
 
 def main(argv: list[str]) -> int:

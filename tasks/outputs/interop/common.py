@@ -34,7 +34,7 @@ import polars as pl
 from pydantic import BaseModel, ConfigDict, Field
 
 from jex.errors import InputError
-from jex.fileio import read_json
+from jex.fileio import read_json, write_toml
 from jex.record import Record
 from jex.run_records import STAGES_FILE
 from jex.tasks.documents import ScoreDoc, read_doc
@@ -329,7 +329,7 @@ def synthesized_suite(samples: Sequence[ToolSample], folder: Path, *, name: str)
     computed against when no --suite is given. run_id = f"{task}-{doc_id}", as `jex suite import` names rows."""
     tasks = sorted({s.task for s in samples})
     (folder / "rows").mkdir(parents=True, exist_ok=True)
-    lines = [f"name = {json.dumps(name)}", "", "[legs]", "public = 1.0"]
+    catalogs: list[dict[str, Any]] = []
     for t in tasks:
         fname = f"rows/{_slug(t)}.jsonl"
         with open(folder / fname, "w", encoding="utf-8") as f:
@@ -340,11 +340,10 @@ def synthesized_suite(samples: Sequence[ToolSample], folder: Path, *, name: str)
                     raise InputError("the document has no gold answer the suite could be made from; pass --suite",
                                      file=s.file, row=s.where, field="target")
                 f.write(json.dumps(_synthesized_row(s, t), ensure_ascii=False) + "\n")
-        lines += ["", "[[catalogs]]", f"id = {json.dumps(t)}", f"name = {json.dumps(t)}", 'leg = "public"',
-                  f"files = [{json.dumps(fname)}]"]
+        catalogs.append({"id": t, "name": t, "leg": "public", "files": [fname]})
         if any(s.acc_norm_choice is not None for s in samples if s.task == t):  # continuation log-likelihoods
-            lines += ['readout = "loglikelihood"', 'prompt_format = "verbatim"']
-    (folder / "suite.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")
+            catalogs[-1] |= {"readout": "loglikelihood", "prompt_format": "verbatim"}
+    write_toml(folder / "suite.toml", {"name": name, "legs": {"public": 1.0}, "catalogs": catalogs})
     return folder
 
 

@@ -1,4 +1,5 @@
-"""What scoring reads: the suite's scored rows and a predictions file, both validated.
+"""What scoring reads: the suite table (the suite's scored rows and its `ScoreSpec`: catalogs, legs,
+weights, scoring kinds) and a predictions file checked against it, both validated.
 
 Both scorers start from these frames; nothing else is shared between them.
 """

@@ -1,4 +1,7 @@
-"""Cost ledger: every machine's life in seconds, its price, and each campaign's running total.
+"""The cost ledger: every machine's life in seconds, its price, and each campaign's running total.
+
+Not the store's decision ledger (`jex.tasks.decisions`, `<store>/ledger.toml`, `jex ledger`): this one is
+the orchestrator's `<state_dir>/ledger.json` (`jex infra ledger`).
 
 One JSON file, rewritten atomically under a file lock (supervisors in threads, a scheduled
 reconcile and the CLI may share it). The budget guard refuses new machines at the limit; the
@@ -18,14 +21,14 @@ from jex.errors import InfraError
 from jex.fileio import write_json
 from jex.infra.records import CostLedgerEntry, CostLedgerReport, CostLedgerRow
 
-__all__ = ["BudgetExceeded", "CostLedgerEntry", "Ledger"]
+__all__ = ["BudgetExceeded", "CostLedger", "CostLedgerEntry"]
 
 
 class BudgetExceeded(InfraError):
     """The campaign's cost (or wall-clock) budget is spent."""
 
 
-class Ledger:
+class CostLedger:
     """`ledger.json`: `{"machines": {machine_id: CostLedgerEntry}}`."""
 
     def __init__(self, path: str | Path):

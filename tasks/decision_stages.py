@@ -1,4 +1,7 @@
-"""CPU stages of the campaign: gate, fold, calibrate, overlay, score; keyed and stored like the rest.
+"""The decision stages: what turns the engine's readouts into choices and a score, on the CPU with no
+engine: gate, fold, calibrate, overlay, score; keyed and stored like the engine stages
+(`tasks/capture/stages.py`). The flow runs the coverage gate among its capture stages (it picks the rows
+the reason stage reads) and the other four as `decision_stages` (`flows/campaign.py`).
 
 Each is a `CachedStage` over its inputs record (`tasks/inputs.py`): call it with the store and the
 record, or the record's fields as keywords, e.g. `gate_stage(store, bundle=bundle, fast=fast, coverage=0.1)`.
@@ -28,9 +31,9 @@ from jex.tasks.records import (
     OverlaySummary,
     ScoreSummary,
 )
-from jex.tasks.scoring.inputs import SuiteTable, load_suite_table
 from jex.tasks.scoring.reference_audit import bundle_reference, reference_audit
 from jex.tasks.scoring.score import score_with_ci
+from jex.tasks.scoring.suite_table import SuiteTable, load_suite_table
 from jex.tasks.store import LocalStore, StageDir, write_parquet
 
 

@@ -1,0 +1,62 @@
+"""The engine's identity records: what an engine's numbers depend on (`EngineFingerprint`), with the
+render digest and the Hub revision it holds. In the core, beside the engine spec (`engine_spec.py`), so
+every room reads them from here: the stage inputs and summaries (`jex.tasks`), the fleet and its
+`machines.json` (`jex.flows`), the report. Computing one from a spec and the model files is the engine
+room's (`engine/fingerprint.py: engine_fingerprint`, with `ENGINE_VERSIONS` and the tokenizer's hash).
+
+It is part of every engine stage's cache key (`key_doc`). It holds the weights' and the tokenizer's
+content hashes, what the engine reads (the render digest), the engine's name and its numerics version,
+the dtype, and the settings that change results (batch shape for `hf-batched`, vLLM's scheduler width
+and context limit). It never holds library versions or jex's commit: those are provenance, recorded
+beside every artifact (`jex/provenance.py`), so upgrading jex or a library never re-keys a capture.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, JsonValue
+
+from jex.engine_spec import EngineKind
+from jex.record import Record
+
+
+class HubRevision(Record):
+    """The Hub repository and commit a model folder was resolved from."""
+
+    repo: str
+    commit: str
+
+
+class RenderDigest(Record):
+    """`RenderSpec.digest()`: the renderer's version and the sha256 of every render setting."""
+
+    version: str
+    sha256: str
+
+
+class EngineFingerprint(Record):
+    """What an engine's numbers depend on. Equal fingerprints on equal inputs give equal bytes."""
+
+    kind: EngineKind
+    engine_version: int = Field(description="jex's numerics version of this engine kind (ENGINE_VERSIONS)")
+    weights_sha256: str
+    tokenizer_sha256: str = Field(description="sha256 over the tokenizer files (TOKENIZER_FILES) present")
+    hub: HubRevision | None = None
+    device_type: str
+    renderer: RenderDigest
+    dtype: str | None = None
+    profile: str | None = Field(None, description="A speculative profile; None = the plain audit profile")
+    batch_size: int | None = Field(None, description="hf-batched only: its numerics depend on the batch shape")
+    max_num_seqs: int | None = Field(None, description="vLLM only")
+    max_model_len: int | None = Field(None, description="vLLM only")
+
+    def audited(self) -> EngineFingerprint:
+        """The same engine under the plain audit profile. It keys every readout (fast pass, golden
+        replay) of a speculative profile too: speculation changes only generation."""
+        return self.model_copy(update={"profile": None})
+
+    def key_doc(self) -> dict[str, JsonValue]:
+        """The fingerprint as it enters a cache key (unset fields left out)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+__all__ = ["EngineFingerprint", "HubRevision", "RenderDigest"]
