@@ -33,9 +33,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
+    from transformers.cache_utils import DynamicLayer
 from torch.nn import functional as F
 
 from jex.engine.hf_packed import RowStates, forward_rows, head_logits
@@ -51,7 +55,8 @@ a step reads, the fewer times it reads the weights (36 rows together: 1.7x group
 _PADS: ContextVar[list[int]] = ContextVar("jex_row_pads")
 
 
-def _rows_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kw: Any) -> tuple[Any, None]:
+def _rows_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, **kw: Any) -> tuple[torch.Tensor, None]:
     """SDPA row by row on each row's unpadded keys and values, with no mask (the batch-1 decode's call)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -81,7 +86,7 @@ def _row_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out[:n].reshape(*x.shape[:-1], weight.shape[0])
 
 
-def row_exact_supported(model: Any) -> bool:
+def row_exact_supported(model: PreTrainedModel) -> bool:
     """The model decodes row-exactly here: SDPA attention and no linear layer with a bias."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     return (getattr(model.config, "_attn_implementation", None) == "sdpa" and bool(linears)
@@ -89,7 +94,7 @@ def row_exact_supported(model: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _row_exact(model: Any) -> Iterator[None]:
+def _row_exact(model: PreTrainedModel) -> Iterator[None]:
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     impl = model.config._attn_implementation
     _register()
@@ -104,7 +109,7 @@ def _row_exact(model: Any) -> Iterator[None]:
         model.set_attn_implementation(impl)
 
 
-def _joined(model: Any, rows: Sequence[RowStates], lengths: Sequence[int]) -> Any:
+def _joined(model: PreTrainedModel, rows: Sequence[RowStates], lengths: Sequence[int]) -> DynamicCache:
     """One cache of all rows' prompts (of these lengths), each left-padded with zeros to the longest."""
     from transformers import DynamicCache
 
@@ -127,7 +132,7 @@ class DecodeRow:
     ignore_eos: bool = False
 
 
-def greedy_rows(model: Any, rows: Sequence[DecodeRow], eos: set[int],
+def greedy_rows(model: PreTrainedModel, rows: Sequence[DecodeRow], eos: set[int],
                 stopped: Callable[[int, list[int]], bool] = lambda row, new: False) -> list[list[int]]:
     """The new tokens of each row, greedy, up to its end-of-sequence token (kept), `max_tokens`, or the
     token after which `stopped(row index, new tokens)` holds (a stop string); the rows decode in lock-step,
@@ -143,7 +148,7 @@ def _shifted(stopped: Callable[[int, list[int]], bool], start: int, row: int, ne
     return stopped(start + row, new)
 
 
-def cache_bytes_per_token(model: Any) -> int:
+def cache_bytes_per_token(model: PreTrainedModel) -> int:
     """Bytes of key/value cache one token takes, all layers."""
     c = model.config
     heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
@@ -151,7 +156,7 @@ def cache_bytes_per_token(model: Any) -> int:
     return 2 * c.num_hidden_layers * heads * head_dim * torch.empty((), dtype=model.dtype).element_size()
 
 
-def _groups(model: Any, rows: Sequence[DecodeRow]) -> list[range]:
+def _groups(model: PreTrainedModel, rows: Sequence[DecodeRow]) -> list[range]:
     """Consecutive runs of rows whose joined cache (every row as wide as the longest prompt plus the
     largest budget) stays within `GROUP_CACHE_BYTES`; at least one row each."""
     per_token = cache_bytes_per_token(model)
@@ -166,7 +171,7 @@ def _groups(model: Any, rows: Sequence[DecodeRow]) -> list[range]:
     return [*groups, range(start, len(rows))] if rows else []
 
 
-def _greedy_group(model: Any, rows: Sequence[DecodeRow], eos: set[int],
+def _greedy_group(model: PreTrainedModel, rows: Sequence[DecodeRow], eos: set[int],
                   stopped: Callable[[int, list[int]], bool]) -> list[list[int]]:
     """`greedy_rows` for one group, all its rows in lock-step."""
     barred = torch.tensor(sorted(eos), dtype=torch.long)
@@ -207,7 +212,7 @@ def _greedy_group(model: Any, rows: Sequence[DecodeRow], eos: set[int],
     return new
 
 
-def _first_token(model: Any, prompt: RowStates, barred: torch.Tensor | None) -> int:
+def _first_token(model: PreTrainedModel, prompt: RowStates, barred: torch.Tensor | None) -> int:
     """The greedy token after a prompt, as `generate`'s first step picks it (float32 logits; the
     end-of-sequence tokens barred when `min_new_tokens` asks for more)."""
     logits = head_logits(model, prompt.last_hidden).float()
@@ -216,10 +221,10 @@ def _first_token(model: Any, prompt: RowStates, barred: torch.Tensor | None) -> 
     return int(logits.argmax())
 
 
-def _select(cache: Any, rows: Sequence[int]) -> None:
+def _select(cache: DynamicCache, rows: Sequence[int]) -> None:
     """Keep only these rows of the cache (finished rows leave the batch)."""
     if not rows:
         return
     index = torch.tensor(list(rows), dtype=torch.long)
     for layer in cache.layers:
-        layer.batch_select_indices(index)
+        cast("DynamicLayer", layer).batch_select_indices(index)

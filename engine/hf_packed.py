@@ -25,9 +25,12 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 PACKED_ATTENTION = "jex_packed_rows"
 PACK_TOKENS = 1024
@@ -78,14 +81,15 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def last_logprobs(model: Any, seqs: Sequence[Sequence[int]], tokens: int | None = None) -> list[torch.Tensor]:
+def last_logprobs(model: PreTrainedModel, seqs: Sequence[Sequence[int]],
+                  tokens: int | None = None) -> list[torch.Tensor]:
     """The last position's log-softmax (float64) of each sequence, each bit-identical to its own forward."""
     with torch.inference_mode():
         return [torch.log_softmax(head_logits(model, row.last_hidden).double(), dim=-1).cpu()
                 for row in forward_rows(model, seqs, tokens)]
 
 
-def head_logits(model: Any, last_hidden: torch.Tensor) -> torch.Tensor:
+def head_logits(model: PreTrainedModel, last_hidden: torch.Tensor) -> torch.Tensor:
     """The vocabulary head at one position of one row (M = 1: a head over several rows would change the bits)."""
     return model.lm_head(last_hidden.unsqueeze(0))[0, -1]
 
@@ -100,7 +104,7 @@ class RowStates:
     values: list[torch.Tensor]
 
 
-def forward_rows(model: Any, seqs: Sequence[Sequence[int]], tokens: int | None = None, *,
+def forward_rows(model: PreTrainedModel, seqs: Sequence[Sequence[int]], tokens: int | None = None, *,
                  keep_cache: bool = False) -> list[RowStates]:
     """Each sequence's states, the sequences packed (`plan_packs`), each bit-identical to its own forward."""
     _register()
@@ -114,7 +118,7 @@ def forward_rows(model: Any, seqs: Sequence[Sequence[int]], tokens: int | None =
     return out
 
 
-def _forward(model: Any, rows: Sequence[Sequence[int]], prefix: int, keep_cache: bool) -> list[RowStates]:
+def _forward(model: PreTrainedModel, rows: Sequence[Sequence[int]], prefix: int, keep_cache: bool) -> list[RowStates]:
     """One packed forward of `rows` behind their shared `prefix`."""
     device = model.device
     ids = torch.tensor([*rows[0][:prefix], *(t for s in rows for t in s[prefix:])], device=device).unsqueeze(0)
@@ -135,22 +139,22 @@ def _forward(model: Any, rows: Sequence[Sequence[int]], prefix: int, keep_cache:
             for r, end in enumerate(ends)]
 
 
-def _per_row_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *,
-                       jex_row_bounds: list[tuple[int, int]], jex_prefix: int = 0,
-                       jex_cache: dict[int, list[tuple[Any, Any]]] | None = None, scaling: float | None = None,
-                       **_: Any) -> tuple[Any, None]:
+def _per_row_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, *, jex_row_bounds: list[tuple[int, int]],
+                       jex_prefix: int = 0, jex_cache: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
+                       scaling: float | None = None, **_: Any) -> tuple[torch.Tensor, None]:
     """Each row's queries, keys and values (the shared prefix's, then its own) through transformers' own
     SDPA call, causal, without a mask, as the row's own forward calls it; the prefix's outputs once.
     With `jex_cache`, each row's keys and values are kept under the layer's index."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     p = jex_prefix
-    outs: list[Any] = []
+    outs: list[torch.Tensor] = []
     for a, b in jex_row_bounds:
         q, k, v = (torch.cat([t[:, :, :p], t[:, :, a:b]], dim=2) if p else t[:, :, a:b] for t in (query, key, value))
         row = sdpa_attention_forward(module, q, k, v, None, dropout=0.0, scaling=scaling, is_causal=True)[0]
         if jex_cache is not None:
-            jex_cache.setdefault(module.layer_idx, []).append((k, v))
+            jex_cache.setdefault(cast(int, module.layer_idx), []).append((k, v))
         if p:
             if not outs:
                 outs.append(row[:, :p])

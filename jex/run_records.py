@@ -1,7 +1,8 @@
 """The run folder's own records, written and read through these models, never by key.
 
 A campaign's run folder holds, beside its products (`predictions.parquet`, `score.json`, ...):
-- `campaign.json`: the campaign spec (the flows room's `CampaignSpec`);
+- `campaign.json`: the campaign spec (the flows room's `CampaignSpec`; what the rooms below flows read of
+  it, the engine and the bootstrap draws, is `RecordedCampaign`);
 - `stages.json`: `RunStages`, one `StageRecord` per stage the run used: its key, its folder in the
   store, its seconds. A stage folder is named by its key (`<store>/<stage>/<key>`), so the record
   finds the folder in any store that holds the key (`StageRecord.in_store`), wherever the store lives now;
@@ -14,8 +15,9 @@ import math
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import Field, RootModel
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
+from jex.engine_spec import EngineSpec
 from jex.fileio import read_json, write_json
 from jex.record import Record
 
@@ -62,6 +64,19 @@ class RunStages(RootModel[dict[RecordedStage, StageRecord]]):
     def seconds(self) -> float:
         """The stages' wall seconds, summed."""
         return math.fsum(s.seconds for s in self.root.values())
+
+
+class RecordedCampaign(BaseModel):
+    """What the rooms below the flows read of a run's `campaign.json` (the exports: the engine, the
+    bootstrap draws); the spec's other fields are the flows room's (`CampaignSpec`)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    engine: EngineSpec
+    bootstrap_draws: int
+
+    @classmethod
+    def read(cls, run_dir: str | Path) -> RecordedCampaign:
+        return cls.model_validate(read_json(Path(run_dir) / CAMPAIGN_FILE))
 
 
 class EngineCalls(Record):

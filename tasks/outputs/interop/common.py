@@ -34,9 +34,9 @@ import polars as pl
 from pydantic import BaseModel, ConfigDict, Field
 
 from jex.errors import InputError
-from jex.fileio import read_json, write_toml
+from jex.fileio import write_toml
 from jex.record import Record
-from jex.run_records import STAGES_FILE
+from jex.run_records import STAGES_FILE, RecordedCampaign
 from jex.tasks.documents import ScoreDoc, read_doc
 from jex.tasks.run_store import run_summaries
 
@@ -126,7 +126,7 @@ class RunToExport:
 
     run_dir: Path
     samples: pl.DataFrame  # samples.parquet
-    spec: dict[str, Any]  # campaign.json
+    spec: RecordedCampaign  # campaign.json
     score: ScoreDoc  # score.json
 
 
@@ -140,7 +140,7 @@ def read_run_to_export(run_dir: str | Path, *, as_what: str) -> RunToExport:
     if samples["prompt"].null_count() and samples["prompt_ref"].null_count() == samples.height:
         raise InputError(f"the run has no rendered prompts to export as {as_what} ({samples['prompt_missing'][0]})",
                          file=str(run_dir / "samples.parquet"), field="prompt")
-    return RunToExport(run_dir, samples, read_json(run_dir / "campaign.json"),
+    return RunToExport(run_dir, samples, RecordedCampaign.read(run_dir),
                        read_doc(ScoreDoc, run_dir / "score.json"))
 
 

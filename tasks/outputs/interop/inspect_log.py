@@ -25,7 +25,8 @@ from typing import Any
 import polars as pl
 
 from jex.errors import InputError
-from jex.fileio import atomic_path
+from jex.fileio import atomic_path, read_json
+from jex.run_records import CAMPAIGN_FILE
 from jex.tasks.documents import ScoreDoc
 from jex.tasks.outputs.interop.common import (
     LABELS,
@@ -62,7 +63,7 @@ def export_inspect(run_dir: str | Path, out: str | Path) -> Path:
     """Write `<out>/<created>_jex-<suite>_<run>.eval`; returns its path (written to a temp name first)."""
     ilog = _inspect()
     run = read_run_to_export(run_dir, as_what="Inspect inputs")
-    model = f"jex/{run.spec['engine'].get('model') or 'SmolLM2-135M-Instruct'}"
+    model = f"jex/{run.spec.engine.model or 'SmolLM2-135M-Instruct'}"
     suite = run_suite_name(run.run_dir)
     now = datetime.now(UTC).isoformat(timespec="seconds")
     task_id = run.run_dir.name.rsplit("-", 1)[-1]  # the run's identity hash
@@ -122,7 +123,8 @@ def _eval_spec(run: RunToExport, suite: str, model: str, created: str, task_id: 
                                                   sample_ids=run.samples["run_id"].to_list()),
                          model=model, config=ilog.EvalConfig(),
                          packages={"inspect_ai": inspect_ai.__version__, "jex": _jex_version()},
-                         metadata={"jex": {"run": run.run_dir.name, "suite": suite, "campaign": run.spec,
+                         metadata={"jex": {"run": run.run_dir.name, "suite": suite,
+                                           "campaign": read_json(run.run_dir / CAMPAIGN_FILE),  # as it is
                                            "provenance": run.score.provenance}})
 
 

@@ -279,7 +279,7 @@ def export_lm_eval(run_dir: str | Path, out: str | Path) -> Path:
     u = _lm_utils()
     run = read_run_to_export(run_dir, as_what="lm-eval arguments")
     manifest = run_suite_manifest(run.run_dir)
-    model = run.spec["engine"].get("model") or "jex-embedded-SmolLM2-135M-Instruct"
+    model = run.spec.engine.model or "jex-embedded-SmolLM2-135M-Instruct"
     stamp = datetime.now().isoformat().replace(":", "-")
     model_dir = u.sanitize_model_name(model)
     out = Path(out)
@@ -395,11 +395,11 @@ def _metric_values(t: _ExportedTask) -> dict[str, float | str]:
 
 def _task_config(run: RunToExport, c: _ExportCatalog) -> dict[str, Any]:
     """The task's config as lm-eval writes it (the imported task's settings where the suite has them)."""
-    render = run.spec["engine"]["render"]
+    render = run.spec.engine.render
     s = c.settings
     return {"task": c.id, "output_type": "multiple_choice", "target_delimiter": c.target_delimiter,
             "fewshot_delimiter": s.get("fewshot_delimiter", "\n\n"), "description": s.get("description") or "",
-            "num_fewshot": (s.get("num_fewshot") or 0) if s else render["num_fewshot"],
+            "num_fewshot": (s.get("num_fewshot") or 0) if s else render.num_fewshot,
             "fewshot_split": s.get("fewshot_split"),
             "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in c.metrics],
             "metadata": {"version": c.version, "jex_catalog": c.id, "jex_leg": run.score.catalogs[c.id].leg,
@@ -412,22 +412,19 @@ def _run_fields(run: RunToExport, head: _RunHeader) -> dict[str, Any]:
 
     from lm_eval.utils import hash_string
 
-    engine = run.spec["engine"]
-    render = engine["render"]
-    system = render.get("system_prompt")
-    template = render.get("chat_template")
-    template = None if template in ("none", None) or (template == "auto" and head.source.get("importer") == "lm-eval") \
-        else template
+    engine = run.spec.engine
+    system, chosen = engine.render.system_prompt, engine.render.chat_template
+    template = None if chosen == "none" or (chosen == "auto" and head.source.get("importer") == "lm-eval") else chosen
     provenance = run.score.provenance or {}
-    return {"config": {"model": f"jex-{engine['kind']}", "model_args": {"pretrained": head.model},
-                       "batch_size": engine["batch_size"], "batch_sizes": [], "device": engine["device"],
-                       "use_cache": None, "limit": None, "bootstrap_iters": run.spec.get("bootstrap_draws"),
+    return {"config": {"model": f"jex-{engine.kind}", "model_args": {"pretrained": head.model},
+                       "batch_size": engine.batch_size, "batch_sizes": [], "device": engine.device,
+                       "use_cache": None, "limit": None, "bootstrap_iters": run.spec.bootstrap_draws,
                        "gen_kwargs": {}, "fewshot_seed": head.source.get("fewshot_seed")},
             "git_hash": (provenance.get("jex") or {}).get("commit"), "date": datetime.now().timestamp(),
             "transformers_version": _version(metadata, "transformers"),
             "lm_eval_version": _version(metadata, "lm_eval"),
             "jex_version": (provenance.get("jex") or {}).get("version"), "upper_git_hash": None,
-            "model_source": f"jex-{engine['kind']}", "model_name": head.model, "model_name_sanitized": head.model_dir,
+            "model_source": f"jex-{engine.kind}", "model_name": head.model, "model_name_sanitized": head.model_dir,
             "system_instruction": system, "system_instruction_sha": hash_string(system) if system else None,
             "fewshot_as_multiturn": None, "chat_template": template,
             "chat_template_sha": hash_string(template) if template else None}
