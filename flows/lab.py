@@ -48,7 +48,7 @@ from jex.lab.experiment_report import (
     register_with_base,
     twin_audit,
 )
-from jex.lab.jobs import BakeoffJob, LabJob, ParityJob, ProbeJob
+from jex.lab.jobs import BakeoffJob, LabJob, LabSummary, ParityJob, ProbeJob
 from jex.run_records import EngineCalls
 from jex.tasks.decisions import append_decisions, ledger_path, model_facts
 from jex.tasks.outputs.inline_images import inline_images
@@ -294,7 +294,7 @@ def run_experiment(spec: ExperimentSpec) -> Path:
 
 
 def _lab_job(spec: BakeoffJob | ParityJob | ProbeJob, out: str, machines: MachinesSpec | None, *,
-             report: str, key: str) -> tuple[dict[str, Any], str]:
+             report: str, key: str) -> tuple[LabSummary, str]:
     """Run a lab job where `machines` say; its Markdown `report` (a file in `out`) becomes the artifact `key`.
     Returns the job's summary and the report."""
     summary = run_lab(LabJob(spec=spec, out=out), machines)
@@ -305,7 +305,7 @@ def _lab_job(spec: BakeoffJob | ParityJob | ProbeJob, out: str, machines: Machin
 
 @flow(name="bakeoff", log_prints=True)
 def bakeoff(job: BakeoffJob = BakeoffJob(), out: str = "runs/bakeoff",  # noqa: B008 - UI form default
-            machines: MachinesSpec | None = None) -> dict[str, Any]:
+            machines: MachinesSpec | None = None) -> LabSummary:
     """Each arm in its own process; the verdict and the table become a Prefect artifact."""
     summary, _ = _lab_job(job, out, machines, report="bakeoff.md", key="bakeoff-report")
     print(summary["verdict"])
@@ -313,7 +313,7 @@ def bakeoff(job: BakeoffJob = BakeoffJob(), out: str = "runs/bakeoff",  # noqa: 
 
 
 @flow(name="parity", log_prints=True)
-def parity(job: ParityJob, out: str = "runs/parity", machines: MachinesSpec | None = None) -> dict[str, Any]:
+def parity(job: ParityJob, out: str = "runs/parity", machines: MachinesSpec | None = None) -> LabSummary:
     """Readout parity (and choice parity after a rationale) of two engines on the same rows: a stratified
     sample of `job.rows` (0: all); the mismatches after a rationale also go to parity-mismatches.parquet."""
     summary, _ = _lab_job(job, out, machines, report="parity.md", key="parity-report")
@@ -321,7 +321,7 @@ def parity(job: ParityJob, out: str = "runs/parity", machines: MachinesSpec | No
 
 
 @flow(name="early-exit-probe", log_prints=True)
-def early_exit_probe(job: ProbeJob, out: str = "runs/probe", machines: MachinesSpec | None = None) -> dict[str, Any]:
+def early_exit_probe(job: ProbeJob, out: str = "runs/probe", machines: MachinesSpec | None = None) -> LabSummary:
     """Probe `job.rows` gated rows of a suite folder or bundle; writes probe.json, probe.md, probe.png."""
     summary, text = _lab_job(job, out, machines, report="probe.md", key="early-exit-probe")
     print(text.splitlines()[4] if len(text.splitlines()) > 4 else text)

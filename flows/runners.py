@@ -21,7 +21,7 @@ from typing import Any
 
 from jex.flows.fleet import GpuFleet, MachinesSpec
 from jex.flows.machines_doc import MachinesDoc
-from jex.lab.jobs import LabJob, lab_summary, run_lab_job
+from jex.lab.jobs import LabJob, LabSummary, lab_summary, run_lab_job
 from jex.tasks.capture.workers import WorkerReport, run_workers
 from jex.tasks.inputs import EngineJob
 
@@ -111,7 +111,7 @@ def make_runner(spec: MachinesSpec, *, campaign: str, store: str) -> StageRunner
     return InProcessRunner()
 
 
-def run_lab(job: LabJob, machines: MachinesSpec | None = None) -> dict[str, Any]:
+def run_lab(job: LabJob, machines: MachinesSpec | None = None) -> LabSummary:
     """Run a lab job where `machines` says (None: the settings' provider, `JEX_INFRA__PROVIDER`) through
     `make_runner`: in this process, or on a machine released at the end, also on failure. Returns its
     summary (`lab_summary`); a machine run also leaves `machines.json` in `job.out`."""

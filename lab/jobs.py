@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, JsonValue
 
 from jex.engine_spec import EngineSpec
 from jex.fileio import read_json, write_json, write_text
@@ -167,7 +167,11 @@ def _parity(spec: ParityJob, out: Path) -> None:
     write_mismatches(res, out)
 
 
-def lab_summary(job: LabJob) -> dict[str, Any]:
+LabSummary = dict[str, JsonValue]
+"""What a lab job's flow returns: the headline of its `<kind>.json` (and where its outputs are)."""
+
+
+def lab_summary(job: LabJob) -> LabSummary:
     """What the job's flow returns, read from its outputs in `job.out` (wherever it ran)."""
     out = Path(job.out)
     if job.kind == "probe":
