@@ -27,7 +27,7 @@ def sha256_file(path: Path) -> str:
 
 def direct(spec) -> float:
     """The stage functions in order, no Prefect (all stored already)."""
-    from jex.flows.campaign import sample_suite_dir
+    from jex.flows.spec import sample_suite_dir
     from jex.overlays.loading import load_rules
     from jex.tasks import decision_stages as c
     from jex.tasks.capture import stages as s
@@ -76,8 +76,9 @@ def main() -> None:
     res["rerun_fraction"] = res["cached_rerun"]["wall_seconds"] / res["first_run"]["wall_seconds"]
     # in-process overhead, everything cached
     os.environ["PREFECT_HOME"] = str(work / "prefect")
-    from jex.flows.campaign import campaign, load_spec
+    from jex.flows.campaign import campaign
     from jex.flows.local_api import ensure_local_api
+    from jex.flows.spec import load_spec
 
     ensure_local_api()
     spec = load_spec(run_dir)

@@ -46,7 +46,8 @@ SEPARATE = """
 import sys
 from jex.flows.local_api import ensure_local_api
 ensure_local_api()
-from jex.flows.campaign import CampaignSpec, run_campaign
+from jex.flows.campaign import run_campaign
+from jex.flows.spec import CampaignSpec
 print(run_campaign(CampaignSpec.model_validate_json(sys.argv[1])))
 """
 
@@ -64,9 +65,8 @@ def main() -> None:
     p.add_argument("--reason-max-tokens", type=int, default=48, help="Rationale length limit")
     p.add_argument("--out", default="bench/results/cpu-experiments.json")
     args = p.parse_args()
-    from jex.flows.campaign import CampaignSpec
-    from jex.flows.fleet import MachinesSpec
     from jex.flows.lab import ExperimentSpec, plan_experiment
+    from jex.flows.spec import CampaignSpec, MachinesSpec
 
     tmp = Path(tempfile.mkdtemp(prefix="jex-bench-exp-"))
     arms_file = tmp / "arms.toml"

@@ -39,7 +39,8 @@ def main() -> None:
                        "JEX_INFRA__WORKER_PYTHON": sys.executable})
     from jex.engine_spec import EngineSpec
     from jex.fileio import sha256_file
-    from jex.flows.fleet import GpuFleet, JobFailed, MachinesSpec
+    from jex.flows.fleet import GpuFleet, JobFailed
+    from jex.flows.spec import MachinesSpec
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
     from jex.tasks.capture.stages import bundle_stage, fast_pass_stage

@@ -9,20 +9,18 @@ Cached and an interrupted engine stage resumes at its first missing shard.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, cast
+from typing import TypeVar, cast
 
 from prefect import Task, flow
-from pydantic import BaseModel, ConfigDict, Field
 
-from jex.engine_spec import EngineSpec
 from jex.errors import FlowError
 from jex.fileio import sha256_json, write_json, write_text
-from jex.flows.fleet import MachinesSpec, s3_store
+from jex.flows.fleet import s3_store
 from jex.flows.machines_doc import MachinesDoc, machines_section, report_section
 from jex.flows.runners import StageRunner, make_runner
+from jex.flows.spec import CampaignSpec, load_spec, sample_suite_dir
 from jex.infra.s3 import S3Store, checkpoint
 from jex.run_records import (
     CAMPAIGN_FILE,
@@ -33,7 +31,7 @@ from jex.run_records import (
     StageName,
     StageRecord,
 )
-from jex.settings import BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, PROOF_ROWS, JexSettings
+from jex.settings import JexSettings
 from jex.store_layout import SUCCESS
 from jex.tasks.capture.engine_pool import CALLS
 from jex.tasks.capture.spec_proof import ExactnessProof, prove, write_proof
@@ -47,8 +45,6 @@ from jex.tasks.decisions import (
     ungated_rules,
 )
 from jex.tasks.inputs import (
-    FAST_SHARD_ROWS,
-    REASON_SHARD_ROWS,
     BundleInputs,
     CalibrateInputs,
     EngineJob,
@@ -60,9 +56,6 @@ from jex.tasks.inputs import (
     ReasonInputs,
     ScoreInputs,
     StageInputs,
-    engine_content,
-    file_content,
-    suite_content,
 )
 from jex.tasks.outputs.samples import warm_tokenizer
 from jex.tasks.prefect_tasks import (
@@ -82,132 +75,12 @@ from jex.tasks.records import (
     CampaignSummaries,
     FastPassSummary,
     FinishedCampaign,
-    GateSummary,
     StageSummary,
 )
 from jex.tasks.run_store import find_run_store
 from jex.tasks.store import LocalStore
 
 S = TypeVar("S", bound=StageSummary)
-AUDIT_SETTINGS = {"require_zero_errors", "reference_min_agreement"}
-"""Settings that decide whether a run passes, not what it computes (so not in the run's identity)."""
-
-
-class CampaignSpec(BaseModel):
-    """Everything that defines a campaign; the Prefect UI shows it as the run form."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field("sample", description="Campaign name (prefix of the run folder)")
-    suite: str | None = Field(None, description="Suite folder; empty = the embedded sample suite")
-    sample_rows: int = Field(360, ge=18, description="Rows of the embedded sample suite")
-    engine: EngineSpec = EngineSpec()
-    coverage: float = Field(0.10, ge=0, le=1, description="Share of rows gated for a rationale")
-    per_catalog_cap: float | None = Field(None, gt=0, le=1, description="Max gated share of one catalog")
-    reason_max_tokens: int = Field(48, ge=1)
-    spec_proof_rows: int = Field(PROOF_ROWS, ge=1, description="Gated rows the audited base re-generates to prove a "
-                                                       "speculative profile exact")
-    fold_rule: Literal["replace", "mix"] = "mix"
-    fold_weight: float = Field(0.5, ge=0, le=1, description="Weight of the post-thought readout (mix)")
-    calibration_folds: int = Field(5, ge=2)
-    overlays: str | None = Field(None, description="Overlay rule file (TOML)")
-    bootstrap_draws: int = Field(BOOTSTRAP_DRAWS, ge=1)
-    bootstrap_seed: int = BOOTSTRAP_SEED
-    fast_shard_rows: int = Field(FAST_SHARD_ROWS, ge=1)
-    reason_shard_rows: int = Field(REASON_SHARD_ROWS, ge=1)
-    store: str = Field("runs/store", description="Artifact store folder")
-    out: str = Field("runs", description="Folder the run folder is created in")
-    machines: MachinesSpec = MachinesSpec()
-    reference: str | None = Field(None, description="Reference rows (run_id, choice, probs) of an earlier, trusted "
-                                  "run, 1:1 with the suite: every run is audited against them")
-    require_zero_errors: bool = Field(False, description="Fail the run unless every error counter is zero")
-    samples_prompts: Literal["full", "sha256"] = Field(
-        "full", description="samples.parquet: the rendered prompts in full, or their sha256 and a pointer to the store")
-    reference_min_agreement: float | None = Field(
-        None, ge=0, le=1, description="With reference rows in the bundle: fail the run when the final choices "
-        "agree with them on fewer than this share of rows")
-    unverified_overlays: bool = Field(False, description="Apply the overlay rules even without a passed gate record "
-                                                         "for each (the report and samples mark them); off: refused")
-
-    def identity(self) -> str:
-        """Hash of what defines the results, from content only: the suite's files (or the bundle's bytes),
-        the engine's fingerprint (weights, tokenizer, what it reads, the settings that change numbers),
-        the reference and rule files' bytes, and the campaign's own settings. Not where anything lies (no
-        path, store, cache folder or device index), nor on which machines: the same campaign from another
-        folder, home or machine has the same run folder name."""
-        where = ("store", "out", "fast_shard_rows", "reason_shard_rows", "machines", "samples_prompts", *AUDIT_SETTINGS,
-                 *(() if self.unverified_overlays else ("unverified_overlays",)))  # set: its own run folder
-        files = ("suite", "reference", "overlays")
-        doc = self.model_dump(mode="json", exclude={*where, *files, "engine"})
-        doc.update(engine=engine_content(self.engine), suite=suite_content(self.suite) if self.suite else None,
-                   reference=file_content(self.reference), overlays=file_content(self.overlays))
-        return sha256_json(doc)[:10]
-
-    def run_dir(self) -> Path:
-        return Path(self.out) / f"{self.name}-{self.identity()}"
-
-    def located(self) -> CampaignSpec:
-        """The same campaign with every path absolute (folders, suite, reference, rules, a model on disk),
-        so its run folder's record names them from any working folder."""
-        def here(path: str | None) -> str | None:
-            return str(Path(path).expanduser().absolute()) if path else path
-
-        on_disk = self.engine.model and Path(self.engine.model).exists()  # else the embedded one or a Hub id
-        engine = self.engine.model_copy(update={"model": here(self.engine.model)}) if on_disk else self.engine
-        return self.model_copy(update={"out": here(self.out), "store": here(self.store), "suite": here(self.suite),
-                                       "reference": here(self.reference), "overlays": here(self.overlays),
-                                       "engine": engine})
-
-    def fast_pass_inputs(self, bundle: BundleSummary) -> FastPassInputs:
-        return FastPassInputs(bundle=bundle, engine=self.engine, shard_rows=self.fast_shard_rows)
-
-    def reason_inputs(self, bundle: BundleSummary, gate: GateSummary, engine: EngineSpec | None = None) -> ReasonInputs:
-        """The reason stage on `gate`'s rows, by the campaign's engine or another (a speculative proof's base)."""
-        return ReasonInputs(bundle=bundle, gate=gate, engine=engine or self.engine, max_tokens=self.reason_max_tokens,
-                            shard_rows=self.reason_shard_rows)
-
-
-def settings_fields(settings: JexSettings) -> dict[str, Any]:
-    """The CampaignSpec fields settings decide: the engine (`JEX_ENGINE__*`), where runs go
-    (`JEX_STORE__ROOT`: run folders in ROOT, the store in ROOT/store), the bootstrap (`JEX_BOOTSTRAP_*`)
-    and where engine stages run (`JEX_INFRA__PROVIDER`)."""
-    root = Path(settings.store.root)
-    return {"engine": settings.engine.model_dump(), "out": str(root), "store": str(root / "store"),
-            "bootstrap_draws": settings.bootstrap_draws, "bootstrap_seed": settings.bootstrap_seed,
-            "machines": {"provider": settings.infra.provider}}
-
-
-def campaign_spec(settings: JexSettings, *layers: Mapping[str, Any]) -> CampaignSpec:
-    """The one way a campaign is specified: settings, then each layer in turn (a `--spec` file, the
-    command-line flags, the UI form's values). A later layer wins field by field; tables (`engine`,
-    `machines`, `engine.render`) merge. `store` follows `out` (OUT/store) unless a layer sets it.
-
-    Raises pydantic's ValidationError naming the field of a bad value."""
-    fields = settings_fields(settings)
-    for layer in layers:
-        fields = merged_fields(fields, layer)
-    if any("out" in layer for layer in layers) and not any("store" in layer for layer in layers):
-        fields["store"] = str(Path(fields["out"]) / "store")
-    return CampaignSpec.model_validate(fields)
-
-
-def merged_fields(base: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
-    """`base` with `layer` on top; a table in both is merged, any other value replaced."""
-    out = dict(base)
-    for name, value in layer.items():
-        below = out.get(name)
-        out[name] = merged_fields(below, value) if isinstance(value, Mapping) and isinstance(below, Mapping) else value
-    return out
-
-
-def sample_suite_dir(spec: CampaignSpec) -> str:
-    from jex.sample_suite import write_sample_suite
-
-    folder = Path(spec.store) / "suites" / f"sample-{spec.sample_rows}"
-    if not (folder / "suite.toml").exists():
-        write_sample_suite(folder, rows=spec.sample_rows, seed=0)
-    return str(folder)
-
-
 STAGES = STAGE_NAMES
 """The campaign's stages in order, what `redo` and retry-stage name (a speculative profile adds
 `spec_proof_sample` and `spec_proof`, `ProofStageName`)."""
@@ -524,8 +397,3 @@ def stored_run(spec: CampaignSpec, settings: JexSettings) -> Path | None:
 def run_campaign(spec: CampaignSpec, *, recompute: bool = False, redo: list[StageName] | None = None) -> Path:
     """Run the flow in this process (Prefect's local API unless PREFECT_API_URL is set)."""
     return Path(campaign(spec, redo=redo, recompute=recompute))
-
-
-def load_spec(run_dir: str | Path) -> CampaignSpec:
-    """The campaign as its run folder recorded it (`campaign.json`)."""
-    return CampaignSpec.model_validate_json((Path(run_dir) / CAMPAIGN_FILE).read_text())

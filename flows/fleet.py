@@ -31,13 +31,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from jex.engine_identity import EngineFingerprint
 from jex.engine_spec import EngineSpec
 from jex.errors import FlowError, InfraError, JexError
 from jex.fileio import sha256_json, write_json
 from jex.flows.machines_doc import FingerprintMismatch, FleetMachine, GoldenReplay, MachinesDoc
+from jex.flows.spec import MachinesSpec
 from jex.infra.cost_ledger import CostLedger
 from jex.infra.machine import JobFailed, MachineSession, RemoteJob, required_tools, stack_lock
 from jex.infra.providers import Machine
@@ -45,9 +45,9 @@ from jex.infra.reaper import check_results_survive, make_provider, policy_from_s
 from jex.infra.records import MachineProvenance
 from jex.infra.s3 import S3Store
 from jex.lab.jobs import MACHINE_OUT, OUTPUTS, LabJob
-from jex.settings import GOLDEN_ROWS, JexSettings, ProviderName
+from jex.settings import JexSettings
 from jex.store_layout import shards_dir, stage_dir
-from jex.tasks.capture.engine_host import COMPILE_CACHE, STARTS, HostOptions, parse_starts
+from jex.tasks.capture.engine_host import COMPILE_CACHE, STARTS, parse_starts
 from jex.tasks.capture.engine_host.protocol import EngineStart
 from jex.tasks.capture.engine_pool import compile_cache_key
 from jex.tasks.capture.golden import compare_golden, find_reference, has_reference, store_reference
@@ -57,60 +57,6 @@ from jex.tasks.inputs import EngineJob, FastPassInputs, ReasonInputs
 from jex.tasks.prefect_tasks import progress_artifact
 from jex.tasks.records import StagePlan
 from jex.tasks.store import FAILED_ROWS, LocalStore
-
-
-class MachinesSpec(BaseModel):
-    """Where the engine stages run; the campaign form's 'machines' section."""
-
-    model_config = ConfigDict(extra="forbid")
-    provider: ProviderName = Field("local", description="inprocess = in this process; others rent machines")
-    hosts: list[str] = Field(default_factory=list, description="ssh: hosts to use (empty = settings)")
-    workers: int = Field(1, ge=1, description="Machines sharing each engine stage (each with its engine slots)")
-    budget_usd: float | None = Field(None, ge=0, description="Campaign cost budget (empty = settings)")
-    price_per_hour: float | None = Field(None, ge=0, description="Price of one machine (empty = settings)")
-    budget_hours: float | None = Field(None, gt=0, validation_alias=AliasChoices("budget_hours", "wall_budget_hours"),
-                                       description="Max life of a machine, hours (empty = settings)")
-    heartbeat_timeout_s: float | None = Field(None, gt=0)
-    golden_rows: int = Field(GOLDEN_ROWS, ge=1, description="Rows replayed before a machine runs its shards (and "
-                                                            "proved first by a speculative profile's proof)")
-    golden_tolerance: float = Field(1e-4, ge=0, description="Max |dp| of the golden replay")
-    concurrent: bool = Field(True, description="Machines compute at the same time (off: one after another, e.g. "
-                                               "workers emulated on one shared GPU)")
-    engine_hosts: bool = Field(True, description="One long-lived engine process per slot serves all of a machine's "
-                                                 "jobs (golden, fast pass, reason); off: every job loads its own")
-    gpus_per_machine: int = Field(1, ge=1, description="GPUs of each machine (one set of engine slots per GPU)")
-    engines_per_gpu: int = Field(1, ge=1, description="Engine processes per GPU, each a data-parallel worker; more "
-                                                      "than 1 pays off when one engine leaves the GPU idle (small "
-                                                      "models); vLLM engines that profile their KV cache start "
-                                                      "one after another, others (kv_cache_memory_gib set, the "
-                                                      "HF engine) together")
-    host_stall_s: float = Field(600.0, gt=0, description="Seconds an engine host may go without finishing a shard "
-                                                         "before its job stops it and starts a new one")
-    aws_credentials_block: str | None = Field(None, description="prefect-aws AwsCredentials block with the AWS "
-                                                                "keys of the machines and the bucket (empty = "
-                                                                "settings); only its name is stored")
-    fresh_processes: bool = Field(False, description="inprocess: compute the engine stages in fresh local processes "
-                                                     "(one per worker) instead of this one (a twin audit's check)")
-
-    @model_validator(mode="after")
-    def _slots_need_machines(self) -> MachinesSpec:
-        if self.provider == "inprocess" and self.slots > 1:
-            raise ValueError(f"engines_per_gpu x gpus_per_machine = {self.slots} engine processes need machines "
-                             "(provider local, ssh, ec2 or command); inprocess runs one engine in this process")
-        return self
-
-    @property
-    def slots(self) -> int:
-        """Engine processes per machine."""
-        return self.gpus_per_machine * self.engines_per_gpu
-
-    def host_options(self, workdir: str, engine: EngineSpec) -> HostOptions:
-        """How a machine's jobs hand their engine work to its engine hosts (`jex stage --host-options`)."""
-        slots = self.slots
-        devices = ([str(s // self.engines_per_gpu) for s in range(slots)]  # slot s sees one GPU: s // engines_per_gpu
-                   if engine.device.startswith("cuda") else None)
-        return HostOptions(home=f"{workdir}/engines", slots=slots, devices=devices,
-                           max_requests=0 if self.engine_hosts else 1, stall_s=self.host_stall_s)
 
 
 class GoldenMismatch(FlowError):
@@ -594,4 +540,4 @@ def s3_store(settings: JexSettings | None = None, *, aws_credentials_block: str 
     return S3Store.from_settings(settings.store, settings.infra)
 
 
-__all__ = ["GoldenMismatch", "GpuFleet", "JobFailed", "MachineLife", "MachinesSpec", "machine_life", "machine_step"]
+__all__ = ["GoldenMismatch", "GpuFleet", "JobFailed", "MachineLife", "machine_life", "machine_step"]

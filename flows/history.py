@@ -31,8 +31,8 @@ def campaign_runs(limit: int = 50) -> list[RunRow]:
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.client.schemas.sorting import FlowRunSort
 
-    from jex.flows.campaign import CampaignSpec
     from jex.flows.machines_doc import read_machines
+    from jex.flows.spec import CampaignSpec
     from jex.tasks.documents import ScoreDoc, read_doc
 
     with get_client(sync_client=True) as client:

@@ -34,9 +34,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jex.errors import FlowError, InputError
 from jex.fileio import write_json
-from jex.flows.campaign import CampaignSpec, campaign, sample_suite_dir
-from jex.flows.fleet import MachinesSpec
+from jex.flows.campaign import campaign
 from jex.flows.runners import run_lab
+from jex.flows.spec import CampaignSpec, MachinesSpec, sample_suite_dir
 from jex.infra.cost_ledger import CostLedger
 from jex.lab.arms import ArmDecl, ArmsFile, parse_arms
 from jex.lab.experiment_report import (

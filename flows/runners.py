@@ -19,8 +19,9 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from jex.flows.fleet import GpuFleet, MachinesSpec
+from jex.flows.fleet import GpuFleet
 from jex.flows.machines_doc import MachinesDoc
+from jex.flows.spec import MachinesSpec
 from jex.lab.jobs import LabJob, LabSummary, lab_summary, run_lab_job
 from jex.tasks.capture.workers import WorkerReport, run_workers
 from jex.tasks.inputs import EngineJob

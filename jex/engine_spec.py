@@ -94,7 +94,7 @@ class EngineSpec(BaseModel):
                                                         "proven exact on this run")
     model: str | None = Field(None, description="Model folder, GGUF file or Hub id org/name[@revision]; empty = "
                                                 "the embedded SmolLM2")
-    device: str = "cpu"
+    device: str = Field("cpu", description="cpu, cuda, cuda:1 ...")
     batch_size: int = Field(8, ge=0, description="Requests per engine call; 0 (vLLM only): all the stage hands "
                                                  "over (a shard) in one call, scheduled by vLLM")
     max_num_seqs: int = Field(32, ge=1, description="vLLM: sequences per scheduler step")

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 import jex.flows.campaign as campaign_module
 from jex.cli import app
 from jex.cli.run import CAMPAIGN_FIELD_OF_FLAG, run
-from jex.flows.campaign import CampaignSpec
+from jex.flows.spec import CampaignSpec
 
 EVERY_FIELD = {
     "name": "full", "suite": "suites/mine", "sample_rows": 36, "coverage": 0.25, "per_catalog_cap": 0.5,

@@ -23,7 +23,8 @@ def harness(prefect_harness):
 @pytest.fixture(scope="module")
 def first_run(harness, tmp_path_factory):
     """One campaign on the default provider; returns its spec, run folder and stage keys."""
-    from jex.flows.campaign import CampaignSpec, campaign
+    from jex.flows.campaign import campaign
+    from jex.flows.spec import CampaignSpec
 
     root = tmp_path_factory.mktemp("identity")
     spec = CampaignSpec(name="id", suite=str(write_sample_suite(root / "suite", rows=18, seed=9)), coverage=0.2,

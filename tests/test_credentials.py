@@ -131,8 +131,8 @@ def test_no_block_value_reaches_the_run_files_logs_or_parameters(prefect_harness
     from prefect.client.schemas.sorting import FlowRunSort
     from prefect.logging.handlers import APILogHandler
 
-    from jex.flows.campaign import campaign, load_spec
-    from jex.flows.fleet import MachinesSpec
+    from jex.flows.campaign import campaign
+    from jex.flows.spec import MachinesSpec, load_spec
 
     save_aws_block("jex-test-aws")
     bucket = new_bucket(s3_server)

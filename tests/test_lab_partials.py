@@ -69,8 +69,8 @@ def test_an_experiment_shares_one_machine_budget_across_its_sub_runs(tmp_path):
     import pytest
 
     from jex.errors import FlowError
-    from jex.flows.campaign import CampaignSpec
     from jex.flows.lab import ExperimentBudget
+    from jex.flows.spec import CampaignSpec
     from jex.infra.cost_ledger import CostLedger
 
     ledger = CostLedger(tmp_path / "ledger.json")

@@ -38,7 +38,7 @@ class Hook:
 
 
 def test_the_notice_names_the_campaign_the_failed_stage_and_the_run_folder(tmp_path):
-    from jex.flows.campaign import CampaignSpec
+    from jex.flows.spec import CampaignSpec
     from jex.run_records import RunStages, StageRecord
 
     spec = CampaignSpec(name="nightly", out=str(tmp_path / "runs"), store=str(tmp_path / "store"))

@@ -34,7 +34,7 @@ def test_the_campaign_stages_are_one_list():
 
 def test_the_providers_are_one_list():
     from jex.cli import preflight
-    from jex.flows.fleet import MachinesSpec
+    from jex.flows.spec import MachinesSpec
     from jex.settings import PROVIDER_NAMES, InfraSettings
 
     assert preflight.PROVIDERS == PROVIDER_NAMES
@@ -43,8 +43,7 @@ def test_the_providers_are_one_list():
 
 
 def test_golden_and_proof_rows_each_come_from_one_constant():
-    from jex.flows.campaign import CampaignSpec
-    from jex.flows.fleet import MachinesSpec
+    from jex.flows.spec import CampaignSpec, MachinesSpec
     from jex.settings import GOLDEN_ROWS, PROOF_ROWS
     from jex.tasks.inputs import ProofSampleInputs
 
@@ -56,7 +55,7 @@ def test_golden_and_proof_rows_each_come_from_one_constant():
 def test_the_machine_budget_has_one_set_of_names():
     import dataclasses
 
-    from jex.flows.fleet import MachinesSpec
+    from jex.flows.spec import MachinesSpec
     from jex.infra.machine import Policy
     from jex.settings import InfraSettings
 

@@ -320,8 +320,8 @@ def test_unverified_overlays_mark_the_rows_they_decide_and_their_records(tmp_pat
 @pytest.mark.slow
 def test_a_campaign_refuses_an_ungated_rule_file_before_any_engine_stage(tmp_path, prefect_harness):
     from jex.errors import FlowError
-    from jex.flows.campaign import CampaignSpec, campaign
-    from jex.flows.fleet import MachinesSpec
+    from jex.flows.campaign import campaign
+    from jex.flows.spec import CampaignSpec, MachinesSpec
 
     rules = tmp_path / "rules.toml"
     rules.write_text('[[rules]]\nid = "R"\nkind = "positional-threshold"\ntarget = "arith"\n'

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jex.engine_spec import EngineSpec
-from jex.flows.campaign import CampaignSpec, campaign_spec
+from jex.flows.spec import CampaignSpec, campaign_spec
 from jex.settings import BOOTSTRAP_SEED, JexSettings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -46,8 +46,8 @@ def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for ba
     except JexError as e:
         fail(e)
     connect_prefect(load_settings())
-    from jex.flows.fleet import MachinesSpec
     from jex.flows.lab import bakeoff as bakeoff_flow
+    from jex.flows.spec import MachinesSpec
 
     try:
         res = bakeoff_flow(job, out=str(out), machines=MachinesSpec(provider=provider) if provider else None)
@@ -100,8 +100,8 @@ def parity(suite: Annotated[Path, field_option(ParityJob, "suite")],
                    f"-> {out}")
         return
     connect_prefect(load_settings())
-    from jex.flows.fleet import MachinesSpec
     from jex.flows.lab import parity as parity_flow
+    from jex.flows.spec import MachinesSpec
 
     try:
         r = parity_flow(job, out=str(out), machines=MachinesSpec(provider=provider) if provider else None)

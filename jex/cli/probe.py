@@ -56,8 +56,8 @@ def early_exit(suite: Annotated[Path, field_option(ProbeJob, "suite")],
     except JexError as e:
         fail(e)
     connect_prefect(settings)
-    from jex.flows.fleet import MachinesSpec
     from jex.flows.lab import early_exit_probe
+    from jex.flows.spec import MachinesSpec
 
     try:
         res = early_exit_probe(job, out=str(out), machines=MachinesSpec(provider=provider) if provider else None)

@@ -23,7 +23,7 @@ from jex.tasks.inputs import FAST_SHARD_ROWS, REASON_SHARD_ROWS
 
 if TYPE_CHECKING:
     from jex.engine_spec import RenderSpec
-    from jex.flows.campaign import CampaignSpec
+    from jex.flows.spec import CampaignSpec
 
 CAMPAIGN_FIELD_OF_FLAG = {
     "suite": "suite", "name": "name", "coverage": "coverage", "out": "out", "store": "store",
@@ -46,7 +46,7 @@ HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:]*:[0-9A-Fa-f:.]+|[A-Za-z0-9
 
 SpecFile = Annotated[Path | None, typer.Option("--spec", help="Campaign TOML: any CampaignSpec field, with [engine], "
                                                                "[engine.render] and [machines] tables; flags override")]
-Suite = Annotated[Path | None, typer.Option(help="Suite folder (default: the embedded sample)")]
+Suite = Annotated[Path | None, typer.Option(help="Suite folder or bundle (.tar.gz) (default: the embedded sample)")]
 Model = Annotated[str | None, typer.Option(help="Model folder, GGUF, or Hub id org/name[@revision] (default: "
                                                 "JEX_ENGINE__MODEL, else the embedded SmolLM2)")]
 Coverage = Annotated[float | None, typer.Option(help="Share of rows gated for a rationale (default: 0.10)")]
@@ -189,7 +189,7 @@ def catalog_list(text: str) -> list[str]:
 def on_panel(campaign: CampaignSpec, catalogs: list[str]) -> CampaignSpec:
     """The campaign on the panel of `catalogs` of its suite (`jex.lab.panel.prepare_panel`, the one the
     experiments use), written beside its run folder as RUN-panel-suite."""
-    from jex.flows.campaign import sample_suite_dir
+    from jex.flows.spec import sample_suite_dir
     from jex.lab.panel import prepare_panel
 
     run_dir = campaign.run_dir()
@@ -204,7 +204,8 @@ def resumed_spec(run_dir: Path, store: Path | None = None) -> CampaignSpec:
     go on with from here: `resume_spec` finds its store (`store`, when given)."""
     from pydantic import ValidationError
 
-    from jex.flows.campaign import CampaignSpec, resume_spec
+    from jex.flows.campaign import resume_spec
+    from jex.flows.spec import CampaignSpec
 
     path = run_dir / CAMPAIGN_FILE
     try:
@@ -287,7 +288,7 @@ def spec_from(settings: JexSettings, *, spec_file: Path | None, flags: dict[str,
     """The campaign of `jex run`: settings, then the --spec file, then the flags given."""
     from pydantic import ValidationError
 
-    from jex.flows.campaign import CampaignSpec, campaign_spec
+    from jex.flows.spec import CampaignSpec, campaign_spec
 
     layers = []
     try:
@@ -388,7 +389,7 @@ def calibrate(coverage: Annotated[float, typer.Option(help="Coverage gated withi
         fail(e)
     connect_prefect(settings)
     from jex.flows.budget import BudgetSpec, budget_projection
-    from jex.flows.campaign import campaign_spec
+    from jex.flows.spec import campaign_spec
 
     infra = settings.infra
     spec = BudgetSpec(campaign=campaign_spec(settings, spec_fields({"suite": suite, "out": out, "provider": provider},

@@ -1,0 +1,208 @@
+"""The campaign spec: everything that defines a campaign, the one record settings, `--spec` files, the
+command line and the Prefect run form fill (`campaign_spec`). Free of Prefect, so the command line reads its
+fields' descriptions and defaults for its help without starting one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+
+from jex.engine_spec import EngineSpec
+from jex.fileio import sha256_json
+from jex.run_records import CAMPAIGN_FILE
+from jex.settings import BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, GOLDEN_ROWS, PROOF_ROWS, JexSettings, ProviderName
+from jex.tasks.capture.engine_host import HostOptions
+from jex.tasks.inputs import (
+    FAST_SHARD_ROWS,
+    REASON_SHARD_ROWS,
+    FastPassInputs,
+    ReasonInputs,
+    engine_content,
+    file_content,
+    suite_content,
+)
+from jex.tasks.records import BundleSummary, GateSummary
+
+
+class MachinesSpec(BaseModel):
+    """Where the engine stages run; the campaign form's 'machines' section."""
+
+    model_config = ConfigDict(extra="forbid")
+    provider: ProviderName = Field("local", description="inprocess = in this process; others rent machines")
+    hosts: list[str] = Field(default_factory=list, description="ssh: hosts to use (empty = settings)")
+    workers: int = Field(1, ge=1, description="Machines sharing each engine stage (each with its engine slots)")
+    budget_usd: float | None = Field(None, ge=0, description="Campaign cost budget (empty = settings)")
+    price_per_hour: float | None = Field(None, ge=0, description="Price of one machine (empty = settings)")
+    budget_hours: float | None = Field(None, gt=0, validation_alias=AliasChoices("budget_hours", "wall_budget_hours"),
+                                       description="Max life of a machine, hours (empty = settings)")
+    heartbeat_timeout_s: float | None = Field(None, gt=0)
+    golden_rows: int = Field(GOLDEN_ROWS, ge=1, description="Rows replayed before a machine runs its shards (and "
+                                                            "proved first by a speculative profile's proof)")
+    golden_tolerance: float = Field(1e-4, ge=0, description="Max |dp| of the golden replay")
+    concurrent: bool = Field(True, description="Machines compute at the same time (off: one after another, e.g. "
+                                               "workers emulated on one shared GPU)")
+    engine_hosts: bool = Field(True, description="One long-lived engine process per slot serves all of a machine's "
+                                                 "jobs (golden, fast pass, reason); off: every job loads its own")
+    gpus_per_machine: int = Field(1, ge=1, description="GPUs of each machine (one set of engine slots per GPU)")
+    engines_per_gpu: int = Field(1, ge=1, description="Engine processes per GPU, each a data-parallel worker; more "
+                                                      "than 1 pays off when one engine leaves the GPU idle (small "
+                                                      "models); vLLM engines that profile their KV cache start "
+                                                      "one after another, others (kv_cache_memory_gib set, the "
+                                                      "HF engine) together")
+    host_stall_s: float = Field(600.0, gt=0, description="Seconds an engine host may go without finishing a shard "
+                                                         "before its job stops it and starts a new one")
+    aws_credentials_block: str | None = Field(None, description="prefect-aws AwsCredentials block with the AWS "
+                                                                "keys of the machines and the bucket (empty = "
+                                                                "settings); only its name is stored")
+    fresh_processes: bool = Field(False, description="inprocess: compute the engine stages in fresh local processes "
+                                                     "(one per worker) instead of this one (a twin audit's check)")
+
+    @model_validator(mode="after")
+    def _slots_need_machines(self) -> MachinesSpec:
+        if self.provider == "inprocess" and self.slots > 1:
+            raise ValueError(f"engines_per_gpu x gpus_per_machine = {self.slots} engine processes need machines "
+                             "(provider local, ssh, ec2 or command); inprocess runs one engine in this process")
+        return self
+
+    @property
+    def slots(self) -> int:
+        """Engine processes per machine."""
+        return self.gpus_per_machine * self.engines_per_gpu
+
+    def host_options(self, workdir: str, engine: EngineSpec) -> HostOptions:
+        """How a machine's jobs hand their engine work to its engine hosts (`jex stage --host-options`)."""
+        slots = self.slots
+        devices = ([str(s // self.engines_per_gpu) for s in range(slots)]  # slot s sees one GPU: s // engines_per_gpu
+                   if engine.device.startswith("cuda") else None)
+        return HostOptions(home=f"{workdir}/engines", slots=slots, devices=devices,
+                           max_requests=0 if self.engine_hosts else 1, stall_s=self.host_stall_s)
+
+
+AUDIT_SETTINGS = {"require_zero_errors", "reference_min_agreement"}
+"""Settings that decide whether a run passes, not what it computes (so not in the run's identity)."""
+
+
+class CampaignSpec(BaseModel):
+    """Everything that defines a campaign; the Prefect UI shows it as the run form."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field("sample", description="Campaign name (prefix of the run folder)")
+    suite: str | None = Field(None, description="Suite folder, or a bundle (.tar.gz) as `jex bundle build` writes "
+                                                           "it; empty = the embedded sample suite")
+    sample_rows: int = Field(360, ge=18, description="Rows of the embedded sample suite")
+    engine: EngineSpec = EngineSpec()
+    coverage: float = Field(0.10, ge=0, le=1, description="Share of rows gated for a rationale")
+    per_catalog_cap: float | None = Field(None, gt=0, le=1, description="Max gated share of one catalog")
+    reason_max_tokens: int = Field(48, ge=1, description="Rationale length limit, tokens")
+    spec_proof_rows: int = Field(PROOF_ROWS, ge=1, description="Gated rows the audited base re-generates to prove a "
+                                                       "speculative profile exact")
+    fold_rule: Literal["replace", "mix"] = "mix"
+    fold_weight: float = Field(0.5, ge=0, le=1, description="Weight of the post-thought readout (mix)")
+    calibration_folds: int = Field(5, ge=2)
+    overlays: str | None = Field(None, description="Overlay rule file (TOML)")
+    bootstrap_draws: int = Field(BOOTSTRAP_DRAWS, ge=1)
+    bootstrap_seed: int = BOOTSTRAP_SEED
+    fast_shard_rows: int = Field(FAST_SHARD_ROWS, ge=1, description="Rows per fast-pass shard (a checkpoint, a "
+                                                                    "machine's unit of work)")
+    reason_shard_rows: int = Field(REASON_SHARD_ROWS, ge=1, description="Rows per reason shard")
+    store: str = Field("runs/store", description="Artifact store folder")
+    out: str = Field("runs", description="Folder the run folder is created in")
+    machines: MachinesSpec = MachinesSpec()
+    reference: str | None = Field(None, description="Reference rows (run_id, choice, probs) of an earlier, trusted "
+                                  "run, 1:1 with the suite: every run is audited against them")
+    require_zero_errors: bool = Field(False, description="Fail the run unless every error counter is zero")
+    samples_prompts: Literal["full", "sha256"] = Field(
+        "full", description="samples.parquet: the rendered prompts in full, or their sha256 and a pointer to the store")
+    reference_min_agreement: float | None = Field(
+        None, ge=0, le=1, description="With reference rows in the bundle: fail the run when the final choices "
+        "agree with them on fewer than this share of rows")
+    unverified_overlays: bool = Field(False, description="Apply the overlay rules even without a passed gate record "
+                                                         "for each (the report and samples mark them); off: refused")
+
+    def identity(self) -> str:
+        """Hash of what defines the results, from content only: the suite's files (or the bundle's bytes),
+        the engine's fingerprint (weights, tokenizer, what it reads, the settings that change numbers),
+        the reference and rule files' bytes, and the campaign's own settings. Not where anything lies (no
+        path, store, cache folder or device index), nor on which machines: the same campaign from another
+        folder, home or machine has the same run folder name."""
+        where = ("store", "out", "fast_shard_rows", "reason_shard_rows", "machines", "samples_prompts", *AUDIT_SETTINGS,
+                 *(() if self.unverified_overlays else ("unverified_overlays",)))  # set: its own run folder
+        files = ("suite", "reference", "overlays")
+        doc = self.model_dump(mode="json", exclude={*where, *files, "engine"})
+        doc.update(engine=engine_content(self.engine), suite=suite_content(self.suite) if self.suite else None,
+                   reference=file_content(self.reference), overlays=file_content(self.overlays))
+        return sha256_json(doc)[:10]
+
+    def run_dir(self) -> Path:
+        return Path(self.out) / f"{self.name}-{self.identity()}"
+
+    def located(self) -> CampaignSpec:
+        """The same campaign with every path absolute (folders, suite, reference, rules, a model on disk),
+        so its run folder's record names them from any working folder."""
+        def here(path: str | None) -> str | None:
+            return str(Path(path).expanduser().absolute()) if path else path
+
+        on_disk = self.engine.model and Path(self.engine.model).exists()  # else the embedded one or a Hub id
+        engine = self.engine.model_copy(update={"model": here(self.engine.model)}) if on_disk else self.engine
+        return self.model_copy(update={"out": here(self.out), "store": here(self.store), "suite": here(self.suite),
+                                       "reference": here(self.reference), "overlays": here(self.overlays),
+                                       "engine": engine})
+
+    def fast_pass_inputs(self, bundle: BundleSummary) -> FastPassInputs:
+        return FastPassInputs(bundle=bundle, engine=self.engine, shard_rows=self.fast_shard_rows)
+
+    def reason_inputs(self, bundle: BundleSummary, gate: GateSummary, engine: EngineSpec | None = None) -> ReasonInputs:
+        """The reason stage on `gate`'s rows, by the campaign's engine or another (a speculative proof's base)."""
+        return ReasonInputs(bundle=bundle, gate=gate, engine=engine or self.engine, max_tokens=self.reason_max_tokens,
+                            shard_rows=self.reason_shard_rows)
+
+
+def settings_fields(settings: JexSettings) -> dict[str, Any]:
+    """The CampaignSpec fields settings decide: the engine (`JEX_ENGINE__*`), where runs go
+    (`JEX_STORE__ROOT`: run folders in ROOT, the store in ROOT/store), the bootstrap (`JEX_BOOTSTRAP_*`)
+    and where engine stages run (`JEX_INFRA__PROVIDER`)."""
+    root = Path(settings.store.root)
+    return {"engine": settings.engine.model_dump(), "out": str(root), "store": str(root / "store"),
+            "bootstrap_draws": settings.bootstrap_draws, "bootstrap_seed": settings.bootstrap_seed,
+            "machines": {"provider": settings.infra.provider}}
+
+
+def campaign_spec(settings: JexSettings, *layers: Mapping[str, Any]) -> CampaignSpec:
+    """The one way a campaign is specified: settings, then each layer in turn (a `--spec` file, the
+    command-line flags, the UI form's values). A later layer wins field by field; tables (`engine`,
+    `machines`, `engine.render`) merge. `store` follows `out` (OUT/store) unless a layer sets it.
+
+    Raises pydantic's ValidationError naming the field of a bad value."""
+    fields = settings_fields(settings)
+    for layer in layers:
+        fields = merged_fields(fields, layer)
+    if any("out" in layer for layer in layers) and not any("store" in layer for layer in layers):
+        fields["store"] = str(Path(fields["out"]) / "store")
+    return CampaignSpec.model_validate(fields)
+
+
+def merged_fields(base: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `layer` on top; a table in both is merged, any other value replaced."""
+    out = dict(base)
+    for name, value in layer.items():
+        below = out.get(name)
+        out[name] = merged_fields(below, value) if isinstance(value, Mapping) and isinstance(below, Mapping) else value
+    return out
+
+
+def sample_suite_dir(spec: CampaignSpec) -> str:
+    from jex.sample_suite import write_sample_suite
+
+    folder = Path(spec.store) / "suites" / f"sample-{spec.sample_rows}"
+    if not (folder / "suite.toml").exists():
+        write_sample_suite(folder, rows=spec.sample_rows, seed=0)
+    return str(folder)
+
+
+def load_spec(run_dir: str | Path) -> CampaignSpec:
+    """The campaign as its run folder recorded it (`campaign.json`)."""
+    return CampaignSpec.model_validate_json((Path(run_dir) / CAMPAIGN_FILE).read_text())
