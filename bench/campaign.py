@@ -27,9 +27,9 @@ def sha256_file(path: Path) -> str:
 
 def direct(spec) -> float:
     """The stage functions in order, no Prefect (all stored already)."""
-    from jex.flows.spec import sample_suite_dir
     from jex.overlays.loading import load_rules
     from jex.tasks import decision_stages as c
+    from jex.tasks.campaign_spec import sample_suite_dir
     from jex.tasks.capture import stages as s
     from jex.tasks.outputs.run_folder import write_run_folder
     from jex.tasks.records import CampaignSummaries
@@ -78,7 +78,7 @@ def main() -> None:
     os.environ["PREFECT_HOME"] = str(work / "prefect")
     from jex.flows.campaign import campaign
     from jex.flows.local_api import ensure_local_api
-    from jex.flows.spec import load_spec
+    from jex.tasks.campaign_spec import load_spec
 
     ensure_local_api()
     spec = load_spec(run_dir)

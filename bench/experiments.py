@@ -47,7 +47,7 @@ import sys
 from jex.flows.local_api import ensure_local_api
 ensure_local_api()
 from jex.flows.campaign import run_campaign
-from jex.flows.spec import CampaignSpec
+from jex.tasks.campaign_spec import CampaignSpec
 print(run_campaign(CampaignSpec.model_validate_json(sys.argv[1])))
 """
 
@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/cpu-experiments.json")
     args = p.parse_args()
     from jex.flows.lab import ExperimentSpec, plan_experiment
-    from jex.flows.spec import CampaignSpec, MachinesSpec
+    from jex.tasks.campaign_spec import CampaignSpec, MachinesSpec
 
     tmp = Path(tempfile.mkdtemp(prefix="jex-bench-exp-"))
     arms_file = tmp / "arms.toml"

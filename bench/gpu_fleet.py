@@ -40,9 +40,9 @@ def main() -> None:
     from jex.engine_spec import EngineSpec
     from jex.fileio import sha256_file
     from jex.flows.fleet import GpuFleet, JobFailed
-    from jex.flows.spec import MachinesSpec
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
+    from jex.tasks.campaign_spec import MachinesSpec
     from jex.tasks.capture.stages import bundle_stage, fast_pass_stage
     from jex.tasks.inputs import EngineJob, FastPassInputs
     from jex.tasks.store import LocalStore

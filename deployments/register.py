@@ -30,7 +30,7 @@ from jex.settings import JexSettings
 if TYPE_CHECKING:
     from prefect.automations import Automation
 
-    from jex.flows.spec import CampaignSpec
+    from jex.flows.campaign import CampaignSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 POOL = "jex-orchestrator"
@@ -57,7 +57,7 @@ def deployment_specs(settings: JexSettings, campaign_defaults: Mapping[str, Any]
     The campaign form's defaults take the one path `jex run` takes: settings, then `campaign_defaults`
     (`jex server start --defaults FILE`), through `campaign_spec`."""
     from jex.flows.budget import BudgetSpec
-    from jex.flows.spec import campaign_spec
+    from jex.flows.campaign import campaign_spec
 
     spec = campaign_spec(settings, campaign_defaults or {})
     return [

@@ -26,8 +26,8 @@ from pydantic import BaseModel, Field
 from jex.fileio import write_json, write_text
 from jex.flows.campaign import publish_machines
 from jex.flows.runners import StageRunner, make_runner
-from jex.flows.spec import CampaignSpec, sample_suite_dir
 from jex.record import Record
+from jex.tasks.campaign_spec import CampaignSpec, sample_suite_dir
 from jex.tasks.decision_stages import gate_stage
 from jex.tasks.documents import FoldDoc, read_doc
 from jex.tasks.inputs import BundleInputs, EngineJob, FastPassInputs, FoldInputs, ReasonInputs

@@ -20,7 +20,6 @@ from jex.fileio import sha256_json, write_json, write_text
 from jex.flows.fleet import s3_store
 from jex.flows.machines_doc import MachinesDoc, machines_section, report_section
 from jex.flows.runners import StageRunner, make_runner
-from jex.flows.spec import CampaignSpec, load_spec, sample_suite_dir
 from jex.infra.s3 import S3Store, checkpoint
 from jex.run_records import (
     CAMPAIGN_FILE,
@@ -33,6 +32,10 @@ from jex.run_records import (
 )
 from jex.settings import JexSettings
 from jex.store_layout import SUCCESS
+
+# CampaignSpec and campaign_spec: the campaign flow's form and how settings fill it (deployments read them here)
+from jex.tasks.campaign_spec import CampaignSpec, load_spec, sample_suite_dir
+from jex.tasks.campaign_spec import campaign_spec as campaign_spec
 from jex.tasks.capture.engine_pool import CALLS
 from jex.tasks.capture.spec_proof import ExactnessProof, prove, write_proof
 from jex.tasks.decisions import (

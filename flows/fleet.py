@@ -37,7 +37,6 @@ from jex.engine_spec import EngineSpec
 from jex.errors import FlowError, InfraError, JexError
 from jex.fileio import sha256_json, write_json
 from jex.flows.machines_doc import FingerprintMismatch, FleetMachine, GoldenReplay, MachinesDoc
-from jex.flows.spec import MachinesSpec
 from jex.infra.cost_ledger import CostLedger
 from jex.infra.machine import JobFailed, MachineSession, RemoteJob, required_tools, stack_lock
 from jex.infra.providers import Machine
@@ -47,6 +46,7 @@ from jex.infra.s3 import S3Store
 from jex.lab.jobs import MACHINE_OUT, OUTPUTS, LabJob
 from jex.settings import JexSettings
 from jex.store_layout import shards_dir, stage_dir
+from jex.tasks.campaign_spec import MachinesSpec
 from jex.tasks.capture.engine_host import COMPILE_CACHE, STARTS, parse_starts
 from jex.tasks.capture.engine_host.protocol import EngineStart
 from jex.tasks.capture.engine_pool import compile_cache_key

@@ -32,7 +32,7 @@ def campaign_runs(limit: int = 50) -> list[RunRow]:
     from prefect.client.schemas.sorting import FlowRunSort
 
     from jex.flows.machines_doc import read_machines
-    from jex.flows.spec import CampaignSpec
+    from jex.tasks.campaign_spec import CampaignSpec
     from jex.tasks.documents import ScoreDoc, read_doc
 
     with get_client(sync_client=True) as client:

@@ -36,7 +36,6 @@ from jex.errors import FlowError, InputError
 from jex.fileio import write_json
 from jex.flows.campaign import campaign
 from jex.flows.runners import run_lab
-from jex.flows.spec import CampaignSpec, MachinesSpec, sample_suite_dir
 from jex.infra.cost_ledger import CostLedger
 from jex.lab.arms import ArmDecl, ArmsFile, parse_arms
 from jex.lab.experiment_report import (
@@ -50,6 +49,7 @@ from jex.lab.experiment_report import (
 )
 from jex.lab.jobs import BakeoffJob, LabJob, LabSummary, ParityJob, ProbeJob
 from jex.run_records import EngineCalls
+from jex.tasks.campaign_spec import CampaignSpec, MachinesSpec, sample_suite_dir
 from jex.tasks.decisions import append_decisions, ledger_path, model_facts
 from jex.tasks.outputs.inline_images import inline_images
 

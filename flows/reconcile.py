@@ -52,7 +52,7 @@ def failure_notice(parameters: dict[str, Any], state: str, message: str, run_nam
     """(subject, body) naming the campaign, the stage that failed (the first one its run folder does
     not record as done) and the run folder."""
     from jex.flows.campaign import STAGES
-    from jex.flows.spec import CampaignSpec
+    from jex.tasks.campaign_spec import CampaignSpec
 
     spec = CampaignSpec.model_validate(parameters.get("spec") or {})
     try:

@@ -21,8 +21,8 @@ from typing import Any
 
 from jex.flows.fleet import GpuFleet
 from jex.flows.machines_doc import MachinesDoc
-from jex.flows.spec import MachinesSpec
 from jex.lab.jobs import LabJob, LabSummary, lab_summary, run_lab_job
+from jex.tasks.campaign_spec import MachinesSpec
 from jex.tasks.capture.workers import WorkerReport, run_workers
 from jex.tasks.inputs import EngineJob
 

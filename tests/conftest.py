@@ -148,7 +148,7 @@ def main_job_run(tmp_path_factory, prefect_harness) -> Path:
     """The main job (default campaign spec; rationales cut to 16 tokens) on a 36-row sample suite,
     in-process, run once per session: the run folder the samples, show, export and import tests read."""
     from jex.flows.campaign import campaign
-    from jex.flows.spec import CampaignSpec, MachinesSpec
+    from jex.tasks.campaign_spec import CampaignSpec, MachinesSpec
 
     root = tmp_path_factory.mktemp("main-job")
     spec = CampaignSpec(sample_rows=36, reason_max_tokens=16, store=str(root / "store"), out=str(root / "runs"),

@@ -44,7 +44,7 @@ def harness(prefect_harness):
 def test_campaign_counts_a_failing_batch_audits_the_reference_and_enforces_both(harness, tmp_path, monkeypatch):
     import jex.tasks.capture.stages as stages
     from jex.flows.campaign import campaign
-    from jex.flows.spec import CampaignSpec, MachinesSpec
+    from jex.tasks.campaign_spec import CampaignSpec, MachinesSpec
     from jex.tasks.capture.engine_pool import get_engine
 
     suite = write_sample_suite(tmp_path / "suite", rows=27, seed=5)

@@ -178,9 +178,9 @@ def test_a_dotenv_that_is_not_utf8_is_one_line(tmp_path):
 def test_a_machine_that_never_started_is_reported_with_its_cause(tmp_path, monkeypatch):
     from jex.engine_spec import EngineSpec
     from jex.flows.fleet import GpuFleet
-    from jex.flows.spec import MachinesSpec
     from jex.infra.providers import ProviderError
     from jex.settings import load_settings
+    from jex.tasks.campaign_spec import MachinesSpec
     from jex.tasks.capture.stages import bundle_stage
     from jex.tasks.inputs import EngineJob, FastPassInputs
     from jex.tasks.store import LocalStore

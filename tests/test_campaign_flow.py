@@ -52,7 +52,7 @@ def harness(prefect_harness):
 
 
 def _spec(suite, tmp_path):
-    from jex.flows.spec import CampaignSpec, MachinesSpec
+    from jex.tasks.campaign_spec import CampaignSpec, MachinesSpec
 
     return CampaignSpec(name="t", suite=str(suite), coverage=0.2, reason_max_tokens=8, bootstrap_draws=50,
                         fast_shard_rows=9, reason_shard_rows=3, store=str(tmp_path / "store"), out=str(tmp_path),
@@ -178,8 +178,8 @@ def test_bakeoff_and_parity_flows_publish_their_reports(harness, tiny_suite, tmp
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from jex.flows.lab import bakeoff, parity
-    from jex.flows.spec import MachinesSpec
     from jex.lab.jobs import BakeoffJob, ParityJob
+    from jex.tasks.campaign_spec import MachinesSpec
 
     here = MachinesSpec(provider="inprocess")  # on a machine: test_lab_jobs.py
     b = bakeoff(BakeoffJob(arms=["hf-control", "hf-bi"], prompts=2, tokens=4, ladder=[1, 2], repeats=1),

@@ -7,14 +7,15 @@ import inspect
 import json
 import subprocess
 import sys
+import typing
 
 import pytest
 from typer.testing import CliRunner
 
 import jex.flows.campaign as campaign_module
 from jex.cli import app
-from jex.cli.run import CAMPAIGN_FIELD_OF_FLAG, run
-from jex.flows.spec import CampaignSpec
+from jex.cli.run import CAMPAIGN_FIELD_OF_FLAG, run, spec_help
+from jex.tasks.campaign_spec import CampaignSpec, spec_field
 
 EVERY_FIELD = {
     "name": "full", "suite": "suites/mine", "sample_rows": 36, "coverage": 0.25, "per_catalog_cap": 0.5,
@@ -90,6 +91,21 @@ def test_every_run_flag_sets_a_campaign_field():
             field = model.model_fields[part]
             model = field.annotation
     assert EVERY_FIELD.keys() == CampaignSpec.model_fields.keys()
+
+
+def test_every_campaign_flag_takes_its_help_and_default_from_the_spec_field():
+    """One declaration: a flag's help is its field's description and says where the field's default comes
+    from (settings, else the field's default); the flag itself defaults to None, so it changes nothing."""
+    renders = {"chat_template": "engine.render.chat_template", "system_prompt": "engine.render.system_prompt",
+               "num_fewshot": "engine.render.num_fewshot"}
+    hints = typing.get_type_hints(run, include_extras=True)
+    for flag, path in {**CAMPAIGN_FIELD_OF_FLAG, **renders}.items():
+        help_text = hints[flag].__metadata__[0].help
+        assert help_text.startswith(spec_field(path).description), flag
+        assert help_text.endswith(spec_help(path).removeprefix(spec_field(path).description)), flag
+        assert inspect.signature(run).parameters[flag].default is None, flag
+    assert "(default: JEX_ENGINE__BATCH_SIZE, else 8)" in spec_help("engine.batch_size")
+    assert spec_help("machines.workers").endswith("(default: 1)")
 
 
 def test_flags_beat_settings(ran, monkeypatch):

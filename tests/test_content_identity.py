@@ -24,7 +24,7 @@ def harness(prefect_harness):
 def first_run(harness, tmp_path_factory):
     """One campaign on the default provider; returns its spec, run folder and stage keys."""
     from jex.flows.campaign import campaign
-    from jex.flows.spec import CampaignSpec
+    from jex.tasks.campaign_spec import CampaignSpec
 
     root = tmp_path_factory.mktemp("identity")
     spec = CampaignSpec(name="id", suite=str(write_sample_suite(root / "suite", rows=18, seed=9)), coverage=0.2,

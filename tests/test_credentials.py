@@ -132,7 +132,7 @@ def test_no_block_value_reaches_the_run_files_logs_or_parameters(prefect_harness
     from prefect.logging.handlers import APILogHandler
 
     from jex.flows.campaign import campaign
-    from jex.flows.spec import MachinesSpec, load_spec
+    from jex.tasks.campaign_spec import MachinesSpec, load_spec
 
     save_aws_block("jex-test-aws")
     bucket = new_bucket(s3_server)

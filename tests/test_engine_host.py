@@ -214,8 +214,8 @@ def test_the_first_machine_s_compile_cache_is_restored_on_the_next_machine_of_th
 
     from jex.engine_spec import EngineSpec
     from jex.flows.fleet import GpuFleet, compile_cache_path
-    from jex.flows.spec import MachinesSpec
     from jex.settings import load_settings
+    from jex.tasks.campaign_spec import MachinesSpec
     from jex.tasks.capture.stages import bundle_stage
     from jex.tasks.inputs import EngineJob, FastPassInputs
     from jex.tasks.store import LocalStore
@@ -319,7 +319,7 @@ def test_the_fleet_hands_its_jobs_one_host_options_record_the_stage_command_vali
     import pydantic
 
     from jex.engine_spec import EngineSpec
-    from jex.flows.spec import MachinesSpec
+    from jex.tasks.campaign_spec import MachinesSpec
     from jex.tasks.capture.engine_host import HostOptions
 
     spec = MachinesSpec(provider="local", gpus_per_machine=2, engines_per_gpu=2, engine_hosts=False, host_stall_s=90)

@@ -104,7 +104,7 @@ def test_a_bad_arms_file_fails_in_the_cli_before_any_engine_or_prefect_starts(tm
 
 def test_a_derived_arm_with_a_bad_campaign_value_names_the_arm(tmp_path):
     from jex.flows.lab import ExperimentSpec, plan_experiment
-    from jex.flows.spec import CampaignSpec
+    from jex.tasks.campaign_spec import CampaignSpec
 
     spec = ExperimentSpec(campaign=CampaignSpec(sample_rows=18, store=str(tmp_path / "s")), out=str(tmp_path),
                           arms_toml='[[arms]]\nname = "big"\nfold_weight = 1.5\n', arms_path="a.toml")
@@ -429,7 +429,7 @@ ARMS_E2E = (Path(__file__).resolve().parent.parent / "examples" / "arms.toml").r
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, prefect_harness):
     from jex.flows.lab import ExperimentSpec, experiment
-    from jex.flows.spec import CampaignSpec, MachinesSpec
+    from jex.tasks.campaign_spec import CampaignSpec, MachinesSpec
 
     tmp = tmp_path_factory.mktemp("experiment")
     base = CampaignSpec(sample_rows=36, coverage=0.2, reason_max_tokens=8, bootstrap_draws=50,

@@ -47,8 +47,8 @@ def _fleet_flow(tmp_path, monkeypatch, rows: int):
 
     from jex.engine_spec import EngineSpec
     from jex.flows.fleet import GpuFleet
-    from jex.flows.spec import MachinesSpec
     from jex.settings import load_settings
+    from jex.tasks.campaign_spec import MachinesSpec
     from jex.tasks.capture.stages import bundle_stage
     from jex.tasks.inputs import EngineJob, FastPassInputs
     from jex.tasks.store import LocalStore

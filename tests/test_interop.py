@@ -91,7 +91,7 @@ def imported_suite(lm_task, tmp_path_factory) -> Path:
 def imported_run(imported_suite, tmp_path_factory, prefect_harness) -> Path:
     """That suite run through a jex campaign (in-process)."""
     from jex.flows.campaign import campaign
-    from jex.flows.spec import CampaignSpec, MachinesSpec
+    from jex.tasks.campaign_spec import CampaignSpec, MachinesSpec
 
     root = tmp_path_factory.mktemp("imported-run")
     spec = CampaignSpec(name="lmeval", suite=str(imported_suite), coverage=0.34, reason_max_tokens=8,

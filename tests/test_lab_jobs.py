@@ -88,9 +88,9 @@ def test_parity_runs_on_a_local_machine_and_equals_in_process(lab_suite, tmp_pat
 def test_bakeoff_runs_on_a_local_machine_and_equals_in_process(tmp_path, prefect_harness, local_machines):
     """The arm's ladder computed here as its arm process computes it (`_arm_main`), without the process."""
     from jex.flows.lab import bakeoff
-    from jex.flows.spec import MachinesSpec
     from jex.lab.bakeoff import arm_engine, compare, divergence_prompts, run_ladder
     from jex.lab.jobs import BakeoffJob
+    from jex.tasks.campaign_spec import MachinesSpec
 
     out = tmp_path / "local"
     res = bakeoff(BakeoffJob(arms=["hf-bi"], prompts=2, tokens=4, ladder=[1, 2], repeats=1), out=str(out),
@@ -108,7 +108,7 @@ def test_bakeoff_runs_on_a_local_machine_and_equals_in_process(tmp_path, prefect
 
 def test_calibrate_measures_its_sample_on_a_local_machine(lab_suite, tmp_path, prefect_harness, local_machines):
     from jex.flows.budget import BudgetSpec, budget_projection
-    from jex.flows.spec import MachinesSpec
+    from jex.tasks.campaign_spec import MachinesSpec
 
     _cli("calibrate", "--suite", str(lab_suite), "--coverage", "0.25", "--sample-every", "3", "--provider",
          "local", "--out", str(tmp_path / "local"))

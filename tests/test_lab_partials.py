@@ -70,8 +70,8 @@ def test_an_experiment_shares_one_machine_budget_across_its_sub_runs(tmp_path):
 
     from jex.errors import FlowError
     from jex.flows.lab import ExperimentBudget
-    from jex.flows.spec import CampaignSpec
     from jex.infra.cost_ledger import CostLedger
+    from jex.tasks.campaign_spec import CampaignSpec
 
     ledger = CostLedger(tmp_path / "ledger.json")
     budget = ExperimentBudget(25.0, ledger)

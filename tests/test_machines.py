@@ -365,9 +365,9 @@ def test_golden_replay_mismatch_stops_the_machine_before_its_shards(tmp_path, mo
 
     from jex.engine_spec import EngineSpec
     from jex.flows.fleet import GoldenMismatch, GpuFleet
-    from jex.flows.spec import MachinesSpec
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
+    from jex.tasks.campaign_spec import MachinesSpec
     from jex.tasks.capture.golden import reference_path
     from jex.tasks.capture.stages import bundle_stage
     from jex.tasks.documents import GoldenVerdict

@@ -38,8 +38,8 @@ class Hook:
 
 
 def test_the_notice_names_the_campaign_the_failed_stage_and_the_run_folder(tmp_path):
-    from jex.flows.spec import CampaignSpec
     from jex.run_records import RunStages, StageRecord
+    from jex.tasks.campaign_spec import CampaignSpec
 
     spec = CampaignSpec(name="nightly", out=str(tmp_path / "runs"), store=str(tmp_path / "store"))
     run_dir = spec.run_dir()

@@ -34,8 +34,8 @@ def test_the_campaign_stages_are_one_list():
 
 def test_the_providers_are_one_list():
     from jex.cli import preflight
-    from jex.flows.spec import MachinesSpec
     from jex.settings import PROVIDER_NAMES, InfraSettings
+    from jex.tasks.campaign_spec import MachinesSpec
 
     assert preflight.PROVIDERS == PROVIDER_NAMES
     for field in (MachinesSpec.model_fields["provider"], InfraSettings.model_fields["provider"]):
@@ -43,8 +43,8 @@ def test_the_providers_are_one_list():
 
 
 def test_golden_and_proof_rows_each_come_from_one_constant():
-    from jex.flows.spec import CampaignSpec, MachinesSpec
     from jex.settings import GOLDEN_ROWS, PROOF_ROWS
+    from jex.tasks.campaign_spec import CampaignSpec, MachinesSpec
     from jex.tasks.inputs import ProofSampleInputs
 
     assert MachinesSpec().golden_rows == ProofSampleInputs.model_fields["golden_rows"].default == GOLDEN_ROWS
@@ -55,9 +55,9 @@ def test_golden_and_proof_rows_each_come_from_one_constant():
 def test_the_machine_budget_has_one_set_of_names():
     import dataclasses
 
-    from jex.flows.spec import MachinesSpec
     from jex.infra.machine import Policy
     from jex.settings import InfraSettings
+    from jex.tasks.campaign_spec import MachinesSpec
 
     budget = {"budget_usd", "budget_hours", "price_per_hour", "heartbeat_timeout_s"}
     assert budget <= set(MachinesSpec.model_fields) & set(InfraSettings.model_fields)

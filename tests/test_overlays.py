@@ -321,7 +321,7 @@ def test_unverified_overlays_mark_the_rows_they_decide_and_their_records(tmp_pat
 def test_a_campaign_refuses_an_ungated_rule_file_before_any_engine_stage(tmp_path, prefect_harness):
     from jex.errors import FlowError
     from jex.flows.campaign import campaign
-    from jex.flows.spec import CampaignSpec, MachinesSpec
+    from jex.tasks.campaign_spec import CampaignSpec, MachinesSpec
 
     rules = tmp_path / "rules.toml"
     rules.write_text('[[rules]]\nid = "R"\nkind = "positional-threshold"\ntarget = "arith"\n'

@@ -23,9 +23,9 @@ def test_merged_capture_of_two_engines_is_byte_identical_to_one_process(tmp_path
 
     from jex.engine_spec import EngineSpec
     from jex.flows.fleet import GpuFleet
-    from jex.flows.spec import MachinesSpec
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
+    from jex.tasks.campaign_spec import MachinesSpec
     from jex.tasks.capture.stages import bundle_stage, fast_pass_stage, reason_stage
     from jex.tasks.decision_stages import gate_stage
     from jex.tasks.inputs import EngineJob, FastPassInputs, ReasonInputs

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from jex.engine_spec import EngineSpec
-from jex.flows.spec import CampaignSpec, campaign_spec
 from jex.settings import BOOTSTRAP_SEED, JexSettings, load_settings
+from jex.tasks.campaign_spec import CampaignSpec, campaign_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 NOT_DEFAULT = {"kind": "vllm", "profile": "audit-ngram", "model": "org/name@abc", "device": "cuda:1", "batch_size": 3,

@@ -100,7 +100,7 @@ def tiny_suite(tmp_path_factory):
 def _campaign(suite, out: Path, **engine):
     from jex.engine_spec import EngineSpec
     from jex.flows.campaign import run_campaign
-    from jex.flows.spec import CampaignSpec, MachinesSpec
+    from jex.tasks.campaign_spec import CampaignSpec, MachinesSpec
 
     spec = CampaignSpec(name="spec", suite=str(suite), coverage=0.34, reason_max_tokens=8, bootstrap_draws=50,
                         engine=EngineSpec(**engine), spec_proof_rows=4, store=str(out / "store"), out=str(out),
@@ -188,8 +188,8 @@ def test_a_speculative_campaign_on_local_machines_proves_itself_and_reports_mach
 
     from jex.engine_spec import EngineSpec
     from jex.flows.campaign import run_campaign
-    from jex.flows.spec import CampaignSpec, MachinesSpec
     from jex.lab.experiment_report import stage_summaries
+    from jex.tasks.campaign_spec import CampaignSpec, MachinesSpec
 
     for k, v in {"JEX_INFRA__STATE_DIR": str(tmp_path / "infra"), "JEX_INFRA__POLL_S": "0.3",
                  "JEX_INFRA__WORKER_PYTHON": sys.executable}.items():
@@ -223,7 +223,7 @@ def test_on_machines_the_proof_and_the_fallback_are_jobs_of_their_own_keyed_alik
     the key the orchestrator expects, and no two keys share a job name (a job's folder on the machine)."""
     from jex.engine_spec import EngineSpec
     from jex.flows.fleet import GpuFleet
-    from jex.flows.spec import MachinesSpec
+    from jex.tasks.campaign_spec import MachinesSpec
     from jex.tasks.inputs import EngineJob, ReasonInputs
     from jex.tasks.records import BundleSummary, GateSummary
 

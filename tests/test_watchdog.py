@@ -243,8 +243,8 @@ def test_a_campaign_on_a_cloud_that_drops_the_disk_needs_a_bucket_before_any_mac
     Prefect UI has no CLI): no VM was ever created."""
     from jex.errors import InputError
     from jex.flows.fleet import GpuFleet
-    from jex.flows.spec import MachinesSpec
     from jex.settings import load_settings
+    from jex.tasks.campaign_spec import MachinesSpec
 
     templates, _ = _cloud(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("JEX_")}

@@ -47,7 +47,7 @@ def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for ba
         fail(e)
     connect_prefect(load_settings())
     from jex.flows.lab import bakeoff as bakeoff_flow
-    from jex.flows.spec import MachinesSpec
+    from jex.tasks.campaign_spec import MachinesSpec
 
     try:
         res = bakeoff_flow(job, out=str(out), machines=MachinesSpec(provider=provider) if provider else None)
@@ -101,7 +101,7 @@ def parity(suite: Annotated[Path, field_option(ParityJob, "suite")],
         return
     connect_prefect(load_settings())
     from jex.flows.lab import parity as parity_flow
-    from jex.flows.spec import MachinesSpec
+    from jex.tasks.campaign_spec import MachinesSpec
 
     try:
         r = parity_flow(job, out=str(out), machines=MachinesSpec(provider=provider) if provider else None)

@@ -69,7 +69,7 @@ def run(arms: Annotated[Path, typer.Option(help="Arms file (TOML): [base], [gate
     settings = load_settings()
     connect_prefect(settings)
     from jex.flows.lab import ExperimentSpec, plan_experiment, run_experiment
-    from jex.flows.spec import campaign_spec
+    from jex.tasks.campaign_spec import campaign_spec
 
     try:
         base = campaign_spec(settings, spec_fields(flags, {**CAMPAIGN_FIELD_OF_FLAG, "sample_rows": "sample_rows"}))

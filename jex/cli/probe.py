@@ -57,7 +57,7 @@ def early_exit(suite: Annotated[Path, field_option(ProbeJob, "suite")],
         fail(e)
     connect_prefect(settings)
     from jex.flows.lab import early_exit_probe
-    from jex.flows.spec import MachinesSpec
+    from jex.tasks.campaign_spec import MachinesSpec
 
     try:
         res = early_exit_probe(job, out=str(out), machines=MachinesSpec(provider=provider) if provider else None)

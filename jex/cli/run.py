@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast, get_args, get_origin
 
 import typer
 
@@ -19,11 +19,10 @@ from jex.cli.store import resume_from_s3
 from jex.errors import InputError, JexError
 from jex.run_records import CAMPAIGN_FILE, STAGE_NAMES, StageName
 from jex.settings import JexSettings, load_settings
-from jex.tasks.inputs import FAST_SHARD_ROWS, REASON_SHARD_ROWS
+from jex.tasks.campaign_spec import CampaignSpec, settings_variable, spec_field
 
 if TYPE_CHECKING:
     from jex.engine_spec import RenderSpec
-    from jex.flows.spec import CampaignSpec
 
 CAMPAIGN_FIELD_OF_FLAG = {
     "suite": "suite", "name": "name", "coverage": "coverage", "out": "out", "store": "store",
@@ -44,27 +43,44 @@ CAMPAIGN_FIELD_OF_FLAG = {
 HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:]*:[0-9A-Fa-f:.]+|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?)$")
 """A host name, an IPv4 address or an IPv6 address (bracketed or not)."""
 
+
+
+def spec_help(path: str, more: str = "") -> str:
+    """The help of the flag that sets the CampaignSpec field at `path`: the field's description (what the
+    Prefect form shows), `more` (what only the flag needs), its choices and where its default comes from."""
+    field = spec_field(path)
+    choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else ()
+    default = field.get_default(call_default_factory=True)
+    shown = ({True: "on", False: "off"}[default] if isinstance(default, bool)
+             else None if default is None or default == [] else default)
+    source = ", else ".join(str(x) for x in (settings_variable(path), shown) if x is not None)
+    return (f"{field.description}{more}" + (f" ({' | '.join(choices)})" if choices else "")
+            + (f" (default: {source})" if source else ""))
+
+
+def spec_option(path: str, more: str = "") -> Any:
+    """The typer option of the flag that sets the CampaignSpec field at `path` (help from `spec_help`)."""
+    return typer.Option(help=spec_help(path, more))
+
+
 SpecFile = Annotated[Path | None, typer.Option("--spec", help="Campaign TOML: any CampaignSpec field, with [engine], "
                                                                "[engine.render] and [machines] tables; flags override")]
-Suite = Annotated[Path | None, typer.Option(help="Suite folder or bundle (.tar.gz) (default: the embedded sample)")]
-Model = Annotated[str | None, typer.Option(help="Model folder, GGUF, or Hub id org/name[@revision] (default: "
-                                                "JEX_ENGINE__MODEL, else the embedded SmolLM2)")]
-Coverage = Annotated[float | None, typer.Option(help="Share of rows gated for a rationale (default: 0.10)")]
-Out = Annotated[Path | None, typer.Option(help="Folder for run folders (default: JEX_STORE__ROOT, runs)")]
-Store = Annotated[Path | None, typer.Option(help="Artifact store (default: OUT/store)")]
-EngineKind = Annotated[str | None, typer.Option(help="hf | hf-batched | vllm | vllm-control (default: "
-                                                     "JEX_ENGINE__KIND, hf)")]
-Device = Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1 ... (default: JEX_ENGINE__DEVICE, cpu)")]
-BatchSize = Annotated[int | None, typer.Option(help="Requests per engine call (hf-batched, vllm) (default: 8)")]
-Overlays = Annotated[Path | None, typer.Option(help="Overlay rule file (TOML)")]
-Name = Annotated[str | None, typer.Option(help="Campaign name (default: sample)")]
-ShardRows = Annotated[int | None, typer.Option(help=f"Rows per fast-pass shard (default: {FAST_SHARD_ROWS})")]
-ReasonMaxTokens = Annotated[int | None, typer.Option(help="Rationale length limit (default: 48)")]
-Provider = Annotated[str | None, typer.Option(help="Where engine stages run: inprocess | local | ssh | ec2 | "
-                                                   "command (default: settings, 'local')")]
-Hosts = Annotated[list[str] | None, typer.Option(help="ssh provider: host (repeatable)")]
-Workers = Annotated[int | None, typer.Option(help="Machines sharing each engine stage (default: 1)")]
-BudgetUsd = Annotated[float | None, typer.Option(help="Campaign machine budget (default: settings)")]
+Suite = Annotated[Path | None, spec_option("suite")]
+Model = Annotated[str | None, spec_option("engine.model")]
+Coverage = Annotated[float | None, spec_option("coverage")]
+Out = Annotated[Path | None, spec_option("out")]
+Store = Annotated[Path | None, spec_option("store")]
+EngineKind = Annotated[str | None, spec_option("engine.kind")]
+Device = Annotated[str | None, spec_option("engine.device")]
+BatchSize = Annotated[int | None, spec_option("engine.batch_size")]
+Overlays = Annotated[Path | None, spec_option("overlays")]
+Name = Annotated[str | None, spec_option("name")]
+ShardRows = Annotated[int | None, spec_option("fast_shard_rows")]
+ReasonMaxTokens = Annotated[int | None, spec_option("reason_max_tokens")]
+Provider = Annotated[str | None, spec_option("machines.provider")]
+Hosts = Annotated[list[str] | None, spec_option("machines.hosts", more="; repeat the flag for each host")]
+Workers = Annotated[int | None, spec_option("machines.workers")]
+BudgetUsd = Annotated[float | None, spec_option("machines.budget_usd")]
 Resume = Annotated[Path | None, typer.Option(help="Continue the campaign of this run folder, from any folder "
                                                   "(its store: the recorded one, OUT/store, or --store)")]
 RetryFrom = Annotated[str | None, typer.Option("--retry", help="With --resume: compute STAGE and every later one "
@@ -72,46 +88,32 @@ RetryFrom = Annotated[str | None, typer.Option("--retry", help="With --resume: c
                                                               "the retry-stage deployment")]
 Recompute = Annotated[bool, typer.Option("--recompute", help="Compute again the stages the run folder records but "
                                                              "no store here holds (refused otherwise)")]
-ChatTemplate = Annotated[str | None, typer.Option(help="auto (the model's; plain text if it has none, and none "
-                                                       "for verbatim catalogs) | model (the model's, verbatim "
-                                                       "catalogs too) | none | a Jinja template FILE (default: auto)")]
-SystemPrompt = Annotated[str | None, typer.Option(help="System turn before every question")]
+ChatTemplate = Annotated[str | None, spec_option("engine.render.chat_template", more=" (here: a FILE holding it)")]
+SystemPrompt = Annotated[str | None, spec_option("engine.render.system_prompt")]
 PanelCatalogs = Annotated[str | None, typer.Option(help="ID,ID,...: run on these catalogs of the suite only (a "
                                                         "panel; its share of the full weight is printed)")]
-NumFewshot = Annotated[int | None, typer.Option(help="Solved examples before each question (the catalogs' "
-                                                     "few-shot rows) (default: 0)")]
+NumFewshot = Annotated[int | None, spec_option("engine.render.num_fewshot")]
 Render = Annotated[Path | None, typer.Option(help="TOML with any RenderSpec field (question_template, "
                                                   "reason_template, option_format, answer_slot, ...)")]
-Dtype = Annotated[str | None, typer.Option(help="Weights dtype (default: JEX_ENGINE__DTYPE, else the engine's)")]
-GpuMemory = Annotated[float | None, typer.Option(help="vLLM: share of GPU memory (default: "
-                                                      "JEX_ENGINE__GPU_MEMORY_UTILIZATION, 0.30)")]
-MaxModelLen = Annotated[int | None, typer.Option(help="vLLM: context limit (default: JEX_ENGINE__MAX_MODEL_LEN, "
-                                                      "the model's)")]
-EngineProfile = Annotated[str | None, typer.Option(help="audit | audit-ngram (n-gram speculative decoding, kept only "
-                                                        "when this run proves it token-exact) (default: audit)")]
-SpecProofRows = Annotated[int | None, typer.Option(help="Gated rows re-generated by the audited base to prove a "
-                                                        "speculative profile (default: 64)")]
-Reference = Annotated[Path | None, typer.Option(help="Reference rows (run_id, choice, probs) of an earlier run: "
-                                                     "audit this run against them")]
-ReferenceMin = Annotated[float | None, typer.Option(help="Fail below this final agreement with the reference")]
-ZeroErrors = Annotated[bool | None, typer.Option(help="Fail unless every error counter is zero (default: no)")]
+Dtype = Annotated[str | None, spec_option("engine.dtype")]
+GpuMemory = Annotated[float | None, spec_option("engine.gpu_memory_utilization")]
+MaxModelLen = Annotated[int | None, spec_option("engine.max_model_len")]
+EngineProfile = Annotated[str | None, spec_option("engine.profile")]
+SpecProofRows = Annotated[int | None, spec_option("spec_proof_rows")]
+Reference = Annotated[Path | None, spec_option("reference")]
+ReferenceMin = Annotated[float | None, spec_option("reference_min_agreement")]
+ZeroErrors = Annotated[bool | None, spec_option("require_zero_errors")]
 Quiet = Annotated[bool, typer.Option("--quiet", help="Print only the run folder (for scripts)")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the results as one JSON object")]
-UnverifiedOverlays = Annotated[bool | None, typer.Option(help="Apply --overlays rules that have no passed gate record "
-                                                              "(`jex overlays gate`) on this suite and capture; the "
-                                                              "report and samples mark them (default: refused)")]
-ReasonShardRows = Annotated[int | None, typer.Option(help=f"Rows per reason shard (default: {REASON_SHARD_ROWS})")]
-MaxNumSeqs = Annotated[int | None, typer.Option(help="vLLM: sequences per scheduler step (default: 32)")]
-MaxBatchedTokens = Annotated[int | None, typer.Option(help="vLLM: tokens per scheduler step (default: vLLM's)")]
-KvCacheGib = Annotated[float | None, typer.Option(help="vLLM: KV cache GiB, fixed instead of profiled; engines of "
-                                                      "one machine then start together (default: profiled)")]
-HostStall = Annotated[float | None, typer.Option(help="Seconds an engine host may go without finishing a shard "
-                                                      "before its job stops and replaces it (default: 600)")]
-EngineHosts = Annotated[bool | None, typer.Option(help="One engine process per machine slot serves every job of "
-                                                       "the machine (off: each job loads its own) (default: on)")]
-GpusPerMachine = Annotated[int | None, typer.Option(help="GPUs of each machine (default: 1)")]
-EnginesPerGpu = Annotated[int | None, typer.Option(help="Engine processes per GPU, each a data-parallel worker "
-                                                        "(small models) (default: 1)")]
+UnverifiedOverlays = Annotated[bool | None, spec_option("unverified_overlays")]
+ReasonShardRows = Annotated[int | None, spec_option("reason_shard_rows")]
+MaxNumSeqs = Annotated[int | None, spec_option("engine.max_num_seqs")]
+MaxBatchedTokens = Annotated[int | None, spec_option("engine.max_num_batched_tokens")]
+KvCacheGib = Annotated[float | None, spec_option("engine.kv_cache_memory_gib")]
+HostStall = Annotated[float | None, spec_option("machines.host_stall_s")]
+EngineHosts = Annotated[bool | None, spec_option("machines.engine_hosts")]
+GpusPerMachine = Annotated[int | None, spec_option("machines.gpus_per_machine")]
+EnginesPerGpu = Annotated[int | None, spec_option("machines.engines_per_gpu")]
 
 
 def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out: Out = None, store: Store = None,
@@ -189,8 +191,8 @@ def catalog_list(text: str) -> list[str]:
 def on_panel(campaign: CampaignSpec, catalogs: list[str]) -> CampaignSpec:
     """The campaign on the panel of `catalogs` of its suite (`jex.lab.panel.prepare_panel`, the one the
     experiments use), written beside its run folder as RUN-panel-suite."""
-    from jex.flows.spec import sample_suite_dir
     from jex.lab.panel import prepare_panel
+    from jex.tasks.campaign_spec import sample_suite_dir
 
     run_dir = campaign.run_dir()
     dest = run_dir.with_name(run_dir.name + "-panel-suite")
@@ -205,7 +207,6 @@ def resumed_spec(run_dir: Path, store: Path | None = None) -> CampaignSpec:
     from pydantic import ValidationError
 
     from jex.flows.campaign import resume_spec
-    from jex.flows.spec import CampaignSpec
 
     path = run_dir / CAMPAIGN_FILE
     try:
@@ -288,7 +289,7 @@ def spec_from(settings: JexSettings, *, spec_file: Path | None, flags: dict[str,
     """The campaign of `jex run`: settings, then the --spec file, then the flags given."""
     from pydantic import ValidationError
 
-    from jex.flows.spec import CampaignSpec, campaign_spec
+    from jex.tasks.campaign_spec import CampaignSpec, campaign_spec
 
     layers = []
     try:
@@ -389,7 +390,7 @@ def calibrate(coverage: Annotated[float, typer.Option(help="Coverage gated withi
         fail(e)
     connect_prefect(settings)
     from jex.flows.budget import BudgetSpec, budget_projection
-    from jex.flows.spec import campaign_spec
+    from jex.tasks.campaign_spec import campaign_spec
 
     infra = settings.infra
     spec = BudgetSpec(campaign=campaign_spec(settings, spec_fields({"suite": suite, "out": out, "provider": provider},

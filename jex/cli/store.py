@@ -66,7 +66,7 @@ def resume_from_s3(run_dir: Path, store: Path | None = None) -> None:
     if not load_settings().store.s3_bucket:
         return
     if (run_dir / CAMPAIGN_FILE).is_file():
-        from jex.flows.spec import load_spec
+        from jex.tasks.campaign_spec import load_spec
         from jex.tasks.run_store import find_run_store
 
         spec = load_spec(run_dir)

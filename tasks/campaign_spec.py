@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic.fields import FieldInfo
 
 from jex.engine_spec import EngineSpec
 from jex.fileio import sha256_json
@@ -159,6 +160,24 @@ class CampaignSpec(BaseModel):
         """The reason stage on `gate`'s rows, by the campaign's engine or another (a speculative proof's base)."""
         return ReasonInputs(bundle=bundle, gate=gate, engine=engine or self.engine, max_tokens=self.reason_max_tokens,
                             shard_rows=self.reason_shard_rows)
+
+
+def settings_variable(path: str) -> str | None:
+    """The settings variable that gives the CampaignSpec field at `path` (dotted) its default, as
+    `settings_fields` reads it; None for a field settings leave alone."""
+    if path.startswith("engine."):
+        return "JEX_" + path.upper().replace(".", "__")
+    return {"out": "JEX_STORE__ROOT", "store": "JEX_STORE__ROOT/store", "bootstrap_draws": "JEX_BOOTSTRAP_DRAWS",
+            "bootstrap_seed": "JEX_BOOTSTRAP_SEED", "machines.provider": "JEX_INFRA__PROVIDER"}.get(path)
+
+
+def spec_field(path: str) -> FieldInfo:
+    """The CampaignSpec field at `path` (dotted: `engine.render.chat_template`)."""
+    record: Any = CampaignSpec
+    *tables, leaf = path.split(".")
+    for table in tables:
+        record = record.model_fields[table].annotation
+    return cast(FieldInfo, record.model_fields[leaf])
 
 
 def settings_fields(settings: JexSettings) -> dict[str, Any]:
