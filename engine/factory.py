@@ -20,7 +20,7 @@ def make_engine(spec: EngineSpec, **engine_options: Any) -> TokenizedEngine:
     if spec.kind in ("hf", "hf-batched"):
         from jex.engine.hf import HFEngine
 
-        return HFEngine(spec.model, device=spec.device, batch_size=spec.batch_size,
+        return HFEngine(spec.model, device=spec.device, batch_size=spec.requests_per_call(),
                         batch_invariant=spec.kind == "hf", cache_dir=Path(spec.cache_dir),
                         dtype=spec.dtype or "float32", speculative=speculative, **engine_options)
     from jex.engine.models import HUB_ID, resolve_hub
@@ -36,10 +36,10 @@ def make_engine(spec: EngineSpec, **engine_options: Any) -> TokenizedEngine:
     by_profile: dict[str, Any] = {"name": spec.profile, "speculative_config": speculative} if speculative else {}
     by_kind: dict[str, Any] = {"name": "control", "batch_invariant": False} if spec.kind == "vllm-control" else {}
     kv_bytes = int(spec.kv_cache_memory_gib * 2**30) if spec.kv_cache_memory_gib else None
-    settings = VLLMProfile(max_num_seqs=spec.max_num_seqs, gpu_memory_utilization=spec.gpu_memory_utilization,
+    settings = VLLMProfile(max_num_seqs=spec.scheduler_seqs(), gpu_memory_utilization=spec.gpu_memory_utilization,
                            max_num_batched_tokens=spec.max_num_batched_tokens, kv_cache_memory_bytes=kv_bytes,
                            max_model_len=spec.max_model_len, **by_dtype, **by_profile, **by_kind)
-    return VLLMEngine(model, settings, batch_size=spec.batch_size, **engine_options)
+    return VLLMEngine(model, settings, batch_size=spec.requests_per_call(), **engine_options)
 
 
 def preload(kind: EngineKind) -> None:

@@ -154,6 +154,8 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[StageName] | None =
     if unknown := set(redo) - set(STAGES):
         raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages are {list(STAGES)}")
     check_stages_held(spec, run_dir, redo=redo, recompute=recompute)
+    for warning in spec.gpu_warnings():  # a UI run has no pre-flight: the flow's log says it
+        print(f"WARNING: {warning}")
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text(run_dir / CAMPAIGN_FILE, spec.model_dump_json(indent=2))
     retired = retire_stages(run_dir, redo)

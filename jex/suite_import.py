@@ -16,7 +16,7 @@ import shutil
 import string
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -382,15 +382,19 @@ def lm_eval_requests(task: Any, *, file: str) -> dict[int, LmEvalRequest]:
         task.set_config(key="num_fewshot", value=0)
     task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)
     import lm_eval.api.task as task_module
+    import lm_eval.utils as lm_utils
 
-    bar = task_module.tqdm
+    bar, compile_template = task_module.tqdm, lm_utils.env.from_string
     task_module.tqdm = partial(bar, disable=True)  # its progress bar per task
+    # lm-eval compiles each Jinja template again for every document (~97% of its request building, measured
+    # at 10,000 rows); a template compiled once from the same source in the same environment renders the same
+    lm_utils.env.from_string = lru_cache(maxsize=256)(compile_template)  # type: ignore[method-assign]
     try:
         task.build_all_requests(limit=None, rank=0, world_size=1)
     except Exception as e:  # noqa: BLE001 - a template or sampler failure is a bad task
         raise InputError(f"lm-eval cannot build the task's requests: {type(e).__name__}: {e}", file=file) from None
     finally:
-        task_module.tqdm = bar
+        task_module.tqdm, lm_utils.env.from_string = bar, compile_template
     by_doc: dict[int, list[Any]] = {}
     for inst in task.instances:
         by_doc.setdefault(int(inst.doc_id), []).append(inst)

@@ -12,18 +12,20 @@ from typing import Any, Literal, cast
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 
-from jex.engine_spec import EngineSpec
+from jex.engine_spec import VLLM_MAX_NUM_SEQS, EngineSpec
 from jex.fileio import sha256_json
 from jex.run_records import CAMPAIGN_FILE
 from jex.settings import BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, GOLDEN_ROWS, PROOF_ROWS, JexSettings, ProviderName
 from jex.tasks.capture.engine_host import HostOptions
 from jex.tasks.inputs import (
     FAST_SHARD_ROWS,
+    GPU_SHARDS_PER_ENGINE,
     REASON_SHARD_ROWS,
     FastPassInputs,
     ReasonInputs,
     engine_content,
     file_content,
+    gpu_shard_rows,
     suite_content,
 )
 from jex.tasks.records import BundleSummary, GateSummary
@@ -83,6 +85,8 @@ class MachinesSpec(BaseModel):
                            max_requests=0 if self.engine_hosts else 1, stall_s=self.host_stall_s)
 
 
+GPU_MIN_BATCH = 64
+"""Below this many requests per call, sequences per step or rows per shard, a GPU engine waits on jex."""
 AUDIT_SETTINGS = {"require_zero_errors", "reference_min_agreement"}
 """Settings that decide whether a run passes, not what it computes (so not in the run's identity)."""
 
@@ -107,9 +111,13 @@ class CampaignSpec(BaseModel):
     overlays: str | None = Field(None, description="Overlay rule file (TOML)")
     bootstrap_draws: int = Field(BOOTSTRAP_DRAWS, ge=1)
     bootstrap_seed: int = BOOTSTRAP_SEED
-    fast_shard_rows: int = Field(FAST_SHARD_ROWS, ge=1, description="Rows per fast-pass shard (a checkpoint, a "
-                                                                    "machine's unit of work)")
-    reason_shard_rows: int = Field(REASON_SHARD_ROWS, ge=1, description="Rows per reason shard")
+    fast_shard_rows: int | None = Field(None, ge=1, description="Rows per fast-pass shard (a checkpoint, a machine's "
+                                                                "unit of work); empty = from the work: "
+                                                                f"{FAST_SHARD_ROWS} on CPU, on GPUs the rows split "
+                                                                f"into {GPU_SHARDS_PER_ENGINE} shards per engine")
+    reason_shard_rows: int | None = Field(None, ge=1, description="Rows per reason shard; empty = from the work: "
+                                                                  f"{REASON_SHARD_ROWS} on CPU, on GPUs as the "
+                                                                  "fast pass")
     store: str = Field("runs/store", description="Artifact store folder")
     out: str = Field("runs", description="Folder the run folder is created in")
     machines: MachinesSpec = MachinesSpec()
@@ -154,12 +162,42 @@ class CampaignSpec(BaseModel):
                                        "engine": engine})
 
     def fast_pass_inputs(self, bundle: BundleSummary) -> FastPassInputs:
-        return FastPassInputs(bundle=bundle, engine=self.engine, shard_rows=self.fast_shard_rows)
+        return FastPassInputs(bundle=bundle, engine=self.engine,
+                              shard_rows=self.shard_rows(self.fast_shard_rows, FAST_SHARD_ROWS, bundle.rows))
 
     def reason_inputs(self, bundle: BundleSummary, gate: GateSummary, engine: EngineSpec | None = None) -> ReasonInputs:
         """The reason stage on `gate`'s rows, by the campaign's engine or another (a speculative proof's base)."""
         return ReasonInputs(bundle=bundle, gate=gate, engine=engine or self.engine, max_tokens=self.reason_max_tokens,
-                            shard_rows=self.reason_shard_rows)
+                            shard_rows=self.shard_rows(self.reason_shard_rows, REASON_SHARD_ROWS, gate.rows))
+
+    def shard_rows(self, given: int | None, cpu_rows: int, rows: int) -> int:
+        """Rows per shard of an engine stage over `rows` rows: `given`, else `cpu_rows` on CPU, else sized
+        for the campaign's GPU engines (`gpu_shard_rows`). Shards merge to the same bytes whatever their
+        size, so this changes no key."""
+        if given is not None:
+            return given
+        if not self.engine.on_gpu():
+            return cpu_rows
+        return gpu_shard_rows(rows, self.machines.workers * self.machines.slots, cpu_rows)
+
+    def gpu_warnings(self) -> list[str]:
+        """The settings that would leave a GPU engine idle, one line each naming the setting (the pre-flight
+        prints them, the flow logs them); none for CPU engines."""
+        if not (self.engine.kind == "vllm" and self.engine.on_gpu()):
+            return []
+        out = []
+        batch = self.engine.batch_size
+        if batch and batch < GPU_MIN_BATCH:
+            out.append(f"engine.batch_size = {batch} (--batch-size): vLLM gets {batch} requests per call and the "
+                       "GPU idles between calls; leave it empty (0: a whole shard to vLLM's scheduler)")
+        if self.engine.scheduler_seqs() < GPU_MIN_BATCH:
+            out.append(f"engine.max_num_seqs = {self.engine.scheduler_seqs()} (--max-num-seqs): at most that many "
+                       f"sequences per scheduler step; leave it empty ({VLLM_MAX_NUM_SEQS})")
+        for name, given in (("fast_shard_rows", self.fast_shard_rows), ("reason_shard_rows", self.reason_shard_rows)):
+            if given is not None and given < GPU_MIN_BATCH:
+                out.append(f"{name} = {given}: shards of CPU size, one engine call each; leave it empty (sized "
+                           "from the work)")
+        return out
 
 
 def settings_variable(path: str) -> str | None:

@@ -42,6 +42,19 @@ REASON_SHARD_ROWS = 64
 """Rows per reason shard (the unit of a checkpoint and of a machine's work): the HF engine decodes a
 shard's rows in lock-step, so a larger shard reads the weights fewer times per token (the main job's 36
 rationales in one shard: 1.7x shards of 8)."""
+GPU_SHARDS_PER_ENGINE = 8
+"""On a GPU a stage's rows are cut into about this many shards per engine: each a checkpoint of seconds, and
+enough of them that engines which start late still share the work (claims, first come first served)."""
+GPU_SHARD_MAX_ROWS = 4096
+
+
+def gpu_shard_rows(rows: int, engines: int, floor: int) -> int:
+    """Rows per shard of a stage on GPU engines: the stage's `rows` split into GPU_SHARDS_PER_ENGINE shards
+    per engine, at least `floor` (the CPU size) and at most GPU_SHARD_MAX_ROWS. vLLM's scheduler batches
+    within a shard, so a shard of CPU size (32 rows) leaves the GPU idle between calls."""
+    return max(floor, min(GPU_SHARD_MAX_ROWS, -(-rows // (max(1, engines) * GPU_SHARDS_PER_ENGINE))))
+
+
 FP_MEASURED = KeyedThrough("engine", "the fingerprint measured where the shards are computed replaces this "
                                       "process's in the `engine` entry")
 

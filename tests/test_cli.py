@@ -104,7 +104,7 @@ def test_every_campaign_flag_takes_its_help_and_default_from_the_spec_field():
         assert help_text.startswith(spec_field(path).description), flag
         assert help_text.endswith(spec_help(path).removeprefix(spec_field(path).description)), flag
         assert inspect.signature(run).parameters[flag].default is None, flag
-    assert "(default: JEX_ENGINE__BATCH_SIZE, else 8)" in spec_help("engine.batch_size")
+    assert spec_help("engine.device").endswith("(default: JEX_ENGINE__DEVICE, else cpu)")
     assert spec_help("machines.workers").endswith("(default: 1)")
 
 

@@ -308,7 +308,7 @@ def model_fits(engine: EngineSpec, *, gpu_kind: str, gpu_kinds: dict[str, float]
     fit = estimate_fit(FitRequest(
         shape=shape, dtype=engine.dtype, weights_bytes_on_disk=_index_total_size(folder), gpu=kinds[gpu_kind],
         gpu_memory_utilization=engine.gpu_memory_utilization, kv_cache_memory_gib=engine.kv_cache_memory_gib,
-        max_num_batched_tokens=engine.max_num_batched_tokens or 8192, max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens or 8192, max_num_seqs=engine.scheduler_seqs(),
         reason_seq_tokens=min(seq, engine.max_model_len) if engine.max_model_len else seq))
     if fit.refusal:
         raise InputError(f"--model: {fit.refusal}", file=str(folder))

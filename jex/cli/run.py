@@ -260,6 +260,8 @@ def check_campaign(campaign: CampaignSpec) -> None:
     if warning := preflight.model_fits(campaign.engine, gpu_kind=infra.gpu_kind, gpu_kinds=infra.gpu_kinds,
                                        reason_max_tokens=campaign.reason_max_tokens, suite=campaign.suite):
         typer.echo(f"WARNING: {warning}", err=True)
+    for warning in campaign.gpu_warnings():
+        typer.echo(f"WARNING: {warning}", err=True)
     preflight.results_survive_poweroff(campaign.machines.provider, load_settings())
     if campaign.machines.provider == "ssh":
         from jex.infra.shell import load_private_key, load_private_key_file

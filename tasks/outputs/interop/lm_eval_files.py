@@ -417,7 +417,7 @@ def _run_fields(run: RunToExport, head: _RunHeader) -> dict[str, Any]:
     template = None if chosen == "none" or (chosen == "auto" and head.source.get("importer") == "lm-eval") else chosen
     provenance = run.score.provenance or {}
     return {"config": {"model": f"jex-{engine.kind}", "model_args": {"pretrained": head.model},
-                       "batch_size": engine.batch_size, "batch_sizes": [], "device": engine.device,
+                       "batch_size": engine.requests_per_call(), "batch_sizes": [], "device": engine.device,
                        "use_cache": None, "limit": None, "bootstrap_iters": run.spec.bootstrap_draws,
                        "gen_kwargs": {}, "fewshot_seed": head.source.get("fewshot_seed")},
             "git_hash": (provenance.get("jex") or {}).get("commit"), "date": datetime.now().timestamp(),
