@@ -6,5 +6,5 @@
 # bare jex/ would come first on sys.path).
 mkdir -p /tmp/jexpkg/jex
 for f in "$PWD"/jex/*; do ln -sfn "$f" /tmp/jexpkg/jex/; done
-for room in engine tasks flows infra overlays deployments; do ln -sfn "$PWD/$room" "/tmp/jexpkg/jex/$room"; done
+for room in engine tasks lab flows infra overlays deployments; do ln -sfn "$PWD/$room" "/tmp/jexpkg/jex/$room"; done
 export PYTHONPATH="/tmp/jexpkg:${PYTHONPATH:-}:/tmp/site2:/tmp/site3"

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 ALL=$(mktemp -d)
 python3 -m pip download -q -c constraints.txt --python-version 3.12 --only-binary=:all: \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-  -d "$ALL" prefect polars pydantic-settings boto3
+  -d "$ALL" prefect polars pydantic-settings boto3 tomli-w
 python3 - "$ALL" <<'PY'
 import pathlib, shutil, sys
 kinds = pathlib.Path("/work/.library/device/KINDS.md").read_text()

@@ -157,9 +157,10 @@ def jex_metrics(run_dir: Path, out: Path, env: dict[str, str], task: str) -> dic
     return json.loads(Path(results).read_text())["results"][task]
 
 
-def cell(kind: str, rows: int, a: argparse.Namespace, work: Path, env: dict[str, str]) -> dict:
+def cell(kind: str, rows: int, a: argparse.Namespace, work: Path, env: dict[str, str], done: list[dict]) -> dict:
     task = make_tasks(kind, rows, work / f"tasks-{kind}")
-    runs = []
+    runs: list[dict] = []
+    done.append({"cell": kind, "rows": rows, "runs": runs})
     for n in range(a.repeat):
         here = work / f"{kind}-{n}"
         here.mkdir(parents=True, exist_ok=True)
@@ -175,7 +176,8 @@ def cell(kind: str, rows: int, a: argparse.Namespace, work: Path, env: dict[str,
         print(json.dumps({"cell": f"{kind}:{rows}", "repeat": n, "lm_eval_s": round(lm["wall_s"], 1),
                           "jex_s": round(ours["wall_s"], 1), "ratio": round(runs[-1]["jex_over_lm_eval"], 3),
                           **fid, **same}), flush=True)
-    return {"cell": kind, "rows": rows, "runs": runs}
+        a.out.write_text(json.dumps({"command": " ".join(sys.argv), "cells": done}, indent=2, default=str))
+    return done[-1]
 
 
 def main() -> None:
@@ -191,11 +193,10 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONUNBUFFERED": "1"}
-    cells = []
+    cells: list[dict] = []
     for spec in a.cell:
         kind, rows = spec.split(":")
-        cells.append(cell(kind, int(rows), a, a.work, env))
-        a.out.write_text(json.dumps({"command": " ".join(sys.argv), "cells": cells}, indent=2, default=str))
+        cell(kind, int(rows), a, a.work, env, cells)
 
 
 if __name__ == "__main__":

@@ -388,7 +388,7 @@ def lm_eval_requests(task: Any, *, file: str) -> dict[int, LmEvalRequest]:
     task_module.tqdm = partial(bar, disable=True)  # its progress bar per task
     # lm-eval compiles each Jinja template again for every document (~97% of its request building, measured
     # at 10,000 rows); a template compiled once from the same source in the same environment renders the same
-    lm_utils.env.from_string = lru_cache(maxsize=256)(compile_template)  # type: ignore[method-assign]
+    lm_utils.env.from_string = lru_cache(maxsize=256)(compile_template)
     try:
         task.build_all_requests(limit=None, rank=0, world_size=1)
     except Exception as e:  # noqa: BLE001 - a template or sampler failure is a bad task
