@@ -22,6 +22,7 @@ from typing import Any
 
 from jex.errors import InputError
 from jex.fileio import sha256_file, write_toml
+from jex.lm_eval_scoring import scoring_refusal, task_config
 from jex.suite import MANIFEST_NAME, load_manifest
 
 LETTERS = string.ascii_uppercase
@@ -462,9 +463,9 @@ def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | N
     loaded, shown = _load_lm_eval(task, data_files)
     catalogs, settings = [], {}
     for name, t, by_size in _leaf_tasks(loaded):
-        if t.OUTPUT_TYPE != "multiple_choice":
-            raise InputError(f"task '{name}' is {t.OUTPUT_TYPE!r}, not multiple_choice", file=shown,
-                             field="output_type")
+        refusal = scoring_refusal(name, task_config(t))
+        if refusal is not None:
+            raise InputError(refusal.line(), file=shown, field=refusal.field)
         file = f"{shown} [{name}]"
         fields = list(getattr(t, "features", None) or [])
         if cluster is not None and cluster not in fields:

@@ -230,7 +230,7 @@ def test_lm_eval_group_becomes_catalogs_weighted_by_size(tmp_path):
 def test_lm_eval_task_that_is_not_multiple_choice_is_refused(tmp_path):
     task = write_lm_eval_task(tmp_path / "t", "gen", output_type="generate_until")
     result = run_cli("suite", "import", "lm-eval", "--task", task, "-o", tmp_path / "suite")
-    assert result.exit_code == 1 and "task 'gen' is 'generate_until', not multiple_choice" in result.output
+    assert result.exit_code == 1 and "task 'gen': output_type is 'generate_until', not multiple_choice" in result.output
     assert not (tmp_path / "suite").exists()
 
 
