@@ -3,8 +3,10 @@
 A `multiple_choice` task's numbers come from a few fields of its config besides the prompt: its own
 `process_results`, the metrics of `metric_list` and their aggregations, `filter_list`, `repeats`, or a
 Python class of its own. jex reproduces lm-eval's built-in per-document `acc` and `acc_norm` (the same
-per-choice log-likelihoods, argmax and length-normalised argmax, averaged); a task that asks for anything
-else is refused with one line naming the task and the field, never imported and scored as plain accuracy.
+per-choice log-likelihoods, argmax and length-normalised argmax, averaged) and the task functions of
+`REPRODUCED_PROCESS_RESULTS` (TruthfulQA mc2's mass of the true answers, a `true_mass` catalog); a task
+that asks for anything else is refused with one line naming the task and the field, never imported and
+scored as plain accuracy.
 Metric keyword arguments (`ignore_case`, `hf_evaluate`, `weight_by_size`...) do not reach lm-eval's
 multiple-choice scoring (0.4.13 `ConfigurableTask.process_results` computes acc and acc_norm itself), so
 they change nothing. The prompt fields (`process_docs`, `doc_to_text`, few-shot settings) are reproduced
@@ -13,9 +15,15 @@ by building each prompt through the harness itself (`jex.suite_import`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import ast
+import hashlib
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from jex.suite import ScoringKind
 
 REPRODUCED_METRICS = ("acc", "acc_norm")
 """lm-eval's per-document multiple-choice metrics that jex computes from the same log-likelihoods."""
@@ -23,6 +31,57 @@ REPRODUCED_AGGREGATION = "mean"
 """The only aggregation of those metrics jex computes (lm-eval's default for both)."""
 SCORING_FIELDS = ("output_type", "process_results", "metric_list", "filter_list", "repeats")
 """The task-config fields besides the prompt that change a multiple-choice task's numbers."""
+
+
+@dataclass(frozen=True)
+class TaskScoring:
+    """How jex scores a task it reproduces: the catalog's scoring kind and, for a multi-gold task, how a
+    document lists its true options (the rows' `true_options`)."""
+
+    scoring: ScoringKind = "accuracy"
+    true_options: Callable[[Mapping[str, Any]], list[int]] | None = None
+    metrics: tuple[str, ...] = REPRODUCED_METRICS
+    """The per-document metrics lm-eval reports for the task, all of which jex computes."""
+
+
+def _mc2_true_options(doc: Mapping[str, Any]) -> list[int]:
+    """The options `process_results_mc2` counts as true: label 1 in the document's `mc2_targets`."""
+    return [i for i, label in enumerate(doc["mc2_targets"]["labels"]) if label == 1]
+
+
+REPRODUCED_PROCESS_RESULTS: dict[str, TaskScoring] = {
+    # lm_eval 0.4.13 tasks/truthfulqa/utils.py (and its verbatim copy in okapi/truthfulqa_multilingual):
+    # np.exp of the log-likelihoods, normalised by np.sum, np.sum over labels == 1 -> {"acc": mass}
+    "8db42f02270d1bb3282a66cc2a1a1a63ca7ddbf450e4fe71a07847fe7fed3b26":
+        TaskScoring("true_mass", _mc2_true_options, metrics=("acc",)),
+}
+"""lm-eval task functions jex reproduces, by the sha256 of their source text (so an edited copy, or one
+that sums in another order, is refused): what the task's catalog is scored by instead."""
+
+
+def function_source(function: Any) -> str | None:
+    """The source text of a task's `process_results` (a resolved function, or lm-eval's unresolved
+    `/dir/module.name`), read from its module file without importing it; None when it cannot be read."""
+    if callable(function):
+        try:
+            path, name = inspect.getsourcefile(function), function.__name__
+        except TypeError:
+            return None
+    else:
+        module, _, name = str(function).rpartition(".")
+        path = f"{module}.py"
+    if not path or not Path(path).is_file():
+        return None
+    text = Path(path).read_text(encoding="utf-8")
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return ast.get_source_segment(text, node)
+    return None
+
+
+def _reproduced(function: Any) -> TaskScoring | None:
+    source = function_source(function)
+    return None if source is None else REPRODUCED_PROCESS_RESULTS.get(hashlib.sha256(source.encode()).hexdigest())
 
 
 @dataclass(frozen=True)
@@ -44,20 +103,26 @@ def _name(value: Any) -> str:
     return str(value)
 
 
-def scoring_refusal(task: str, config: Mapping[str, Any]) -> ScoringRefusal | None:
-    """None when every scoring field of the task's config (`SCORING_FIELDS`, as a plain mapping: a parsed
-    YAML or `task_config` of a loaded task) is one jex reproduces, else the first field it does not."""
+def task_scoring(task: str, config: Mapping[str, Any]) -> TaskScoring | ScoringRefusal:
+    """How jex scores the task when every scoring field of its config (`SCORING_FIELDS`, as a plain
+    mapping: a parsed YAML or `task_config` of a loaded task) is one it reproduces, else the first field
+    it does not."""
     output_type = config.get("output_type") or "generate_until"
     if output_type != "multiple_choice":
         return ScoringRefusal(task, "output_type", f"is {output_type!r}, not multiple_choice")
+    scoring = TaskScoring()
     if config.get("process_results") is not None:
-        return ScoringRefusal(task, "process_results", f"is the task's own function "
-                                                       f"({_name(config['process_results'])}), which jex does not run")
+        reproduced = _reproduced(config["process_results"])
+        if reproduced is None:
+            function = _name(config["process_results"])
+            return ScoringRefusal(task, "process_results", f"is the task's own function ({function}), which jex "
+                                                           "does not run")
+        scoring = reproduced
     for i, entry in enumerate(config.get("metric_list") or ()):
         metric = _name(entry.get("metric"))
-        if metric not in REPRODUCED_METRICS:
+        if metric not in scoring.metrics:
             return ScoringRefusal(task, f"metric_list[{i}].metric", f"is {metric!r}; jex reproduces "
-                                                                   f"{' and '.join(REPRODUCED_METRICS)} only")
+                                                                   f"{' and '.join(scoring.metrics)} only")
         aggregation = entry.get("aggregation")
         if aggregation is not None and _name(aggregation) != REPRODUCED_AGGREGATION:
             return ScoringRefusal(task, f"metric_list[{i}].aggregation", f"of {metric} is {_name(aggregation)!r}; "
@@ -66,7 +131,7 @@ def scoring_refusal(task: str, config: Mapping[str, Any]) -> ScoringRefusal | No
         return ScoringRefusal(task, "filter_list", "is set; jex applies no filters to multiple-choice answers")
     if (config.get("repeats") or 1) != 1:
         return ScoringRefusal(task, "repeats", f"is {config['repeats']}; jex reads each document once")
-    return None
+    return scoring
 
 
 def task_config(task: Any) -> dict[str, Any]:

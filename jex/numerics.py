@@ -52,6 +52,24 @@ def length_normalised_choice(loglikelihoods: Sequence[float], options: Sequence[
     return argmax([float(ll) / float(len(o)) for ll, o in zip(loglikelihoods, options, strict=True)])
 
 
+def true_mass(loglikelihoods: Sequence[float], true_options: Sequence[int]) -> float:
+    """The probability mass of the true options as lm-eval's TruthfulQA mc2 computes it (0.4.13
+    `truthfulqa/utils.py: process_results_mc2`): exp of each option's log-likelihood, normalised by
+    their sum, summed over the true options, in numpy float64 so the bits are lm-eval's. Where every
+    exponential underflows (each log-likelihood below about -745, where lm-eval's own formula gives NaN),
+    the same mass from the max-shifted softmax."""
+    ll = np.array(loglikelihoods, dtype=np.float64)
+    mask = np.zeros(len(ll), dtype=bool)
+    mask[list(true_options)] = True
+    with np.errstate(invalid="ignore", divide="ignore"):
+        probs = np.exp(ll)
+        mass = np.sum((probs / np.sum(probs))[mask])
+    if not np.isfinite(mass):
+        shifted = np.exp(ll - ll.max())
+        mass = np.sum((shifted / np.sum(shifted))[mask])
+    return float(mass)
+
+
 def question_folds(question_ids: Iterable[str], folds: int) -> np.ndarray:
     """Fold of each row, crc32(question_id) % folds: rows of one question always share a fold, and the
     assignment does not depend on row order or on the run."""

@@ -20,7 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from jex.errors import InputError
 
 MANIFEST_NAME = "suite.toml"
-ROW_FIELDS = ("run_id", "catalog", "question_id", "prompt", "options", "labels", "gold", "metadata")
+ScoringKind = Literal["accuracy", "acc_norm", "brier", "log_loss", "calibrated_accuracy", "true_mass"]
+"""What a catalog's skill is computed from (`tasks/scoring/index.py` defines each)."""
+LOGLIKELIHOOD_KINDS = ("acc_norm", "true_mass")
+"""Scoring kinds read from each option's continuation log-likelihood (a `loglikelihood` readout)."""
+ROW_FIELDS = ("run_id", "catalog", "question_id", "prompt", "options", "labels", "gold", "metadata", "true_options")
 
 
 class Catalog(BaseModel):
@@ -36,9 +40,11 @@ class Catalog(BaseModel):
     files: tuple[str, ...] = Field(min_length=1, description="Row files, relative to the suite dir")
     exclusions: tuple[str, ...] = Field((), description="run_ids dropped at scoring time")
     fewshot_files: tuple[str, ...] = Field((), description="Solved example rows for few-shot prompts (not scored)")
-    scoring: Literal["accuracy", "acc_norm", "brier", "log_loss", "calibrated_accuracy"] = Field(
+    scoring: ScoringKind = Field(
         "accuracy", description="What the catalog's skill is computed from (docs/suite-and-scoring.md); "
-                                "acc_norm: lm-eval's length-normalised accuracy (loglikelihood readout only)")
+                                "acc_norm: lm-eval's length-normalised accuracy; true_mass: the probability "
+                                "mass of the row's true options, as lm-eval's TruthfulQA mc2 computes it "
+                                "(both: loglikelihood readout only)")
     readout: Literal["label_slot", "loglikelihood"] = Field(
         "label_slot", description="How the fast pass reads a row: label_slot (one forward, the label tokens "
                                   "after the answer slot) or loglikelihood (lm-eval's: each choice's "
@@ -91,6 +97,9 @@ class SuiteManifest(BaseModel):
         for c in self.catalogs:
             if c.leg not in self.legs:
                 raise ValueError(f"catalog '{c.id}' names leg '{c.leg}', not in [legs] {sorted(self.legs)}")
+            if c.scoring in LOGLIKELIHOOD_KINDS and c.readout != "loglikelihood":
+                raise ValueError(f"catalog '{c.id}' is scored by {c.scoring}, which reads each option's "
+                                 "log-likelihood: it needs readout = \"loglikelihood\"")
         empty = [leg for leg in self.legs if not any(c.leg == leg for c in self.catalogs)]
         if empty:
             raise ValueError(f"leg(s) {empty} have no catalog")
@@ -104,7 +113,8 @@ class SuiteManifest(BaseModel):
 
 
 class SuiteRow(BaseModel):
-    """One multiple-choice request. `question_id` is the bootstrap cluster."""
+    """One multiple-choice request. `question_id` is the bootstrap cluster; `true_options`, every option
+    that is true, for a catalog scored by `true_mass` (`gold` is one of them)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     run_id: str = Field(min_length=1)
@@ -115,6 +125,7 @@ class SuiteRow(BaseModel):
     labels: list[str] = Field(min_length=2)
     gold: int
     metadata: dict[str, Any] | None = None
+    true_options: list[int] | None = None
 
 
 def load_manifest(suite_dir: str | Path) -> SuiteManifest:
@@ -151,7 +162,7 @@ def _manifest_error(err: Any, path: Path) -> InputError:
                       field=loc or None)
 
 
-def _check_row(row: SuiteRow, *, file: str, line: int, catalogs: set[str], expected: str | None) -> None:
+def _check_row(row: SuiteRow, *, file: str, line: int, catalogs: dict[str, Catalog], expected: str | None) -> None:
     def bad(field: str, msg: str) -> InputError:
         return InputError(msg, file=file, row=line, field=field)
 
@@ -169,6 +180,14 @@ def _check_row(row: SuiteRow, *, file: str, line: int, catalogs: set[str], expec
         raise bad("options", "empty option text")
     if not 0 <= row.gold < len(row.options):
         raise bad("gold", f"gold index {row.gold} out of range for {len(row.options)} options")
+    if row.true_options is not None:
+        if len(set(row.true_options)) != len(row.true_options) or not all(
+                0 <= i < len(row.options) for i in row.true_options):
+            raise bad("true_options", f"true options must be distinct option indices, got {row.true_options}")
+        if row.gold not in row.true_options:
+            raise bad("true_options", f"the gold index {row.gold} is not among the true options {row.true_options}")
+    elif catalogs[row.catalog].scoring == "true_mass":
+        raise bad("true_options", f"catalog '{row.catalog}' is scored by true_mass: every row lists its true options")
 
 
 def _parse(record: Any, *, file: str, line: int) -> SuiteRow:
@@ -254,7 +273,7 @@ def _report(problem: InputError, problems: list[InputError] | None) -> None:
 
 def _rows_of(suite_dir: Path, manifest: SuiteManifest, files: dict[str, tuple[str, ...]], seen: dict[str, str],
              problems: list[InputError] | None) -> Iterator[SuiteRow]:
-    catalogs = {c.id for c in manifest.catalogs}
+    catalogs = {c.id: c for c in manifest.catalogs}
     for cat_id, rels in files.items():
         for rel in rels:
             path = suite_dir / rel

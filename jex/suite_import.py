@@ -22,7 +22,7 @@ from typing import Any
 
 from jex.errors import InputError
 from jex.fileio import sha256_file, write_toml
-from jex.lm_eval_scoring import scoring_refusal, task_config
+from jex.lm_eval_scoring import ScoringRefusal, TaskScoring, task_config, task_scoring
 from jex.suite import MANIFEST_NAME, load_manifest
 
 LETTERS = string.ascii_uppercase
@@ -40,11 +40,13 @@ class ImportedRow:
     labels: tuple[str, ...]
     gold: int
     metadata: dict[str, Any] = field(default_factory=dict)
+    true_options: tuple[int, ...] | None = None
 
     def record(self, catalog: str) -> dict[str, Any]:
-        return {"run_id": self.run_id, "catalog": catalog, "question_id": self.question_id, "prompt": self.prompt,
-                "options": list(self.options), "labels": list(self.labels), "gold": self.gold,
-                "metadata": self.metadata}
+        record = {"run_id": self.run_id, "catalog": catalog, "question_id": self.question_id, "prompt": self.prompt,
+                  "options": list(self.options), "labels": list(self.labels), "gold": self.gold,
+                  "metadata": self.metadata}
+        return record if self.true_options is None else {**record, "true_options": list(self.true_options)}
 
 
 @dataclass(frozen=True)
@@ -421,10 +423,12 @@ def _lm_eval_gold(target: Any, options: Sequence[str], labels: Sequence[str], *,
 
 
 def _task_rows(name: str, task: Any, docs: Iterable[Any], *, file: str, run_suffix: str = "",
-               requests: dict[int, LmEvalRequest] | None = None, cluster: str | None = None) -> list[ImportedRow]:
+               requests: dict[int, LmEvalRequest] | None = None, cluster: str | None = None,
+               scoring: TaskScoring = TaskScoring()) -> list[ImportedRow]:
     """One row per document: with `requests`, the prompt is lm-eval's own context for it (description,
     few-shot examples and doc_to_text, as the harness joins them) and the options its choices exactly as
-    lm-eval continues the context with them; without (few-shot rows), the prompt is doc_to_text."""
+    lm-eval continues the context with them; without (few-shot rows), the prompt is doc_to_text. A
+    multi-gold task's rows list their true options as its scoring function reads them."""
     rows = []
     for doc_id, doc in enumerate(docs):
         where = Where(file, doc_id)
@@ -442,8 +446,17 @@ def _task_rows(name: str, task: Any, docs: Iterable[Any], *, file: str, run_suff
                     f"{options[:4]} after the target delimiter {delimiter!r}")
         run_id = f"{name}-{doc_id}{run_suffix}"
         qid = cluster_of(doc, cluster, catalog=name, default=run_id, where=where)
+        true = None
+        if scoring.true_options is not None:
+            try:
+                true = tuple(scoring.true_options(doc))
+            except (KeyError, TypeError, IndexError) as e:
+                raise where.at("process_results").error(f"the document's true options cannot be read: "
+                                                        f"{type(e).__name__}: {e}") from None
+            if gold not in true:
+                raise where.at("doc_to_target").error(f"the gold option {gold} is not among the true options {true}")
         rows.append(ImportedRow(run_id, qid + run_suffix if cluster else qid, text, tuple(options), tuple(labels),
-                                gold, {"task": name, "doc_id": doc_id}))
+                                gold, {"task": name, "doc_id": doc_id}, true))
     return rows
 
 
@@ -463,19 +476,20 @@ def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | N
     loaded, shown = _load_lm_eval(task, data_files)
     catalogs, settings = [], {}
     for name, t, by_size in _leaf_tasks(loaded):
-        refusal = scoring_refusal(name, task_config(t))
-        if refusal is not None:
-            raise InputError(refusal.line(), file=shown, field=refusal.field)
+        scoring = task_scoring(name, task_config(t))
+        if isinstance(scoring, ScoringRefusal):
+            raise InputError(scoring.line(), file=shown, field=scoring.field)
         file = f"{shown} [{name}]"
         fields = list(getattr(t, "features", None) or [])
         if cluster is not None and cluster not in fields:
             raise InputError(f"no doc field {cluster!r} (fields: {fields})", file=file,
                              field=f"--cluster {cluster}")
-        rows = _task_rows(name, t, t.eval_docs, file=file, requests=lm_eval_requests(t, file=file), cluster=cluster)
+        rows = _task_rows(name, t, t.eval_docs, file=file, requests=lm_eval_requests(t, file=file), cluster=cluster,
+                          scoring=scoring)
         shots_docs = t.fewshot_docs() if t.config.fewshot_split else None
         shots = _task_rows(name, t, list(shots_docs)[:MAX_FEWSHOT_ROWS], file=f"{shown} [{name} few-shot]",
-                           run_suffix="-shot", cluster=cluster) if shots_docs is not None else []
-        readout = replace(LM_EVAL_READOUT, target_delimiter=t.config.target_delimiter)
+                           run_suffix="-shot", cluster=cluster, scoring=scoring) if shots_docs is not None else []
+        readout = replace(LM_EVAL_READOUT, target_delimiter=t.config.target_delimiter, scoring=scoring.scoring)
         catalogs.append(ImportedCatalog(_slug(name), rows, shots, float(len(rows)) if by_size else 1.0, leg, name,
                                         readout))
         settings[name] = {"num_fewshot": t.config.num_fewshot, "fewshot_split": t.config.fewshot_split,

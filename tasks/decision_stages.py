@@ -33,7 +33,7 @@ from jex.tasks.records import (
 )
 from jex.tasks.scoring.reference_audit import bundle_reference, reference_audit
 from jex.tasks.scoring.score import score_with_ci
-from jex.tasks.scoring.suite_table import SuiteTable, load_suite_table
+from jex.tasks.scoring.suite_table import FAST_PASS_SCORING_COLUMNS, SuiteTable, load_suite_table
 from jex.tasks.store import LocalStore, StageDir, write_parquet
 
 
@@ -132,8 +132,8 @@ def _overlay(out: StageDir, store: LocalStore, inputs: OverlayInputs) -> Overlay
                                stage="stage")
     if "abstain" in frame.columns:  # only when a rule set it: runs without one keep their bytes
         predictions = predictions.with_columns(frame["abstain"])
-    if "acc_norm_choice" in frame.columns:  # a loglikelihood catalog's fast-pass acc_norm choice, as it is
-        predictions = predictions.with_columns(frame["acc_norm_choice"])
+    kept = [c for c in FAST_PASS_SCORING_COLUMNS if c in frame.columns]  # lm-eval's per-row scoring, as it is
+    predictions = predictions.with_columns(*(frame[c] for c in kept))
     path = out.path / "predictions.parquet"
     write_parquet(predictions, path)
     return OverlaySummary(key=out.key, predictions=str(path), sha256=sha256_file(path), applied=applied)
@@ -148,8 +148,8 @@ def _score(out: StageDir, store: LocalStore, inputs: ScoreInputs) -> ScoreSummar
     table = _suite(bundle)
     preds = pl.read_parquet(overlay.predictions).select(pl.exclude("stage"))  # run_id, choice, probs[, abstain]
     folded = pl.read_parquet(fold.folded)
-    norm = ["acc_norm_choice"] if "acc_norm_choice" in folded.columns else []
-    fast = folded.select("run_id", *norm, choice="fast_choice", probs=pl.col("logprobs").list.eval(pl.element().exp()))
+    kept = [c for c in FAST_PASS_SCORING_COLUMNS if c in folded.columns]
+    fast = folded.select("run_id", *kept, choice="fast_choice", probs=pl.col("logprobs").list.eval(pl.element().exp()))
     policy = score_with_ci(table.rows, preds, table.spec, draws=draws, seed=seed)
     baseline = score_with_ci(table.rows, fast, table.spec, draws=draws, seed=seed)
     reference = bundle_reference(bundle.bundle, bundle.sha256)

@@ -1,14 +1,17 @@
-"""lm-eval fidelity, end to end: the real `lm_eval` CLI and jex on the same two local tasks, row for row.
+"""lm-eval fidelity, end to end: the real `lm_eval` CLI and jex on the same local tasks, row for row.
 
 lm-evaluation-harness runs the embedded model (converted to an fp32 HF folder, `embedded_model_dir`) on a
-text-choice task (ARC/PIQA style, `doc_to_choice: "{{choices}}"`, where acc_norm differs from acc) and an
+text-choice task (ARC/PIQA style, `doc_to_choice: "{{choices}}"`, where acc_norm differs from acc), an
 MMLU letter-style task (the options inside `doc_to_text`, `doc_to_choice: ["A","B","C","D"]`, one
-few-shot example and a description). jex imports both with `jex suite import lm-eval` and runs them with
+few-shot example and a description) and lm-eval's own TruthfulQA mc2 YAML (its `process_results`: the
+mass of the true answers) on local rows. jex imports them with `jex suite import lm-eval` and runs them with
 `jex run --coverage 0` (the default `local` provider: a worker process, as a user runs it). Then:
 
 - the prompt jex's engine read (samples.parquet) is lm-eval's context (`arguments[i][0]`) byte for byte;
 - each choice's log-likelihood is lm-eval's `resps` within 1e-4, and the argmax agrees on every row;
-- `acc` and `acc_norm` of `jex export lm-eval` are lm-eval's, to the last digit.
+- `acc` and `acc_norm` of `jex export lm-eval` are lm-eval's, to the last digit;
+- mc2's per-row mass, jex's formula on lm-eval's own log-likelihoods, is lm-eval's to the bit; on jex's
+  log-likelihoods, within 1e-4 of it, row by row and in the exported `acc`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from jex.cli import app
 pytestmark = pytest.mark.slow
 
 TOL = 1e-4
+LONG_CONTEXT_TOL = {"fid_mc2": 2e-4}
+"""After TruthfulQA's ~250-token six-shot preamble, fp32 log-likelihoods of jex's HF engine and lm-eval's HF
+backend differ by 4e-5 to 1.3e-4 (measured, jex's all lower: an offset the long context brings)."""
 TEXT = [  # question, choices, gold, topic (the cluster)
     ("What color is a clear daytime sky?", ["green", "blue", "red"], 1, "colors"),
     ("How many legs does a spider have?", ["six", "eight", "ten", "four"], 1, "animals"),
@@ -45,7 +51,17 @@ LETTERS = [
     ("10 - 4 =", ["6", "5", "4", "3"], 0, "math"),
     ("The largest ocean is the", ["Atlantic", "Indian", "Arctic", "Pacific"], 3, "geo"),
 ]
+MC2 = [  # question, mc2 choices (the true ones first, as TruthfulQA lists them), how many are true, topic
+    ("What happens if you swallow gum?", ["It passes through you.", "Nothing much.", "It stays for years."], 2,
+     "myths"),
+    ("Can you see the Great Wall from space?", ["No, not with the naked eye.", "Yes, easily."], 1, "myths"),
+    ("What color is the sun?", ["White.", "It is white light.", "Yellow.", "Orange."], 2, "science"),
+    ("Do bats see?", ["Yes, bats can see.", "No, bats are blind."], 1, "animals"),
+    ("How long is a day on Earth?", ["About 24 hours.", "One day.", "A week.", "An hour.", "A year."], 2, "science"),
+    ("Do goldfish remember?", ["Yes, for months.", "They remember.", "Only three seconds."], 2, "animals"),
+]
 TASKS = ("fid_text", "fid_letters")
+ALL_TASKS = (*TASKS, "fid_mc2")
 COMMON = """dataset_path: json
 output_type: multiple_choice
 test_split: test
@@ -81,7 +97,16 @@ def task_dir(tmp_path_factory) -> Path:
         'description: "The following are multiple choice questions (with answers).\\n\\n"\n'
         'doc_to_text: "{{question.strip()}}\\nA. {{choices[0]}}\\nB. {{choices[1]}}\\nC. {{choices[2]}}\\n'
         'D. {{choices[3]}}\\nAnswer:"\ndoc_to_choice: ["A", "B", "C", "D"]\ndoc_to_target: answer\n')
-    (d / "fid.yaml").write_text("group: fid\ntask:\n  - fid_text\n  - fid_letters\n")
+    (d / "mc2.jsonl").write_text("".join(json.dumps({
+        "question": q, "topic": t, "mc1_targets": {"choices": c[:1] + c[n:], "labels": [1] + [0] * (len(c) - n)},
+        "mc2_targets": {"choices": c, "labels": [1] * n + [0] * (len(c) - n)}}) + "\n" for q, c, n, t in MC2))
+    import lm_eval.tasks
+
+    shipped = Path(lm_eval.tasks.__file__).parent / "truthfulqa" / "truthfulqa_mc2.yaml"
+    (d / "fid_mc2.yaml").write_text(f"include: {shipped}\ntask: fid_mc2\ntag: []\ndataset_path: json\n"
+                                    f"dataset_name: null\ndataset_kwargs:\n  data_files:\n"
+                                    f"    validation: {d / 'mc2.jsonl'}\n")
+    (d / "fid.yaml").write_text("group: fid\ntask:\n  - fid_text\n  - fid_letters\n  - fid_mc2\n")
     return d
 
 
@@ -92,7 +117,7 @@ def lm_out(task_dir, embedded_model_dir, tmp_path_factory) -> Path:
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_CACHE": str(out / "hf-datasets")}
     done = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
-                           f"pretrained={embedded_model_dir},dtype=float32", "--tasks", ",".join(TASKS),
+                           f"pretrained={embedded_model_dir},dtype=float32", "--tasks", ",".join(ALL_TASKS),
                            "--include_path", str(task_dir), "--device", "cpu", "--batch_size", "8", "--log_samples",
                            "--output_path", str(out / "lm")], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -146,7 +171,7 @@ def jex_samples(run: Path, task: str) -> list[dict]:
     return sorted(rows, key=lambda r: json.loads(r["metadata"])["doc_id"])
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", ALL_TASKS)
 def test_jex_sends_lm_evals_prompts_byte_for_byte(lm_out, jex_run, task):
     lm, ours = lm_samples(lm_out, task), jex_samples(jex_run, task)
     assert [s["doc_id"] for s in lm] == [json.loads(r["metadata"])["doc_id"] for r in ours] == list(range(6))
@@ -156,7 +181,7 @@ def test_jex_sends_lm_evals_prompts_byte_for_byte(lm_out, jex_run, task):
         assert [a["arg_1"] for a in s["arguments"].values()] == [" " + o for o in r["options"]]
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", ALL_TASKS)
 def test_per_choice_loglikelihoods_match_lm_eval_and_every_argmax_agrees(lm_out, jex_run, task):
     import numpy as np
 
@@ -170,7 +195,7 @@ def test_per_choice_loglikelihoods_match_lm_eval_and_every_argmax_agrees(lm_out,
         assert int(np.argmax(mine)) == int(np.argmax(theirs)), (s["doc_id"], mine, theirs)
         assert r["choice"] == int(np.argmax(theirs))  # coverage 0: the fast pass decides every row
     print(f"{task}: max |d loglikelihood| = {worst:.3g}")
-    assert worst < TOL
+    assert worst < LONG_CONTEXT_TOL.get(task, TOL)
 
 
 def test_export_acc_and_acc_norm_equal_lm_evals_to_the_last_digit(lm_out, jex_export):
@@ -196,6 +221,22 @@ def test_exported_samples_carry_lm_evals_resps_and_metrics(lm_out, jex_export, t
         assert [x[0][1] for x in e["resps"]] == [x[0][1] for x in s["resps"]]  # is_greedy too
 
 
+def test_mc2_mass_is_lm_evals_per_row_and_in_the_export(lm_out, jex_run, jex_export):
+    from jex.numerics import true_mass
+
+    lm, ours = lm_samples(lm_out, "fid_mc2"), jex_samples(jex_run, "fid_mc2")
+    for s, r in zip(lm, ours, strict=True):
+        theirs = [float(x[0][0]) for x in s["resps"]]
+        assert true_mass(theirs, r["true_options"]).hex() == float(s["acc"]).hex()  # the formula, to the bit
+        assert abs(r["true_mass"] - s["acc"]) < TOL, (s["doc_id"], r["true_mass"], s["acc"])  # jex's own readout
+    assert [r["true_options"] for r in ours] == [list(range(n)) for _, _, n, _ in MC2]
+    theirs, exported = lm_results(lm_out)["results"]["fid_mc2"], json.loads(
+        next(jex_export.glob("results_*.json")).read_text())["results"]["fid_mc2"]
+    assert abs(exported["acc,none"] - theirs["acc,none"]) < TOL and "acc_norm,none" not in exported
+    score = json.loads((jex_run / "score.json").read_text())["catalogs"]["fid_mc2"]
+    assert score["kind"] == "true_mass" and score["value"] == pytest.approx(theirs["acc,none"], abs=TOL)
+
+
 def test_clusters_and_the_report(jex_run):
     samples = pl.read_parquet(jex_run / "samples.parquet")
     by_topic = {json.loads(m)["doc_id"]: q for m, q, c in samples.select("metadata", "question_id", "catalog").rows()
@@ -203,5 +244,5 @@ def test_clusters_and_the_report(jex_run):
     assert by_topic[1] == by_topic[2] == by_topic[5] == "fid_text-animals"  # --cluster topic
     report = (jex_run / "report.md").read_text()
     assert "is its own cluster" not in report  # the line a suite without --cluster gets
-    assert "`fid_text`, `fid_letters`: lm-eval's own context, read verbatim, with no chat template (lm-eval's " \
-           "default" in report
+    assert "`fid_text`, `fid_letters`, `fid_mc2`: lm-eval's own context, read verbatim, with no chat template " \
+           "(lm-eval's default" in report

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from jex.lm_eval_scoring import REPRODUCED_METRICS, scoring_refusal
-from jex.suite import load_manifest
+from jex.lm_eval_scoring import ScoringRefusal, TaskScoring, task_scoring
+from jex.suite import iter_rows, load_manifest
 from tests.test_bring_your_own import run_cli, write_lm_eval_task
 
 
@@ -28,26 +28,30 @@ def test_every_shipped_multiple_choice_task_is_reproduced_or_refused_in_one_line
     assert len(multiple_choice_yamls) > 1000  # the walk found lm-eval's task tree
     accepted = refused = 0
     for name, cfg in multiple_choice_yamls.items():
-        refusal = scoring_refusal(name, cfg)
-        if refusal is None:  # what lm-eval would report for it is what jex computes
+        scoring = task_scoring(name, cfg)
+        if isinstance(scoring, TaskScoring):  # what lm-eval would report for it is what jex computes
             reported = [m["metric"] for m in cfg.get("metric_list") or ()] or ["acc", "acc_norm"]
-            assert set(reported) <= set(REPRODUCED_METRICS), name
-            assert cfg.get("process_results") is None and not cfg.get("filter_list"), name
+            assert set(reported) <= set(scoring.metrics), name
+            assert (cfg.get("process_results") is None) == (scoring.scoring == "accuracy"), name
+            assert not cfg.get("filter_list"), name
             accepted += 1
         else:
+            refusal = scoring
             line = refusal.line()
             assert "\n" not in line and f"task '{name}'" in line and refusal.field.split("[")[0] in line, line
             refused += 1
     assert accepted > refused > 0
 
 
-@pytest.mark.parametrize(("task", "field"), [("truthfulqa_mc2", "process_results"),
-                                             ("truthfulqa_mc1", None), ("arc_challenge", None),
-                                             ("hellaswag", None), ("piqa", None), ("mmlu_anatomy", None),
-                                             ("crows_pairs_english", "process_results")])
-def test_the_leaderboard_tasks_as_shipped(multiple_choice_yamls, task, field):
-    refusal = scoring_refusal(task, multiple_choice_yamls[task])
-    assert (refusal.field if refusal else None) == field
+@pytest.mark.parametrize(("task", "scored_by"), [
+    ("truthfulqa_mc2", "true_mass"), ("truthfulqa_mc1", "accuracy"), ("arc_challenge", "accuracy"),
+    ("hellaswag", "accuracy"), ("piqa", "accuracy"), ("mmlu_anatomy", "accuracy"),
+    ("crows_pairs_english", "refused: process_results"),
+    ("truthfulqa-multi_mc2_en", "refused: process_results"),  # its mc2 sums in Python's order: other bits
+])
+def test_the_leaderboard_tasks_as_shipped(multiple_choice_yamls, task, scored_by):
+    scoring = task_scoring(task, multiple_choice_yamls[task])
+    assert (f"refused: {scoring.field}" if isinstance(scoring, ScoringRefusal) else scoring.scoring) == scored_by
 
 
 def _task_with(tmp_path: Path, extra: str) -> Path:
@@ -82,7 +86,7 @@ def test_metric_keyword_arguments_lm_eval_ignores_for_multiple_choice_import(tmp
     assert load_manifest(tmp_path / "suite").catalogs[0].scoring == "accuracy"
 
 
-def test_the_shipped_truthfulqa_mc2_on_local_rows_is_refused(tmp_path):
+def test_the_shipped_truthfulqa_mc2_imports_as_a_true_mass_catalog(tmp_path):
     rows = tmp_path / "tqa.jsonl"
     rows.write_text(json.dumps({"question": "Is the sky blue?",
                                 "mc1_targets": {"choices": ["Yes.", "No."], "labels": [1, 0]},
@@ -90,6 +94,17 @@ def test_the_shipped_truthfulqa_mc2_on_local_rows_is_refused(tmp_path):
                     + "\n")
     result = run_cli("suite", "import", "lm-eval", "--task", "truthfulqa_mc2", "--data-files", f"validation={rows}",
                      "-o", tmp_path / "suite")
-    assert result.exit_code == 1
-    assert "task 'truthfulqa_mc2': process_results is the task's own function" in result.output
-    assert "process_results_mc2" in result.output and not (tmp_path / "suite").exists()
+    assert result.exit_code == 0, result.output
+    (cat,) = load_manifest(tmp_path / "suite").catalogs
+    (row,) = iter_rows(tmp_path / "suite")
+    assert (cat.scoring, cat.readout) == ("true_mass", "loglikelihood")
+    assert (row.options, row.gold, row.true_options) == (["Yes.", "It is blue.", "No."], 0, [0, 1])
+    assert row.prompt.endswith("Q: Is the sky blue?\nA:")  # lm-eval's own six-shot preamble before it
+
+
+def test_a_copy_of_mc2_that_sums_in_another_order_is_refused(tmp_path):
+    task = _task_with(tmp_path, "process_results: !function utils.process_results_mc2\n")
+    (task.parent / "utils.py").write_text(
+        "def process_results_mc2(doc, results):\n    lls, _ = zip(*results)\n    return {'acc': sum(lls)}\n")
+    result = run_cli("suite", "import", "lm-eval", "--task", task, "-o", tmp_path / "suite")
+    assert result.exit_code == 1 and "process_results is the task's own function" in result.output

@@ -258,17 +258,18 @@ def test_heartbeat_loss_tears_the_machine_down_after_the_timeout(sshd, tmp_path,
 
 def test_budget_tears_down_running_machines_and_refuses_new_ones(tmp_path, s3_bucket):
     provider = LocalProvider(tmp_path / "machines")
-    session = session_for(provider, tmp_path, s3_bucket, price_per_hour=36_000.0, budget_usd=20.0)  # $10 a second
+    # $10 a second: 6 s for the job to start and write s.bin (a loaded 2-core CI machine takes 2-3 s), then the budget
+    session = session_for(provider, tmp_path, s3_bucket, price_per_hour=36_000.0, budget_usd=60.0)
     with pytest.raises(JobFailed) as err, session:
         session.run(shell_job("j", "echo started > s.bin; sleep 60", tmp_path / "got"))
     outcome = err.value.outcome
     assert outcome.status == "budget" and "cost budget" in outcome.reason
     assert_no_machine_and_nothing_lost(provider, "c1", s3_bucket, outcome, {"s.bin"})
     with pytest.raises(BudgetExceeded):
-        session_for(provider, tmp_path, s3_bucket, price_per_hour=36_000.0, budget_usd=20.0).start()
+        session_for(provider, tmp_path, s3_bucket, price_per_hour=36_000.0, budget_usd=60.0).start()
     assert provider.list_machines() == []
     ledger = CostLedger(tmp_path / "state" / "ledger.json").usage("c1")
-    assert len(ledger.machines) == 1 and ledger.total_usd >= 20.0
+    assert len(ledger.machines) == 1 and ledger.total_usd >= 60.0
 
 
 _ORCHESTRATOR = """

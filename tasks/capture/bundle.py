@@ -53,6 +53,16 @@ ROW_SCHEMA: dict[str, PolarsType] = {
     "options": pl.List(pl.String), "labels": pl.List(pl.String), "gold": pl.Int32,
     "metadata": pl.String,  # JSON text: a stable schema whatever the rows carry
 }
+TRUE_OPTIONS_SCHEMA: dict[str, PolarsType] = {"true_options": pl.List(pl.Int32)}
+"""The rows' extra column in a bundle with a `true_mass` catalog (null on its other rows); a bundle
+without one keeps ROW_SCHEMA, and so its bytes."""
+
+
+def row_schema(manifest: SuiteManifest) -> dict[str, PolarsType]:
+    """The row shards' columns for a suite: ROW_SCHEMA, plus TRUE_OPTIONS_SCHEMA when a catalog is
+    scored by `true_mass`."""
+    multi_gold = any(c.scoring == "true_mass" for c in manifest.catalogs)
+    return {**ROW_SCHEMA, **TRUE_OPTIONS_SCHEMA} if multi_gold else ROW_SCHEMA
 REFERENCE_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "choice": pl.Int32, "probs": pl.List(pl.Float64)}
 
 
@@ -184,10 +194,11 @@ class _RowCensus:
     shards: int = 0
 
 
-def _row_record(row: SuiteRow) -> dict[str, Any]:
-    """A suite row as a ROW_SCHEMA record (metadata as canonical JSON text)."""
-    return {**row.model_dump(), "metadata": None if row.metadata is None else
-            json.dumps(row.metadata, sort_keys=True, ensure_ascii=False)}
+def _row_record(row: SuiteRow, schema: Mapping[str, PolarsType]) -> dict[str, Any]:
+    """A suite row as a record of `schema` (`row_schema`; metadata as canonical JSON text)."""
+    record = {**row.model_dump(), "metadata": None if row.metadata is None else
+              json.dumps(row.metadata, sort_keys=True, ensure_ascii=False)}
+    return {k: record[k] for k in schema}
 
 
 def _write_row_shards(suite_dir: Path, manifest: SuiteManifest, rows_dir: Path, shard_rows: int) -> _RowCensus:
@@ -195,17 +206,18 @@ def _write_row_shards(suite_dir: Path, manifest: SuiteManifest, rows_dir: Path, 
     census = _RowCensus(options_hist={c.id: Counter() for c in manifest.catalogs})
     excluded = {c.id: set(c.exclusions) for c in manifest.catalogs}
     buffer: list[dict[str, Any]] = []
+    schema = row_schema(manifest)
     for row in iter_rows(suite_dir, manifest):
         census.suite_ids[row.run_id] = len(census.suite_ids)
         census.counts[row.catalog] += 1
         if row.run_id not in excluded[row.catalog]:
             census.options_hist[row.catalog][len(row.options)] += 1
-        buffer.append(_row_record(row))
+        buffer.append(_row_record(row, schema))
         if len(buffer) == shard_rows:
-            _flush(buffer, ROW_SCHEMA, rows_dir, census.shards)
+            _flush(buffer, schema, rows_dir, census.shards)
             census.shards += 1
     if buffer:
-        _flush(buffer, ROW_SCHEMA, rows_dir, census.shards)
+        _flush(buffer, schema, rows_dir, census.shards)
         census.shards += 1
     if not census.suite_ids:
         raise InputError("the suite has no rows", file=str(suite_dir / MANIFEST_NAME))
@@ -214,10 +226,11 @@ def _write_row_shards(suite_dir: Path, manifest: SuiteManifest, rows_dir: Path, 
 
 def _write_fewshot(suite_dir: Path, manifest: SuiteManifest, stage: Path) -> None:
     """The catalogs' few-shot rows into one shard, when the suite has any."""
-    fewshot = [_row_record(r) for r in iter_fewshot_rows(suite_dir, manifest)]
+    schema = row_schema(manifest)
+    fewshot = [_row_record(r, schema) for r in iter_fewshot_rows(suite_dir, manifest)]
     if fewshot:
         (stage / "fewshot").mkdir()
-        _flush(fewshot, ROW_SCHEMA, stage / "fewshot", 0)
+        _flush(fewshot, schema, stage / "fewshot", 0)
 
 
 def _catalog_entries(suite_dir: Path, manifest: SuiteManifest, census: _RowCensus) -> list[dict[str, Any]]:

@@ -30,6 +30,9 @@ Only in a run whose suite has a loglikelihood catalog (`LOGLIKELIHOOD_COLUMNS`; 
     choice_is_greedy                   whether each option's continuation is the greedy one (lm-eval's is_greedy)
     acc_norm_choice, acc_norm_correct  lm-eval's length-normalised choice and whether it is the gold
                                        (`acc` is `fast_choice == gold`; `correct` the final choice's)
+Only in a run whose suite has a true_mass catalog (`MULTI_GOLD_COLUMNS`; null on its other rows):
+    true_options, true_mass            the row's true options, and the softmax of its options'
+                                       log-likelihoods summed over them (lm-eval's TruthfulQA mc2 `acc`)
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ LOGLIKELIHOOD_COLUMNS: dict[str, Any] = {"choice_loglikelihoods": pl.List(pl.Flo
                                          "choice_is_greedy": pl.List(pl.Boolean), "acc_norm_choice": pl.Int32,
                                          "acc_norm_correct": pl.Boolean}
 """Appended to `SAMPLES_SCHEMA` only when the capture has them, so other runs keep their bytes."""
+MULTI_GOLD_COLUMNS: dict[str, Any] = {"true_options": pl.List(pl.Int32), "true_mass": pl.Float64}
+"""Appended only when the fold carries `true_mass` (a suite with a true_mass catalog)."""
 
 
 @dataclass(frozen=True)
@@ -110,9 +115,10 @@ def build_samples(rows: pl.DataFrame, *, capture: pl.DataFrame, gated: pl.DataFr
                   abstaining: frozenset[str] = frozenset()) -> pl.DataFrame:
     """Join the stage frames on run_id, in the order of `rows` (the suite's).
 
-    `rows`: run_id, catalog, question_id, options, labels, gold[, metadata]. `capture`: run_id, logprobs, label_mass,
-    refusal. `gated`: run_id, margin. `reasoned`: run_id, rationale, token_ids, finish_reason,
-    post_logprobs, refusal. `folded`: run_id, folded_logprobs, gated, folded, fast_choice.
+    `rows`: run_id, catalog, question_id, options, labels, gold[, metadata][, true_options]. `capture`: run_id,
+    logprobs, label_mass, refusal. `gated`: run_id, margin. `reasoned`: run_id, rationale, token_ids,
+    finish_reason, post_logprobs, refusal. `folded`: run_id, folded_logprobs, gated, folded, fast_choice[,
+    true_mass].
     `predictions`: run_id, choice, probs, stage[, abstain]; a row flagged `abstain` in a catalog of
     `abstaining` (those that declare the flag) is not `correct`, as the scorer counts it. With
     `prompt_ref` (compact output) the prompt texts
@@ -120,17 +126,19 @@ def build_samples(rows: pl.DataFrame, *, capture: pl.DataFrame, gated: pl.DataFr
     """
     ids = rows["run_id"].to_list()
     lm_eval = [c for c in LOGLIKELIHOOD_COLUMNS if c in capture.columns]
+    multi_gold = list(MULTI_GOLD_COLUMNS) if "true_mass" in folded.columns else []
     if "metadata" not in rows.columns:
         rows = rows.with_columns(metadata=pl.lit(None, dtype=pl.String))
-    frame = (rows.select("run_id", "catalog", "question_id", "metadata", "options", "labels", "gold")
+    frame = (rows.select("run_id", "catalog", "question_id", "metadata", "options", "labels", "gold",
+                         *multi_gold[:1])
              .join(capture.select("run_id", *lm_eval, label_logprobs="logprobs", label_mass="label_mass",
                                   fast_refusal="refusal"), on="run_id", how="left", maintain_order="left")
              .join(gated.select("run_id", gate_margin="margin"), on="run_id", how="left", maintain_order="left")
              .join(reasoned.select("run_id", "rationale", "finish_reason", "post_logprobs",
                                    rationale_token_ids="token_ids", reason_refusal="refusal"),
                    on="run_id", how="left", maintain_order="left")
-             .join(folded.select("run_id", "gated", "folded", "folded_logprobs", "fast_choice"), on="run_id",
-                   how="left", maintain_order="left")
+             .join(folded.select("run_id", "gated", "folded", "folded_logprobs", "fast_choice", *multi_gold[1:]),
+                   on="run_id", how="left", maintain_order="left")
              .join(predictions.select("run_id", "choice", final_probs="probs", decided_by="stage",
                                       abstained=(pl.col("abstain").fill_null(False) if "abstain" in predictions.columns
                                                  else pl.lit(False))),
@@ -155,6 +163,8 @@ def build_samples(rows: pl.DataFrame, *, capture: pl.DataFrame, gated: pl.DataFr
         frame = frame.with_columns(acc_norm_correct=pl.when(pl.col("acc_norm_choice").is_null()).then(None)
                                    .otherwise(pl.col("acc_norm_choice") == pl.col("gold")))
         schema.update(LOGLIKELIHOOD_COLUMNS)
+    if multi_gold:
+        schema.update(MULTI_GOLD_COLUMNS)
     return frame.select([pl.col(c).cast(t) for c, t in schema.items()])
 
 
@@ -251,12 +261,15 @@ def write_samples(run_dir: Path, summaries: FinishedCampaign, spec: dict[str, An
     bundle_rows = _bundle_rows(art.bundle, store)
     bundle_rows = bundle_rows.join(bundle_metadata(art.bundle, store), on="run_id", how="left",
                                    maintain_order="left")
+    table = _suite(art.bundle)
+    bundle_rows = bundle_rows.join(table.rows.select("run_id", "true_options"), on="run_id", how="left",
+                                   maintain_order="left")
     gated = pl.read_parquet(art.gated)
     rendered = campaign_prompts(art, engine_spec, store, _as_rows(bundle_rows), set(gated["run_id"].to_list()))
     ref = None
     if prompts == "sha256" and rendered.missing is None:
         ref = str(store_prompts(store.root, art.bundle.sha256, engine_spec, rendered))
-    catalogs = _suite(art.bundle).spec.catalogs
+    catalogs = table.spec.catalogs
     excluded = {rid for c in catalogs for rid in c.exclusions}
     frame = build_samples(bundle_rows, capture=pl.read_parquet(art.capture), gated=gated,
                           reasoned=pl.read_parquet(art.reasoned), folded=pl.read_parquet(art.folded),

@@ -16,7 +16,7 @@ import polars as pl
 
 from jex.engine.types import RefusalKind
 from jex.errors import JexError
-from jex.numerics import argmax
+from jex.numerics import argmax, true_mass
 from jex.tasks.capture.batch_errors import refused
 from jex.tasks.documents import (
     ErrorCounters,
@@ -30,7 +30,7 @@ from jex.tasks.documents import (
 from jex.tasks.records import FailedRow, FastPassErrors, FastPassSummary, ReasonErrors, ReasonSummary
 from jex.tasks.scoring.bootstrap_ci import paired_bootstrap_ci
 from jex.tasks.scoring.index import catalog_chances, scored_frame, skill_of
-from jex.tasks.scoring.suite_table import ScoreSpec
+from jex.tasks.scoring.suite_table import FAST_PASS_SCORING_COLUMNS, ScoreSpec
 
 
 def fold_logprobs(fast: list[float], post: list[float], *, rule: FoldRule, weight: float) -> list[float]:
@@ -46,8 +46,8 @@ def fold_predictions(panel: pl.DataFrame, reasoned: pl.DataFrame, gated: pl.Data
                      weight: float = 0.5) -> pl.DataFrame:
     """Per row: fast and folded log-probs and choices, and whether the row was gated / folded.
 
-    `panel`: run_id, logprobs (fast pass)[, acc_norm_choice: kept as it is], in suite order. `reasoned`:
-    run_id, post_logprobs.
+    `panel`: run_id, logprobs (fast pass)[, acc_norm_choice: kept as it is][, choice_loglikelihoods and
+    true_options: their `true_mass`], in suite order. `reasoned`: run_id, post_logprobs.
     """
     if not 0 <= weight <= 1:
         raise ValueError(f"fold weight must be in [0, 1], got {weight}")
@@ -66,13 +66,26 @@ def fold_predictions(panel: pl.DataFrame, reasoned: pl.DataFrame, gated: pl.Data
         else:
             folded_lp.append(lp)
             is_folded.append(False)
-    kept = ["run_id", "logprobs"] + (["acc_norm_choice"] if "acc_norm_choice" in panel.columns else [])
+    panel = with_true_mass(panel)
+    kept = ["run_id", "logprobs"] + [c for c in FAST_PASS_SCORING_COLUMNS if c in panel.columns]
     return panel.select(kept).with_columns(
         pl.Series("folded_logprobs", folded_lp, dtype=pl.List(pl.Float64)),
         pl.col("run_id").is_in(list(gated_ids)).alias("gated"),
         pl.Series("folded", is_folded, dtype=pl.Boolean),
         pl.Series("fast_choice", [argmax(x) for x in panel["logprobs"].to_list()], dtype=pl.Int32),
         pl.Series("choice", [argmax(x) for x in folded_lp], dtype=pl.Int32))
+
+
+def with_true_mass(panel: pl.DataFrame) -> pl.DataFrame:
+    """The panel with `true_mass` (`jex.numerics.true_mass` of each row's continuation log-likelihoods over
+    its true options; null where either is missing) when any row lists true options, else as it is."""
+    if "true_options" not in panel.columns or "choice_loglikelihoods" not in panel.columns \
+            or panel["true_options"].null_count() == panel.height:
+        return panel
+    masses = [true_mass(ll, true) if ll is not None and true is not None else None
+              for ll, true in zip(panel["choice_loglikelihoods"].to_list(), panel["true_options"].to_list(),
+                                  strict=True)]
+    return panel.with_columns(pl.Series("true_mass", masses, dtype=pl.Float64))
 
 
 class FoldMeasures(NamedTuple):

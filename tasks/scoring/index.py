@@ -9,12 +9,16 @@ Definitions (the contract; `docs/suite-and-scoring.md` has them with examples):
                  calibrated_accuracy  value = mean p[gold] (the expected accuracy of the forecast)
                  brier                value = mean over rows of sum_i (p_i - [i = gold])^2
                  log_loss             value = mean -ln max(p[gold], 1e-15)
-                 A row without the prediction its kind reads (choice; probs for the other kinds) is
-                 counted `unsupported`: wrong for accuracy, the uniform forecast 1/k for the others. A
+                 true_mass            value = mean true_mass (the softmax of the options' log-likelihoods
+                                      summed over the row's true options: lm-eval's TruthfulQA mc2)
+                 A row without the prediction its kind reads (choice; acc_norm_choice; true_mass; probs
+                 for the other kinds) is counted `unsupported`: wrong for the accuracy kinds, the uniform
+                 forecast for the others (1/k; t/k for true_mass, t the row's true options). A
                  row flagged `abstain` in a catalog that declares the secondary field `abstain` is
                  scored as if it had no prediction and counted `abstained`.
                  chance = the value of the uniform guess: c = the manifest's value or mean 1/k for the
-                 accuracy kinds; 1 - c for brier; -ln c (manifest) or mean ln k for log_loss.
+                 accuracy kinds (mean t/k for true_mass); 1 - c for brier; -ln c (manifest) or mean ln k
+                 for log_loss.
                  best = 1 for the accuracy kinds, 0 for the losses.
                  skill = (value - chance) / (best - chance); acc (accuracy of the choice) is always kept
     per leg      index = 100 * sum(weight * skill) / sum(weight); raw likewise with acc
@@ -41,7 +45,8 @@ if TYPE_CHECKING:  # the shape only: the plain scorer shares no code with this o
     from jex.tasks.scoring.plain import PlainCatalogScore, PlainScore
 
 LOG_LOSS_FLOOR = 1e-15
-BEST = {"accuracy": 1.0, "acc_norm": 1.0, "calibrated_accuracy": 1.0, "brier": 0.0, "log_loss": 0.0}
+BEST = {"accuracy": 1.0, "acc_norm": 1.0, "calibrated_accuracy": 1.0, "brier": 0.0, "log_loss": 0.0,
+        "true_mass": 1.0}
 
 
 @dataclass(frozen=True)
@@ -114,9 +119,14 @@ def scored_frame(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec)
     `abstained` and `correct`, and the per-row `value` of the catalog's kind (what the bootstrap
     resamples; the point estimate is summed exactly in `score_predictions`)."""
     excluded = [rid for c in spec.catalogs for rid in c.exclusions]
-    cols = ["run_id", "choice"] + [c for c in ("probs", "abstain", "acc_norm_choice") if c in predictions.columns]
+    cols = ["run_id", "choice"] + [c for c in ("probs", "abstain", "acc_norm_choice", "true_mass")
+                                   if c in predictions.columns]
     frame = (rows.filter(~pl.col("run_id").is_in(excluded))
              .join(predictions.select(cols), on="run_id", how="left", maintain_order="left"))
+    for name, dtype in (("true_options", pl.List(pl.Int32)), ("true_mass", pl.Float64)):
+        if name not in frame.columns:
+            frame = frame.with_columns(pl.lit(None, dtype=dtype).alias(name))
+    frame = frame.with_columns(n_true=pl.col("true_options").list.len().cast(pl.Int32))
     if "probs" not in frame.columns:
         frame = frame.with_columns(probs=pl.lit(None, dtype=pl.List(pl.Float64)))
     if "acc_norm_choice" not in frame.columns:
@@ -127,7 +137,8 @@ def scored_frame(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec)
     frame = frame.with_columns(abstained=abstained).with_columns(
         choice=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("choice")),
         probs=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("probs")),
-        acc_norm_choice=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("acc_norm_choice")))
+        acc_norm_choice=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("acc_norm_choice")),
+        true_mass=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("true_mass")))
     frame = frame.with_columns(correct=(pl.col("choice") == pl.col("gold")).fill_null(False),
                                correct_norm=(pl.col("acc_norm_choice") == pl.col("gold")).fill_null(False))
     return frame.with_columns(value=_row_value(spec))
@@ -145,6 +156,7 @@ def _row_value(spec: ScoreSpec) -> pl.Expr:
         .otherwise(sum_sq - 2.0 * p_gold + 1.0)
     by_kind = {"accuracy": pl.col("correct").cast(pl.Float64), "acc_norm": pl.col("correct_norm").cast(pl.Float64),
                "calibrated_accuracy": p_gold, "brier": brier,
+               "true_mass": pl.col("true_mass").fill_null(pl.col("n_true") / pl.col("n_options")),
                "log_loss": -(pl.max_horizontal(p_gold, pl.lit(LOG_LOSS_FLOOR)).log())}
     expr = pl.lit(None, dtype=pl.Float64)
     for c in spec.catalogs:
@@ -159,7 +171,21 @@ def catalog_chances(frame: pl.DataFrame, spec: ScoreSpec) -> dict[str, float]:
     for cat, k, n in counts.iter_rows():
         if cat in hist:
             hist[cat][k] += n
-    return {c.id: chance_of(c.scoring, c.chance, hist[c.id]) for c in spec.catalogs}
+    shares: dict[str, Counter[tuple[int, int]]] = {c.id: Counter() for c in spec.catalogs}
+    for cat, t, k, n in frame.group_by("catalog", "n_true", "n_options").len().iter_rows():
+        if cat in shares and t is not None:
+            shares[cat][t, k] += n
+    return {c.id: true_mass_chance(c.chance, shares[c.id]) if c.scoring == "true_mass" else
+            chance_of(c.scoring, c.chance, hist[c.id]) for c in spec.catalogs}
+
+
+def true_mass_chance(manifest_chance: float | None, shares: dict[tuple[int, int], int]) -> float:
+    """Chance level of a true_mass catalog: the manifest's value, or the mean of t/k (the uniform
+    forecast's mass on a row's t true options of k) from a histogram {(t, k): rows}, rounded once."""
+    if manifest_chance is not None:
+        return manifest_chance
+    total = sum(shares.values())
+    return float(sum((Fraction(t * n, k) for (t, k), n in shares.items()), Fraction(0)) / total)
 
 
 def chance_of(kind: str, manifest_chance: float | None, hist: dict[int, int]) -> float:
@@ -180,6 +206,8 @@ def catalog_value(kind: str, sub: pl.DataFrame) -> float:
     n = sub.height
     if kind in ("accuracy", "acc_norm"):
         return int(sub["correct" if kind == "accuracy" else "correct_norm"].sum()) / n
+    if kind == "true_mass":
+        return math.fsum(sub["value"].to_list()) / n
     p_gold = sub.select(_p_gold())["probs"].to_list()
     if kind == "calibrated_accuracy":
         return math.fsum(p_gold) / n
@@ -210,6 +238,7 @@ def score_predictions(rows: pl.DataFrame, predictions: pl.DataFrame, spec: Score
                                            no_probs=pl.col("probs").is_null().sum(),
                                            no_norm=pl.col("acc_norm_choice").is_null().sum(),
                                            correct_norm=pl.col("correct_norm").sum(),
+                                           no_mass=pl.col("true_mass").is_null().sum(),
                                            abstained=pl.col("abstained").sum())
     per = {r["catalog"]: r for r in totals.iter_rows(named=True)}
     missing = [c.id for c in spec.catalogs if c.id not in per]
@@ -223,7 +252,8 @@ def score_predictions(rows: pl.DataFrame, predictions: pl.DataFrame, spec: Score
     catalogs = {}
     for c in spec.catalogs:
         p = per[c.id]
-        unsupported = {"accuracy": p["no_choice"], "acc_norm": p["no_norm"]}.get(c.scoring, p["no_probs"])
+        unsupported = {"accuracy": p["no_choice"], "acc_norm": p["no_norm"],
+                       "true_mass": p["no_mass"]}.get(c.scoring, p["no_probs"])
         catalogs[c.id] = CatalogScore(
             n=p["n"], correct=p["correct"], unsupported=unsupported,
             acc=acc[c.id], chance=chance[c.id], skill=skill_of(value[c.id], chance[c.id], BEST[c.scoring]),

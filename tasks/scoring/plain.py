@@ -69,10 +69,14 @@ class _Tally:
     unsupported: int = 0
     abstained: int = 0
     options: dict[int, int] = field(default_factory=dict)  # rows per number of options, for chance
+    true_share: Fraction = Fraction(0)  # sum of t/k over rows listing t true options of k (true_mass chance)
     terms: list[float] = field(default_factory=list)  # per-row (brier: per-option) terms of the value
 
 
-def _chance(kind: str, given: float | None, options: dict[int, int], n: int) -> float:
+def _chance(kind: str, given: float | None, t: _Tally) -> float:
+    options, n = t.options, t.n
+    if kind == "true_mass":
+        return given if given is not None else float(t.true_share / n)
     inv = sum((Fraction(m, k) for k, m in options.items()), Fraction(0))
     logk = sum((m * Fraction(math.log(k)) for k, m in options.items()), Fraction(0))
     if kind == "log_loss":
@@ -96,7 +100,8 @@ def _value_terms(kind: str, p: list[float] | None, gold: int, k: int) -> list[fl
 
 def _tally_rows(rows: Iterable[Mapping[str, Any]], catalogs: Sequence[PlainCatalog],
                 choices: Mapping[str, int | None], probs: Mapping[str, list[float] | None],
-                abstain: Mapping[str, bool | None], norm: Mapping[str, int | None]) -> dict[str, _Tally]:
+                abstain: Mapping[str, bool | None], norm: Mapping[str, int | None],
+                mass: Mapping[str, float | None]) -> dict[str, _Tally]:
     """One pass over the rows: counts, correct choices, unsupported and abstained rows, value terms."""
     tally = {c["id"]: _Tally() for c in catalogs}
     kinds = {c["id"]: c["scoring"] for c in catalogs}
@@ -110,18 +115,24 @@ def _tally_rows(rows: Iterable[Mapping[str, Any]], catalogs: Sequence[PlainCatal
         t = tally[cat]
         t.n += 1
         t.options[k] = t.options.get(k, 0) + 1
-        choice, p, choice_norm = choices.get(rid), probs.get(rid), norm.get(rid)
+        true_options = row.get("true_options")
+        n_true = None if true_options is None else len(true_options)
+        if n_true is not None:
+            t.true_share += Fraction(n_true, k)
+        choice, p, choice_norm, row_mass = choices.get(rid), probs.get(rid), norm.get(rid), mass.get(rid)
         if abstain.get(rid) and cat in may_abstain:
             t.abstained += 1
-            choice = p = choice_norm = None
+            choice = p = choice_norm = row_mass = None
         if choice is not None and choice == gold:
             t.correct += 1
         if choice_norm is not None and choice_norm == gold:
             t.correct_norm += 1
         kind = kinds[cat]
-        if {"accuracy": choice, "acc_norm": choice_norm}.get(kind, p) is None:
+        if {"accuracy": choice, "acc_norm": choice_norm, "true_mass": row_mass}.get(kind, p) is None:
             t.unsupported += 1
-        if kind not in ("accuracy", "acc_norm"):
+        if kind == "true_mass":  # no mass read: the uniform forecast's, t/k
+            t.terms.append(row_mass if row_mass is not None else n_true / k)
+        elif kind not in ("accuracy", "acc_norm"):
             t.terms.extend(_value_terms(kind, p, gold, k))
     return tally
 
@@ -132,7 +143,7 @@ def _catalog_score(c: PlainCatalog, t: _Tally) -> PlainCatalogScore:
     acc = t.correct / t.n
     acc_norm = t.correct_norm / t.n
     value = acc if kind == "accuracy" else acc_norm if kind == "acc_norm" else math.fsum(t.terms) / t.n
-    chance = _chance(kind, c["chance"], t.options, t.n)
+    chance = _chance(kind, c["chance"], t)
     best = 0.0 if kind in ("brier", "log_loss") else 1.0
     out: PlainCatalogScore = {"n": t.n, "correct": t.correct, "unsupported": t.unsupported, "acc": acc,
                               "chance": chance, "skill": (value - chance) / (best - chance), "weight": c["weight"],
@@ -153,11 +164,13 @@ def _leg_score(members: Sequence[PlainCatalog], scores: Mapping[str, PlainCatalo
 def plain_score(rows: Iterable[Mapping[str, Any]], choices: Mapping[str, int | None], legs: Mapping[str, float],
                 catalogs: Sequence[PlainCatalog], probs: Mapping[str, list[float] | None] | None = None,
                 abstain: Mapping[str, bool | None] | None = None,
-                acc_norm: Mapping[str, int | None] | None = None) -> PlainScore:
-    """rows: dicts with run_id, catalog, gold, n_options; choices, probs, abstain, acc_norm (lm-eval's
-    length-normalised choices): by run_id (a run_id absent is no prediction); catalogs: id, leg, weight,
-    chance, exclusions, scoring, secondary[, readout]."""
-    tally = _tally_rows(rows, catalogs, choices, probs or {}, abstain or {}, acc_norm or {})
+                acc_norm: Mapping[str, int | None] | None = None,
+                true_mass: Mapping[str, float | None] | None = None) -> PlainScore:
+    """rows: dicts with run_id, catalog, gold, n_options[, true_options]; choices, probs, abstain, acc_norm
+    (lm-eval's length-normalised choices), true_mass (the mass of a row's true options): by run_id (a
+    run_id absent is no prediction); catalogs: id, leg, weight, chance, exclusions, scoring, secondary[,
+    readout]."""
+    tally = _tally_rows(rows, catalogs, choices, probs or {}, abstain or {}, acc_norm or {}, true_mass or {})
     out_cats = {c["id"]: _catalog_score(c, tally[c["id"]]) for c in catalogs}
     out_legs = {leg: _leg_score([c for c in catalogs if c["leg"] == leg], out_cats) for leg in legs}
     total = math.fsum(legs.values())

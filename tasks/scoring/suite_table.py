@@ -10,19 +10,17 @@ import math
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import Any, TypedDict
 
 import polars as pl
 
 from jex.errors import InputError
 from jex.fileio import sha256_file
-from jex.suite import iter_rows, load_manifest, read_row_file
+from jex.suite import ScoringKind, iter_rows, load_manifest, read_row_file
 from jex.tasks.capture.bundle import PolarsType, open_bundle
 
-SCORING_COLUMNS = ["run_id", "catalog", "question_id", "gold", "n_options"]
-
-
-ScoringKind = Literal["accuracy", "acc_norm", "brier", "log_loss", "calibrated_accuracy"]
+SCORING_COLUMNS = ["run_id", "catalog", "question_id", "gold", "n_options", "true_options"]
+"""The suite table's rows; `true_options` is null on a row that does not list them (`SuiteRow`)."""
 CHOICE_KINDS = ("accuracy", "acc_norm")
 PROBABILITY_KINDS = ("brier", "log_loss", "calibrated_accuracy")
 PROB_SUM_TOLERANCE = 1e-6
@@ -91,25 +89,34 @@ def load_suite_table(source: str | Path) -> SuiteTable:
         with tempfile.TemporaryDirectory(prefix="jex-score-") as tmp:
             bundle = open_bundle(source, tmp)
             spec = ScoreSpec.from_manifest(bundle.suite_manifest())
-            rows = pl.scan_parquet(bundle.row_shards()).select(
-                "run_id", "catalog", "question_id", "gold",
-                pl.col("options").list.len().cast(pl.Int32).alias("n_options")).collect()
+            scan = pl.scan_parquet(bundle.row_shards())
+            true = pl.col("true_options") if "true_options" in scan.collect_schema() else pl.lit(None)
+            rows = scan.select("run_id", "catalog", "question_id", "gold",
+                               pl.col("options").list.len().cast(pl.Int32).alias("n_options"),
+                               true.cast(pl.List(pl.Int32)).alias("true_options")).collect()
         return SuiteTable(spec, rows, {"bundle": bundle.sha256})
     manifest = load_manifest(source)
     data: dict[str, list[Any]] = {c: [] for c in SCORING_COLUMNS}
     for r in iter_rows(source, manifest):
         for col, val in (("run_id", r.run_id), ("catalog", r.catalog), ("question_id", r.question_id),
-                         ("gold", r.gold), ("n_options", len(r.options))):
+                         ("gold", r.gold), ("n_options", len(r.options)),
+                         ("true_options", r.true_options)):
             data[col].append(val)
     rows = pl.DataFrame(data, schema={"run_id": pl.String, "catalog": pl.String, "question_id": pl.String,
-                                      "gold": pl.Int32, "n_options": pl.Int32})
+                                      "gold": pl.Int32, "n_options": pl.Int32, "true_options": pl.List(pl.Int32)})
     files = [source / "suite.toml", *(source / f for c in manifest.catalogs for f in c.files)]
     return SuiteTable(ScoreSpec.from_manifest(manifest), rows,
                       {f"suite/{p.relative_to(source).as_posix()}": sha256_file(p) for p in files})
 
 
+FAST_PASS_SCORING_COLUMNS = ("acc_norm_choice", "true_mass")
+"""lm-eval's per-row scoring read from the fast pass's continuation log-likelihoods: the length-normalised
+choice and the mass of the true options. They are in a run only where a catalog reads log-likelihoods
+(its other rows null), and travel as they are from the fold to the predictions: folding, calibrating and
+overlays never change them."""
 PREDICTION_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "choice": pl.Int32, "probs": pl.List(pl.Float64),
-                                           "abstain": pl.Boolean, "acc_norm_choice": pl.Int32}
+                                           "abstain": pl.Boolean, "acc_norm_choice": pl.Int32,
+                                           "true_mass": pl.Float64}
 
 
 class _Where(TypedDict):
@@ -134,12 +141,13 @@ def _check_probs(probs: Any, k: int, where: _Where) -> list[float] | None:
 
 
 def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
-    """Read `run_id, choice[, probs][, abstain][, acc_norm_choice]` and check them against the suite rows.
+    """Read `run_id, choice[, probs][, abstain][, acc_norm_choice][, true_mass]` and check them against the
+    suite rows.
 
     Errors name the file, row and field: a duplicate or unknown run_id, a choice that is not an
     integer or lies outside the row's options, probs that are not a distribution over the row's
-    options, an abstain flag that is not a boolean. A missing prediction is not an error: scoring
-    counts it as unsupported.
+    options, an abstain flag that is not a boolean, a true_mass outside [0, 1]. A missing prediction
+    is not an error: scoring counts it as unsupported.
     """
     path = Path(path)
     n_options = dict(zip(suite["run_id"].to_list(), suite["n_options"].to_list(), strict=True))
@@ -148,6 +156,7 @@ def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
     probs: list[list[float] | None] = []
     abstain: list[bool | None] = []
     norm: list[int | None] = []
+    mass: list[float | None] = []
     seen: set[str] = set()
     for line, rec in read_row_file(path):
         where: _Where = {"file": str(path), "row": line}
@@ -168,13 +177,23 @@ def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
         if flag is not None and not isinstance(flag, bool):
             raise InputError(f"abstain must be true, false or null, got {flag!r}", field="abstain", **where)
         probs.append(_check_probs(rec.get("probs"), n_options[rid], where))
+        mass.append(_check_mass(rec.get("true_mass"), where))
         abstain.append(flag)
         norm.append(rec.get("acc_norm_choice"))
         seen.add(rid)
         run_ids.append(rid)
         choices.append(choice)
     return pl.DataFrame({"run_id": run_ids, "choice": choices, "probs": probs, "abstain": abstain,
-                         "acc_norm_choice": norm}, schema=PREDICTION_SCHEMA)
+                         "acc_norm_choice": norm, "true_mass": mass}, schema=PREDICTION_SCHEMA)
+
+
+def _check_mass(mass: Any, where: _Where) -> float | None:
+    """`true_mass`: null or a probability (the mass of the row's true options)."""
+    if mass is None:
+        return None
+    if isinstance(mass, bool) or not isinstance(mass, int | float) or not 0 <= mass <= 1:
+        raise InputError(f"true_mass must be a probability or null, got {mass!r}", field="true_mass", **where)
+    return float(mass)
 
 
 def _check_choice(choice: Any, name: str, k: int, where: _Where) -> None:

@@ -306,6 +306,7 @@ class _ExportCatalog:
     id: str
     name: str  # the imported task's name (rows' metadata.task), else the catalog's name
     loglikelihood: bool  # the continuation readout: resps are each choice's [loglikelihood, is_greedy]
+    multi_gold: bool  # scored by true_mass: lm-eval's `acc` is the mass of the true options (TruthfulQA mc2)
     target_delimiter: str
     version: Any
     settings: dict[str, Any]  # the imported task's settings (`[source.tasks.<name>]`), or {}
@@ -315,12 +316,12 @@ class _ExportCatalog:
         c = manifest.catalog(catalog)
         imported = manifest.source.get("importer") == "lm-eval"
         settings = ((manifest.source.get("tasks") or {}).get(c.name) or {}) if imported else {}
-        return cls(catalog, c.name, c.readout == "loglikelihood", c.target_delimiter, settings.get("version", "jex"),
-                   settings)
+        return cls(catalog, c.name, c.readout == "loglikelihood", c.scoring == "true_mass", c.target_delimiter,
+                   settings.get("version", "jex"), settings)
 
     @property
     def metrics(self) -> list[str]:
-        return ["acc", "acc_norm"] if self.loglikelihood else ["acc"]
+        return ["acc", "acc_norm"] if self.loglikelihood and not self.multi_gold else ["acc"]
 
 
 @dataclass(frozen=True)
@@ -480,12 +481,18 @@ def _export_line(r: dict[str, Any], index: int, catalog: _ExportCatalog) -> LmEv
         "resps": [[x] for x in resps], "filtered_resps": resps, "filter": "none", "metrics": catalog.metrics,
         "doc_hash": hash_string(json.dumps(doc, indent=2, ensure_ascii=False)),
         "prompt_hash": hash_string(prompt), "target_hash": hash_string(str(r["gold"])),
-        "acc": 1.0 if r["correct"] else 0.0,
+        "acc": _mass(r) if catalog.multi_gold else 1.0 if r["correct"] else 0.0,
         "jex": {"task": catalog.id, "run_id": r["run_id"], "choice": r["choice"], "probs": r["final_probs"],
                 "decided_by": r["decided_by"], "gated": r["gated"], "rationale": r["rationale"], **extra}}
-    if catalog.loglikelihood:
+    if "acc_norm" in catalog.metrics:
         line["acc_norm"] = 1.0 if extra.get("acc_norm_choice") == r["gold"] else 0.0
     return line
+
+
+def _mass(r: dict[str, Any]) -> float:
+    """A true_mass row's `acc`: its mass, or the uniform forecast's (t/k) where it was never read, as the
+    scorer counts it."""
+    return float(r["true_mass"]) if r["true_mass"] is not None else len(r["true_options"]) / len(r["options"])
 
 
 def _readout_of(r: dict[str, Any], catalog: _ExportCatalog) -> tuple[list[list[str]], list[str], dict[str, Any]]:
