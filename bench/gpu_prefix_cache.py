@@ -3,7 +3,12 @@ context, several continuations of several tokens) scored by `prompt_logprobs`, a
 scores them, with the prefix cache off (the audited profile: the reference) and on.
 
     source /tmp/stage/env.sh && source bench/device_jex.sh && \
-        python3 bench/gpu_prefix_cache.py --model /tmp/smollm2 --rows 1000 --out $OUT/prefix.json
+        python3 bench/gpu_prefix_cache.py --model /tmp/smollm2 --rows 1000 --out $OUT/prefix.json \
+            --engine-timeout 400
+
+Each engine's result is kept beside `--out` (`prefix-<engine>-<rows>.json`) and the summary rewritten
+after each one, so a call that runs out of time keeps what it measured and the next call (the same
+files carried back) resumes with the engines not yet done.
 
 Engines (each in its own process: batch invariance is process-wide; VLLM_BATCH_INVARIANT=1, TRITON_ATTN,
 bf16, max_num_seqs 512), and the submissions each makes:
@@ -116,11 +121,26 @@ def compare(ref: list[list[float]], got: list[list[float]], choices: int = 4) ->
     return {"sequences_not_bit_identical": differ, "max_abs_d_token_logprob": worst, "argmax_changes": flips}
 
 
+def summarize(docs: dict[str, dict], rows: int) -> dict:
+    """Every engine's submissions compared with `off/all` (once `off` has run), and the timings."""
+    ref = docs["off"]["runs"]["all"]["lps"] if "off" in docs else None
+    table = {f"{engine}/{run}": {"seconds": got["seconds"], **({"contexts_seconds": got["contexts_seconds"]}
+                                                               if "contexts_seconds" in got else {}),
+                                 **(compare(ref, got["lps"]) if ref is not None else {})}
+             for engine, doc in docs.items() for run, got in doc["runs"].items()}
+    first = next(iter(docs.values()), {})
+    return {"command": " ".join(sys.argv), "rows": rows, "sequences": first.get("sequences"),
+            "tokens": first.get("tokens"), "context_tokens": first.get("context_tokens"),
+            "process_seconds": {e: d["process_seconds"] for e, d in docs.items()}, "runs": table}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--rows", type=int, default=1000)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--engines", default=",".join(ENGINES), help="which engines, in order (default: all)")
+    p.add_argument("--engine-timeout", type=float, default=None, help="seconds one engine's process may take")
     p.add_argument("--child", choices=list(ENGINES))
     p.add_argument("--child-out", type=Path)
     a = p.parse_args()
@@ -128,25 +148,24 @@ def main() -> None:
         child(a.child, a.model, a.rows, a.child_out)
         return
     work = a.out.parent
+    work.mkdir(parents=True, exist_ok=True)
     docs = {}
-    for engine in ENGINES:
-        path = work / f"prefix-{engine}.json"
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, __file__, "--model", a.model, "--rows", str(a.rows), "--out", str(a.out),
-                        "--child", engine, "--child-out", str(path)], check=True)
+    for engine in a.engines.split(","):
+        path = work / f"prefix-{engine}-{a.rows}.json"  # kept: a later call resumes after the engines done
+        if not path.exists():
+            t0 = time.perf_counter()
+            try:
+                subprocess.run([sys.executable, __file__, "--model", a.model, "--rows", str(a.rows), "--out",
+                                str(a.out), "--child", engine, "--child-out", str(path)], check=True,
+                               timeout=a.engine_timeout)
+            except subprocess.TimeoutExpired:
+                print(f"{engine}: no result within {a.engine_timeout} s", file=sys.stderr)
+                continue
+            doc = json.loads(path.read_text())
+            path.write_text(json.dumps({**doc, "process_seconds": time.perf_counter() - t0}))
         docs[engine] = json.loads(path.read_text())
-        docs[engine]["process_seconds"] = time.perf_counter() - t0
-        path.unlink()
-    ref = docs["off"]["runs"]["all"]["lps"]
-    table = {f"{engine}/{run}": {"seconds": got["seconds"], **({"contexts_seconds": got["contexts_seconds"]}
-                                                               if "contexts_seconds" in got else {}),
-                                 **compare(ref, got["lps"])}
-             for engine, doc in docs.items() for run, got in doc["runs"].items()}
-    summary = {"command": " ".join(sys.argv), "rows": a.rows, "sequences": docs["off"]["sequences"],
-               "tokens": docs["off"]["tokens"], "context_tokens": docs["off"]["context_tokens"],
-               "process_seconds": {e: d["process_seconds"] for e, d in docs.items()}, "runs": table}
-    a.out.write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2))
+        a.out.write_text(json.dumps(summarize(docs, a.rows), indent=2))  # after every engine
+    print(a.out.read_text())
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jex.engine.base import TokenizedEngine
 from jex.engine_spec import ENGINE_KINDS, EngineKind, EngineSpec
+
+if TYPE_CHECKING:
+    from jex.engine.vllm_engine import VLLMProfile
 
 
 def make_engine(spec: EngineSpec, **engine_options: Any) -> TokenizedEngine:
@@ -24,22 +27,30 @@ def make_engine(spec: EngineSpec, **engine_options: Any) -> TokenizedEngine:
                         batch_invariant=spec.kind == "hf", cache_dir=Path(spec.cache_dir),
                         dtype=spec.dtype or "float32", speculative=speculative, **engine_options)
     from jex.engine.models import HUB_ID, resolve_hub
-    from jex.engine.vllm_engine import VLLMEngine, VLLMProfile
+    from jex.engine.vllm_engine import VLLMEngine
 
     model = spec.model
     if model is None:
         raise ValueError("the vLLM engine needs --model: a dequantised bf16 model folder or a Hub id")
     if not Path(model).exists() and HUB_ID.match(model):
         model = str(resolve_hub(model).path)
+    return VLLMEngine(model, vllm_profile(spec), batch_size=spec.requests_per_call(), **engine_options)
+
+
+def vllm_profile(spec: EngineSpec) -> VLLMProfile:
+    """The vLLM settings a vLLM-kind spec names (checked by the profile when the engine starts)."""
+    from jex.engine.vllm_engine import SPECULATIVE_PROFILES, VLLMProfile
+
+    speculative = SPECULATIVE_PROFILES.get(spec.profile)
     # three keyword sets, each given only when it applies (a name given twice is still an error)
     by_dtype: dict[str, Any] = {"dtype": spec.dtype} if spec.dtype else {}
     by_profile: dict[str, Any] = {"name": spec.profile, "speculative_config": speculative} if speculative else {}
     by_kind: dict[str, Any] = {"name": "control", "batch_invariant": False} if spec.kind == "vllm-control" else {}
     kv_bytes = int(spec.kv_cache_memory_gib * 2**30) if spec.kv_cache_memory_gib else None
-    settings = VLLMProfile(max_num_seqs=spec.scheduler_seqs(), gpu_memory_utilization=spec.gpu_memory_utilization,
-                           max_num_batched_tokens=spec.max_num_batched_tokens, kv_cache_memory_bytes=kv_bytes,
-                           max_model_len=spec.max_model_len, **by_dtype, **by_profile, **by_kind)
-    return VLLMEngine(model, settings, batch_size=spec.requests_per_call(), **engine_options)
+    return VLLMProfile(max_num_seqs=spec.scheduler_seqs(), gpu_memory_utilization=spec.gpu_memory_utilization,
+                       max_num_batched_tokens=spec.max_num_batched_tokens, kv_cache_memory_bytes=kv_bytes,
+                       max_model_len=spec.max_model_len, cudagraph_mode=spec.cudagraph_mode,
+                       **by_dtype, **by_profile, **by_kind)
 
 
 def preload(kind: EngineKind) -> None:

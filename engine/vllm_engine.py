@@ -33,6 +33,7 @@ from jex.engine.types import (
     cut_at_stop,
     renormalise,
 )
+from jex.engine_spec import AUDITED_CUDAGRAPH_MODES
 from jex.provenance import ProvenanceBlock
 
 AUDIT = "audit"
@@ -61,7 +62,7 @@ class VLLMProfile:
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "auto"  # = the model dtype (bf16)
     enforce_eager: bool = False
-    cudagraph_mode: str | None = None  # None: vLLM's default; "FULL_DECODE_ONLY" also measured invariant
+    cudagraph_mode: str | None = None  # None: vLLM's default (AUDITED_CUDAGRAPH_MODES)
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None  # None: vLLM's default
     gpu_memory_utilization: float = 0.30
@@ -88,7 +89,7 @@ class VLLMProfile:
         if self.enforce_eager:
             out.append("enforce_eager=True: eager mode is NOT batch invariant (measured: 1,889 of 3,072 greedy "
                        "tokens differed between batch 1 and 32 on the H200, vLLM 0.22.1)")
-        if self.cudagraph_mode not in (None, "FULL_DECODE_ONLY"):
+        if self.cudagraph_mode not in AUDITED_CUDAGRAPH_MODES:
             out.append(f"cudagraph_mode={self.cudagraph_mode}: only the default and FULL_DECODE_ONLY were "
                        "measured invariant")
         if model.suffix == ".gguf" or (model.is_dir() and any(model.glob("*.gguf"))):

@@ -48,6 +48,7 @@ class EngineFingerprint(Record):
     batch_size: int | None = Field(None, description="hf-batched only: its numerics depend on the batch shape")
     max_num_seqs: int | None = Field(None, description="vLLM only")
     max_model_len: int | None = Field(None, description="vLLM only")
+    cudagraph_mode: str | None = Field(None, description="vLLM only; None = vLLM's default")
 
     def audited(self) -> EngineFingerprint:
         """The same engine under the plain audit profile. It keys every readout (fast pass, golden

@@ -22,6 +22,11 @@ EngineKind = Literal["hf", "hf-batched", "vllm", "vllm-control"]
 audit profile); `vllm-control`: vLLM without batch invariance (a bake-off's control arm)."""
 ENGINE_KINDS: tuple[EngineKind, ...] = ("hf", "hf-batched", "vllm", "vllm-control")
 EngineProfile = Literal["audit", "audit-ngram"]
+CudagraphMode = Literal["FULL_DECODE_ONLY", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE", "NONE"]
+"""vLLM's CUDA-graph modes (`compilation_config.cudagraph_mode`)."""
+AUDITED_CUDAGRAPH_MODES: tuple[CudagraphMode | None, ...] = (None, "FULL_DECODE_ONLY")
+"""The modes measured batch invariant (vLLM 0.22.1 on an H200): vLLM's default (None) and the seeds'
+FULL_DECODE_ONLY. The audit profile refuses the others (`engine/vllm_engine.py`)."""
 
 RENDERER_VERSION = "jex-render/2"
 
@@ -115,6 +120,9 @@ class EngineSpec(BaseModel):
     kv_cache_memory_gib: float | None = Field(None, gt=0, description="vLLM: KV cache size, fixed instead of "
                                               "profiled; engines with it start together on one GPU")
     max_model_len: int | None = Field(None, ge=16, description="vLLM: context limit; empty = the model's")
+    cudagraph_mode: CudagraphMode | None = Field(
+        None, description="vLLM: CUDA-graph mode; empty = vLLM's default. The audit profile allows the default "
+                          "and FULL_DECODE_ONLY (the seeds' setting), both measured batch invariant")
     cache_dir: str = Field(str(Path.home() / ".cache" / "jex"), description="Converted-model and Hub cache")
     render: RenderSpec = Field(RenderSpec(), description="Templates, system prompt, chat template, few-shot count")
 
@@ -125,6 +133,8 @@ class EngineSpec(BaseModel):
                              f"not depend on the batch; {self.kind!r} needs >= 1")
         if self.profile != "audit" and self.kind not in ("hf", "vllm"):
             raise ValueError(f"profile {self.profile!r} needs an audited engine kind (hf or vllm), not {self.kind!r}")
+        if self.cudagraph_mode is not None and not self.kind.startswith("vllm"):
+            raise ValueError(f"cudagraph_mode is a vLLM setting; engine {self.kind!r} has no CUDA graphs")
         return self
 
     def requests_per_call(self) -> int:

@@ -27,6 +27,7 @@ EVERY_FIELD = {
     "engine": {"kind": "vllm", "profile": "audit-ngram", "model": "org/name", "device": "cuda", "batch_size": 0,
                "max_num_seqs": 4, "max_num_batched_tokens": 512, "dtype": "bfloat16", "gpu_memory_utilization": 0.5,
                "kv_cache_memory_gib": 6.0, "max_model_len": 1024, "cache_dir": "cache",
+               "cudagraph_mode": "FULL_DECODE_ONLY",
                "render": {"system_prompt": "Be brief.", "chat_template": "none", "num_fewshot": 2}},
     "machines": {"provider": "ssh", "hosts": ["h1", "h2"], "workers": 2, "budget_usd": 5.0, "price_per_hour": 1.5,
                  "budget_hours": 2.0, "heartbeat_timeout_s": 30.0, "golden_rows": 8, "golden_tolerance": 0.001,

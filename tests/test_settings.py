@@ -16,7 +16,8 @@ from jex.tasks.campaign_spec import CampaignSpec, campaign_spec
 ROOT = Path(__file__).resolve().parent.parent
 NOT_DEFAULT = {"kind": "vllm", "profile": "audit-ngram", "model": "org/name@abc", "device": "cuda:1", "batch_size": 3,
                "max_num_seqs": 7, "max_num_batched_tokens": 4096, "dtype": "bfloat16", "gpu_memory_utilization": 0.5,
-               "kv_cache_memory_gib": 6.0, "max_model_len": 2048, "cache_dir": "/tmp/jex-cache"}
+               "kv_cache_memory_gib": 6.0, "max_model_len": 2048, "cache_dir": "/tmp/jex-cache",
+               "cudagraph_mode": "FULL_DECODE_ONLY"}
 """A value other than the default for every plain field of the engine spec (its render is a table)."""
 
 
@@ -45,6 +46,8 @@ def test_a_misspelt_engine_setting_is_refused_by_name(monkeypatch):
 
 @pytest.mark.parametrize("field", sorted(NOT_DEFAULT))
 def test_an_engine_setting_reaches_the_campaign_engine(field, monkeypatch):
+    if field == "cudagraph_mode":  # a vLLM setting: the engine spec refuses it on the default HF engine
+        monkeypatch.setenv("JEX_ENGINE__KIND", "vllm")
     monkeypatch.setenv(f"JEX_ENGINE__{field.upper()}", str(NOT_DEFAULT[field]))
     assert getattr(campaign_spec(load_settings()).engine, field) == NOT_DEFAULT[field]
 

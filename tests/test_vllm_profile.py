@@ -51,6 +51,33 @@ def test_default_audit_profile_is_clean(model):
     assert VLLMProfile().environment() == {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
+def test_a_campaigns_cudagraph_mode_reaches_vllm_and_the_engine_key(model):
+    """The engine spec names the CUDA-graph mode (a campaign can follow a bake-off that chose it): vLLM's
+    compilation config gets it, the audit checks it, and the fingerprint keys it only when it is set, so
+    every key of a run on vLLM's default stays what it was."""
+    from jex.engine.factory import vllm_profile
+    from jex.engine.fingerprint import engine_fingerprint
+    from jex.engine_spec import EngineSpec
+
+    fdo = EngineSpec(kind="vllm", model=str(model), cudagraph_mode="FULL_DECODE_ONLY")
+    assert vllm_profile(fdo).cudagraph_mode == "FULL_DECODE_ONLY" and vllm_profile(fdo).violations(model) == []
+    assert vllm_profile(fdo.model_copy(update={"cudagraph_mode": "PIECEWISE"})).violations(model) == [
+        "cudagraph_mode=PIECEWISE: only the default and FULL_DECODE_ONLY were measured invariant"]
+    (model / "model.safetensors").write_bytes(b"weights")
+    default = engine_fingerprint(fdo.model_copy(update={"cudagraph_mode": None})).key_doc()
+    assert "cudagraph_mode" not in default
+    assert engine_fingerprint(fdo).key_doc() == {**default, "cudagraph_mode": "FULL_DECODE_ONLY"}
+
+
+def test_cudagraph_mode_on_an_engine_without_cuda_graphs_is_refused():
+    from pydantic import ValidationError
+
+    from jex.engine_spec import EngineSpec
+
+    with pytest.raises(ValidationError, match="cudagraph_mode is a vLLM setting; engine 'hf' has no CUDA graphs"):
+        EngineSpec(kind="hf", cudagraph_mode="FULL_DECODE_ONLY")
+
+
 def _has_cuda_vllm() -> bool:
     import importlib.util
 

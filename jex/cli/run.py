@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, cast, get_args, get_origin
+from types import UnionType
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, cast, get_args, get_origin
 
 import typer
 
 from jex.cli import preflight
 from jex.cli.common import TEMPORARY_API_NOTICE, connect_prefect, fail, input_error, spec_fields
 from jex.cli.store import resume_from_s3
+from jex.engine_spec import CudagraphMode
 from jex.errors import InputError, JexError
 from jex.run_records import CAMPAIGN_FILE, STAGE_NAMES, StageName
 from jex.settings import JexSettings, load_settings
@@ -34,7 +36,8 @@ CAMPAIGN_FIELD_OF_FLAG = {
     "dtype": "engine.dtype", "gpu_memory_utilization": "engine.gpu_memory_utilization",
     "max_model_len": "engine.max_model_len", "engine_profile": "engine.profile",
     "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.max_num_batched_tokens",
-    "kv_cache_memory_gib": "engine.kv_cache_memory_gib", "host_stall_s": "machines.host_stall_s",
+    "kv_cache_memory_gib": "engine.kv_cache_memory_gib", "cudagraph_mode": "engine.cudagraph_mode",
+    "host_stall_s": "machines.host_stall_s",
     "provider": "machines.provider", "host": "machines.hosts", "workers": "machines.workers",
     "budget_usd": "machines.budget_usd", "engine_hosts": "machines.engine_hosts",
     "gpus_per_machine": "machines.gpus_per_machine", "engines_per_gpu": "machines.engines_per_gpu",
@@ -49,7 +52,9 @@ def spec_help(path: str, more: str = "") -> str:
     """The help of the flag that sets the CampaignSpec field at `path`: the field's description (what the
     Prefect form shows), `more` (what only the flag needs), its choices and where its default comes from."""
     field = spec_field(path)
-    choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else ()
+    arms = [a for a in get_args(field.annotation) if a is not type(None)] \
+        if get_origin(field.annotation) in (Union, UnionType) else [field.annotation]
+    choices = get_args(arms[0]) if len(arms) == 1 and get_origin(arms[0]) is Literal else ()  # `Literal | None` too
     default = field.get_default(call_default_factory=True)
     shown = ({True: "on", False: "off"}[default] if isinstance(default, bool)
              else None if default is None or default == [] else default)
@@ -110,6 +115,7 @@ ReasonShardRows = Annotated[int | None, spec_option("reason_shard_rows")]
 MaxNumSeqs = Annotated[int | None, spec_option("engine.max_num_seqs")]
 MaxBatchedTokens = Annotated[int | None, spec_option("engine.max_num_batched_tokens")]
 KvCacheGib = Annotated[float | None, spec_option("engine.kv_cache_memory_gib")]
+CudagraphModeFlag = Annotated[str | None, spec_option("engine.cudagraph_mode")]
 HostStall = Annotated[float | None, spec_option("machines.host_stall_s")]
 EngineHosts = Annotated[bool | None, spec_option("machines.engine_hosts")]
 GpusPerMachine = Annotated[int | None, spec_option("machines.gpus_per_machine")]
@@ -128,7 +134,8 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
         reason_shard_rows: ReasonShardRows = None, max_num_seqs: MaxNumSeqs = None,
         max_num_batched_tokens: MaxBatchedTokens = None, engine_hosts: EngineHosts = None,
         gpus_per_machine: GpusPerMachine = None, engines_per_gpu: EnginesPerGpu = None,
-        kv_cache_memory_gib: KvCacheGib = None, host_stall_s: HostStall = None, spec: SpecFile = None,
+        kv_cache_memory_gib: KvCacheGib = None, cudagraph_mode: CudagraphModeFlag = None,
+        host_stall_s: HostStall = None, spec: SpecFile = None,
         unverified_overlays: UnverifiedOverlays = None, panel_catalogs: PanelCatalogs = None, quiet: Quiet = False,
         as_json: AsJson = False, recompute: Recompute = False, retry: RetryFrom = None) -> None:
     """Run a whole campaign (embedded defaults: sample suite, SmolLM2, local Prefect, local store).
@@ -237,6 +244,7 @@ def check_flags(flags: dict[str, Any], settings: JexSettings) -> None:
             preflight.writable_dir(flags[flag], f"--{flag}")
     preflight.choice(flags["provider"], "--provider", preflight.PROVIDERS)
     preflight.choice(flags["engine"], "--engine", preflight.ENGINE_KINDS)
+    preflight.choice(flags["cudagraph_mode"], "--cudagraph-mode", get_args(CudagraphMode))
     check_hosts(flags["host"] or [])
     preflight.share(flags["coverage"], "--coverage")
     for flag in ("shard_rows", "reason_shard_rows", "reason_max_tokens", "workers", "spec_proof_rows",
