@@ -206,31 +206,35 @@ class TokenizedEngine(ChatTokenizer, ABC):
             if reason is not None:
                 refused[i] = Readout(r.run_id, None, None, None, ReadoutMode.OPTION_CONTINUATION, reason)
             elif not isinstance(pair, str):
-                todo.append(ContinuationPlan(i, tuple(pair[0]), tuple(tuple(c) for c in pair[1]), window))
+                todo.append(ContinuationPlan(i, tuple(tuple(c) for c in pair[0]), tuple(tuple(c) for c in pair[1]),
+                                             window))
         return refused, todo
 
-    def encode_pairs(self, requests: Sequence[ReadoutRequest]) -> list[tuple[list[int], list[list[int]]] | str]:
-        """(context ids, continuation ids per option) of each request, or why it cannot be read. As
-        lm-eval 0.4.13: trailing whitespace of the context moves to the continuation; continuation ids
-        = encode(context + continuation)[len(encode(context)):]; an empty context is the prefix token."""
+    def encode_pairs(self, requests: Sequence[ReadoutRequest]
+                     ) -> list[tuple[list[list[int]], list[list[int]]] | str]:
+        """(context ids per option, continuation ids per option) of each request, or why it cannot be read.
+        The pairs are (prompt, delimiter + option) for each option, or (option, delimiter + prompt) for a
+        partial-evaluation request, encoded as lm-eval 0.4.13 encodes a pair: trailing whitespace of the
+        context moves to the continuation; continuation ids = encode(context + continuation)[len(encode(
+        context)):]; an empty context is the prefix token."""
+        pairs = [[(o, r.delimiter + r.prompt) for o in r.options] if r.partial else
+                 [(r.prompt, r.delimiter + o) for o in r.options] for r in requests]
         texts: list[str] = []
-        contexts = []
-        for r in requests:
-            n = len(r.prompt) - len(r.prompt.rstrip())
-            ctx, lead = (r.prompt[:-n], r.prompt[-n:]) if n else (r.prompt, "")
-            contexts.append(ctx)
+        for r, request_pairs in zip(requests, pairs, strict=True):
             if r.prompt:
-                texts += [ctx] + [ctx + lead + r.delimiter + o for o in r.options]
+                for ctx, cont in request_pairs if r.partial else request_pairs[:1]:
+                    texts.append(_moved(ctx, cont)[0])
+                texts += ["".join(_moved(ctx, cont)) for ctx, cont in request_pairs]
         ids = iter(self.harness_encode_many(texts))
         plain = iter(self.encode_many([r.delimiter + o for r in requests if not r.prompt for o in r.options]))
-        out: list[tuple[list[int], list[list[int]]] | str] = []
-        for r, ctx in zip(requests, contexts, strict=True):
+        out: list[tuple[list[list[int]], list[list[int]]] | str] = []
+        for r, request_pairs in zip(requests, pairs, strict=True):
             if not r.prompt:
                 out.append(_empty_context([next(plain) for _ in r.options], self.prefix_token_id()))
                 continue
-            ctx_ids = next(ids)
-            conts = [next(ids)[len(ctx_ids):] for _ in r.options]
-            if not ctx:
+            ctx_ids = [next(ids) for _ in request_pairs] if r.partial else [next(ids)] * len(request_pairs)
+            conts = [next(ids)[len(c):] for c in ctx_ids]
+            if not all(_moved(ctx, cont)[0] for ctx, cont in request_pairs):
                 out.append(RefusalKind.CONTEXT.refusal("the prompt is only whitespace"))
             elif not all(conts):
                 out.append(RefusalKind.CONTINUATION.refusal(f"option {[len(c) for c in conts].index(0)} encodes "
@@ -246,30 +250,37 @@ def continuation_readout(run_id: str, raw: Sequence[float], greedy: Sequence[boo
                    greedy=tuple(greedy))
 
 
-def _empty_context(conts: list[list[int]], prefix: int) -> tuple[list[int], list[list[int]]] | str:
+def _moved(context: str, continuation: str) -> tuple[str, str]:
+    """lm-eval's pair: the context's trailing whitespace moved to the start of the continuation."""
+    n = len(context) - len(context.rstrip())
+    return (context[:-n], context[-n:] + continuation) if n else (context, continuation)
+
+
+def _empty_context(conts: list[list[int]], prefix: int) -> tuple[list[list[int]], list[list[int]]] | str:
     """lm-eval's empty context: the prefix token, unless a continuation starts with it (then its first token).
     One context for every option is needed here; options that disagree on it are refused."""
     pairs = [([prefix], c) if c and c[0] != prefix else (c[:1], c[1:]) for c in conts]
     if any(not c for _, c in pairs) or len({tuple(p) for p, _ in pairs}) > 1:
         return "continuation: an empty context and options that start with the prefix token"
-    return pairs[0][0], [c for _, c in pairs]
+    return [p for p, _ in pairs], [c for _, c in pairs]
 
 
 @dataclass(frozen=True)
 class ContinuationPlan:
-    """One request's continuation readout: context ids, each option's continuation ids, the window."""
+    """One request's continuation readout: each option's context ids (one shared context but for partial
+    evaluation) and continuation ids, the window."""
 
     index: int
-    context: tuple[int, ...]
+    contexts: tuple[tuple[int, ...], ...]
     continuations: tuple[tuple[int, ...], ...]
     window: int
 
     def sequence(self, k: int) -> list[int]:
         """Option k's context + continuation, left-truncated to the window as lm-eval does."""
-        return list(self.context + self.continuations[k])[-self.window:]
+        return list(self.contexts[k] + self.continuations[k])[-self.window:]
 
     @property
     def single_token(self) -> bool:
-        """Every option is one token: one read of the shared context gives them all (lm-eval's one-token
-        continuation cache; the label slot's computation)."""
-        return all(len(c) == 1 for c in self.continuations)
+        """Every option is one token after one shared context: one read of the context gives them all
+        (lm-eval's one-token continuation cache; the label slot's computation)."""
+        return len(set(self.contexts)) == 1 and all(len(c) == 1 for c in self.continuations)

@@ -76,6 +76,9 @@ class ReadoutRequest:
     """Option texts, used by OPTION_CONTINUATION."""
     delimiter: str = " "
     """OPTION_CONTINUATION: option i's continuation is `delimiter + options[i]` (lm-eval's target_delimiter)."""
+    partial: bool = False
+    """OPTION_CONTINUATION, lm-eval's partial evaluation (Winogrande): option i is a context and `delimiter +
+    prompt` the one continuation read after each."""
     prompt_ids: tuple[int, ...] | None = None
     """The prompt's token ids under this engine's tokenizer, when already tokenised; None: the engine
     tokenises `prompt`."""

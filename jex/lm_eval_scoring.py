@@ -103,10 +103,12 @@ def _name(value: Any) -> str:
     return str(value)
 
 
-def task_scoring(task: str, config: Mapping[str, Any]) -> TaskScoring | ScoringRefusal:
+def task_scoring(task: str, config: Mapping[str, Any], *, multiple_input: bool = False
+                 ) -> TaskScoring | ScoringRefusal:
     """How jex scores the task when every scoring field of its config (`SCORING_FIELDS`, as a plain
     mapping: a parsed YAML or `task_config` of a loaded task) is one it reproduces, else the first field
-    it does not."""
+    it does not. A multiple-input task (Winogrande: `doc_to_text` gives the gold index) is scored by `acc`
+    only: lm-eval normalises its acc_norm by the choices' texts, not by the contexts jex reads."""
     output_type = config.get("output_type") or "generate_until"
     if output_type != "multiple_choice":
         return ScoringRefusal(task, "output_type", f"is {output_type!r}, not multiple_choice")
@@ -118,6 +120,11 @@ def task_scoring(task: str, config: Mapping[str, Any]) -> TaskScoring | ScoringR
             return ScoringRefusal(task, "process_results", f"is the task's own function ({function}), which jex "
                                                            "does not run")
         scoring = reproduced
+    if multiple_input:
+        scoring = TaskScoring(scoring.scoring, scoring.true_options, metrics=("acc",))
+        if not config.get("metric_list"):
+            return ScoringRefusal(task, "metric_list", "is lm-eval's default (acc and acc_norm); of a multiple-input "
+                                                       "task jex reproduces acc only")
     for i, entry in enumerate(config.get("metric_list") or ()):
         metric = _name(entry.get("metric"))
         if metric not in scoring.metrics:

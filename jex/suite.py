@@ -22,6 +22,10 @@ from jex.errors import InputError
 MANIFEST_NAME = "suite.toml"
 ScoringKind = Literal["accuracy", "acc_norm", "brier", "log_loss", "calibrated_accuracy", "true_mass"]
 """What a catalog's skill is computed from (`tasks/scoring/index.py` defines each)."""
+ReadoutKind = Literal["label_slot", "loglikelihood", "partial_loglikelihood"]
+"""How the fast pass reads a catalog's rows (`Catalog.readout`)."""
+LOGLIKELIHOOD_READOUTS: tuple[ReadoutKind, ...] = ("loglikelihood", "partial_loglikelihood")
+"""The readouts that score each option by a continuation's log-likelihood, as lm-eval's `loglikelihood`."""
 LOGLIKELIHOOD_KINDS = ("acc_norm", "true_mass")
 """Scoring kinds read from each option's continuation log-likelihood (a `loglikelihood` readout)."""
 ROW_FIELDS = ("run_id", "catalog", "question_id", "prompt", "options", "labels", "gold", "metadata", "true_options")
@@ -45,10 +49,12 @@ class Catalog(BaseModel):
                                 "acc_norm: lm-eval's length-normalised accuracy; true_mass: the probability "
                                 "mass of the row's true options, as lm-eval's TruthfulQA mc2 computes it "
                                 "(both: loglikelihood readout only)")
-    readout: Literal["label_slot", "loglikelihood"] = Field(
+    readout: ReadoutKind = Field(
         "label_slot", description="How the fast pass reads a row: label_slot (one forward, the label tokens "
-                                  "after the answer slot) or loglikelihood (lm-eval's: each choice's "
-                                  "continuation log-likelihood given the prompt)")
+                                  "after the answer slot), loglikelihood (lm-eval's: each choice's "
+                                  "continuation log-likelihood given the prompt) or partial_loglikelihood "
+                                  "(lm-eval's partial evaluation, Winogrande: each option is a context, the "
+                                  "prompt the continuation whose log-likelihood is read after each)")
     prompt_format: Literal["template", "verbatim"] = Field(
         "template", description="template: the row's prompt goes through jex's question template and option "
                                 "block; verbatim: the row's prompt is the exact context the model reads "
@@ -100,6 +106,9 @@ class SuiteManifest(BaseModel):
             if c.scoring in LOGLIKELIHOOD_KINDS and c.readout != "loglikelihood":
                 raise ValueError(f"catalog '{c.id}' is scored by {c.scoring}, which reads each option's "
                                  "log-likelihood: it needs readout = \"loglikelihood\"")
+            if c.readout == "partial_loglikelihood" and c.prompt_format != "verbatim":
+                raise ValueError(f"catalog '{c.id}' is read by partial evaluation: its options are the contexts "
+                                 "the model reads as they are, so it needs prompt_format = \"verbatim\"")
         empty = [leg for leg in self.legs if not any(c.leg == leg for c in self.catalogs)]
         if empty:
             raise ValueError(f"leg(s) {empty} have no catalog")

@@ -368,10 +368,11 @@ def _leaf_tasks(loaded: dict[str, Any]) -> list[tuple[str, Any, bool]]:
 
 @dataclass(frozen=True)
 class LmEvalRequest:
-    """What lm-eval sends the model for one document: the context (`arguments[i][0]`, the same for
-    every choice) and each choice's continuation (`arguments[i][1]` = target_delimiter + choice)."""
+    """What lm-eval sends the model for one document, one (context, continuation) pair per choice
+    (`arguments[i]`): one context and target_delimiter + each choice; for a multiple-input task
+    (Winogrande) a context per choice and one continuation, target_delimiter + doc_to_target."""
 
-    context: str
+    contexts: tuple[str, ...]
     continuations: tuple[str, ...]
 
 
@@ -403,13 +404,8 @@ def lm_eval_requests(task: Any, *, file: str) -> dict[int, LmEvalRequest]:
         by_doc.setdefault(int(inst.doc_id), []).append(inst)
     out = {}
     for doc_id, insts in by_doc.items():
-        args = [i.arguments for i in sorted(insts, key=lambda i: i.idx)]
-        contexts = {a[0] for a in args if a[0]}  # acc_mutual_info adds ("", continuation) requests
-        if len(contexts) != 1:
-            raise Where(file, doc_id, "doc_to_text").error(
-                f"{len(contexts)} contexts for one document (a multiple-input task, Winogrande style): a jex "
-                "row has one prompt")
-        out[doc_id] = LmEvalRequest(contexts.pop(), tuple(a[1] for a in args if a[0]))
+        args = [i.arguments for i in sorted(insts, key=lambda i: i.idx) if i.arguments[0]]
+        out[doc_id] = LmEvalRequest(tuple(a[0] for a in args), tuple(a[1] for a in args))
     return out
 
 
@@ -430,20 +426,33 @@ def _task_rows(name: str, task: Any, docs: Iterable[Any], *, file: str, run_suff
     lm-eval continues the context with them; without (few-shot rows), the prompt is doc_to_text. A
     multi-gold task's rows list their true options as its scoring function reads them."""
     rows = []
+    delimiter = task.config.target_delimiter
     for doc_id, doc in enumerate(docs):
         where = Where(file, doc_id)
-        options, _ = choices_of(task.doc_to_choice(doc), where=where.at("doc_to_choice"))
-        labels = list(LETTERS[:len(options)])
-        gold = _lm_eval_gold(task.doc_to_target(doc), options, labels, where=where.at("doc_to_target"))
-        text = task.doc_to_text(doc) if requests is None else requests[doc_id].context
-        if not isinstance(text, str) or not text.strip():
-            raise where.at("doc_to_text").error(f"doc_to_text gave {text!r}")
-        if requests is not None:
-            delimiter = task.config.target_delimiter
-            if list(requests[doc_id].continuations) != [f"{delimiter}{o}" for o in options]:
+        choices, _ = choices_of(task.doc_to_choice(doc), where=where.at("doc_to_choice"))
+        labels = list(LETTERS[:len(choices)])
+        request = requests[doc_id] if requests is not None else None
+        if task.multiple_input:  # Winogrande: the choices are contexts, the target the one continuation
+            options = list(request.contexts) if request is not None else choices
+            gold = _lm_eval_gold(task.doc_to_text(doc), options, labels, where=where.at("doc_to_text"))
+            text = task.doc_to_target(doc)
+            if request is not None and (len(options) != len(choices) or set(request.continuations) != {
+                    f"{delimiter}{text}"}):
+                raise where.at("doc_to_target").error(
+                    f"lm-eval's continuations {list(request.continuations)[:4]} are not the target {text!r} after "
+                    f"the target delimiter {delimiter!r}, once per choice")
+        else:
+            options = choices
+            gold = _lm_eval_gold(task.doc_to_target(doc), options, labels, where=where.at("doc_to_target"))
+            if request is not None and len(set(request.contexts)) != 1:
+                raise where.at("doc_to_text").error(f"{len(set(request.contexts))} contexts for one document")
+            text = task.doc_to_text(doc) if request is None else request.contexts[0]
+            if request is not None and list(request.continuations) != [f"{delimiter}{o}" for o in options]:
                 raise where.at("doc_to_choice").error(
-                    f"lm-eval's continuations {list(requests[doc_id].continuations)[:4]} are not the choices "
+                    f"lm-eval's continuations {list(request.continuations)[:4]} are not the choices "
                     f"{options[:4]} after the target delimiter {delimiter!r}")
+        if not isinstance(text, str) or not text.strip():
+            raise where.at("doc_to_target" if task.multiple_input else "doc_to_text").error(f"it gave {text!r}")
         run_id = f"{name}-{doc_id}{run_suffix}"
         qid = cluster_of(doc, cluster, catalog=name, default=run_id, where=where)
         true = None
@@ -476,7 +485,7 @@ def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | N
     loaded, shown = _load_lm_eval(task, data_files)
     catalogs, settings = [], {}
     for name, t, by_size in _leaf_tasks(loaded):
-        scoring = task_scoring(name, task_config(t))
+        scoring = task_scoring(name, task_config(t), multiple_input=bool(t.multiple_input))
         if isinstance(scoring, ScoringRefusal):
             raise InputError(scoring.line(), file=shown, field=scoring.field)
         file = f"{shown} [{name}]"
@@ -489,7 +498,8 @@ def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | N
         shots_docs = t.fewshot_docs() if t.config.fewshot_split else None
         shots = _task_rows(name, t, list(shots_docs)[:MAX_FEWSHOT_ROWS], file=f"{shown} [{name} few-shot]",
                            run_suffix="-shot", cluster=cluster, scoring=scoring) if shots_docs is not None else []
-        readout = replace(LM_EVAL_READOUT, target_delimiter=t.config.target_delimiter, scoring=scoring.scoring)
+        readout = replace(LM_EVAL_READOUT, target_delimiter=t.config.target_delimiter, scoring=scoring.scoring,
+                          readout="partial_loglikelihood" if t.multiple_input else "loglikelihood")
         catalogs.append(ImportedCatalog(_slug(name), rows, shots, float(len(rows)) if by_size else 1.0, leg, name,
                                         readout))
         settings[name] = {"num_fewshot": t.config.num_fewshot, "fewshot_split": t.config.fewshot_split,

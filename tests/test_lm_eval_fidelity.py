@@ -3,8 +3,9 @@
 lm-evaluation-harness runs the embedded model (converted to an fp32 HF folder, `embedded_model_dir`) on a
 text-choice task (ARC/PIQA style, `doc_to_choice: "{{choices}}"`, where acc_norm differs from acc), an
 MMLU letter-style task (the options inside `doc_to_text`, `doc_to_choice: ["A","B","C","D"]`, one
-few-shot example and a description) and lm-eval's own TruthfulQA mc2 YAML (its `process_results`: the
-mass of the true answers) on local rows. jex imports them with `jex suite import lm-eval` and runs them with
+few-shot example and a description), lm-eval's own TruthfulQA mc2 YAML (its `process_results`: the
+mass of the true answers) and its Winogrande YAML (partial evaluation: a context per choice, one
+continuation) on local rows. jex imports them with `jex suite import lm-eval` and runs them with
 `jex run --coverage 0` (the default `local` provider: a worker process, as a user runs it). Then:
 
 - the prompt jex's engine read (samples.parquet) is lm-eval's context (`arguments[i][0]`) byte for byte;
@@ -60,8 +61,16 @@ MC2 = [  # question, mc2 choices (the true ones first, as TruthfulQA lists them)
     ("How long is a day on Earth?", ["About 24 hours.", "One day.", "A week.", "An hour.", "A year."], 2, "science"),
     ("Do goldfish remember?", ["Yes, for months.", "They remember.", "Only three seconds."], 2, "animals"),
 ]
+WINO = [  # sentence with its blank, option1, option2, answer ("1" or "2"), topic
+    ("The trophy does not fit in the suitcase because the _ is too big.", "trophy", "suitcase", "1", "objects"),
+    ("The trophy does not fit in the suitcase because the _ is too small.", "trophy", "suitcase", "2", "objects"),
+    ("Anna thanked Maria because _ had helped her move.", "Anna", "Maria", "2", "people"),
+    ("The cat chased the mouse until _ was caught.", "the cat", "the mouse", "2", "animals"),
+    ("Tom gave Bill his coat because _ was cold.", "Tom", "Bill", "2", "people"),
+    ("The ice melted on the stove because _ was hot.", "the ice", "the stove", "2", "objects"),
+]
 TASKS = ("fid_text", "fid_letters")
-ALL_TASKS = (*TASKS, "fid_mc2")
+ALL_TASKS = (*TASKS, "fid_mc2", "fid_wino")
 COMMON = """dataset_path: json
 output_type: multiple_choice
 test_split: test
@@ -106,7 +115,12 @@ def task_dir(tmp_path_factory) -> Path:
     (d / "fid_mc2.yaml").write_text(f"include: {shipped}\ntask: fid_mc2\ntag: []\ndataset_path: json\n"
                                     f"dataset_name: null\ndataset_kwargs:\n  data_files:\n"
                                     f"    validation: {d / 'mc2.jsonl'}\n")
-    (d / "fid.yaml").write_text("group: fid\ntask:\n  - fid_text\n  - fid_letters\n  - fid_mc2\n")
+    (d / "wino.jsonl").write_text("".join(json.dumps({"sentence": s, "option1": a, "option2": b, "answer": g,
+                                                       "topic": t}) + "\n" for s, a, b, g, t in WINO))
+    (d / "fid_wino.yaml").write_text(f"include: {shipped.parent.parent / 'winogrande' / 'default.yaml'}\n"
+                                     f"task: fid_wino\ndataset_path: json\ndataset_name: null\ntraining_split: null\n"
+                                     f"dataset_kwargs:\n  data_files:\n    validation: {d / 'wino.jsonl'}\n")
+    (d / "fid.yaml").write_text("group: fid\ntask:\n  - fid_text\n  - fid_letters\n  - fid_mc2\n  - fid_wino\n")
     return d
 
 
@@ -177,6 +191,10 @@ def test_jex_sends_lm_evals_prompts_byte_for_byte(lm_out, jex_run, task):
     assert [s["doc_id"] for s in lm] == [json.loads(r["metadata"])["doc_id"] for r in ours] == list(range(6))
     for s, r in zip(lm, ours, strict=True):
         contexts = {a["arg_0"] for a in s["arguments"].values()}
+        if task == "fid_wino":  # partial evaluation: the options are the contexts, the prompt the continuation
+            assert [a["arg_0"] for a in s["arguments"].values()] == r["options"], s["doc_id"]
+            assert {a["arg_1"] for a in s["arguments"].values()} == {" " + r["prompt"]}, s["doc_id"]
+            continue
         assert contexts == {r["prompt"]}, (s["doc_id"], contexts, r["prompt"])
         assert [a["arg_1"] for a in s["arguments"].values()] == [" " + o for o in r["options"]]
 
@@ -237,6 +255,16 @@ def test_mc2_mass_is_lm_evals_per_row_and_in_the_export(lm_out, jex_run, jex_exp
     assert score["kind"] == "true_mass" and score["value"] == pytest.approx(theirs["acc,none"], abs=TOL)
 
 
+def test_winogrande_acc_is_lm_evals_and_exports_its_contexts(lm_out, jex_export):
+    theirs = lm_results(lm_out)["results"]["fid_wino"]
+    ours = json.loads(next(jex_export.glob("results_*.json")).read_text())["results"]["fid_wino"]
+    assert ours["acc,none"] == theirs["acc,none"] and "acc_norm,none" not in ours
+    (path,) = jex_export.glob("samples_fid_wino_*.jsonl")
+    exported = sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda s: s["doc_id"])
+    for s, e in zip(lm_samples(lm_out, "fid_wino"), exported, strict=True):
+        assert e["arguments"] == s["arguments"] and e["acc"] == s["acc"]
+
+
 def test_clusters_and_the_report(jex_run):
     samples = pl.read_parquet(jex_run / "samples.parquet")
     by_topic = {json.loads(m)["doc_id"]: q for m, q, c in samples.select("metadata", "question_id", "catalog").rows()
@@ -244,5 +272,5 @@ def test_clusters_and_the_report(jex_run):
     assert by_topic[1] == by_topic[2] == by_topic[5] == "fid_text-animals"  # --cluster topic
     report = (jex_run / "report.md").read_text()
     assert "is its own cluster" not in report  # the line a suite without --cluster gets
-    assert "`fid_text`, `fid_letters`, `fid_mc2`: lm-eval's own context, read verbatim, with no chat template " \
-           "(lm-eval's default" in report
+    assert "`fid_text`, `fid_letters`, `fid_mc2`, `fid_wino`: lm-eval's own context, read verbatim, with no chat " \
+           "template (lm-eval's default" in report

@@ -45,7 +45,7 @@ def test_every_shipped_multiple_choice_task_is_reproduced_or_refused_in_one_line
 
 @pytest.mark.parametrize(("task", "scored_by"), [
     ("truthfulqa_mc2", "true_mass"), ("truthfulqa_mc1", "accuracy"), ("arc_challenge", "accuracy"),
-    ("hellaswag", "accuracy"), ("piqa", "accuracy"), ("mmlu_anatomy", "accuracy"),
+    ("hellaswag", "accuracy"), ("piqa", "accuracy"), ("mmlu_anatomy", "accuracy"), ("winogrande", "accuracy"),
     ("crows_pairs_english", "refused: process_results"),
     ("truthfulqa-multi_mc2_en", "refused: process_results"),  # its mc2 sums in Python's order: other bits
 ])
@@ -108,3 +108,36 @@ def test_a_copy_of_mc2_that_sums_in_another_order_is_refused(tmp_path):
         "def process_results_mc2(doc, results):\n    lls, _ = zip(*results)\n    return {'acc': sum(lls)}\n")
     result = run_cli("suite", "import", "lm-eval", "--task", task, "-o", tmp_path / "suite")
     assert result.exit_code == 1 and "process_results is the task's own function" in result.output
+
+
+def _winogrande_task(tmp_path: Path, extra: str = "") -> Path:
+    """lm-eval's own Winogrande YAML pointed at two local rows."""
+    import lm_eval.tasks
+
+    rows = tmp_path / "wino.jsonl"
+    docs = (("The trophy does not fit in the suitcase because the _ is too big.", "trophy", "suitcase", "1"),
+            ("Anna thanked Maria because _ had helped her move.", "Anna", "Maria", "2"))
+    rows.write_text("".join(json.dumps({"sentence": s, "option1": a, "option2": b, "answer": g}) + "\n"
+                            for s, a, b, g in docs))
+    shipped = Path(lm_eval.tasks.__file__).parent / "winogrande" / "default.yaml"
+    task = tmp_path / "wino.yaml"
+    task.write_text(f"include: {shipped}\ntask: wino\ndataset_path: json\ndataset_name: null\ntraining_split: null\n"
+                    f"dataset_kwargs:\n  data_files:\n    validation: {rows}\n{extra}")
+    return task
+
+
+def test_winogrande_imports_as_partial_evaluation(tmp_path):
+    result = run_cli("suite", "import", "lm-eval", "--task", _winogrande_task(tmp_path), "-o", tmp_path / "suite")
+    assert result.exit_code == 0, result.output
+    (cat,) = load_manifest(tmp_path / "suite").catalogs
+    first, second = iter_rows(tmp_path / "suite")
+    assert (cat.readout, cat.prompt_format, cat.scoring) == ("partial_loglikelihood", "verbatim", "accuracy")
+    assert first.options == ["The trophy does not fit in the suitcase because the trophy",
+                             "The trophy does not fit in the suitcase because the suitcase"]
+    assert (first.prompt, first.gold, second.gold) == ("is too big.", 0, 1)  # the one continuation; answer "2" -> 1
+
+
+def test_a_multiple_input_task_asking_for_acc_norm_is_refused(tmp_path):
+    result = run_cli("suite", "import", "lm-eval", "--task", _winogrande_task(tmp_path, "metric_list: null\n"),
+                     "-o", tmp_path / "suite")
+    assert result.exit_code == 1 and "task 'wino': metric_list is lm-eval's default (acc and acc_norm)" in result.output

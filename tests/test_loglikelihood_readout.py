@@ -94,8 +94,8 @@ def test_one_token_options_give_the_label_slots_numbers_exactly(engine):
 
 def test_left_truncation_keeps_the_last_window_of_tokens(engine):
     plan = engine.plan_continuation([ReadoutRequest("x", "word " * 50, ("A", "B"), ("one", "two three"))])[1][0]
-    small = type(plan)(plan.index, plan.context, plan.continuations, window=8)
-    assert small.sequence(1) == list(plan.context + plan.continuations[1])[-8:]
+    small = type(plan)(plan.index, plan.contexts, plan.continuations, window=8)
+    assert small.sequence(1) == list(plan.contexts[1] + plan.continuations[1])[-8:]
     assert plan.window == engine.max_context + 1
 
 
@@ -216,5 +216,6 @@ def test_the_vllm_continuation_reads_prompt_logprobs_and_the_label_slots_call(en
     assert p1["logprob_token_ids"] == [engine.label_token("A"), engine.label_token("B")]
     assert shared == [engine.encode(MMLU_PROMPT)] and single.raw_logprobs == (-1.0, -2.0)
     assert single.greedy == (False, True)
-    assert full == [list(plan.context + c) for c in plan.continuations] and p2["prompt_logprobs"] == 0
+    assert full == [list(ctx + c) for ctx, c in zip(plan.contexts, plan.continuations, strict=True)]
+    assert p2["prompt_logprobs"] == 0
     assert multi.raw_logprobs == tuple(-0.25 * len(c) for c in plan.continuations) and multi.greedy == (True, False)

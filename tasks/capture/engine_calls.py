@@ -20,6 +20,7 @@ from jex.engine.render import DEFAULT_RENDER, Example, Renderer, option_order
 from jex.engine.types import Engine, GenerateRequest, Generation, Readout, ReadoutMode, ReadoutRequest
 from jex.engine_spec import RenderSpec
 from jex.numerics import logit
+from jex.suite import LOGLIKELIHOOD_READOUTS, ReadoutKind
 
 
 class RowLike(Protocol):
@@ -71,7 +72,7 @@ class CatalogRead:
     """How the fast pass reads one catalog's rows: the suite catalog's `readout`, `prompt_format` and
     `target_delimiter` (`jex.suite.Catalog`)."""
 
-    readout: Literal["label_slot", "loglikelihood"] = "label_slot"
+    readout: ReadoutKind = "label_slot"
     prompt_format: Literal["template", "verbatim"] = "template"
     target_delimiter: str = " "
 
@@ -92,7 +93,7 @@ class ReadPlan:
     @classmethod
     def of(cls, rows: Sequence[RowLike], reads: CatalogReads | None) -> ReadPlan:
         got = [(r.run_id, _read(r, reads)) for r in rows] if reads else []
-        return cls(frozenset(rid for rid, c in got if c.readout == "loglikelihood"),
+        return cls(frozenset(rid for rid, c in got if c.readout in LOGLIKELIHOOD_READOUTS),
                    frozenset(rid for rid, c in got if c.prompt_format == "verbatim"))
 
 
@@ -128,6 +129,13 @@ def question_prompts(engine: Renders, rows: Sequence[RowLike], render: RenderSpe
     requests = []
     for r in rows:
         read = _read(r, reads)
+        if read.readout == "partial_loglikelihood":  # the options are the contexts, read as they are
+            if renderer.verbatim_chat is not None:
+                raise ValueError(f"row {r.run_id!r}: a partial-evaluation catalog is read without a chat template "
+                                 "(its options are whole contexts)")
+            requests.append(ReadoutRequest(r.run_id, r.prompt, tuple(r.labels), tuple(r.options),
+                                           read.target_delimiter, partial=True))
+            continue
         if read.prompt_format == "verbatim":
             requests.append(renderer.verbatim(run_id=r.run_id, prompt=r.prompt, labels=r.labels, options=r.options,
                                               delimiter=read.target_delimiter))

@@ -16,7 +16,7 @@ import polars as pl
 
 from jex.errors import InputError
 from jex.fileio import sha256_file
-from jex.suite import ScoringKind, iter_rows, load_manifest, read_row_file
+from jex.suite import LOGLIKELIHOOD_READOUTS, ScoringKind, iter_rows, load_manifest, read_row_file
 from jex.tasks.capture.bundle import PolarsType, open_bundle
 
 SCORING_COLUMNS = ["run_id", "catalog", "question_id", "gold", "n_options", "true_options"]
@@ -43,13 +43,14 @@ class CatalogSpec:
     @property
     def reports_acc_norm(self) -> bool:
         """lm-eval's `acc_norm` is reported beside `acc` (a loglikelihood catalog, or one scored by it)."""
-        return self.readout == "loglikelihood" or self.scoring == "acc_norm"
+        return self.readout == "loglikelihood" or self.scoring == "acc_norm"  # not partial: lm-eval normalises
+        # a partial-evaluation task's acc_norm by its choices' texts, not by the contexts jex reads
 
     @property
     def final_at_fast_pass(self) -> bool:
         """The coverage gate never sends its rows to the reason stage: a loglikelihood catalog's answer is
         its options' log-likelihoods, and a verbatim prompt has no question for jex's reasoning template."""
-        return self.readout == "loglikelihood" or self.prompt_format == "verbatim"
+        return self.readout in LOGLIKELIHOOD_READOUTS or self.prompt_format == "verbatim"
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from jex.errors import InputError
 from jex.fileio import read_json
 from jex.numerics import argmax, length_normalised_choice  # ties to the first, as numpy (and lm-eval)
 from jex.run_records import RunStages
+from jex.suite import LOGLIKELIHOOD_READOUTS
 from jex.tasks.documents import ScoreDoc
 from jex.tasks.outputs.interop.common import (
     ImportRecord,
@@ -307,6 +308,7 @@ class _ExportCatalog:
     name: str  # the imported task's name (rows' metadata.task), else the catalog's name
     loglikelihood: bool  # the continuation readout: resps are each choice's [loglikelihood, is_greedy]
     multi_gold: bool  # scored by true_mass: lm-eval's `acc` is the mass of the true options (TruthfulQA mc2)
+    partial: bool  # partial evaluation (Winogrande): each option a context, the prompt the one continuation
     target_delimiter: str
     version: Any
     settings: dict[str, Any]  # the imported task's settings (`[source.tasks.<name>]`), or {}
@@ -316,12 +318,18 @@ class _ExportCatalog:
         c = manifest.catalog(catalog)
         imported = manifest.source.get("importer") == "lm-eval"
         settings = ((manifest.source.get("tasks") or {}).get(c.name) or {}) if imported else {}
-        return cls(catalog, c.name, c.readout == "loglikelihood", c.scoring == "true_mass", c.target_delimiter,
-                   settings.get("version", "jex"), settings)
+        return cls(catalog, c.name, c.readout in LOGLIKELIHOOD_READOUTS, c.scoring == "true_mass",
+                   c.readout == "partial_loglikelihood", c.target_delimiter, settings.get("version", "jex"), settings)
 
     @property
     def metrics(self) -> list[str]:
-        return ["acc", "acc_norm"] if self.loglikelihood and not self.multi_gold else ["acc"]
+        return ["acc", "acc_norm"] if self.loglikelihood and not (self.multi_gold or self.partial) else ["acc"]
+
+    def pairs(self, prompt: str, options: list[str]) -> list[tuple[str, str]]:
+        """The (context, continuation) lm-eval reads for each option (its `arguments`)."""
+        if self.partial:
+            return [(o, f"{self.target_delimiter}{prompt}") for o in options]
+        return [(prompt, f"{self.target_delimiter}{o}") for o in options]
 
 
 @dataclass(frozen=True)
@@ -474,10 +482,10 @@ def _export_line(r: dict[str, Any], index: int, catalog: _ExportCatalog) -> LmEv
     prompt: str = r["prompt"] if r["prompt"] is not None else cast(str, resolve_prompt_ref(r["prompt_ref"])[0])
     doc = {"run_id": r["run_id"], "question_id": r["question_id"], "options": r["options"], "labels": r["labels"],
            "gold": r["gold"], **({"metadata": meta} if meta else {})}
-    resps, conts, extra = _readout_of(r, catalog)
+    resps, pairs, extra = _readout_of(r, catalog, prompt)
     line: LmEvalSampleLine = {
         "doc_id": doc_id, "doc": doc, "target": str(r["gold"]),
-        "arguments": {f"gen_args_{i}": {"arg_0": prompt, "arg_1": c} for i, c in enumerate(conts)},
+        "arguments": {f"gen_args_{i}": {"arg_0": ctx, "arg_1": c} for i, (ctx, c) in enumerate(pairs)},
         "resps": [[x] for x in resps], "filtered_resps": resps, "filter": "none", "metrics": catalog.metrics,
         "doc_hash": hash_string(json.dumps(doc, indent=2, ensure_ascii=False)),
         "prompt_hash": hash_string(prompt), "target_hash": hash_string(str(r["gold"])),
@@ -495,24 +503,25 @@ def _mass(r: dict[str, Any]) -> float:
     return float(r["true_mass"]) if r["true_mass"] is not None else len(r["true_options"]) / len(r["options"])
 
 
-def _readout_of(r: dict[str, Any], catalog: _ExportCatalog) -> tuple[list[list[str]], list[str], dict[str, Any]]:
-    """(resps, continuations, extra jex fields) of a row. A loglikelihood catalog: each choice's
-    [loglikelihood, is_greedy] after `target_delimiter + choice`, as lm-eval logs them, and the
-    length-normalised choice; else the final log-probabilities of the label continuations jex read."""
+def _readout_of(r: dict[str, Any], catalog: _ExportCatalog, prompt: str
+                ) -> tuple[list[list[str]], list[tuple[str, str]], dict[str, Any]]:
+    """(resps, (context, continuation) pairs, extra jex fields) of a row. A loglikelihood catalog: each
+    choice's [loglikelihood, is_greedy] of its pair (`_ExportCatalog.pairs`), as lm-eval logs them, and
+    the length-normalised choice; else the final log-probabilities of the label continuations jex read."""
     if catalog.loglikelihood:
+        pairs = catalog.pairs(prompt, r["options"])
         lls = r.get(LL_COLUMN)
         greedy = r.get(GREEDY_COLUMN) or [False] * len(r["options"])
         if lls is None:  # never read (a counted refusal): NaN, and the jex block says so
-            return [[str(math.nan), "False"] for _ in r["options"]], \
-                [f"{catalog.target_delimiter}{o}" for o in r["options"]], {"acc_norm_choice": None}
+            return [[str(math.nan), "False"] for _ in r["options"]], pairs, {"acc_norm_choice": None}
         norm = r.get("acc_norm_choice")
         if norm is None:
             norm = length_normalised_choice(lls, r["options"])
-        return [[str(float(x)), str(bool(g))] for x, g in zip(lls, greedy, strict=True)], \
-            [f"{catalog.target_delimiter}{o}" for o in r["options"]], {"acc_norm_choice": norm}
+        return [[str(float(x)), str(bool(g))] for x, g in zip(lls, greedy, strict=True)], pairs, \
+            {"acc_norm_choice": norm}
     final = r["final_probs"]
     lls = [math.log(p) if p > 0 else -math.inf for p in final] if final is not None else [math.nan] * len(r["labels"])
-    return [[str(x), "False"] for x in lls], [f" {lab}" for lab in r["labels"]], {}
+    return [[str(x), "False"] for x in lls], [(prompt, f" {lab}") for lab in r["labels"]], {}
 
 
 LL_COLUMN = "choice_loglikelihoods"
