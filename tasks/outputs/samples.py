@@ -126,18 +126,19 @@ def build_samples(rows: pl.DataFrame, *, capture: pl.DataFrame, gated: pl.DataFr
     """
     ids = rows["run_id"].to_list()
     lm_eval = [c for c in LOGLIKELIHOOD_COLUMNS if c in capture.columns]
-    multi_gold = list(MULTI_GOLD_COLUMNS) if "true_mass" in folded.columns else []
+    multi_gold = "true_mass" in folded.columns
+    true_options, mass = (["true_options"], ["true_mass"]) if multi_gold else ([], [])
     if "metadata" not in rows.columns:
         rows = rows.with_columns(metadata=pl.lit(None, dtype=pl.String))
     frame = (rows.select("run_id", "catalog", "question_id", "metadata", "options", "labels", "gold",
-                         *multi_gold[:1])
+                         *true_options)
              .join(capture.select("run_id", *lm_eval, label_logprobs="logprobs", label_mass="label_mass",
                                   fast_refusal="refusal"), on="run_id", how="left", maintain_order="left")
              .join(gated.select("run_id", gate_margin="margin"), on="run_id", how="left", maintain_order="left")
              .join(reasoned.select("run_id", "rationale", "finish_reason", "post_logprobs",
                                    rationale_token_ids="token_ids", reason_refusal="refusal"),
                    on="run_id", how="left", maintain_order="left")
-             .join(folded.select("run_id", "gated", "folded", "folded_logprobs", "fast_choice", *multi_gold[1:]),
+             .join(folded.select("run_id", "gated", "folded", "folded_logprobs", "fast_choice", *mass),
                    on="run_id", how="left", maintain_order="left")
              .join(predictions.select("run_id", "choice", final_probs="probs", decided_by="stage",
                                       abstained=(pl.col("abstain").fill_null(False) if "abstain" in predictions.columns

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from jex.tasks.scoring.suite_table import ScoreSpec
+from jex.tasks.scoring.suite_table import FAST_PASS_SCORING_COLUMNS, ScoreSpec
 
 if TYPE_CHECKING:  # the shape only: the plain scorer shares no code with this one
     from jex.tasks.scoring.plain import PlainCatalogScore, PlainScore
@@ -119,7 +119,7 @@ def scored_frame(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec)
     `abstained` and `correct`, and the per-row `value` of the catalog's kind (what the bootstrap
     resamples; the point estimate is summed exactly in `score_predictions`)."""
     excluded = [rid for c in spec.catalogs for rid in c.exclusions]
-    cols = ["run_id", "choice"] + [c for c in ("probs", "abstain", "acc_norm_choice", "true_mass")
+    cols = ["run_id", "choice"] + [c for c in ("probs", "abstain", *FAST_PASS_SCORING_COLUMNS)
                                    if c in predictions.columns]
     frame = (rows.filter(~pl.col("run_id").is_in(excluded))
              .join(predictions.select(cols), on="run_id", how="left", maintain_order="left"))

@@ -195,6 +195,10 @@ def load_suite_rows(source: str | Path) -> SuiteRows:
                             schema={"run_id": pl.String, "catalog": pl.String, "question_id": pl.String,
                                     "prompt": pl.String, "options": pl.List(pl.String),
                                     "labels": pl.List(pl.String), "gold": pl.Int64, "metadata": pl.String})
+    multi_gold = [c.id for c in manifest.catalogs if c.scoring == "true_mass"]
+    if multi_gold:  # the tools' logs are mapped to choices, not to the masses these catalogs are scored by
+        raise InputError(f"catalog(s) {multi_gold} are scored by true_mass, which an imported log does not carry: "
+                         "score them with `jex run`", file=str(source), field="scoring")
     return SuiteRows(str(source), manifest.name, tuple(c.id for c in manifest.catalogs), rows)
 
 
@@ -390,12 +394,6 @@ def score_mapped(mapped: MappedPredictions, suite: str | Path, out: str | Path, 
     Returns the score document (`score.json`)."""
     from jex.fileio import write_json
     from jex.tasks.scoring.score import score_files
-    from jex.tasks.scoring.suite_table import load_suite_table
-
-    multi_gold = [c.id for c in load_suite_table(suite).spec.catalogs if c.scoring == "true_mass"]
-    if multi_gold:  # the tools' logs are mapped to choices, not to the masses these catalogs are scored by
-        raise InputError(f"catalog(s) {multi_gold} are scored by true_mass, which an imported log does not carry: "
-                         "score them with `jex run`", file=str(suite), field="scoring")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
