@@ -14,7 +14,7 @@ python3 -m pip download -q -c constraints.txt --python-version 3.12 --only-binar
 python3 - "$ALL" <<'PY'
 import pathlib, shutil, sys
 kinds = pathlib.Path("/work/.library/device/KINDS.md").read_text()
-line = next(l for l in kinds.splitlines() if l.startswith("nvidia-h200, nvidia-h200-x2"))
+line = next(l for l in kinds.splitlines() if "nvidia-h200" in l and "Packages:" in l)
 norm = lambda n: n.strip().lower().replace("_", "-")
 have = {norm(n) for n in line.split("Packages:")[1].rstrip(".").split(",")}
 have |= {norm(l.split("==")[0]) for l in open("../shared/device/deplist.txt") if "==" in l}

@@ -20,8 +20,15 @@ bf16, max_num_seqs 512), and the submissions each makes:
   block).
 - `on-chunked`: prefix caching on and max_num_batched_tokens 512 (long contexts prefilled in chunks
   whose boundaries move with what is cached): `all`, `warm`.
+- `off-sizes`, `off-nographs` (item 3, the start): prefix caching off with CUDA graphs captured only at
+  powers of two up to max_num_seqs, or with no CUDA graphs (still compiled): `all`.
 Every submission is compared with `off/all` token by token: sequences whose continuation log-probs are
 not bit-identical, max |d|, and argmax changes per row; seconds per submission beside it.
+
+Every engine also records its start (seconds to import vLLM and to build the `LLM`: compile, graphs and
+weights; the first engine of a fresh machine compiles cold, later ones may find vLLM's compile cache) and
+a generation check: 32 of the contexts (their last 256 tokens) decoded greedily for 64 tokens all in one
+`generate` and each alone, token-identical or not, and against `off`'s tokens.
 """
 
 from __future__ import annotations
@@ -35,8 +42,13 @@ import sys
 import time
 from pathlib import Path
 
+POWERS_OF_TWO = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 ENGINES = {"off": {"enable_prefix_caching": False}, "on": {"enable_prefix_caching": True},
-           "on-chunked": {"enable_prefix_caching": True, "max_num_batched_tokens": 512}}
+           "on-chunked": {"enable_prefix_caching": True, "max_num_batched_tokens": 512},
+           "off-sizes": {"enable_prefix_caching": False,
+                         "compilation_config": {"cudagraph_capture_sizes": POWERS_OF_TWO}},
+           "off-nographs": {"enable_prefix_caching": False, "compilation_config": {"cudagraph_mode": "NONE"}}}
+GEN_PROMPTS, GEN_TOKENS = 32, 64
 PHRASES = ("it is {} in this case", "the answer would be {}", "{}, as far as anyone can tell", "clearly {}")
 
 
@@ -61,10 +73,14 @@ def rows(n: int, seed: int = 0) -> list[tuple[str, list[str]]]:
 
 def child(engine: str, model: str, n: int, out: Path) -> None:
     os.environ.update(VLLM_BATCH_INVARIANT="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
 
+    import_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     llm = LLM(model=model, dtype="bfloat16", attention_backend="TRITON_ATTN", max_num_seqs=512, seed=0,
               gpu_memory_utilization=0.4, **ENGINES[engine])
+    start = {"import_s": import_s, "llm_s": time.perf_counter() - t0}
     tok = llm.get_tokenizer()
     seqs, spans, contexts = [], [], []
     for context, conts in rows(n):
@@ -85,6 +101,16 @@ def child(engine: str, model: str, n: int, out: Path) -> None:
             seq, plp = seqs[i], r.prompt_logprobs
             got[i] = [float(plp[p][seq[p]].logprob) for p in range(len(seq) - spans[i], len(seq))]
         return [got[i] for i in range(len(seqs))], seconds
+
+    prompts = [{"prompt_token_ids": c[-256:]} for c in contexts[:GEN_PROMPTS]]
+    greedy = SamplingParams(temperature=0, max_tokens=GEN_TOKENS, ignore_eos=True)
+    t0 = time.perf_counter()
+    together = [list(r.outputs[0].token_ids) for r in llm.generate(prompts, greedy, use_tqdm=False)]
+    gen = {"together_s": time.perf_counter() - t0}
+    alone = [list(llm.generate([q], greedy, use_tqdm=False)[0].outputs[0].token_ids) for q in prompts]
+    gen.update(tokens=together, alone_differs=sum(a != b for a, b in zip(together, alone, strict=True)))
+    if ENGINES[engine]["enable_prefix_caching"]:
+        llm.reset_prefix_cache()  # `all` starts on a cold cache
 
     everyone = list(range(len(seqs)))
     runs: dict[str, dict] = {}
@@ -107,7 +133,8 @@ def child(engine: str, model: str, n: int, out: Path) -> None:
             lps, s = score(everyone)
             runs["again"] = {"lps": lps, "seconds": s}
     out.write_text(json.dumps({"engine": engine, "sequences": len(seqs), "tokens": sum(map(len, seqs)),
-                               "context_tokens": sum(map(len, contexts)), "runs": runs}))
+                               "context_tokens": sum(map(len, contexts)), "runs": runs, "start": start,
+                               "generation": gen}))
 
 
 def compare(ref: list[list[float]], got: list[list[float]], choices: int = 4) -> dict:
@@ -129,7 +156,14 @@ def summarize(docs: dict[str, dict], rows: int) -> dict:
                                  **(compare(ref, got["lps"]) if ref is not None else {})}
              for engine, doc in docs.items() for run, got in doc["runs"].items()}
     first = next(iter(docs.values()), {})
+    ref_tokens = docs["off"]["generation"]["tokens"] if "off" in docs else None
+    generation = {e: {"together_s": d["generation"]["together_s"],
+                      "prompts_alone_differing": d["generation"]["alone_differs"],
+                      **({"prompts_differing_from_off": sum(a != b for a, b in zip(
+                          ref_tokens, d["generation"]["tokens"], strict=True))} if ref_tokens else {})}
+                  for e, d in docs.items()}
     return {"command": " ".join(sys.argv), "rows": rows, "sequences": first.get("sequences"),
+            "start": {e: d["start"] for e, d in docs.items()}, "generation": generation,
             "tokens": first.get("tokens"), "context_tokens": first.get("context_tokens"),
             "process_seconds": {e: d["process_seconds"] for e, d in docs.items()}, "runs": table}
 

@@ -2,13 +2,13 @@
 
 A `multiple_choice` task's numbers come from a few fields of its config besides the prompt: its own
 `process_results`, the metrics of `metric_list` and their aggregations, `filter_list`, `repeats`, or a
-Python class of its own. jex reproduces lm-eval's built-in per-document `acc` and `acc_norm` (the same
-per-choice log-likelihoods, argmax and length-normalised argmax, averaged) and the task functions of
-`REPRODUCED_PROCESS_RESULTS` (TruthfulQA mc2's mass of the true answers, a `true_mass` catalog); a task
-that asks for anything else is refused with one line naming the task and the field, never imported and
-scored as plain accuracy.
+Python class of its own. jex reproduces lm-eval's built-in multiple-choice metrics (`METRIC_AGGREGATIONS`:
+acc, acc_norm, acc_bytes, exact_match, f1, mcc, brier_score, each from the same per-choice
+log-likelihoods, with lm-eval's aggregation) and the task functions of `REPRODUCED_PROCESS_RESULTS`
+(TruthfulQA mc2's mass of the true answers, a `true_mass` catalog); a task that asks for anything else is
+refused with one line naming the task and the field, never imported and scored as plain accuracy.
 Metric keyword arguments (`ignore_case`, `hf_evaluate`, `weight_by_size`...) do not reach lm-eval's
-multiple-choice scoring (0.4.13 `ConfigurableTask.process_results` computes acc and acc_norm itself), so
+multiple-choice scoring (0.4.13 `ConfigurableTask.process_results` computes every metric itself), so
 they change nothing. The prompt fields (`process_docs`, `doc_to_text`, few-shot settings) are reproduced
 by building each prompt through the harness itself (`jex.suite_import`).
 """
@@ -25,10 +25,18 @@ from typing import Any
 
 from jex.suite import ScoringKind
 
-REPRODUCED_METRICS = ("acc", "acc_norm")
-"""lm-eval's per-document multiple-choice metrics that jex computes from the same log-likelihoods."""
-REPRODUCED_AGGREGATION = "mean"
-"""The only aggregation of those metrics jex computes (lm-eval's default for both)."""
+METRIC_AGGREGATIONS: dict[str, str] = {
+    "acc": "mean", "acc_norm": "mean", "acc_bytes": "mean", "exact_match": "mean",
+    "f1": "f1", "mcc": "matthews_corrcoef", "brier_score": "brier_score"}
+"""lm-eval's multiple-choice metrics jex computes from the same per-choice log-likelihoods
+(`tasks/outputs/interop/lm_eval_files.py` writes them), each with the aggregation lm-eval registers for it
+(0.4.13 `api/metrics.py`); a task naming another aggregation is refused."""
+REPRODUCED_METRICS = tuple(METRIC_AGGREGATIONS)
+DEFAULT_METRICS = ("acc", "acc_norm")
+"""What lm-eval reports for a multiple_choice task without a metric_list."""
+BINARY_METRICS = ("f1",)
+"""Metrics lm-eval computes with scikit-learn's binary default (`f1_score(golds, preds)`): a task with rows
+of more than two choices is refused (lm-eval itself fails on multiclass labels)."""
 SCORING_FIELDS = ("output_type", "process_results", "metric_list", "filter_list", "repeats")
 """The task-config fields besides the prompt that change a multiple-choice task's numbers."""
 
@@ -40,8 +48,8 @@ class TaskScoring:
 
     scoring: ScoringKind = "accuracy"
     true_options: Callable[[Mapping[str, Any]], list[int]] | None = None
-    metrics: tuple[str, ...] = REPRODUCED_METRICS
-    """The per-document metrics lm-eval reports for the task, all of which jex computes."""
+    metrics: tuple[str, ...] = DEFAULT_METRICS
+    """The metrics lm-eval reports for the task (its metric_list, in order), all of which jex computes."""
 
 
 def _mc2_true_options(doc: Mapping[str, Any]) -> list[int]:
@@ -112,7 +120,7 @@ def task_scoring(task: str, config: Mapping[str, Any], *, multiple_input: bool =
     output_type = config.get("output_type") or "generate_until"
     if output_type != "multiple_choice":
         return ScoringRefusal(task, "output_type", f"is {output_type!r}, not multiple_choice")
-    scoring = TaskScoring()
+    scoring, allowed = TaskScoring(), REPRODUCED_METRICS
     if config.get("process_results") is not None:
         reproduced = _reproduced(config["process_results"])
         if reproduced is None:
@@ -120,25 +128,31 @@ def task_scoring(task: str, config: Mapping[str, Any], *, multiple_input: bool =
             return ScoringRefusal(task, "process_results", f"is the task's own function ({function}), which jex "
                                                            "does not run")
         scoring = reproduced
+        allowed = reproduced.metrics
     if multiple_input:
-        scoring = TaskScoring(scoring.scoring, scoring.true_options, metrics=("acc",))
+        allowed = ("acc",)
         if not config.get("metric_list"):
             return ScoringRefusal(task, "metric_list", "is lm-eval's default (acc and acc_norm); of a multiple-input "
                                                        "task jex reproduces acc only")
+    reported = []
     for i, entry in enumerate(config.get("metric_list") or ()):
         metric = _name(entry.get("metric"))
-        if metric not in scoring.metrics:
+        if metric not in allowed:
             return ScoringRefusal(task, f"metric_list[{i}].metric", f"is {metric!r}; jex reproduces "
-                                                                   f"{' and '.join(scoring.metrics)} only")
+                                                                   f"{', '.join(allowed)} only")
         aggregation = entry.get("aggregation")
-        if aggregation is not None and _name(aggregation) != REPRODUCED_AGGREGATION:
-            return ScoringRefusal(task, f"metric_list[{i}].aggregation", f"of {metric} is {_name(aggregation)!r}; "
-                                                                         f"jex aggregates by {REPRODUCED_AGGREGATION}")
+        if aggregation is not None and _name(aggregation) != METRIC_AGGREGATIONS[metric]:
+            return ScoringRefusal(task, f"metric_list[{i}].aggregation",
+                                  f"of {metric} is {_name(aggregation)!r}; jex aggregates it by lm-eval's "
+                                  f"{METRIC_AGGREGATIONS[metric]}")
+        reported.append(metric)
     if config.get("filter_list"):
         return ScoringRefusal(task, "filter_list", "is set; jex applies no filters to multiple-choice answers")
     if (config.get("repeats") or 1) != 1:
         return ScoringRefusal(task, "repeats", f"is {config['repeats']}; jex reads each document once")
-    return scoring
+    plain = scoring.scoring == "accuracy" and not multiple_input
+    return TaskScoring(scoring.scoring, scoring.true_options,
+                       tuple(reported) or (DEFAULT_METRICS if plain else tuple(allowed)))
 
 
 def task_config(task: Any) -> dict[str, Any]:

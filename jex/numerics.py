@@ -52,6 +52,20 @@ def length_normalised_choice(loglikelihoods: Sequence[float], options: Sequence[
     return argmax([float(ll) / float(len(o)) for ll, o in zip(loglikelihoods, options, strict=True)])
 
 
+def byte_normalised_choice(loglikelihoods: Sequence[float], options: Sequence[str]) -> int:
+    """lm-eval's `acc_bytes` prediction: argmax of each option's log-likelihood divided by its length in
+    UTF-8 bytes, ties to the first."""
+    return argmax([float(ll) / float(len(o.encode("utf-8"))) for ll, o in zip(loglikelihoods, options, strict=True)])
+
+
+def choice_softmax(loglikelihoods: Sequence[float]) -> list[float]:
+    """lm-eval's `prob_norm` (0.4.13 `utils.softmax`, the `brier_score` forecast): exp of each option's
+    log-likelihood less the largest, over their sum, in numpy float64 (lm-eval's bits)."""
+    ll = np.array(loglikelihoods, dtype=np.float64)
+    e = np.exp(ll - np.max(ll))
+    return [float(x) for x in e / e.sum()]
+
+
 def true_mass(loglikelihoods: Sequence[float], true_options: Sequence[int]) -> float:
     """The probability mass of the true options as lm-eval's TruthfulQA mc2 computes it (0.4.13
     `truthfulqa/utils.py: process_results_mc2`): exp of each option's log-likelihood, normalised by

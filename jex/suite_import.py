@@ -22,7 +22,7 @@ from typing import Any
 
 from jex.errors import InputError
 from jex.fileio import sha256_file, write_toml
-from jex.lm_eval_scoring import ScoringRefusal, TaskScoring, task_config, task_scoring
+from jex.lm_eval_scoring import BINARY_METRICS, ScoringRefusal, TaskScoring, task_config, task_scoring
 from jex.suite import MANIFEST_NAME, load_manifest
 
 LETTERS = string.ascii_uppercase
@@ -366,6 +366,20 @@ def _leaf_tasks(loaded: dict[str, Any]) -> list[tuple[str, Any, bool]]:
     return [(name, task, name in by_size) for name, task in loaded["tasks"].items()]
 
 
+def _group_aggregates(loaded: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every loaded group that reports aggregates (its `aggregate_metric_list`): its leaf tasks' catalogs
+    and, per metric, whether lm-eval weights the tasks by size; `jex export lm-eval` writes the group's
+    entry from them as lm-eval's `Group.aggregate` does."""
+    out = {}
+    for name, group in loaded.get("groups", {}).items():
+        aggregates = getattr(group, "aggregate_metric_list", None) or []
+        if not aggregates:
+            continue
+        out[name] = {"catalogs": [_slug(t.task_name) for t in group.get_all_tasks()],
+                     "aggregate": [{"metric": a.metric, "weight_by_size": bool(a.weight_by_size)} for a in aggregates]}
+    return out
+
+
 @dataclass(frozen=True)
 class LmEvalRequest:
     """What lm-eval sends the model for one document, one (context, continuation) pair per choice
@@ -495,6 +509,12 @@ def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | N
                              field=f"--cluster {cluster}")
         rows = _task_rows(name, t, t.eval_docs, file=file, requests=lm_eval_requests(t, file=file), cluster=cluster,
                           scoring=scoring)
+        binary = [m for m in scoring.metrics if m in BINARY_METRICS]
+        wide = next((r for r in rows if len(r.options) > 2), None)
+        if binary and wide is not None:
+            raise InputError(f"task '{name}': {binary[0]} is lm-eval's binary F1 (scikit-learn's default), "
+                             f"undefined on rows of more than two choices ({len(wide.options)} here)",
+                             file=file, row=wide.run_id, field="metric_list")
         shots_docs = t.fewshot_docs() if t.config.fewshot_split else None
         shots = _task_rows(name, t, list(shots_docs)[:MAX_FEWSHOT_ROWS], file=f"{shown} [{name} few-shot]",
                            run_suffix="-shot", cluster=cluster, scoring=scoring) if shots_docs is not None else []
@@ -506,7 +526,7 @@ def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | N
                           "target_delimiter": t.config.target_delimiter,
                           "fewshot_delimiter": t.config.fewshot_delimiter,
                           "description": t.config.description or None,
-                          "version": (t.config.metadata or {}).get("version")}
+                          "version": (t.config.metadata or {}).get("version"), "metrics": list(scoring.metrics)}
     from importlib import metadata
 
     from lm_eval.defaults import DEFAULT_OTHER_SEED
@@ -516,6 +536,9 @@ def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | N
               "data_files": {k: sha256_file(Path(v)) for k, v in (data_files or {}).items()} or None,
               "prompts": "lm-eval", "chat_template": "none", "fewshot_seed": DEFAULT_OTHER_SEED,
               "cluster": cluster, "tasks": settings}
+    groups = _group_aggregates(loaded)
+    if groups:
+        source["groups"] = groups
     suite_name = catalogs[0].name if len(catalogs) == 1 else Path(shown).stem
     return write_suite(out, catalogs, name=suite_name or "suite", source=source, force=force)
 

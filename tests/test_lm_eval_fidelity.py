@@ -30,6 +30,7 @@ import pytest
 from typer.testing import CliRunner
 
 from jex.cli import app
+from jex.settings import BOOTSTRAP_DRAWS
 
 pytestmark = pytest.mark.slow
 
@@ -113,9 +114,25 @@ SHIPPED = {  # task: (lm-eval's YAML under lm_eval/tasks, the splits it reads, s
             ("Where is the cornea?", ["the ear", "the eye", "the nose", "the knee"], 1),
             ("Which muscle bends the elbow?", ["biceps", "triceps", "quadriceps", "deltoid"], 0),
             ("The largest organ of the body is the", ["brain", "liver", "skin", "lung"], 2)]]),
+    "fid_mmlu2": ("mmlu/default/mmlu_astronomy.yaml", ("test", "dev"), [
+        {"question": q, "subject": "astronomy", "choices": c, "answer": k} for q, c, k in [
+            ("Which planet has rings?", ["Mars", "Saturn", "Mercury", "Venus"], 1),
+            ("The Sun is a", ["planet", "moon", "star", "comet"], 2),
+            ("Which is closest to Earth?", ["the Moon", "Mars", "the Sun", "Jupiter"], 0)]]),
 }
-TASKS = ("fid_text", "fid_letters", *SHIPPED)
+MMLU_GROUP = "fid_mmlu_group"
+"""Two MMLU subjects of unequal size under a group aggregated as lm-eval's shipped `mmlu` group is
+(acc, weight_by_size)."""
+METRICS_TASK, BINARY_TASK = "fid_metrics", "fid_binary"
+"""PIQA's documents under tasks of our own asking for lm-eval's other multiple-choice metrics. The binary ones
+(f1, mcc) only jex runs: lm_eval's CLI bootstraps their stderr 100,000 times (minutes here); the test
+applies lm-eval's own aggregation and bootstrap to the CLI's predictions on the same documents instead."""
+MEAN_METRICS = ("acc", "acc_norm", "acc_bytes", "exact_match", "brier_score")
+BINARY_METRICS = ("f1", "mcc")
+TASKS = ("fid_text", "fid_letters", *SHIPPED, METRICS_TASK)
 ALL_TASKS = (*TASKS, "fid_mc2", "fid_wino")
+REQUESTED = (*(t for t in ALL_TASKS if not t.startswith("fid_mmlu")), MMLU_GROUP)
+"""What both tools are asked for: every task, the two MMLU subjects through their group."""
 COMMON = """dataset_path: json
 output_type: multiple_choice
 test_split: test
@@ -172,7 +189,18 @@ def task_dir(tmp_path_factory) -> Path:
         (d / f"{task}.yaml").write_text(f"include: {shipped.parent.parent / yaml}\ntask: {task}\ntag: []\n"
                                         f"dataset_path: json\ndataset_name: null\ntraining_split: null\n"
                                         f"dataset_kwargs:\n  data_files:\n{files}")
-    (d / "fid.yaml").write_text("group: fid\ntask:\n" + "".join(f"  - {t}\n" for t in ALL_TASKS))
+    for task, metrics in ((METRICS_TASK, MEAN_METRICS), (BINARY_TASK, BINARY_METRICS)):
+        listed = "".join(f"  - metric: {m}\n" for m in metrics)
+        (d / f"{task}.yaml").write_text(
+            f"task: {task}\ndataset_path: json\noutput_type: multiple_choice\ntest_split: validation\n"
+            f"dataset_kwargs:\n  data_files:\n    validation: {d / 'fid_piqa.jsonl'}\n"
+            'doc_to_text: "Goal: {{goal}}\\nSolution:"\ndoc_to_choice: "{{[sol1, sol2]}}"\ndoc_to_target: label\n'
+            f"metric_list:\n{listed}metadata:\n  version: 1.0\n")
+    mmlu = Path(lm_eval.tasks.__file__).parent / "mmlu" / "default" / "_mmlu.yaml"
+    aggregate = mmlu.read_text().split("aggregate_metric_list:")[1].split("metadata:")[0]
+    (d / f"{MMLU_GROUP}.yaml").write_text(f"group: {MMLU_GROUP}\ntask:\n  - fid_mmlu\n  - fid_mmlu2\n"
+                                          f"aggregate_metric_list:{aggregate}")
+    (d / "fid.yaml").write_text("group: fid\ntask:\n" + "".join(f"  - {t}\n" for t in (*REQUESTED, BINARY_TASK)))
     return d
 
 
@@ -183,7 +211,7 @@ def lm_out(task_dir, embedded_model_dir, tmp_path_factory) -> Path:
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_CACHE": str(out / "hf-datasets")}
     done = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
-                           f"pretrained={embedded_model_dir},dtype=float32", "--tasks", ",".join(ALL_TASKS),
+                           f"pretrained={embedded_model_dir},dtype=float32", "--tasks", ",".join(REQUESTED),
                            "--include_path", str(task_dir), "--device", "cpu", "--batch_size", "8", "--log_samples",
                            "--output_path", str(out / "lm")], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -240,7 +268,8 @@ def jex_samples(run: Path, task: str) -> list[dict]:
 @pytest.mark.parametrize("task", ALL_TASKS)
 def test_jex_sends_lm_evals_prompts_byte_for_byte(lm_out, jex_run, task):
     lm, ours = lm_samples(lm_out, task), jex_samples(jex_run, task)
-    assert [s["doc_id"] for s in lm] == [json.loads(r["metadata"])["doc_id"] for r in ours] == list(range(6))
+    assert [s["doc_id"] for s in lm] == [json.loads(r["metadata"])["doc_id"] for r in ours] == list(range(len(lm)))
+    assert len(lm) >= 3
     for s, r in zip(lm, ours, strict=True):
         contexts = {a["arg_0"] for a in s["arguments"].values()}
         if task == "fid_wino":  # partial evaluation: the options are the contexts, the prompt the continuation
@@ -291,6 +320,58 @@ def test_exported_samples_carry_lm_evals_resps_and_metrics(lm_out, jex_export, t
         for (ll, _), (theirs, _) in zip(e["filtered_resps"], s["filtered_resps"], strict=True):
             assert abs(float(ll) - float(theirs)) < LONG_SEQUENCE_TOL.get(task, TOL)
         assert [x[0][1] for x in e["resps"]] == [x[0][1] for x in s["resps"]]  # is_greedy too
+
+
+def test_acc_bytes_exact_match_and_brier_score_equal_lm_evals(lm_out, jex_export):
+    """From the same choices and greedy flags as lm-eval's: the same value and stderr to the last digit;
+    brier_score (no stderr in lm-eval) from jex's own log-likelihoods, within what they differ by."""
+    theirs = lm_results(lm_out)["results"][METRICS_TASK]
+    ours = json.loads(next(jex_export.glob("results_*.json")).read_text())["results"][METRICS_TASK]
+    for metric in MEAN_METRICS:
+        if metric == "brier_score":
+            assert abs(ours["brier_score,none"] - theirs["brier_score,none"]) < 1e-4
+            assert ours["brier_score_stderr,none"] == theirs["brier_score_stderr,none"] == "N/A"
+            continue
+        assert (ours[f"{metric},none"], ours[f"{metric}_stderr,none"]) == \
+            (theirs[f"{metric},none"], theirs[f"{metric}_stderr,none"]), metric
+    for s, e in zip(lm_samples(lm_out, METRICS_TASK), _export_lines(jex_export, METRICS_TASK), strict=True):
+        assert (e["acc_bytes"], e["exact_match"]) == (s["acc_bytes"], s["exact_match"]), s["doc_id"]
+        gold, forecast = s["brier_score"]  # lm-eval logs its numpy forecast as numpy prints it
+        theirs = [float(x) for x in forecast.strip("[]").split()] if isinstance(forecast, str) else forecast
+        assert e["brier_score"][0] == int(gold)
+        assert max(abs(a - b) for a, b in zip(e["brier_score"][1], theirs, strict=True)) < 1e-4
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # scikit-learn on degenerate resamples, as in lm-eval
+def test_f1_and_mcc_are_lm_evals_aggregation_of_lm_evals_own_predictions(lm_out, jex_export, monkeypatch):
+    """The binary task reads the same documents and prompts as the metrics task lm_eval ran: jex's f1 and
+    mcc, value and stderr, are lm-eval's aggregation and bootstrap (jex's draws) of lm_eval's (gold, pred)."""
+    import numpy as np
+    from lm_eval.api.metrics import bootstrap_stderr, f1_score, matthews_corrcoef
+
+    monkeypatch.setenv("DISABLE_MULTIPROC", "1")
+    pairs = [(int(s["target"]), int(np.argmax([float(r[0][0]) for r in s["resps"]])))
+             for s in lm_samples(lm_out, METRICS_TASK)]
+    ours = json.loads(next(jex_export.glob("results_*.json")).read_text())["results"][BINARY_TASK]
+    assert [tuple(e["f1"]) for e in _export_lines(jex_export, BINARY_TASK)] == pairs
+    for metric, aggregate in (("f1", f1_score), ("mcc", matthews_corrcoef)):
+        assert ours[f"{metric},none"] == aggregate(pairs), metric
+        assert ours[f"{metric}_stderr,none"] == bootstrap_stderr(aggregate, pairs, BOOTSTRAP_DRAWS), metric
+
+
+def test_the_mmlu_group_is_lm_evals_size_weighted_mean_with_its_pooled_stderr(lm_out, jex_export):
+    theirs = lm_results(lm_out)
+    ours = json.loads(next(jex_export.glob("results_*.json")).read_text())
+    assert ours["group_subtasks"][MMLU_GROUP] == ["fid_mmlu", "fid_mmlu2"]
+    for field in ("acc,none", "acc_stderr,none", "sample_len"):
+        assert ours["results"][MMLU_GROUP][field] == theirs["results"][MMLU_GROUP][field], field
+    sizes = [ours["results"][t]["sample_len"] for t in ("fid_mmlu", "fid_mmlu2")]
+    assert sizes == [6, 3]  # unequal: the weighting shows
+
+
+def _export_lines(jex_export: Path, task: str) -> list[dict]:
+    (path,) = jex_export.glob(f"samples_{task}_*.jsonl")
+    return sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda s: s["doc_id"])
 
 
 def test_mc2_mass_is_lm_evals_per_row_and_in_the_export(lm_out, jex_run, jex_export):

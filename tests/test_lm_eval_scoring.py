@@ -71,10 +71,37 @@ def test_a_task_with_its_own_process_results_is_refused_naming_the_field(tmp_pat
 
 
 def test_a_metric_jex_does_not_compute_is_refused_naming_it(tmp_path):
-    task = _task_with(tmp_path, "metric_list:\n  - metric: acc\n  - metric: mcc\n    aggregation: matthews_corrcoef\n")
+    task = _task_with(tmp_path, "metric_list:\n  - metric: acc\n  - metric: acc_mutual_info\n")
     result = run_cli("suite", "import", "lm-eval", "--task", task, "-o", tmp_path / "suite")
     assert result.exit_code == 1
-    assert "field 'metric_list[1].metric': task 'scored': metric_list[1].metric is 'mcc'" in result.output
+    assert "field 'metric_list[1].metric': task 'scored': metric_list[1].metric is 'acc_mutual_info'" in result.output
+    assert not (tmp_path / "suite").exists()
+
+
+def test_the_metrics_a_task_reports_are_recorded_for_the_export(tmp_path):
+    task = _task_with(tmp_path, "metric_list:\n  - metric: acc\n  - metric: acc_bytes\n  - metric: mcc\n"
+                                "    aggregation: matthews_corrcoef\n  - metric: brier_score\n")
+    result = run_cli("suite", "import", "lm-eval", "--task", task, "-o", tmp_path / "suite")
+    assert result.exit_code == 0, result.output
+    manifest = load_manifest(tmp_path / "suite")
+    assert manifest.source["tasks"]["scored"]["metrics"] == ["acc", "acc_bytes", "mcc", "brier_score"]
+    assert manifest.catalogs[0].scoring == "accuracy"  # jex's own skill stays the catalog's accuracy
+
+
+def test_an_aggregation_other_than_lm_evals_own_is_refused(tmp_path):
+    task = _task_with(tmp_path, "metric_list:\n  - metric: mcc\n    aggregation: mean\n")
+    result = run_cli("suite", "import", "lm-eval", "--task", task, "-o", tmp_path / "suite")
+    assert result.exit_code == 1
+    assert "metric_list[0].aggregation of mcc is 'mean'; jex aggregates it by lm-eval's matthews_corrcoef" \
+        in result.output
+
+
+def test_binary_f1_on_rows_of_more_than_two_choices_is_refused_naming_the_row(tmp_path):
+    task = _task_with(tmp_path, "metric_list:\n  - metric: f1\n")
+    result = run_cli("suite", "import", "lm-eval", "--task", task, "-o", tmp_path / "suite")
+    assert result.exit_code == 1
+    line = result.output.strip()
+    assert "\n" not in line and "row scored-0" in line and "binary F1" in line, line
     assert not (tmp_path / "suite").exists()
 
 

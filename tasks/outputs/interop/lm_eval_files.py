@@ -17,21 +17,27 @@ has no such notion.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict, cast
+from unittest import mock
 
 import polars as pl
 
 from jex.errors import InputError
 from jex.fileio import read_json
-from jex.numerics import argmax, length_normalised_choice  # ties to the first, as numpy (and lm-eval)
+
+# argmaxes tie to the first, as numpy (and lm-eval)
+from jex.numerics import argmax, byte_normalised_choice, choice_softmax, length_normalised_choice
 from jex.run_records import RunStages
 from jex.suite import LOGLIKELIHOOD_READOUTS
 from jex.tasks.documents import ScoreDoc
@@ -323,6 +329,10 @@ class _ExportCatalog:
 
     @property
     def metrics(self) -> list[str]:
+        """The metrics lm-eval reports for the task: the imported task's metric_list, else acc and
+        acc_norm (acc alone for a label-slot, multi-gold or partial catalog)."""
+        if self.settings.get("metrics"):
+            return list(self.settings["metrics"])
         return ["acc", "acc_norm"] if self.loglikelihood and not (self.multi_gold or self.partial) else ["acc"]
 
     def pairs(self, prompt: str, options: list[str]) -> list[tuple[str, str]]:
@@ -345,9 +355,13 @@ class _ExportedTask:
     lm-eval's task hash of the lines (`task_hashes`)."""
 
     catalog: _ExportCatalog
-    values: dict[str, list[float]]  # metric -> one value per exported (scored) row
+    values: dict[str, list[Any]]  # metric -> its per-document item of each exported (scored) row, as lm-eval's
     original: int  # rows of the catalog, scored or not
     task_hash: str
+
+    @property
+    def effective(self) -> int:
+        return len(next(iter(self.values.values())))
 
 
 def _write_task_samples(run: RunToExport, catalog: _ExportCatalog, path: Path) -> _ExportedTask:
@@ -358,7 +372,7 @@ def _write_task_samples(run: RunToExport, catalog: _ExportCatalog, path: Path) -
     lines = [_export_line(r, i, catalog) for i, r in enumerate(rows.iter_rows(named=True))]
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(ln, ensure_ascii=False) + "\n" for ln in lines)
-    return _ExportedTask(catalog, {m: [float(cast(dict, ln)[m]) for ln in lines] for m in catalog.metrics},
+    return _ExportedTask(catalog, {m: [cast(dict, ln)[m] for ln in lines] for m in catalog.metrics},
                          run.samples.filter(pl.col("catalog") == catalog.id).height,
                          hash_string("".join(ln["doc_hash"] + ln["prompt_hash"] + ln["target_hash"] for ln in lines)))
 
@@ -369,48 +383,97 @@ def _write_results(run: RunToExport, tasks: list[_ExportedTask], head: _RunHeade
     jex's index in a `jex` block."""
     from jex.fileio import canonical_json
 
-    results = {t.catalog.id: {"name": t.catalog.id, "alias": t.catalog.id,
-                              "sample_len": len(t.values["acc"]), **_metric_values(t)} for t in tasks}
+    results: dict[str, dict[str, Any]] = {
+        t.catalog.id: {"name": t.catalog.id, "alias": t.catalog.id, "sample_len": t.effective,
+                       **_metric_values(t, run.spec.bootstrap_draws)} for t in tasks}
+    declared = {name: g for name, g in (head.source.get("groups") or {}).items() if set(g["catalogs"]) <= set(results)}
+    groups = {name: _group_entry(name, g, results) for name, g in declared.items()}
     configs = {t.catalog.id: _task_config(run, t.catalog) for t in tasks}
-    doc = {"results": results, "group_subtasks": {c: [] for c in results}, "configs": configs,
+    subtasks = {**{name: list(g["catalogs"]) for name, g in declared.items()}, **{c: [] for c in results}}
+    doc = {"results": {**groups, **results}, "groups": groups, "group_subtasks": subtasks, "configs": configs,
            "versions": {t.catalog.id: t.catalog.version for t in tasks},
            "n-shot": {c: configs[c]["num_fewshot"] for c in results},
-           "higher_is_better": {t.catalog.id: {m: True for m in t.catalog.metrics} for t in tasks},
-           "n-samples": {t.catalog.id: {"original": t.original, "effective": len(t.values["acc"])} for t in tasks},
+           "higher_is_better": {t.catalog.id: {m: _higher_is_better(m) for m in t.catalog.metrics} for t in tasks},
+           "n-samples": {t.catalog.id: {"original": t.original, "effective": t.effective} for t in tasks},
            **_run_fields(run, head), "task_hashes": {t.catalog.id: t.task_hash for t in tasks},
            "total_evaluation_time_seconds": str(_run_seconds(run)),
            "jex": {"run": run.run_dir.name, "full": run.score.full, "ci": list(run.score.ci),
                    "legs": {k: v.model_dump(mode="json") for k, v in run.score.legs.items()},
                    "catalogs": catalog_summary(run),
-                   "note": "acc is jex's final choice (after fold, calibration and overlays); for a loglikelihood "
-                           "catalog resps hold each choice's [loglikelihood, is_greedy] and acc_norm lm-eval's "
-                           "length-normalised choice, else filtered_resps hold the final log-probabilities of "
-                           "the label continuations",
+                   "note": "acc, f1 and mcc read jex's final choice (after fold, calibration and overlays); "
+                           "for a loglikelihood catalog resps hold each choice's [loglikelihood, is_greedy], and "
+                           "acc_norm, acc_bytes, exact_match and brier_score are lm-eval's, of those; else "
+                           "filtered_resps hold the final log-probabilities of the label continuations",
                    "provenance": run.score.provenance}}
     path.write_text(canonical_json(doc), encoding="utf-8")
 
 
-def _metric_values(t: _ExportedTask) -> dict[str, float | str]:
-    """`<metric>,none` and `<metric>_stderr,none`, with lm-eval's own aggregation and stderr."""
-    from lm_eval.api.metrics import mean, mean_stderr
+def _metric_values(t: _ExportedTask, bootstrap_iters: int) -> dict[str, float | str]:
+    """`<metric>,none` and `<metric>_stderr,none`: lm-eval's own aggregation of the per-document items and
+    its stderr (closed form for a mean, lm-eval's bootstrap for f1 and mcc, none for brier_score), as its
+    `TaskOutput.calculate_aggregate_metric` computes them."""
+    from lm_eval.api.metrics import stderr_for_metric
+    from lm_eval.api.registry import get_aggregation
+
+    from jex.lm_eval_scoring import METRIC_AGGREGATIONS
 
     out: dict[str, float | str] = {}
-    for m in t.catalog.metrics:
-        values = t.values[m]
-        out[f"{m},none"] = mean(values)
-        out[f"{m}_stderr,none"] = mean_stderr(values) if len(values) > 1 else "N/A"
+    # lm-eval's bootstrap forks a pool unless DISABLE_MULTIPROC is set (the same draws either way) and prints
+    # its progress; scikit-learn warns about degenerate resamples
+    with mock.patch.dict(os.environ, {"DISABLE_MULTIPROC": "1"}), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for m in t.catalog.metrics:
+            items, aggregate = t.values[m], get_aggregation(METRIC_AGGREGATIONS[m])
+            out[f"{m},none"] = float(aggregate(items))
+            stderr = stderr_for_metric(aggregate, bootstrap_iters=bootstrap_iters)
+            out[f"{m}_stderr,none"] = float(stderr(items)) if stderr is not None and len(items) > 1 else "N/A"
     return out
+
+
+def _group_entry(name: str, group: dict[str, Any], results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A group's entry as lm-eval's `Group.aggregate` (0.4.13) writes it from its leaf tasks' results: per
+    aggregate metric the size-weighted (or plain) mean, the pooled (or unweighted-mean) stderr, and the
+    group's sample counts."""
+    from lm_eval.api.metrics import aggregate_subtask_metrics, pooled_sample_stderr, unweighted_mean_stderr
+
+    leaves = [results[c] for c in group["catalogs"]]
+    entry: dict[str, Any] = {"alias": name, "name": name, "sample_len": sum(t["sample_len"] for t in leaves)}
+    counts = {}
+    for aggregate in group["aggregate"]:
+        key, stderr_key = f"{aggregate['metric']},none", f"{aggregate['metric']}_stderr,none"
+        having = [t for t in leaves if key in t]
+        if not having:
+            continue
+        sizes = [t["sample_len"] for t in having]
+        entry[key] = aggregate_subtask_metrics([t[key] for t in having], sizes, aggregate["weight_by_size"])
+        counts[key] = sum(sizes)
+        stderrs = [t.get(stderr_key) for t in having]
+        entry[stderr_key] = "N/A" if "N/A" in stderrs or None in stderrs else \
+            pooled_sample_stderr(stderrs, sizes) if aggregate["weight_by_size"] else unweighted_mean_stderr(stderrs)
+    if counts:
+        entry["sample_count"] = counts
+    return entry
+
+
+def _higher_is_better(metric: str) -> bool:
+    from lm_eval.api.registry import is_higher_better
+
+    return bool(is_higher_better(metric))
 
 
 def _task_config(run: RunToExport, c: _ExportCatalog) -> dict[str, Any]:
     """The task's config as lm-eval writes it (the imported task's settings where the suite has them)."""
+    from jex.lm_eval_scoring import METRIC_AGGREGATIONS
+
     render = run.spec.engine.render
     s = c.settings
     return {"task": c.id, "output_type": "multiple_choice", "target_delimiter": c.target_delimiter,
             "fewshot_delimiter": s.get("fewshot_delimiter", "\n\n"), "description": s.get("description") or "",
             "num_fewshot": (s.get("num_fewshot") or 0) if s else render.num_fewshot,
             "fewshot_split": s.get("fewshot_split"),
-            "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in c.metrics],
+            "metric_list": [{"metric": m, "aggregation": METRIC_AGGREGATIONS[m],
+                             "higher_is_better": _higher_is_better(m)} for m in c.metrics],
             "metadata": {"version": c.version, "jex_catalog": c.id, "jex_leg": run.score.catalogs[c.id].leg,
                          "jex_readout": "loglikelihood" if c.loglikelihood else "label_slot"}}
 
@@ -467,6 +530,11 @@ class LmEvalSampleLine(TypedDict):
     target_hash: str
     acc: float
     acc_norm: NotRequired[float]
+    acc_bytes: NotRequired[float]
+    exact_match: NotRequired[int]
+    f1: NotRequired[tuple[int, int]]  # (gold, choice)
+    mcc: NotRequired[tuple[int, int]]
+    brier_score: NotRequired[tuple[int, list[float]]]  # (gold, lm-eval's softmax of the log-likelihoods)
     jex: dict[str, Any]  # task, run_id, choice, probs, decided_by, gated, rationale
 
 
@@ -494,7 +562,27 @@ def _export_line(r: dict[str, Any], index: int, catalog: _ExportCatalog) -> LmEv
                 "decided_by": r["decided_by"], "gated": r["gated"], "rationale": r["rationale"], **extra}}
     if "acc_norm" in catalog.metrics:
         line["acc_norm"] = 1.0 if extra.get("acc_norm_choice") == r["gold"] else 0.0
+    _add_choice_metrics(line, r, catalog.metrics)
     return line
+
+
+def _add_choice_metrics(line: LmEvalSampleLine, r: dict[str, Any], metrics: list[str]) -> None:
+    """The per-document items of lm-eval's other multiple-choice metrics (0.4.13
+    `ConfigurableTask.process_results`): acc_bytes and brier_score from each choice's log-likelihood,
+    exact_match from whether the gold's continuation is the greedy one, f1 and mcc the (gold, choice) pair
+    of `acc`. A row never read (no log-likelihoods) scores 0 and forecasts uniformly."""
+    lls, gold, options = r.get(LL_COLUMN), int(r["gold"]), r["options"]
+    if "acc_bytes" in metrics:
+        line["acc_bytes"] = 1.0 if lls is not None and byte_normalised_choice(lls, options) == gold else 0.0
+    if "exact_match" in metrics:
+        line["exact_match"] = int(bool((r.get(GREEDY_COLUMN) or [False] * len(options))[gold]))
+    pair = (gold, -1 if r["choice"] is None else int(r["choice"]))
+    if "f1" in metrics:
+        line["f1"] = pair
+    if "mcc" in metrics:
+        line["mcc"] = pair
+    if "brier_score" in metrics:
+        line["brier_score"] = (gold, choice_softmax(lls) if lls is not None else [1 / len(options)] * len(options))
 
 
 def _mass(r: dict[str, Any]) -> float:
