@@ -31,6 +31,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import JsonValue
 
 from jex.engine_identity import EngineFingerprint
 from jex.engine_spec import EngineSpec
@@ -50,22 +51,34 @@ from jex.tasks.campaign_spec import MachinesSpec
 from jex.tasks.capture.engine_host import COMPILE_CACHE, STARTS, parse_starts
 from jex.tasks.capture.engine_host.protocol import EngineStart
 from jex.tasks.capture.engine_pool import compile_cache_key
-from jex.tasks.capture.golden import compare_golden, find_reference, has_reference, store_reference
+from jex.tasks.capture.golden import (
+    compare_generation,
+    compare_golden,
+    find_reference,
+    generation_reference_path,
+    has_reference,
+    store_reference,
+)
 from jex.tasks.capture.stages import WORK_RECORDS, stage_plan
-from jex.tasks.documents import GoldenVerdict
+from jex.tasks.documents import GenerationVerdict, GoldenVerdict
 from jex.tasks.inputs import EngineJob, FastPassInputs, ReasonInputs
 from jex.tasks.prefect_tasks import progress_artifact
-from jex.tasks.records import StagePlan
-from jex.tasks.store import FAILED_ROWS, LocalStore
+from jex.tasks.records import BundleSummary, StagePlan
+from jex.tasks.store import FAILED_ROWS, LocalStore, write_parquet
 
 
 class GoldenMismatch(FlowError):
     """A machine's golden replay is outside the tolerance, or the machine measured another engine
     fingerprint than the fleet's (then nothing was compared): it runs no shard."""
 
-    def __init__(self, machine: str, verdict: GoldenVerdict | FingerprintMismatch):
+    def __init__(self, machine: str, verdict: GoldenVerdict | FingerprintMismatch | GenerationVerdict):
         if isinstance(verdict, FingerprintMismatch):
             what = f"engine fingerprint {verdict.fingerprint} differs from the fleet's {verdict.expected}"
+        elif isinstance(verdict, GenerationVerdict):
+            what = (f"greedy generation of {verdict.rows} rows x {verdict.tokens} tokens differs from "
+                    f"{verdict.reference} ({'; '.join(verdict.differing)}): batch variance, or another GPU stack "
+                    "than the reference's (if the stack changed on purpose, delete that reference to record a new "
+                    "one)")
         else:
             worst = ", ".join(f"{w.run_id} ({w.max_abs_dp:.3g})" for w in verdict.worst[:3])
             what = (f"max |dp| {verdict.max_abs_dp:.3g} > tolerance {verdict.tolerance:.3g}; worst rows: {worst}; "
@@ -216,6 +229,7 @@ class GpuFleet:
         replay_rows = rows if len(self._lives) > 1 or has_reference(self.store, inputs.bundle) else 0
         inbox = self._replay(session, job, "golden", replay_rows, first=True)
         fp = EngineFingerprint.model_validate_json((inbox / "fingerprint.json").read_text())
+        generation = self._generation_verdict(session, inputs.bundle, fp, inbox)
         with self._lock:
             self.engine_fp = self.engine_fp or fp
             if fp != self.engine_fp:
@@ -239,11 +253,37 @@ class GpuFleet:
                 replay = pl.read_parquet(inbox / "golden.parquet")
                 verdict = GoldenReplay(machine=host.id, reference=source, established=False,
                                        **dict(compare_golden(ref, replay, self.spec.golden_tolerance)))
+            verdict = verdict.model_copy(update={"generation": generation})
             self.golden.append(verdict)
         self.echo(f"machine {host.id}: golden replay of {verdict.rows} rows: max |dp| {verdict.max_abs_dp:.3g} "
                   f"({'reference established' if verdict.established else 'against ' + source})")
+        if generation is not None:
+            self.echo(f"machine {host.id}: golden generation of {generation.rows} rows x {generation.tokens} tokens: "
+                      + ("reference established" if generation.established else
+                         "token-identical" if generation.ok else f"{len(generation.differing)}+ rows differ"))
         if not verdict.ok:
             raise GoldenMismatch(host.id, verdict)
+        if generation is not None and not generation.ok:
+            raise GoldenMismatch(host.id, generation)
+
+    def _generation_verdict(self, session: MachineSession, bundle: BundleSummary, fp: EngineFingerprint,
+                            inbox: Path) -> GenerationVerdict | None:
+        """The machine's golden generation against the store's reference for this bundle, engine and GPU
+        models, or established as that reference when there is none; None when the spec asks for none."""
+        replay = inbox / GOLDEN_GENERATION
+        if not self.spec.golden_generation_rows or not replay.exists():
+            return None
+        gpus = machine_gpus(_provenance(session))
+        ref = generation_reference_path(self.store, bundle, fp, gpus, self.spec.golden_generation_rows,
+                                        self.spec.golden_generation_tokens)
+        with self._lock:
+            got = pl.read_parquet(replay)
+            if not ref.exists():
+                write_parquet(got, ref)
+                return GenerationVerdict(ok=True, rows=got.height, tokens=self.spec.golden_generation_tokens,
+                                         reference=str(ref), established=True)
+            return compare_generation(pl.read_parquet(ref), got, source=str(ref),
+                                      tokens=self.spec.golden_generation_tokens)
 
     def _replay(self, session: MachineSession, job: EngineJob, name: str, rows: int, *, first: bool) -> Path:
         """Run the golden job `name` (the bundle's first `rows` rows and the engine fingerprint) on the
@@ -251,15 +291,18 @@ class GpuFleet:
         host, inputs = _machine(session), job.inputs
         inbox = self.store.root / ".machines" / host.id / name
         files = _job_files(job, inbox)
-        machine = (MachineProvenance.model_validate_json(session.provenance_file.read_text())
-                   if session.provenance_file else None)
-        cached = compile_cache_path(self.store, inputs.engine, machine)
+        cached = compile_cache_path(self.store, inputs.engine, _provenance(session))
         brought = cached.exists()
         cache_argv = self._compile_cache_argv(cached, files) if first else []
+        generate = self.spec.golden_generation_rows if first else 0
+        generation_argv = ["--generation-rows", str(min(generate, inputs.bundle.rows)), "--generation-tokens",
+                           str(self.spec.golden_generation_tokens), "--generation-out", GOLDEN_GENERATION] \
+            if generate else []
         remote = RemoteJob(name, ["-m", "jex", "stage", "golden", "--args", "args.json", "--rows", str(rows),
                                   "--out", "golden.parquet", "--fingerprint", "fingerprint.json",
-                                  *self._host_options_argv(host, inputs.engine, inbox, files), *cache_argv],
-                           ["golden.parquet", "fingerprint.json", COMPILE_CACHE], inbox, files=files)
+                                  *self._host_options_argv(host, inputs.engine, inbox, files), *cache_argv,
+                                  *generation_argv],
+                           ["golden.parquet", "fingerprint.json", COMPILE_CACHE, GOLDEN_GENERATION], inbox, files=files)
         self._run(session, remote)
         if first and not brought and (inbox / COMPILE_CACHE).exists():  # the first machine of this engine compiled
             with self._lock:
@@ -494,14 +537,30 @@ def _machine(session: MachineSession) -> Machine:
     return cast(Machine, session.machine)
 
 
+GOLDEN_GENERATION = "generation.parquet"
+"""The golden job's greedy generation (`tasks/capture/golden.py: golden_generation`)."""
+
+
+def _provenance(session: MachineSession) -> MachineProvenance | None:
+    """The machine's `provenance.json` as its bootstrap left it (None before one was collected)."""
+    return MachineProvenance.model_validate_json(session.provenance_file.read_text()) \
+        if session.provenance_file else None
+
+
+def machine_gpus(machine: MachineProvenance | None) -> list[str]:
+    """The machine's GPU models, sorted (from `nvidia-smi -L` in its provenance; [] on a CPU machine)."""
+    return sorted(re.findall(r"GPU \d+: ([^(;]+?) \(", machine.gpus if machine else ""))
+
+
 def compile_cache_path(store: LocalStore, engine: EngineSpec, machine: MachineProvenance | None) -> Path:
     """Where the store keeps the compile cache of an engine on a kind of machine: keyed by what
     compiled code depends on (the engine fingerprint less its renderer, the scheduler's token
     budget, and from the machine's `provenance.json` its GPU models, vLLM and Python), so every
     machine of that kind and every campaign of that engine starts from it. vLLM checks its own
     cache keys again on load."""
-    kind = {"gpus": sorted(re.findall(r"GPU \d+: ([^(;]+?) \(", machine.gpus if machine else "")),
-            "vllm": machine.packages.get("vllm") if machine else None, "python": machine.python if machine else None}
+    gpus: list[JsonValue] = list(machine_gpus(machine))
+    kind: dict[str, JsonValue] = {"gpus": gpus, "vllm": machine.packages.get("vllm") if machine else None,
+                                  "python": machine.python if machine else None}
     key = compile_cache_key(engine, kind)
     return store.root / "compile_cache" / key / COMPILE_CACHE
 

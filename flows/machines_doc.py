@@ -15,7 +15,7 @@ from jex.engine_identity import EngineFingerprint
 from jex.fileio import read_json
 from jex.infra.records import CostLedgerReport, MachineReport, Record
 from jex.tasks.capture.engine_host.protocol import EngineStart
-from jex.tasks.documents import GoldenVerdict
+from jex.tasks.documents import GenerationVerdict, GoldenVerdict
 from jex.tasks.outputs.report import MachinesSection
 
 
@@ -25,6 +25,7 @@ class GoldenReplay(GoldenVerdict):
     machine: str
     reference: str = Field(description="The reference it was compared with, or the file it established")
     established: bool = Field(description="No reference existed: this replay became it (nothing compared)")
+    generation: GenerationVerdict | None = Field(None, description="The golden generation, token for token")
 
 
 class FingerprintMismatch(Record):

@@ -46,6 +46,11 @@ class MachinesSpec(BaseModel):
     golden_rows: int = Field(GOLDEN_ROWS, ge=1, description="Rows replayed before a machine runs its shards (and "
                                                             "proved first by a speculative profile's proof)")
     golden_tolerance: float = Field(1e-4, ge=0, description="Max |dp| of the golden replay")
+    golden_generation_rows: int = Field(8, ge=0, description="Rows whose rationale prompts every machine decodes "
+                                                             "greedily before its shards, token for token against "
+                                                             "the reference of the same bundle, engine and GPU "
+                                                             "models (0: none)")
+    golden_generation_tokens: int = Field(32, ge=1, description="New tokens per golden generation row")
     concurrent: bool = Field(True, description="Machines compute at the same time (off: one after another, e.g. "
                                                "workers emulated on one shared GPU)")
     engine_hosts: bool = Field(True, description="One long-lived engine process per slot serves all of a machine's "

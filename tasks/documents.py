@@ -264,6 +264,19 @@ class GoldenRow(Document):
     argmax_replay: int
 
 
+class GenerationVerdict(Document):
+    """A machine's golden generation (greedy, the reason stage's prompts) against the reference of the
+    same bundle, engine and GPU models (`capture/golden.py: compare_generation`): token for token."""
+
+    ok: bool = Field(description="Every row's tokens identical to the reference's (or this became the reference)")
+    rows: int
+    tokens: int = Field(description="New tokens per row")
+    reference: str = Field(description="The reference file compared with, or the one this generation established")
+    established: bool = Field(False, description="No reference existed: this generation became it")
+    differing: list[str] = Field(default_factory=list, description="Rows whose tokens differ: run_id and the first "
+                                                                   "differing position")
+
+
 class GoldenVerdict(Document):
     """A machine's golden replay compared with the stored reference (`capture/golden.py: compare_golden`)."""
 

@@ -400,6 +400,61 @@ def test_golden_replay_mismatch_stops_the_machine_before_its_shards(tmp_path, mo
     assert not list((tmp_path / "store" / "fast_pass").rglob("shard-*.parquet"))
 
 
+@pytest.mark.slow
+def test_golden_generation_is_token_identical_on_every_machine_or_the_machine_stops(tmp_path, monkeypatch):
+    """The first machine's greedy generation becomes the reference of the bundle, engine and GPU models; the
+    second machine's matches it token for token (the HF engine's lock-step decoder, the CPU twin of vLLM's
+    batch invariance); a machine generating other tokens stops before its shards, naming the row."""
+    import polars as pl
+
+    from jex.engine_spec import EngineSpec
+    from jex.flows.fleet import GoldenMismatch, GpuFleet
+    from jex.sample_suite import write_sample_suite
+    from jex.settings import load_settings
+    from jex.tasks.campaign_spec import MachinesSpec
+    from jex.tasks.capture.stages import bundle_stage
+    from jex.tasks.documents import GenerationVerdict
+    from jex.tasks.inputs import EngineJob, FastPassInputs
+    from jex.tasks.store import LocalStore, write_parquet
+
+    for k, v in _env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    store = LocalStore(tmp_path / "store")
+    bundle = bundle_stage(store, suite=write_sample_suite(tmp_path / "suite", rows=18, seed=1))
+    job = EngineJob(inputs=FastPassInputs(bundle=bundle, engine=EngineSpec(), shard_rows=9), store=str(store.root))
+    spec = MachinesSpec(provider="local", workers=2, concurrent=False, golden_rows=4, golden_generation_rows=3,
+                        golden_generation_tokens=5)
+    with GpuFleet(spec, campaign="g", store=str(store.root), settings=load_settings(), echo=lambda s: None) as fleet:
+        fleet.run_stage(job)
+    first, second = (g.generation for g in fleet.golden)
+    assert first is not None and second is not None
+    assert (first.established, first.ok, first.rows, first.tokens) == (True, True, 3, 5)
+    assert (second.established, second.ok, second.differing) == (False, True, [])
+    assert second.reference == first.reference
+    ref = pl.read_parquet(first.reference)
+    assert ref["run_id"].to_list() == bundle_rows_head(store, bundle, 3)
+    assert all(0 < len(t) <= 5 for t in ref["token_ids"].to_list())
+    drifted = ref.with_columns(pl.when(pl.col("run_id") == ref["run_id"][1])
+                               .then(pl.col("token_ids").list.eval(pl.element() + 1))
+                               .otherwise(pl.col("token_ids")).alias("token_ids"))
+    write_parquet(drifted, Path(first.reference))  # as if the reference machine had decoded otherwise
+    for f in (tmp_path / "store" / "fast_pass").rglob("shard-*.parquet"):
+        f.unlink()
+    again = GpuFleet(spec.model_copy(update={"workers": 1}), campaign="g2", store=str(store.root),
+                     settings=load_settings(), echo=lambda s: None)
+    with pytest.raises(GoldenMismatch, match=f"{ref['run_id'][1]}: token 0") as err, again:
+        again.run_stage(job)
+    assert isinstance(err.value.verdict, GenerationVerdict) and not err.value.verdict.ok
+    assert [j.job for j in again.sessions[0].outcomes] == ["golden"]  # no shard job was started
+    assert not list((tmp_path / "store" / "fast_pass").rglob("shard-*.parquet"))
+
+
+def bundle_rows_head(store, bundle, n: int) -> list[str]:
+    from jex.tasks.capture.stages import _bundle_rows
+
+    return _bundle_rows(bundle, store).head(n)["run_id"].to_list()
+
+
 def test_jex_infra_reconcile_deletes_orphans_from_the_command_line(tmp_path):
     state = tmp_path / "infra"
     orphan = LocalProvider(state / "machines").create(None, "stray")

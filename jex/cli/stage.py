@@ -36,21 +36,27 @@ def stage_golden(args_file: JobOption,
                  rows: Annotated[int, typer.Option(help="Rows from the head of the bundle")] = GOLDEN_ROWS,
                  out: Annotated[Path, typer.Option(help="Readout Parquet")] = Path("golden.parquet"),
                  fingerprint_out: Annotated[Path, typer.Option("--fingerprint")] = Path("fingerprint.json"),
+                 generation_rows: Annotated[int, typer.Option(
+                     help="Rows whose rationale prompts are decoded greedily (0: none)")] = 0,
+                 generation_tokens: Annotated[int, typer.Option(help="New tokens per generated row")] = 32,
+                 generation_out: Annotated[Path, typer.Option(help="Generation Parquet")] = Path("generation.parquet"),
                  host_options: HostOptionsOption = None,
                  compile_cache_in: Annotated[Path | None, typer.Option(
                      help="With --host-options: an earlier machine's compile cache, unpacked before the first "
                           "engine start")] = None,
                  compile_cache_out: Annotated[Path | None, typer.Option(
                      help="With --host-options: write this machine's packed compile cache here")] = None) -> None:
-    """Pre-flight golden replay on a machine: read out the bundle's first `rows` rows (0: none) and
-    record the engine fingerprint; with --host-options on slot 0's engine host. With hosts kept up for
+    """Pre-flight golden replay on a machine: read out the bundle's first `rows` rows (0: none), decode the
+    first `generation_rows` greedily and record the engine fingerprint; with --host-options on slot 0's
+    engine host. With hosts kept up for
     every job (`max_requests` 0), every other slot's engine is started too: beside the replay's when
     engines start together, else right after it."""
     from jex.engine.compile_cache import bring_compile_cache, take_compile_cache
     from jex.tasks.capture.engine_host import HostRequest, run_request
 
     request = HostRequest(job="golden", engine_job=_job(args_file), golden_rows=rows, golden_out=str(out.resolve()),
-                          fingerprint_out=str(fingerprint_out.resolve()))
+                          fingerprint_out=str(fingerprint_out.resolve()), generation_rows=generation_rows,
+                          generation_tokens=generation_tokens, generation_out=str(generation_out.resolve()))
     options = _host_options(host_options)
     home = Path(options.home) if options else None
     serving = options if options and options.max_requests == 0 else None  # hosts kept up for every job

@@ -2,7 +2,10 @@
 
 The readout of the first `rows` rows is compared with a stored reference capture of the same
 engine fingerprint; above the tolerance (max |dp| over every row and option) the machine must not
-run its shards. A re-run is a reproduction, not an improvisation, on every machine.
+run its shards. Greedy generation, where batch variance shows first, is checked too: the first
+`generation_rows` rows' rationale prompts decoded for `tokens` new tokens must be token-identical to
+the reference of the same bundle, engine and GPU models (the first machine's becomes it). A re-run is a
+reproduction, not an improvisation, on every machine.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from jex.tasks.capture.stages import (
     fewshot_pool,
     readouts_frame,
 )
-from jex.tasks.documents import GoldenRow, GoldenVerdict
+from jex.tasks.documents import GenerationVerdict, GoldenRow, GoldenVerdict
 from jex.tasks.inputs import EngineJob, GoldenInputs
 from jex.tasks.records import BundleSummary
 from jex.tasks.store import LocalStore, write_parquet
@@ -40,6 +43,47 @@ def golden_readout(bundle: BundleSummary, engine: EngineSpec, store: LocalStore,
     return readouts_frame(fast_pass(get_engine(engine), chunk, render=engine.render,
                                    fewshot=fewshot_pool(bundle, store, engine), reads=reads),
                           continued_options(chunk, ReadPlan.of(chunk, reads)))
+
+
+def golden_generation(bundle: BundleSummary, engine: EngineSpec, store: LocalStore, rows: int,
+                      tokens: int) -> pl.DataFrame:
+    """run_id, token_ids, text: the greedy generation of the bundle's first `rows` rows' rationale prompts
+    (the reason stage's code path, `tokens` new tokens, no stop sequence, EOS ending a row early)."""
+    from jex.tasks.capture.engine_calls import reason
+
+    chunk = _as_rows(_bundle_rows(bundle, store).head(rows))
+    out = reason(get_engine(engine), chunk, max_tokens=tokens, render=engine.render)
+    return pl.DataFrame({"run_id": [g.run_id for g in out], "token_ids": [list(g.token_ids) for g in out],
+                         "text": [g.text for g in out]},
+                        schema={"run_id": pl.String, "token_ids": pl.List(pl.Int64), "text": pl.String})
+
+
+def generation_reference_path(store: LocalStore, bundle: BundleSummary, engine_fp: EngineFingerprint,
+                              gpus: list[str], rows: int, tokens: int) -> Path:
+    """Where the store keeps the golden generation of a bundle, engine and GPU models (kernels differ
+    across GPU models, so greedy tokens may too; a stack change on the same models must not change them)."""
+    from jex.fileio import sha256_json
+
+    key = sha256_json({"bundle": bundle.key, "engine": engine_fp.key_doc(), "gpus": gpus, "rows": rows,
+                       "tokens": tokens})[:32]
+    return store.root / "golden" / bundle.key / "generation" / key / "reference.parquet"
+
+
+def compare_generation(reference: pl.DataFrame, replay: pl.DataFrame, *, source: str, tokens: int,
+                       worst: int = 5) -> GenerationVerdict:
+    """Token for token: each reference row's tokens against the replay's; a row missing on a side differs."""
+    ref = dict(zip(reference["run_id"], reference["token_ids"].to_list(), strict=True))
+    got = dict(zip(replay["run_id"], replay["token_ids"].to_list(), strict=True))
+    differing = []
+    for rid in sorted(ref.keys() | got.keys()):
+        a, b = ref.get(rid), got.get(rid)
+        if a is None or b is None:
+            differing.append(f"{rid}: missing in {'reference' if a is None else 'replay'}")
+        elif a != b:
+            at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            differing.append(f"{rid}: token {at}")
+    return GenerationVerdict(ok=not differing, rows=len(ref), tokens=tokens, reference=source,
+                             differing=differing[:worst])
 
 
 def reference_path(store: LocalStore, bundle: BundleSummary, engine_fp: EngineFingerprint, rows: int) -> Path:
@@ -93,11 +137,17 @@ def compare_golden(reference: pl.DataFrame, replay: pl.DataFrame, tolerance: flo
                          worst=diffs[:worst], problems=problems[:worst])
 
 
-def golden_job(job: EngineJob, rows: int, out: Path, fingerprint_out: Path) -> None:
-    """What `jex stage golden` runs on a machine: the replay and this machine's engine fingerprint."""
+def golden_job(job: EngineJob, rows: int, out: Path, fingerprint_out: Path,
+               generation: tuple[int, int, Path] | None = None) -> None:
+    """What `jex stage golden` runs on a machine: the replay, this machine's engine fingerprint and, with
+    `generation` (rows, new tokens, Parquet out), the golden generation."""
     from jex.fileio import write_json
 
     engine = job.inputs.engine
     write_json(fingerprint_out, engine_fingerprint(engine).model_dump(mode="json"))
     if rows:  # rows 0: the fingerprint only (there is nothing to compare a replay with)
         write_parquet(golden_readout(job.inputs.bundle, engine, LocalStore(job.store), rows), out)
+    if generation and generation[0]:
+        generate_rows, tokens, generation_out = generation
+        write_parquet(golden_generation(job.inputs.bundle, engine, LocalStore(job.store), generate_rows, tokens),
+                      generation_out)

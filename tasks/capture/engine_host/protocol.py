@@ -92,6 +92,9 @@ class HostRequest(Record):
     golden_rows: int = 0
     golden_out: str = ""
     fingerprint_out: str = ""
+    generation_rows: int = Field(0, description="golden: rows whose rationale prompts are decoded greedily")
+    generation_tokens: int = 0
+    generation_out: str = ""
 
 
 class GoldenDone(BaseModel):

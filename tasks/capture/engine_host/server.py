@@ -217,7 +217,9 @@ def execute(request: HostRequest, progress: Progress | None = None, engine_start
     if request.job == "golden":
         from jex.tasks.capture.golden import golden_job
 
-        golden_job(request.engine_job, request.golden_rows, Path(request.golden_out), Path(request.fingerprint_out))
+        golden_job(request.engine_job, request.golden_rows, Path(request.golden_out), Path(request.fingerprint_out),
+                   (request.generation_rows, request.generation_tokens, Path(request.generation_out))
+                   if request.generation_rows else None)
         return GoldenDone(rows=request.golden_rows)
     share = ShardShare(worker=request.worker, workers=request.workers, claim=request.claim, progress=progress,
                        engine_start_s=engine_start_s)
