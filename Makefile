@@ -62,3 +62,5 @@ lock:
 	/tmp/jex-uv/bin/uv pip compile /tmp/jex-lock.in --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
 		--no-annotate --no-header --no-emit-package jex -q -o /tmp/jex-lock.txt
 	grep -v '^nvidia-\|^triton' /tmp/jex-lock.txt > constraints.txt.tmp && mv constraints.txt.tmp constraints.txt
+	$(VENV)/bin/python -c "import pathlib; from jex.infra.machine import render_stack_locks; \
+		[pathlib.Path('infra', n).write_text(t) for n, t in render_stack_locks(pathlib.Path('constraints.txt').read_text()).items()]"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,10 +167,15 @@ class VLLMEngine(TokenizedEngine):
             kwargs["compilation_config"] = {"cudagraph_mode": self.profile.cudagraph_mode}
         if self.profile.speculative_config:
             kwargs["speculative_config"] = self.profile.speculative_config
-        try:
-            self.llm = LLM(**kwargs)
-        except Exception as e:  # noqa: BLE001 - anything at start-up is fatal for this engine
-            raise EngineDeadError(f"vLLM could not start with {kwargs}: {e}") from e
+        # the weights' sha256 (seconds per GB on a first start) is read beside the engine start, not after it:
+        # hashlib and file reads release the GIL, and the reads leave the files in the page cache vLLM loads from
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="jex-weights-sha256") as hashing:
+            weights = hashing.submit(weights_sha256, self.path)
+            try:
+                self.llm = LLM(**kwargs)
+            except Exception as e:  # noqa: BLE001 - anything at start-up is fatal for this engine
+                raise EngineDeadError(f"vLLM could not start with {kwargs}: {e}") from e
+            self.weights_sha256 = weights.result()
         self.tokenizer = self.llm.get_tokenizer()
         config = getattr(self.llm.llm_engine, "vllm_config", None)
         model_config = getattr(config, "model_config", None) or getattr(self.llm.llm_engine, "model_config", None)
@@ -177,7 +183,6 @@ class VLLMEngine(TokenizedEngine):
         self.batch_size = batch_size
         self.has_token_ids_api = "logprob_token_ids" in getattr(SamplingParams, "__struct_fields__", ()) or \
             "logprob_token_ids" in getattr(SamplingParams, "__annotations__", {})
-        self.weights_sha256 = weights_sha256(self.path)
         self.calls = {"readout": 0, "generate": 0}
 
     def tokenizer_copy(self) -> Any:

@@ -162,13 +162,6 @@ class GpuFleet:
 
         return self.settings.infra.worker_python or (sys.executable if self.spec.provider == "local" else "python3")
 
-    def _stack(self, kind: str) -> str:
-        if kind.startswith("vllm"):
-            from jex.tasks.capture.engine_pool import VLLM_PIN
-
-            return stack_lock({"vllm": VLLM_PIN}, with_torch=False)
-        return stack_lock()
-
     def _start(self, job: EngineJob) -> None:
         """Start the machines (once), each replaying the golden rows before it may run shards."""
         if self.sessions:
@@ -176,7 +169,7 @@ class GpuFleet:
         self.engine = job.inputs.engine
         golden = EngineJob(inputs=FastPassInputs(bundle=job.inputs.bundle, engine=job.inputs.engine, shard_rows=1),
                            store=job.store)
-        self._start_machines(self._stack(job.inputs.engine.kind), tools=required_tools(job.inputs.engine.kind))
+        self._start_machines(stack_lock(job.inputs.engine.kind), tools=required_tools(job.inputs.engine.kind))
         self._each_machine("golden", lambda i, s: self._golden(s, golden))
 
     def _start_machines(self, stack: str, tools: tuple[str, ...] = ()) -> None:
@@ -376,7 +369,7 @@ class GpuFleet:
         its outputs into `job.out`."""
         if not self.sessions:
             vllm = next((k for k in job.engine_kinds() if k.startswith("vllm")), "hf")
-            self._start_machines(self._stack(vllm), tools=required_tools(vllm))
+            self._start_machines(stack_lock(vllm), tools=required_tools(vllm))
         session, name = self.sessions[0], self._job_name(f"lab-{job.kind}", sha256_json(job.model_dump(mode="json")))
         inbox = self.store.root / ".machines" / _machine(session).id / name
         inbox.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ for line in open(sys.argv[1]):
         have = version(name)
     except PackageNotFoundError:
         have = None
-    if have != want:
+    if have != want and (have or "").split("+")[0] != want:  # ==2.13.0 takes 2.13.0+cpu, as pip's PEP 440 does
         print(f"{name}: want {want}, have {have}")
 EOF
 }

@@ -22,7 +22,6 @@ import tarfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -194,17 +193,37 @@ def required_tools(engine_kind: str) -> tuple[str, ...]:
     return next((tools for prefix, tools in ENGINE_TOOLS.items() if engine_kind.startswith(prefix)), ())
 
 
-def stack_lock(extra: dict[str, str] | None = None, *, with_torch: bool = True) -> str:
-    """Pins of the worker's runtime stack: this orchestrator's versions, plus `extra` (e.g. vllm)."""
-    names = (("torch",) if with_torch else ()) + STACK_PACKAGES
-    pins = {}
-    for name in names:
-        try:
-            pins[name] = version(name)
-        except PackageNotFoundError:
-            continue
-    pins.update(extra or {})
-    return "".join(f"{k}=={v}\n" for k, v in sorted(pins.items()))
+STACK_LOCKS = {"hf": "stack-hf.lock", "vllm": "stack-vllm.lock"}
+"""The machines' stacks, one lock file each beside this module (package data): the project's pins, never
+the orchestrator's installed versions (upgrading a library where the orchestrator runs must not change
+what a machine computes with). `make lock` writes them from constraints.txt (`render_stack_locks`)."""
+ENGINE_PINS = {"hf": {}, "vllm": {"vllm": "0.22.1", "torch": "2.11.0"}}
+"""Pins of an engine's stack that constraints.txt (the CPU orchestrator's) does not hold: vLLM, and the
+torch its release pins (vLLM 0.22.1: torch 2.11.0). The engine's own pin (`VLLM_PIN`) must agree."""
+
+
+def stack_lock(engine_kind: str = "hf") -> str:
+    """The pip requirement pins of the stack a machine runs `engine_kind` ('hf', 'vllm', 'vllm-control'...) on."""
+    name = STACK_LOCKS["vllm" if engine_kind.startswith("vllm") else "hf"]
+    return (Path(__file__).parent / name).read_text(encoding="utf-8")
+
+
+def render_stack_locks(constraints: str) -> dict[str, str]:
+    """Each stack lock's text from the project's constraints (`name==version` lines): the stack packages'
+    pins, torch's on the HF stack, and the engine's own pins (`ENGINE_PINS`)."""
+    pinned = {}
+    for line in constraints.splitlines():
+        name, sep, ver = line.strip().partition("==")
+        if sep and not name.startswith(("-", "#")):
+            pinned[name.lower()] = ver
+    missing = [n for n in (*STACK_PACKAGES, "torch") if n not in pinned]
+    if missing:
+        raise ValueError(f"constraints.txt pins none of {missing}")
+    out = {}
+    for kind, name in STACK_LOCKS.items():
+        pins = {n: pinned[n] for n in STACK_PACKAGES} | {"torch": pinned["torch"]} | ENGINE_PINS[kind]
+        out[name] = "".join(f"{k}=={v}\n" for k, v in sorted(pins.items()))
+    return out
 
 
 def _safe_rel(path: str) -> str:
@@ -238,7 +257,7 @@ class MachineSession:
         self.policy = policy or Policy()
         self.label, self.python_hint = label, python
         self.state_dir = Path(state_dir or ledger.path.parent)
-        self.stack = stack if stack is not None else stack_lock()
+        self.stack = stack if stack is not None else stack_lock("hf")
         self.s3, self.echo, self.on_poll = s3, echo or (lambda s: log.info("%s", s)), on_poll
         self._started = StartedMachine(machine, provider.shell(machine)) if machine is not None else None
         """None until `start` (a session given a `machine` adopts it: a reconcile)."""

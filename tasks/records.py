@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, TypedDict, get_args
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, JsonValue
 
 from jex.engine_identity import EngineFingerprint
 from jex.record import Record
@@ -48,6 +48,11 @@ class ShardWork(Record):
     compute_seconds: float = 0.0
     computed_rows: int = 0
     engine_start_seconds: float = Field(0.0, description="Seconds spent starting the engine for this work")
+    stacks: list[dict[str, JsonValue]] = Field(
+        default_factory=list, description="Provenance, never keyed: the engine stack that computed the shards as "
+                                          "the engine reported it where it ran (`engine_stack`: versions of vLLM, "
+                                          "torch, triton, CUDA, the driver, the GPU, VLLM_* settings, the engine "
+                                          "profile), one entry per distinct stack")
 
 
 class PartialSummary(ShardWork):

@@ -35,7 +35,7 @@ from jex.settings import BOOTSTRAP_DRAWS
 pytestmark = pytest.mark.slow
 
 TOL = 1e-4
-LONG_SEQUENCE_TOL = {"fid_mc2": 2e-4, "fid_hs": 2e-4, "fid_piqa": 2e-4}
+LONG_SEQUENCE_TOL = {"fid_mc1": 2e-4, "fid_mc2": 2e-4, "fid_hs": 2e-4, "fid_piqa": 2e-4}
 """Where a log-likelihood sums many tokens (TruthfulQA's ~250-token six-shot preamble; HellaSwag's and PIQA's
 sentence-long continuations, log-likelihoods near -47), the fp32 numbers of jex's HF engine (packed,
 per-row attention: batch invariant) and lm-eval's HF backend (padded batches) differ by up to 1.35e-4
@@ -129,7 +129,7 @@ METRICS_TASK, BINARY_TASK = "fid_metrics", "fid_binary"
 applies lm-eval's own aggregation and bootstrap to the CLI's predictions on the same documents instead."""
 MEAN_METRICS = ("acc", "acc_norm", "acc_bytes", "exact_match", "brier_score")
 BINARY_METRICS = ("f1", "mcc")
-TASKS = ("fid_text", "fid_letters", *SHIPPED, METRICS_TASK)
+TASKS = ("fid_text", "fid_letters", *SHIPPED, METRICS_TASK, "fid_mc1")
 ALL_TASKS = (*TASKS, "fid_mc2", "fid_wino")
 REQUESTED = (*(t for t in ALL_TASKS if not t.startswith("fid_mmlu")), MMLU_GROUP)
 """What both tools are asked for: every task, the two MMLU subjects through their group."""
@@ -174,6 +174,9 @@ def task_dir(tmp_path_factory) -> Path:
     import lm_eval.tasks
 
     shipped = Path(lm_eval.tasks.__file__).parent / "truthfulqa" / "truthfulqa_mc2.yaml"
+    (d / "fid_mc1.yaml").write_text(f"include: {shipped.parent / 'truthfulqa_mc1.yaml'}\ntask: fid_mc1\ntag: []\n"
+                                    f"dataset_path: json\ndataset_name: null\ndataset_kwargs:\n  data_files:\n"
+                                    f"    validation: {d / 'mc2.jsonl'}\n")
     (d / "fid_mc2.yaml").write_text(f"include: {shipped}\ntask: fid_mc2\ntag: []\ndataset_path: json\n"
                                     f"dataset_name: null\ndataset_kwargs:\n  data_files:\n"
                                     f"    validation: {d / 'mc2.jsonl'}\n")

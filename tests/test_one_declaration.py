@@ -63,3 +63,20 @@ def test_the_machine_budget_has_one_set_of_names():
     assert budget <= set(MachinesSpec.model_fields) & set(InfraSettings.model_fields)
     assert budget <= {f.name for f in dataclasses.fields(Policy)}
     assert files_saying("wall_budget_s") == []
+
+
+def test_the_machine_stacks_are_the_projects_locks_written_from_its_constraints():
+    """A machine's stack comes from lock files the project owns, as `make lock` writes them from
+    constraints.txt, never from the orchestrator's installed versions; vLLM's pin agrees everywhere."""
+    import tomllib
+
+    from jex.engine.vllm_engine import VLLM_PIN
+    from jex.infra.machine import ENGINE_PINS, STACK_LOCKS, render_stack_locks, stack_lock
+
+    rendered = render_stack_locks((ROOT / "constraints.txt").read_text())
+    assert {name: (ROOT / "infra" / name).read_text() for name in STACK_LOCKS.values()} == rendered
+    assert stack_lock("hf") == rendered["stack-hf.lock"]
+    assert stack_lock("vllm") == stack_lock("vllm-control") == rendered["stack-vllm.lock"]
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert extra == [f"vllm=={VLLM_PIN}"] and ENGINE_PINS["vllm"]["vllm"] == VLLM_PIN
+    assert f"vllm=={VLLM_PIN}\n" in stack_lock("vllm") and "vllm==" not in stack_lock("hf")

@@ -10,6 +10,7 @@ through `engine_job.run_engine_job`.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, TypedDict, TypeVar
 
 import polars as pl
+from pydantic import JsonValue
 
 from jex.engine.base import ChatTokenizer
 from jex.engine.types import (
@@ -29,7 +31,7 @@ from jex.engine.types import (
     RefusalKind,
 )
 from jex.engine_spec import EngineSpec, RenderSpec
-from jex.fileio import sha256_file
+from jex.fileio import canonical_json, sha256_file
 from jex.numerics import length_normalised_choice
 from jex.store_layout import SUCCESS, shards_dir, stage_dir
 from jex.tasks.cached_stage import CachedStage
@@ -228,7 +230,8 @@ def _sharded(stage: Literal["fast_pass", "reason"], out: StageDir, rows: list[Ca
     if stats.computed:
         record_work(shards, ShardWork(computed_shards=stats.computed, compute_seconds=stats.compute_seconds,
                                       computed_rows=stats.computed_rows,
-                                      engine_start_seconds=share.engine_start_s + stats.start_seconds))
+                                      engine_start_seconds=share.engine_start_s + stats.start_seconds,
+                                      stacks=[engine_stack(get_engine(engine))]))
     if (share.workers > 1 or share.claim) and len(list(shards.glob("shard-*.parquet"))) < stats.shards:
         return partial_summary(stage, out.key, stats)
     return shards, stats
@@ -248,6 +251,21 @@ def record_work(shards: Path, work: ShardWork) -> None:
     write_json(shards / f".work-{uuid.uuid4().hex}.json", work.model_dump(mode="json"))
 
 
+RUN_DESCRIBING = ("model_path", "vllm_config", "batch_size")
+"""Engine provenance that describes one process rather than the stack (paths, the full config dump, the
+caller's batch shape): left out of `engine_stack`, so every machine of one stack records the same entry."""
+
+
+def engine_stack(engine: Any) -> dict[str, JsonValue]:
+    """The engine's provenance as it reports it in this process (`Engine.provenance`), less what describes
+    only this process (`RUN_DESCRIBING`): for vLLM its version, torch, triton, CUDA, the driver, the GPU,
+    the VLLM_* environment and the profile (CUDA-graph mode included)."""
+    block = {k: v for k, v in engine.provenance().items() if k not in RUN_DESCRIBING}
+    if isinstance(block.get("environment"), dict):  # which GPU of the machine: not the stack
+        block["environment"] = {k: v for k, v in block["environment"].items() if k != "CUDA_VISIBLE_DEVICES"}
+    return block
+
+
 def _shard_fields(stats: ShardStats, shards: Path) -> ShardFields:
     """The stage's shard counters: its own shards, and the seconds and rows of every record of work
     beside them (`WORK_RECORDS`: this call's and those of the processes and machines that computed the rest)."""
@@ -255,7 +273,8 @@ def _shard_fields(stats: ShardStats, shards: Path) -> ShardFields:
     return {"shards": stats.shards, "computed_shards": stats.computed, "reused_shards": stats.reused,
             "compute_seconds": sum(w.compute_seconds for w in works),
             "computed_rows": sum(w.computed_rows for w in works),
-            "engine_start_seconds": sum(w.engine_start_seconds for w in works)}
+            "engine_start_seconds": sum(w.engine_start_seconds for w in works),
+            "stacks": [json.loads(t) for t in dict.fromkeys(canonical_json(st) for w in works for st in w.stacks)]}
 
 
 def failed_rows(shards: Path, stats: ShardStats, frame: pl.DataFrame) -> list[FailedRow] | None:
@@ -273,6 +292,7 @@ class ShardFields(TypedDict):
     compute_seconds: float
     computed_rows: int
     engine_start_seconds: float
+    stacks: list[dict[str, JsonValue]]
 
 
 def _fast_pass(out: StageDir, store: LocalStore, inputs: FastPassInputs,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,8 @@ def render_report(name: str, docs: RunDocs, s: FinishedCampaign, timings: dict[s
                   score_spec: ScoreSpec | None = None) -> str:
     """`report.md` of a finished run; `notes`: lines after the score (`prompt_notes`, `OWN_CLUSTERS`);
     `score_spec`: the suite's, for the per-area table."""
-    lines = [f"# Campaign report: {name}", "", *_headline(docs, s.fast_pass.engine), *_fold_section(docs.fold, s.gate),
+    lines = [f"# Campaign report: {name}", "", *_headline(docs, s.fast_pass.engine), *_stack_lines(s.fast_pass.stacks),
+             *_fold_section(docs.fold, s.gate),
              *_score_section(docs.policy, score_spec), *notes,
              *_calibration_section(docs.calibration), "## Overlays", ""]
     applied = [f"- `{a['id']}` on `{a['target']}`: {a['changed']} choices changed" for a in s.overlay.applied]
@@ -137,6 +138,19 @@ def _headline(docs: RunDocs, engine: EngineFingerprint) -> list[str]:
             f"overlays; the fold alone has a paired 95% CI of {dlo:+.2f} to {dhi:+.2f}.", "",
             f"Engine: `{engine.kind}`, weights sha256 `{engine.weights_sha256[:16]}…`, "
             f"renderer `{engine.renderer.version}`.", ""]
+
+
+STACK_FIELDS = ("vllm", "torch", "triton", "transformers", "cuda", "driver", "gpu", "device_type")
+"""What the report shows of each engine stack that computed the fast pass (the whole block is in the stage's
+`_SUCCESS.json`, `stacks`)."""
+
+
+def _stack_lines(stacks: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The engine stacks the fast pass ran on, as read where its shards were computed."""
+    if not stacks:
+        return []
+    shown = ["; ".join(f"{k} {st[k]}" for k in STACK_FIELDS if st.get(k) is not None) for st in stacks]
+    return [f"Engine stack (read where the fast pass ran): {' | '.join(f'`{x}`' for x in shown)}.", ""]
 
 
 def _fold_section(fold: FoldDoc, gate: GateSummary) -> list[str]:
