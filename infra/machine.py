@@ -197,9 +197,11 @@ STACK_LOCKS = {"hf": "stack-hf.lock", "vllm": "stack-vllm.lock"}
 """The machines' stacks, one lock file each beside this module (package data): the project's pins, never
 the orchestrator's installed versions (upgrading a library where the orchestrator runs must not change
 what a machine computes with). `make lock` writes them from constraints.txt (`render_stack_locks`)."""
-ENGINE_PINS = {"hf": {}, "vllm": {"vllm": "0.22.1", "torch": "2.11.0"}}
-"""Pins of an engine's stack that constraints.txt (the CPU orchestrator's) does not hold: vLLM, and the
-torch its release pins (vLLM 0.22.1: torch 2.11.0). The engine's own pin (`VLLM_PIN`) must agree."""
+ENGINE_PINS = {"hf": {}, "vllm": {"vllm": "0.22.1", "torch": "2.11.0", "transformers": "5.17.0"}}
+"""The pins of an engine's stack that are not constraints.txt's (the CPU orchestrator's): for vLLM the
+stack its audit and the side-by-side runs were measured on (H200, 2026-12-04: vLLM 0.22.1, the torch its
+release pins, 2.11.0, and transformers 5.17.0; `bench/results/h200-gpu-peer-text-2026-12-04.json`). The
+engine's own pin (`VLLM_PIN`) must agree."""
 
 
 def stack_lock(engine_kind: str = "hf") -> str:
