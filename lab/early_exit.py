@@ -3,9 +3,10 @@
 For each probed row the rationale is generated once (greedy). At every `every`-th generated token m
 the probe reads two things:
 
-- the **free gate**: the rank and log-prob of the end-of-sequence token as the next token after the
+- the **free gate**: the rank and log-prob of the end-of-thought token as the next token after the
   first m rationale tokens (rank 1 = the model would end its thought here, so a decoder could stop
-  for free);
+  for free); the token is the model's end of sequence unless `end_of_thought` names another (a
+  reasoning model's `</think>`, one token in its vocabulary);
 - the **checkpoint answer**: the options re-read after the first m tokens (the same re-read slot
   the reason stage uses after a whole rationale), i.e. the answer if the rationale were cut at m.
 
@@ -14,9 +15,13 @@ answer, correct rows lost, and a token cost (mean of min(m, length)); the report
 checkpoint and the first m whose accuracy is no worse than the full rationale's.
 
 Beside "cut at m", the **stable-margin rule** (tau, k): a row exits at the first checkpoint where the
-checkpoint answer's margin (top-1 minus top-2 log-odds) has been above tau for k consecutive
-checkpoints inside its rationale, answering there; a row that never qualifies keeps its whole rationale.
-The report lists each (tau, k) of a small grid with its accuracy and tokens saved.
+checkpoint answer has stayed the same, with its margin (top-1 minus top-2 log-odds) above tau, for k
+consecutive checkpoints inside its rationale, answering there; a row that never qualifies keeps its
+whole rationale. The report lists each (tau, k) of a small grid with its accuracy and tokens saved.
+
+The probed rows are the ones the coverage gate would send to reasoning first, among a pool drawn from
+each catalog in turn, each catalog's rows in a seeded random order (`pick_gated`): a stratified sample,
+not the head of each catalog.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from jex.engine.render import DEFAULT_RENDER
 from jex.engine.types import NextTokenRequest, ReadoutMode, ReadoutRequest
 from jex.engine_spec import RenderSpec
-from jex.numerics import argmax
+from jex.numerics import argmax, named_rng
+from jex.settings import BOOTSTRAP_SEED
 from jex.tasks.capture.engine_calls import CaptureRow, as_row, margin, reason, reason_prompts
 
 DEFAULT_TAUS = (1.0, 2.0, 3.0)
@@ -73,6 +79,7 @@ class ProbeResult(BaseModel):
     rows: int
     every: int
     max_tokens: int
+    end_of_thought: str | None = Field(None, description="The token the free gate watched; None: end of sequence")
     engine: dict[str, Any]
     full_accuracy: float
     mean_rationale_tokens: float
@@ -87,19 +94,32 @@ class ProbeResult(BaseModel):
     stable_margin: list[StableMarginStats] = Field(default_factory=list, description="The (tau, k) grid")
 
 
+def end_of_thought_id(tokenizer: Any, end_of_thought: str | None) -> int:
+    """The token id the free gate watches: the tokenizer's end of sequence, or `end_of_thought` when it is
+    one token of the vocabulary (refused otherwise: a gate on part of a string would fire on prefixes)."""
+    if end_of_thought is None:
+        return int(tokenizer.eos_token_id)
+    ids = tokenizer.encode(end_of_thought, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"end-of-thought {end_of_thought!r} is {len(ids)} tokens ({ids}) in this tokenizer; "
+                         "the free gate watches one token")
+    return int(ids[0])
+
+
 def probe_rows(engine: Any, rows: Sequence[CaptureRow], *, every: int, max_tokens: int,
                render: RenderSpec = DEFAULT_RENDER, taus: Sequence[float] = DEFAULT_TAUS,
-               ks: Sequence[int] = DEFAULT_KS) -> ProbeResult:
-    """Generate each row's rationale, then read the free gate and the answer at every checkpoint; the
-    stable-margin rule is judged for every (tau, k) of `taus` x `ks`."""
+               ks: Sequence[int] = DEFAULT_KS, end_of_thought: str | None = None) -> ProbeResult:
+    """Generate each row's rationale, then read the free gate (`end_of_thought`, default the end of
+    sequence) and the answer at every checkpoint; the stable-margin rule is judged for every (tau, k) of
+    `taus` x `ks`."""
     if every < 1:
         raise ValueError(f"every must be >= 1, got {every}")
     if any(k < 1 for k in ks):
         raise ValueError(f"every k must be >= 1, got {list(ks)}")
+    watched = end_of_thought_id(engine.tokenizer, end_of_thought)
     prompts = reason_prompts(engine, rows, render)
     gens = reason(engine, rows, max_tokens=max_tokens, render=render)
     renderer = engine.renderer(render)
-    eos = engine.tokenizer.eos_token_id
     marks = list(range(every, max_tokens + 1, every))
     # checkpoint answers: the re-read after min(m, length) tokens, each distinct cut read once
     cuts: dict[tuple[int, int], str] = {}
@@ -118,20 +138,25 @@ def probe_rows(engine: Any, rows: Sequence[CaptureRow], *, every: int, max_token
     margins = {key: margin(r.logprobs) for key, r in zip(keys, readouts, strict=True)}
     inside = [(i, m) for i, g in enumerate(gens) for m in marks if m < len(g.token_ids)]
     stats = engine.next_token([NextTokenRequest(f"{rows[i].run_id}@{m}", prompts[i], tuple(gens[i].token_ids[:m]),
-                                                (eos,)) for i, m in inside])
+                                                (watched,)) for i, m in inside])
     fired = {(i, m) for (i, m), st in zip(inside, stats, strict=True) if st.ranks and st.ranks[0] == 1}
-    result = _summarise(engine, rows, gens, answer, marks, inside, fired, every=every, max_tokens=max_tokens)
+    result = _summarise(engine, rows, gens, answer, marks, inside, fired, every=every, max_tokens=max_tokens,
+                        end_of_thought=end_of_thought)
     lengths = [len(g.token_ids) for g in gens]
     grid = [stable_margin_stats(rows, lengths, answer, margins, marks, tau=t, k=k) for t in taus for k in ks]
     return result.model_copy(update={"stable_margin": grid})
 
 
-def stable_exit(margins: Sequence[float | None], *, tau: float, k: int) -> int | None:
-    """Index of the first checkpoint that closes a run of `k` consecutive margins above `tau`; None: no exit.
-    An unread margin (None) breaks the run."""
+def stable_exit(margins: Sequence[float | None], answers: Sequence[int | None], *, tau: float, k: int) -> int | None:
+    """Index of the first checkpoint that closes a run of `k` consecutive checkpoints with the same answer,
+    each with its margin above `tau`; None: no exit. An unread margin (None) breaks the run; a changed
+    answer starts a new one."""
     run = 0
     for j, m in enumerate(margins):
-        run = run + 1 if m is not None and m > tau else 0
+        if m is None or not m > tau:
+            run = 0
+        else:
+            run = run + 1 if run and answers[j] == answers[j - 1] else 1
         if run >= k:
             return j
     return None
@@ -147,7 +172,7 @@ def stable_margin_stats(rows: Sequence[CaptureRow], lengths: Sequence[int],
     for i, row in enumerate(rows):
         length = lengths[i]
         inside = [m for m in marks if m < length]
-        j = stable_exit([margins[(i, m)] for m in inside], tau=tau, k=k)
+        j = stable_exit([margins[(i, m)] for m in inside], [answer[(i, m)] for m in inside], tau=tau, k=k)
         stop = inside[j] if j is not None else length
         exited += j is not None
         spent.append(stop)
@@ -162,7 +187,7 @@ def stable_margin_stats(rows: Sequence[CaptureRow], lengths: Sequence[int],
 
 def _summarise(engine: Any, rows: Sequence[CaptureRow], gens: Sequence[Any], answer: dict[tuple[int, int], int | None],
                marks: list[int], inside: list[tuple[int, int]], fired: set[tuple[int, int]], *, every: int,
-               max_tokens: int) -> ProbeResult:
+               max_tokens: int, end_of_thought: str | None) -> ProbeResult:
     n = len(rows)
     lengths = [len(g.token_ids) for g in gens]
     full = [answer[(i, lengths[i])] for i in range(n)]
@@ -181,7 +206,8 @@ def _summarise(engine: Any, rows: Sequence[CaptureRow], gens: Sequence[Any], ans
     full_acc = sum(right) / n if n else math.nan
     match = next((c for c in checkpoints if c.accuracy >= full_acc), None)
     return ProbeResult(
-        rows=n, every=every, max_tokens=max_tokens, engine=engine.provenance(), full_accuracy=full_acc,
+        rows=n, every=every, max_tokens=max_tokens, end_of_thought=end_of_thought, engine=engine.provenance(),
+        full_accuracy=full_acc,
         mean_rationale_tokens=sum(lengths) / n if n else 0.0, gate_checkpoints=len(inside), gate_fired=len(fired),
         gate_fire_rate=len(fired) / len(inside) if inside else 0.0,
         gate_tokens_saved=sum(lengths[i] - m for i, m in first_fire.items()),
@@ -235,23 +261,16 @@ def plot(result: ProbeResult, path: Path) -> None:
 
 
 def pick_gated(engine: Any, rows: Sequence[CaptureRow], n: int, *, render: RenderSpec = DEFAULT_RENDER,
-               pool: int | None = None) -> list[CaptureRow]:
+               pool: int | None = None, seed: int = BOOTSTRAP_SEED) -> list[CaptureRow]:
     """The `n` rows the coverage gate would send to reasoning first: the smallest fast-pass margins
-    among a pool of rows taken evenly from each catalog (default pool 4n; the whole suite if smaller)."""
+    among a pool (default 4n; the whole suite if smaller) drawn from each catalog in turn, each catalog's
+    rows in the order of a random draw seeded by `seed` and the catalog (`stratified_pool`)."""
     import polars as pl
 
     from jex.tasks.capture.engine_calls import fast_pass
     from jex.tasks.probabilities.coverage_gate import coverage_gate
 
-    size = min(len(rows), pool or 4 * n)
-    by_catalog: dict[str | None, list[CaptureRow]] = {}
-    for r in rows:
-        by_catalog.setdefault(r.catalog, []).append(r)
-    candidates: list[CaptureRow] = []
-    while len(candidates) < size:  # one row of each catalog in turn, in suite order
-        for queue in by_catalog.values():
-            if queue and len(candidates) < size:
-                candidates.append(queue.pop(0))
+    candidates = stratified_pool(rows, min(len(rows), pool or 4 * n), seed=seed)
     readouts = fast_pass(engine, candidates, render=render)
     panel = pl.DataFrame({"run_id": [r.run_id for r in candidates], "catalog": [r.catalog or "" for r in candidates],
                           "logprobs": [list(r.logprobs) if r.logprobs else None for r in readouts]},
@@ -259,6 +278,23 @@ def pick_gated(engine: Any, rows: Sequence[CaptureRow], n: int, *, render: Rende
     gated = coverage_gate(panel, coverage=min(1.0, n / len(candidates)))["run_id"].to_list()[:n]
     index = {r.run_id: r for r in candidates}
     return [index[i] for i in gated]
+
+
+def stratified_pool(rows: Sequence[CaptureRow], size: int, *, seed: int) -> list[CaptureRow]:
+    """`size` rows, one of each catalog in turn (catalogs in suite order), each catalog's rows in the
+    order of a permutation drawn from `named_rng(seed, "early-exit:<catalog>")`: the same pool for the same
+    suite and seed, whatever the other catalogs hold."""
+    by_catalog: dict[str | None, list[CaptureRow]] = {}
+    for r in rows:
+        by_catalog.setdefault(r.catalog, []).append(r)
+    queues = [[group[i] for i in named_rng(seed, f"early-exit:{catalog}").permutation(len(group))]
+              for catalog, group in by_catalog.items()]
+    out: list[CaptureRow] = []
+    while len(out) < size:
+        for queue in queues:
+            if queue and len(out) < size:
+                out.append(queue.pop(0))
+    return out
 
 
 def suite_rows(source: str | Path, workdir: Path) -> list[CaptureRow]:

@@ -18,6 +18,7 @@ from pydantic import Field, JsonValue
 from jex.engine_spec import EngineSpec
 from jex.fileio import read_json, write_json, write_text
 from jex.record import Record
+from jex.settings import BOOTSTRAP_SEED
 
 
 class ProbeJob(Record):
@@ -33,7 +34,10 @@ class ProbeJob(Record):
     engine: EngineSpec = Field(EngineSpec(), description="The engine that writes and re-reads the rationales")
     taus: list[float] | None = Field(None, description="Stable-margin exit: margin thresholds (log-odds)")
     ks: list[Annotated[int, Field(ge=1)]] | None = Field(None, description="Stable-margin exit: consecutive "
-                                                                           "checkpoints above tau")
+                                                                           "checkpoints above tau, same answer")
+    end_of_thought: str | None = Field(None, description="The one token the free gate watches (e.g. </think>); "
+                                                         "empty: the model's end of sequence")
+    seed: int = Field(BOOTSTRAP_SEED, description="Seed of the stratified draw of the rows the gate picks from")
 
 
 class ParityJob(Record):
@@ -147,9 +151,9 @@ def _probe(spec: ProbeJob, out: Path) -> None:
     from jex.tasks.capture.engine_pool import get_engine
 
     eng = get_engine(spec.engine)
-    picked = pick_gated(eng, suite_rows(spec.suite, out), spec.rows, render=spec.engine.render)
+    picked = pick_gated(eng, suite_rows(spec.suite, out), spec.rows, render=spec.engine.render, seed=spec.seed)
     result = probe_rows(eng, picked, every=spec.every, max_tokens=spec.max_tokens, render=spec.engine.render,
-                        taus=spec.taus or DEFAULT_TAUS, ks=spec.ks or DEFAULT_KS)
+                        taus=spec.taus or DEFAULT_TAUS, ks=spec.ks or DEFAULT_KS, end_of_thought=spec.end_of_thought)
     write_json(out / "probe.json", result.model_dump(mode="json"))
     write_text(out / "probe.md", markdown(result))
     plot(result, out / "probe.png")

@@ -59,24 +59,44 @@ def test_stable_exit_waits_for_k_consecutive_margins_above_tau():
     from jex.lab.early_exit import stable_exit
 
     margins = [3.0, 0.5, 3.0, None, 3.0, 3.0, 3.0]
-    assert stable_exit(margins, tau=2.0, k=1) == 0
-    assert stable_exit(margins, tau=2.0, k=2) == 5  # the dip at 1 and the unread margin at 3 break the run
-    assert stable_exit(margins, tau=2.0, k=4) is None
-    assert stable_exit(margins, tau=3.0, k=1) is None  # strictly above tau
+    same = [0] * len(margins)
+    assert stable_exit(margins, same, tau=2.0, k=1) == 0
+    assert stable_exit(margins, same, tau=2.0, k=2) == 5  # the dip at 1 and the unread margin at 3 break the run
+    assert stable_exit(margins, same, tau=2.0, k=4) is None
+    assert stable_exit(margins, same, tau=3.0, k=1) is None  # strictly above tau
 
 
-def test_stable_margin_stats_count_exits_savings_and_lost_answers():
-    from jex.lab.early_exit import stable_margin_stats
+def test_stable_exit_needs_the_answer_to_stay_the_same():
+    from jex.lab.early_exit import stable_exit
+
+    margins = [5.0, 5.0, 5.0, 5.0]
+    assert stable_exit(margins, [0, 1, 0, 0], tau=2.0, k=2) == 3  # confident flips restart the run
+    assert stable_exit(margins, [0, 1, 2, 3], tau=2.0, k=2) is None
+    assert stable_exit(margins, [0, 1, 2, 3], tau=2.0, k=1) == 0
+
+
+def test_the_probe_pool_is_a_seeded_draw_from_each_catalog_in_turn():
+    from jex.lab.early_exit import stratified_pool
     from jex.tasks.capture.engine_calls import CaptureRow
 
-    rows = [CaptureRow(f"r{g}", "p", ("A", "B"), ("x", "y"), gold=g) for g in (0, 1)]
-    lengths = [12, 10]
-    marks = [4, 8, 12]
-    # r0: confident from 4 tokens on, right; r1: confidently wrong at 4 and 8, right after its whole rationale
-    answer = {(0, 4): 0, (0, 8): 0, (0, 12): 0, (1, 4): 0, (1, 8): 0, (1, 10): 1}
-    margins = {(0, 4): 5.0, (0, 8): 5.0, (0, 12): 5.0, (1, 4): 4.0, (1, 8): 4.0, (1, 10): 1.0}
-    stats = stable_margin_stats(rows, lengths, answer, margins, marks, tau=3.0, k=2)
-    assert (stats.exited, stats.tokens_saved, stats.mean_tokens_spent) == (2, (12 - 8) + (10 - 8), 8.0)
-    assert (stats.accuracy, stats.flips, stats.correct_lost) == (0.5, 1, 1)
-    strict = stable_margin_stats(rows, lengths, answer, margins, marks, tau=4.5, k=2)
-    assert (strict.exited, strict.accuracy, strict.correct_lost) == (1, 1.0, 0)
+    rows = [CaptureRow(f"{c}{i}", "p", ("A", "B"), ("x", "y"), gold=0, catalog=c) for c in "ab" for i in range(20)]
+    pool = stratified_pool(rows, 10, seed=7)
+    assert [r.catalog for r in pool] == list("ababababab")
+    assert [r.run_id for r in pool] != ["a0", "b0", "a1", "b1", "a2", "b2", "a3", "b3", "a4", "b4"]  # not the head
+    assert pool == stratified_pool(rows, 10, seed=7) != stratified_pool(rows, 10, seed=8)
+    alone = stratified_pool([r for r in rows if r.catalog == "a"], 5, seed=7)
+    assert [r.run_id for r in alone] == [r.run_id for r in pool if r.catalog == "a"]  # whatever catalog b holds
+
+
+def test_the_free_gate_watches_a_named_end_of_thought_token_of_one_token(embedded_model_dir):
+    import pytest
+    from transformers import AutoTokenizer
+
+    from jex.lab.early_exit import end_of_thought_id
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
+    assert end_of_thought_id(tokenizer, None) == tokenizer.eos_token_id
+    (im_end,) = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    assert end_of_thought_id(tokenizer, "<|im_end|>") == im_end
+    with pytest.raises(ValueError, match="'</think>' is [2-9] tokens"):  # not a token of SmolLM2's vocabulary
+        end_of_thought_id(tokenizer, "</think>")

@@ -36,6 +36,8 @@ def early_exit(suite: Annotated[Path, field_option(ProbeJob, "suite")],
                    ProbeJob, "taus", more=f"; repeat for a grid [default: {_grid(DEFAULT_TAUS)}]")] = None,
                k: Annotated[list[int] | None, field_option(
                    ProbeJob, "ks", more=f"; repeat for a grid [default: {_grid(DEFAULT_KS)}]")] = None,
+               end_of_thought: Annotated[str | None, field_option(ProbeJob, "end_of_thought")] = None,
+               seed: Annotated[int, field_option(ProbeJob, "seed")] = field_default(ProbeJob, "seed"),
                provider: Provider = None) -> None:
     """For N gated rows: the free gate's fire rate and, per checkpoint, accuracy, flips and tokens saved."""
     from jex.cli import preflight
@@ -51,7 +53,8 @@ def early_exit(suite: Annotated[Path, field_option(ProbeJob, "suite")],
         preflight.choice(provider, "--provider", preflight.PROVIDERS)
         spec = EngineSpec(kind=engine, model=model, device=device, batch_size=batch_size)
         job = record_from_flags(ProbeJob, {"taus": "--tau", "ks": "--k"}, suite=str(suite), rows=rows, every=every,
-                                max_tokens=max_tokens, engine=spec, taus=tau, ks=k)
+                                max_tokens=max_tokens, engine=spec, taus=tau, ks=k, end_of_thought=end_of_thought,
+                                seed=seed)
         settings = load_settings()
     except JexError as e:
         fail(e)
