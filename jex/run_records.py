@@ -68,11 +68,13 @@ class RunStages(RootModel[dict[RecordedStage, StageRecord]]):
 
 class RecordedCampaign(BaseModel):
     """What the rooms below the flows read of a run's `campaign.json` (the exports: the engine, the
-    bootstrap draws); the spec's other fields are the flows room's (`CampaignSpec`)."""
+    bootstrap draws; parity against a run: its rationale length); the spec's other fields are the flows
+    room's (`CampaignSpec`)."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
     engine: EngineSpec
     bootstrap_draws: int
+    reason_max_tokens: int
 
     @classmethod
     def read(cls, run_dir: str | Path) -> RecordedCampaign:

@@ -8,6 +8,11 @@ rationale: each engine writes its own rationale and re-reads the options after i
 is recorded with both choices, the gold answer and the margins (`parity-mismatches.parquet` beside
 the report: run_id, catalog, pre-margin, both post-margins, both answers).
 
+`parity_with_run` (`jex parity --reference RUN`) does both against a finished run folder, with no second
+engine: the live engine's readouts against the run's fast-pass capture, and its own rationales and
+post-rationale answers against the run's (`reasoned.parquet`), rendered as the run rendered them and
+as long as its rationales were allowed to be.
+
 A parity run on fewer rows than the suite takes a stratified sample (`stratified_rows`: every catalog
 in proportion, rows drawn by a seeded generator per catalog), not the first N rows: a prefix is
 whatever catalogs the suite lists first, and a sample drawn by position is a prefix-selection artifact.
@@ -25,7 +30,9 @@ import numpy as np
 import polars as pl
 
 from jex.engine.base import TokenizedEngine
-from jex.engine.types import Generation, Readout, ReadoutMode
+from jex.engine.render import DEFAULT_RENDER
+from jex.engine.types import FinishReason, Generation, Readout, ReadoutMode
+from jex.engine_spec import RenderSpec
 from jex.errors import InputError
 from jex.fileio import sha256_file
 from jex.numerics import named_rng
@@ -256,13 +263,14 @@ def capture_readouts(path: str | Path, run_ids: Sequence[str]) -> list[Readout]:
     return out
 
 
-def parity_with_capture(engine: Any, capture: str | Path, rows: Sequence[RowLike]) -> ParityResult:
+def parity_with_capture(engine: Any, capture: str | Path, rows: Sequence[RowLike], *,
+                        render: RenderSpec = DEFAULT_RENDER) -> ParityResult:
     """Readout parity of a live engine (A) against a stored capture (B) on `rows`: the metrics of
     `run_parity`, with no second engine."""
     gold = {r.run_id: r.gold for r in rows if getattr(r, "gold", None) is not None}  # type: ignore[attr-defined]
     stored = capture_readouts(capture, [r.run_id for r in rows])
     t0 = time.perf_counter()
-    live = fast_pass(engine, rows)
+    live = fast_pass(engine, rows, render=render)
     timings = {"readout_rows_per_s_a": len(rows) / (time.perf_counter() - t0)}
     return {"readout": compare_readouts(live, stored, gold), "timings": timings,
             "accuracy_a": _acc(live, gold), "accuracy_b": _acc(stored, gold),
@@ -282,6 +290,69 @@ def capture_parity_files(suite: str | Path, capture: str | Path, out: str | Path
     res = parity_with_capture(_engine(kind, model=model, device=device, batch_size=batch_size), capture, picked)
     write_json(Path(out) / "parity.json", res)
     write_text(Path(out) / "parity.md", markdown(res, (kind, f"capture {Path(capture).name}")))
+    return res
+
+
+def reasoned_reference(path: str | Path, run_ids: Sequence[str]) -> tuple[list[Generation], list[Readout]]:
+    """The stored rationales (token ids, text, finish reason) and post-rationale readouts of `run_ids`, in
+    that order, from a reason stage's `reasoned.parquet`."""
+    frame = pl.read_parquet(path)
+    stored = {r["run_id"]: r for r in frame.iter_rows(named=True)}
+    missing = [rid for rid in run_ids if rid not in stored]
+    if missing:
+        raise InputError(f"the run reasoned on none of {missing[:3]}", file=str(path), field="run_id")
+    gens, posts = [], []
+    for rid in run_ids:
+        r = stored[rid]
+        reason = FinishReason.LENGTH if r["finish_reason"] == "length" else FinishReason.STOP
+        gens.append(Generation(rid, r["rationale"] or "", tuple(r["token_ids"] or ()), reason))
+        lp = tuple(r["post_logprobs"]) if r["post_logprobs"] is not None else None
+        posts.append(Readout(rid, lp, lp, None, ReadoutMode.LABEL_SLOT, r["refusal"] if lp is None else None))
+    return gens, posts
+
+
+def parity_with_run(engine: Any, run_dir: str | Path, rows: Sequence[RowLike], *, reason_rows: int = 0,
+                    seed: int = PARITY_SAMPLE_SEED) -> ParityResult:
+    """A live engine (A) against a finished run (B) on `rows` of its suite: readout parity against its
+    fast-pass capture and, on up to `reason_rows` of the rows it reasoned on (a stratified sample), choice
+    parity after each side's rationale against its `reasoned.parquet`; the run's render settings and
+    rationale length, no second engine."""
+    from jex.run_records import RecordedCampaign
+    from jex.tasks.run_store import run_summaries
+
+    recorded, summaries = RecordedCampaign.read(run_dir), run_summaries(run_dir)
+    if summaries.fast_pass is None:
+        raise InputError("the run has no fast-pass stage", file=str(run_dir))
+    render = recorded.engine.render
+    result = parity_with_capture(engine, summaries.fast_pass.capture, rows, render=render)
+    if reason_rows and summaries.reason is not None:
+        reasoned = set(pl.read_parquet(summaries.reason.reasoned, columns=["run_id"])["run_id"].to_list())
+        picked = stratified_rows([r for r in rows if r.run_id in reasoned], reason_rows, seed=seed)
+        gen_b, post_b = reasoned_reference(summaries.reason.reasoned, [r.run_id for r in picked])
+        pre_a = fast_pass(engine, picked, render=render)
+        gen_a = reason(engine, picked, max_tokens=recorded.reason_max_tokens, render=render)
+        post_a = reread(engine, picked, gen_a, render=render)
+        gold = {r.run_id: r.gold for r in picked if getattr(r, "gold", None) is not None}  # type: ignore[attr-defined]
+        result["reasoned"] = compare_reasoned(picked, gen_a, gen_b, post_a, post_b, pre_a, gold)
+    result["provenance"] = {"a": engine.provenance(), "b": {"run": str(run_dir),
+                                                           "capture_sha256": summaries.fast_pass.sha256}}
+    return result
+
+
+def run_parity_files(suite: str | Path, run_dir: str | Path, out: str | Path, *, kind: str, model: str | None,
+                     device: str, batch_size: int, rows: int = 0, reason_rows: int = 0,
+                     seed: int = PARITY_SAMPLE_SEED) -> ParityResult:
+    """`jex parity --reference RUN`: engine `kind` live against the run; parity.json, parity.md and the
+    mismatch record."""
+    from jex.fileio import write_json, write_text
+    from jex.suite import iter_rows
+
+    picked = stratified_rows(list(iter_rows(suite)), rows, seed=seed)
+    res = parity_with_run(_engine(kind, model=model, device=device, batch_size=batch_size), run_dir, picked,
+                          reason_rows=reason_rows, seed=seed)
+    write_json(Path(out) / "parity.json", res)
+    write_text(Path(out) / "parity.md", markdown(res, (kind, f"run {Path(run_dir).name}")))
+    write_mismatches(res, out)
     return res
 
 

@@ -158,3 +158,23 @@ def test_results_table_ends_with_the_run_folder_and_json_holds_the_same_figures(
     doc = json.loads(capsys.readouterr().out)
     score = json.loads((main_job_run / "score.json").read_text())
     assert doc["full"] == score["full"] and {c["catalog"] for c in doc["catalogs"]} == set(score["catalogs"])
+
+
+def test_parity_against_a_finished_run_meets_its_readouts_and_its_post_rationale_answers(main_job_run, tmp_path):
+    """`jex parity --reference RUN`: one live engine against the run's capture and its rationales, rendered
+    as the run rendered them and as long as they were allowed to be: the same engine agrees on every row,
+    token for token (batch invariance: the run read them in shards, parity reads them alone)."""
+    from jex.tasks.campaign_spec import CampaignSpec, sample_suite_dir
+
+    spec = CampaignSpec.model_validate_json((main_job_run / "campaign.json").read_text())
+    out = tmp_path / "parity"
+    result = CliRunner().invoke(app, ["parity", "--suite", sample_suite_dir(spec), "--reference", str(main_job_run),
+                                      "--reason-rows", "3", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "parity.json").read_text())
+    readout, reasoned = doc["readout"], doc["reasoned"]
+    assert (readout["common"], readout["flips"], readout["max_abs_dp"]) == (36, 0, 0.0)
+    assert (reasoned["rows"], reasoned["identical_rationales"], reasoned["mismatches"]) == (3, 3, [])
+    reasoned_ids = set(pl.read_parquet(summaries(main_job_run).reason.reasoned)["run_id"].to_list())
+    assert pl.read_parquet(out / "parity-mismatches.parquet").height == 0 and len(reasoned_ids) >= 3
+    assert "after the rationale 0 of 3 choices differ, 3 rationales identical" in result.output

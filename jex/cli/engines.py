@@ -69,9 +69,10 @@ def parity(suite: Annotated[Path, field_option(ParityJob, "suite")],
            max_tokens: Annotated[int, field_option(ParityJob, "max_tokens")] = field_default(ParityJob, "max_tokens"),
            device: Annotated[str, field_option(ParityJob, "device")] = field_default(ParityJob, "device"),
            batch_size: Annotated[int, field_option(ParityJob, "batch_size")] = field_default(ParityJob, "batch_size"),
-           reference: Annotated[Path | None, typer.Option(help="Stored capture (capture.parquet or reference "
-                                                          "rows): engine A against it, no engine B, in this "
-                                                          "process")] = None,
+           reference: Annotated[Path | None, typer.Option(help="A finished run folder (its readouts and, with "
+                                                          "--reason-rows, its post-rationale answers) or a stored "
+                                                          "capture (capture.parquet or reference rows): engine A "
+                                                          "against it, no engine B, in this process")] = None,
            provider: Provider = None) -> None:
     """Parity of two engines on the same rows: readout agreement, |dp|, flips; choices after a rationale."""
     try:
@@ -82,22 +83,27 @@ def parity(suite: Annotated[Path, field_option(ParityJob, "suite")],
         job = record_from_flags(ParityJob, suite=str(suite), engine_a=engine_a, engine_b=engine_b, model=model,
                                 rows=rows, reason_rows=reason_rows, max_tokens=max_tokens, device=device,
                                 batch_size=batch_size)
-        if reference is not None:
+        if reference is not None and not reference.is_dir():
             preflight.existing_file(reference, "--reference")
         preflight.writable_dir(out, "--out")
         preflight.choice(provider, "--provider", preflight.PROVIDERS)
     except JexError as e:
         fail(e)
     if reference is not None:
-        from jex.lab.parity import capture_parity_files
+        from jex.lab.parity import capture_parity_files, run_parity_files
 
         try:
-            readout = capture_parity_files(suite, reference, out, kind=engine_a, model=model, device=device,
-                                           batch_size=batch_size, rows=rows)["readout"]
+            res = run_parity_files(suite, reference, out, kind=engine_a, model=model, device=device,
+                                   batch_size=batch_size, rows=rows, reason_rows=reason_rows) if reference.is_dir() \
+                else capture_parity_files(suite, reference, out, kind=engine_a, model=model, device=device,
+                                          batch_size=batch_size, rows=rows)
         except (JexError, ValueError) as e:  # the engine's errors are JexErrors
             fail(e)
-        typer.echo(f"argmax agreement {readout['agree']}/{readout['common']}, max |dp| {readout['max_abs_dp']:.3g} "
-                   f"-> {out}")
+        readout = res["readout"]
+        after = res.get("reasoned")
+        typer.echo(f"argmax agreement {readout['agree']}/{readout['common']}, max |dp| {readout['max_abs_dp']:.3g}"
+                   + (f"; after the rationale {len(after['mismatches'])} of {after['rows']} choices differ, "
+                      f"{after['identical_rationales']} rationales identical" if after else "") + f" -> {out}")
         return
     connect_prefect(load_settings())
     from jex.flows.lab import parity as parity_flow
