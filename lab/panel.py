@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jex.errors import InputError
 from jex.fileio import atomic_open, write_toml
@@ -53,6 +54,32 @@ def prepare_panel(source: str | Path, dest: str | Path, catalogs: Sequence[str],
         raise InputError(f"the panel's share of the full weight is {total:.5f}, not the declared "
                          f"{declared_share}", field="panel_share")
     return Panel(suite=panel_suite(source, dest, catalogs), shares=shares)
+
+
+def panel_projection(run_dir: str | Path, panel: Panel, *, draws: int, seed: int) -> dict[str, Any]:
+    """A campaign run on `panel`, projected onto the full index as experiments project an arm: the final
+    predictions against the fast-pass baseline on the same rows (paired, clustered, `draws` draws), each
+    catalog's delta weighted by its share of the full weight (`project`), other catalogs unchanged."""
+    import polars as pl
+
+    from jex.lab.experiment_stats import paired_arms, project
+    from jex.tasks.run_store import run_summaries
+    from jex.tasks.scoring.suite_table import FAST_PASS_SCORING_COLUMNS, load_suite_table
+
+    s = run_summaries(run_dir)
+    if s.overlay is None or s.fold is None:
+        raise InputError("the run has no final predictions to project", file=str(run_dir))
+    table = load_suite_table(panel.suite)
+    final = pl.read_parquet(s.overlay.predictions).select(pl.exclude("stage"))
+    folded = pl.read_parquet(s.fold.folded)
+    kept = [c for c in FAST_PASS_SCORING_COLUMNS if c in folded.columns]
+    fast = folded.select("run_id", *kept, choice="fast_choice", probs=pl.col("logprobs").list.eval(pl.element().exp()))
+    _, stats = paired_arms(table.rows, table.spec, fast, {"campaign": final}, draws=draws, seed=seed)
+    arm, projected = stats["campaign"], project(stats["campaign"], panel.shares)
+    return {"catalogs": sorted(panel.shares), "shares": panel.shares, "share": panel.share,
+            "panel_delta": arm.full.to_json(), "projected_full_delta": projected.to_json(), "draws": draws,
+            "note": "final predictions minus the fast-pass baseline; panel_delta on the panel's own index, "
+                    "projected_full_delta in full-index points (sum of share x catalog delta)"}
 
 
 def _write_rows(path: Path, rows: Iterable[SuiteRow]) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import subprocess
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -48,6 +50,7 @@ def ran(monkeypatch) -> list[CampaignSpec]:
     monkeypatch.setattr("jex.cli.run.connect_prefect", lambda settings, notice=True: False)  # a configured server
     monkeypatch.setattr("jex.cli.run.check_campaign", lambda spec: None)  # the paths named here need not exist
     monkeypatch.setattr(campaign_module, "run_campaign", lambda spec, **how: specs.append(spec) or "RUN")
+    monkeypatch.setattr("jex.cli.run.project_panel", lambda run_dir, panel, spec: None)  # no run to project
     return specs
 
 
@@ -83,7 +86,7 @@ def test_importing_the_cli_imports_no_flow_and_no_prefect():
 
 def test_every_run_flag_sets_a_campaign_field():
     own = {"spec", "resume", "render", "chat_template", "system_prompt", "num_fewshot",  # files, engine.render
-           "panel_catalogs",  # sets `suite` to the panel it writes
+           "panel_catalogs", "panel_share",  # set `suite` to the panel it writes (its share checked)
            "quiet", "as_json",  # what is printed at the end
            "recompute", "retry"}  # flow parameters: what to compute again
     assert set(inspect.signature(run).parameters) - own == set(CAMPAIGN_FIELD_OF_FLAG)
@@ -128,6 +131,41 @@ def test_panel_catalogs_runs_the_campaign_on_those_catalogs_only(ran, sample_sui
     assert result.exit_code == 0, result.output
     assert "share of the full weight" in result.output
     assert [c.id for c in load_manifest(Path(ran[0].suite)).catalogs] == ["arith", "boolean"]
+
+
+def test_a_panel_whose_share_is_not_the_declared_one_is_refused_before_the_run(ran, sample_suite, tmp_path):
+    result = CliRunner().invoke(app, ["run", "--suite", str(sample_suite), "--out", str(tmp_path),
+                                      "--panel-catalogs", "arith,boolean", "--panel-share", "0.9"])
+    assert result.exit_code == 1 and "not the declared 0.9" in result.output and ran == []
+
+
+@pytest.mark.slow
+def test_a_panel_campaign_projects_its_delta_onto_the_full_index(sample_suite, tmp_path, prefect_harness):
+    """The run's final predictions against its fast pass, each panel catalog's delta weighted by its share of
+    the full weight, recomputed here from the run's own catalog scores."""
+    from prefect.settings import PREFECT_API_URL
+
+    from jex.lab.experiment_stats import panel_share
+    from jex.tasks.records import ScoreSummary
+    from jex.tasks.scoring.suite_table import load_suite_table
+
+    shares = panel_share(load_suite_table(sample_suite).spec, ["arith", "boolean"])
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    done = subprocess.run([sys.executable, "-m", "jex", "run", "--suite", str(sample_suite), "--provider",
+                           "inprocess", "--coverage", "0.3", "--reason-max-tokens", "6", "--panel-catalogs",
+                           "arith,boolean", "--panel-share", f"{sum(shares.values()):.6f}", "--name", "panel",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = Path(done.stdout.strip().splitlines()[-1])
+    doc = json.loads((run_dir / "panel.json").read_text())
+    assert doc["shares"] == pytest.approx(shares) and "projected onto the full index" in done.stderr
+    stages = json.loads((run_dir / "stages.json").read_text())
+    score = ScoreSummary.model_validate_json((Path(stages["score"]["folder"]) / "_SUCCESS.json").read_text())
+    final, fast = (json.loads(Path(p).read_text())["catalogs"] for p in (score.score_json, score.baseline_json))
+    expected = sum(s * 100 * (final[c]["skill"] - fast[c]["skill"]) for c, s in shares.items())
+    assert doc["projected_full_delta"]["delta"] == pytest.approx(expected, abs=1e-9)
+    lo, hi = doc["projected_full_delta"]["ci"]
+    assert lo <= hi
 
 
 def test_an_unknown_panel_catalog_is_one_line_naming_it(ran, sample_suite, tmp_path):

@@ -25,6 +25,7 @@ from jex.tasks.campaign_spec import CampaignSpec, settings_variable, spec_field
 
 if TYPE_CHECKING:
     from jex.engine_spec import RenderSpec
+    from jex.lab.panel import Panel
 
 CAMPAIGN_FIELD_OF_FLAG = {
     "suite": "suite", "name": "name", "coverage": "coverage", "out": "out", "store": "store",
@@ -96,7 +97,12 @@ Recompute = Annotated[bool, typer.Option("--recompute", help="Compute again the 
 ChatTemplate = Annotated[str | None, spec_option("engine.render.chat_template", more=" (here: a FILE holding it)")]
 SystemPrompt = Annotated[str | None, spec_option("engine.render.system_prompt")]
 PanelCatalogs = Annotated[str | None, typer.Option(help="ID,ID,...: run on these catalogs of the suite only (a "
-                                                        "panel; its share of the full weight is printed)")]
+                                                        "panel; its share of the full weight is printed, and at "
+                                                        "the end its delta projected onto the full index, "
+                                                        "RUN/panel.json)")]
+PanelShare = Annotated[float | None, typer.Option(help="With --panel-catalogs: the panel's declared share of the "
+                                                       "full weight, refused when the computed one differs by "
+                                                       "more than 5e-4 (as experiments do)")]
 NumFewshot = Annotated[int | None, spec_option("engine.render.num_fewshot")]
 Render = Annotated[Path | None, typer.Option(help="TOML with any RenderSpec field (question_template, "
                                                   "reason_template, option_format, answer_slot, ...)")]
@@ -136,7 +142,8 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
         gpus_per_machine: GpusPerMachine = None, engines_per_gpu: EnginesPerGpu = None,
         kv_cache_memory_gib: KvCacheGib = None, cudagraph_mode: CudagraphModeFlag = None,
         host_stall_s: HostStall = None, spec: SpecFile = None,
-        unverified_overlays: UnverifiedOverlays = None, panel_catalogs: PanelCatalogs = None, quiet: Quiet = False,
+        unverified_overlays: UnverifiedOverlays = None, panel_catalogs: PanelCatalogs = None,
+        panel_share: PanelShare = None, quiet: Quiet = False,
         as_json: AsJson = False, recompute: Recompute = False, retry: RetryFrom = None) -> None:
     """Run a whole campaign (embedded defaults: sample suite, SmolLM2, local Prefect, local store).
 
@@ -164,15 +171,18 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
     temporary = connect_prefect(settings, notice=False)  # before Prefect is imported: it reads its settings once
     from jex.flows.campaign import run_campaign, stored_run
 
+    panel = None
     try:
         if panel_catalogs and resume is None:  # a resumed run already reads its panel
-            campaign = on_panel(campaign, catalog_list(panel_catalogs))
+            campaign, panel = on_panel(campaign, catalog_list(panel_catalogs), declared_share=panel_share)
         # with no server to record the run, a campaign stored in full needs no temporary one started
         run_dir = stored_run(campaign, settings) if temporary and not redo else None
         if run_dir is None:
             if temporary:
                 typer.echo(TEMPORARY_API_NOTICE, err=True)
             run_dir = run_campaign(campaign, recompute=recompute, redo=redo)
+        if panel is not None:
+            project_panel(Path(run_dir), panel, campaign)
     except JexError as e:  # the engine's errors too
         fail(e)
     from jex.cli.results import print_results
@@ -195,17 +205,33 @@ def catalog_list(text: str) -> list[str]:
     return [c.strip() for c in text.split(",") if c.strip()]
 
 
-def on_panel(campaign: CampaignSpec, catalogs: list[str]) -> CampaignSpec:
+def on_panel(campaign: CampaignSpec, catalogs: list[str], *,
+             declared_share: float | None = None) -> tuple[CampaignSpec, Panel]:
     """The campaign on the panel of `catalogs` of its suite (`jex.lab.panel.prepare_panel`, the one the
-    experiments use), written beside its run folder as RUN-panel-suite."""
+    experiments use, its share checked against `declared_share`), written beside its run folder as
+    RUN-panel-suite; and the panel."""
     from jex.lab.panel import prepare_panel
     from jex.tasks.campaign_spec import sample_suite_dir
 
     run_dir = campaign.run_dir()
     dest = run_dir.with_name(run_dir.name + "-panel-suite")
-    panel = prepare_panel(campaign.suite or sample_suite_dir(campaign), dest, catalogs)
+    panel = prepare_panel(campaign.suite or sample_suite_dir(campaign), dest, catalogs, declared_share=declared_share)
     typer.echo(f"panel {catalogs}: share of the full weight {panel.share:.5f}", err=True)
-    return campaign.model_copy(update={"suite": str(panel.suite)})
+    return campaign.model_copy(update={"suite": str(panel.suite)}), panel
+
+
+def project_panel(run_dir: Path, panel: Panel, campaign: CampaignSpec) -> None:
+    """RUN/panel.json: the panel run's delta (final minus fast pass) projected onto the full index, as
+    experiments project an arm (`jex.lab.panel.panel_projection`); printed on stderr."""
+    from jex.fileio import write_json
+    from jex.lab.panel import panel_projection
+
+    doc = panel_projection(run_dir, panel, draws=campaign.bootstrap_draws, seed=campaign.bootstrap_seed)
+    write_json(run_dir / "panel.json", doc)
+    d = doc["projected_full_delta"]
+    typer.echo(f"panel share {panel.share:.5f}: the campaign's delta over its fast pass, projected onto the full "
+               f"index: {d['delta']:+.3f} (95% CI {d['ci'][0]:+.3f} to {d['ci'][1]:+.3f}) -> {run_dir / 'panel.json'}",
+               err=True)
 
 
 def resumed_spec(run_dir: Path, store: Path | None = None) -> CampaignSpec:
