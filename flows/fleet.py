@@ -37,6 +37,7 @@ from jex.engine_identity import EngineFingerprint
 from jex.engine_spec import EngineSpec
 from jex.errors import FlowError, InfraError, JexError
 from jex.fileio import sha256_json, write_json
+from jex.flows.audit import SettingsAudit, audit_settings, audited
 from jex.flows.machines_doc import FingerprintMismatch, FleetMachine, GoldenReplay, MachinesDoc
 from jex.infra.cost_ledger import CostLedger
 from jex.infra.machine import JobFailed, MachineSession, RemoteJob, required_tools, stack_lock
@@ -115,6 +116,7 @@ class GpuFleet:
         self.on_poll = on_poll
         self.sessions: list[MachineSession] = []
         self.golden: list[GoldenReplay | FingerprintMismatch] = []
+        self.audit: SettingsAudit | None = None
         self.engine: EngineSpec | None = None
         """The engine the machines were started for (the campaign's)."""
         self.engine_fp: EngineFingerprint | None = None
@@ -170,7 +172,25 @@ class GpuFleet:
         golden = EngineJob(inputs=FastPassInputs(bundle=job.inputs.bundle, engine=job.inputs.engine, shard_rows=1),
                            store=job.store)
         self._start_machines(stack_lock(job.inputs.engine.kind), tools=required_tools(job.inputs.engine.kind))
+        if audited(self.spec.audit, job.inputs.engine):
+            self._audit(job)
         self._each_machine("golden", lambda i, s: self._golden(s, golden))
+
+    def _audit(self, job: EngineJob) -> None:
+        """The engine's settings covered by a stored passing bake-off for these machines' GPUs and stack,
+        else the bake-off run on the first machine now (flows/audit.py); `SettingsNotAudited` if it fails."""
+        from jex.lab.jobs import LabJob
+
+        engine = job.inputs.engine
+        self.audit = audit_settings(
+            engine, store_root=self.store.root, gpus=machine_gpus(_provenance(self.sessions[0])),
+            stack_lock=stack_lock(engine.kind), weights_sha256=job.inputs.fingerprint().weights_sha256,
+            prompts=self.spec.audit_prompts, tokens=self.spec.audit_tokens,
+            run_bakeoff=lambda bakeoff, folder: self.run_lab(LabJob(spec=bakeoff, out=str(folder))))
+        a = self.audit
+        self.echo(f"engine settings {a.arm!r} audited on {a.gpus or ['CPU']}: batch invariant up to batch "
+                  f"{max(a.ladder)} ({'stored bake-off' if a.reused else 'bake-off run now'}: {a.folder})"
+                  + ("" if a.powered else "; the control arm did not diverge, so the test was underpowered"))
 
     def _start_machines(self, stack: str, tools: tuple[str, ...] = ()) -> None:
         """Create and bootstrap the machines with `stack` installed and `tools` on PATH, each as its life task run."""
@@ -428,7 +448,8 @@ class GpuFleet:
                     for s in self.sessions if s.machine is not None  # one whose creation failed never ran
                     for starts in [self.engine_starts.get(s.machine.id, [])]]
         return MachinesDoc(provider=self.provider.name, workers=self.spec.workers, slots=self.spec.slots,
-                           engine_hosts=self.spec.engine_hosts, golden=list(self.golden), machines=machines,
+                           engine_hosts=self.spec.engine_hosts, golden=list(self.golden), audit=self.audit,
+                           machines=machines,
                            engine_starts=sum(m.engine_starts for m in machines),
                            ledger=self.ledger.usage(self.campaign))
 

@@ -13,6 +13,7 @@ from pydantic import Field
 
 from jex.engine_identity import EngineFingerprint
 from jex.fileio import read_json
+from jex.flows.audit import SettingsAudit
 from jex.infra.records import CostLedgerReport, MachineReport, Record
 from jex.tasks.capture.engine_host.protocol import EngineStart
 from jex.tasks.documents import GenerationVerdict, GoldenVerdict
@@ -52,6 +53,8 @@ class MachinesDoc(Record):
     slots: int = Field(description="Engine processes per machine")
     engine_hosts: bool
     golden: list[GoldenReplay | FingerprintMismatch] = Field(description="Every machine's golden replay, in order")
+    audit: SettingsAudit | None = Field(None, description="The bake-off that covers the engine's settings on these "
+                                                          "machines (flows/audit.py); None: not audited")
     machines: list[FleetMachine]
     engine_starts: int = Field(description="Engine starts over every machine")
     ledger: CostLedgerReport = Field(description="The cost ledger of the campaign's machines")

@@ -30,6 +30,9 @@ from jex.tasks.inputs import (
 )
 from jex.tasks.records import BundleSummary, GateSummary
 
+AuditMode = Literal["auto", "always", "off"]
+"""Which engines a campaign audits (`MachinesSpec.audit`, flows/audit.py)."""
+
 
 class MachinesSpec(BaseModel):
     """Where the engine stages run; the campaign form's 'machines' section."""
@@ -51,6 +54,12 @@ class MachinesSpec(BaseModel):
                                                              "the reference of the same bundle, engine and GPU "
                                                              "models (0: none)")
     golden_generation_tokens: int = Field(32, ge=1, description="New tokens per golden generation row")
+    audit: AuditMode = Field("auto", description="Run only with engine settings a stored passing bake-off covers "
+                                                 "on this kind of machine and stack, running it once when none "
+                                                 "does (flows/audit.py): auto = vLLM engines, always = any "
+                                                 "engine, off = none")
+    audit_prompts: int = Field(32, ge=1, description="The audit bake-off's divergence-prone prompts")
+    audit_tokens: int = Field(256, ge=1, description="Tokens the audit bake-off generates per prompt")
     concurrent: bool = Field(True, description="Machines compute at the same time (off: one after another, e.g. "
                                                "workers emulated on one shared GPU)")
     engine_hosts: bool = Field(True, description="One long-lived engine process per slot serves all of a machine's "

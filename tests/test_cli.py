@@ -33,7 +33,8 @@ EVERY_FIELD = {
                "render": {"system_prompt": "Be brief.", "chat_template": "none", "num_fewshot": 2}},
     "machines": {"provider": "ssh", "hosts": ["h1", "h2"], "workers": 2, "budget_usd": 5.0, "price_per_hour": 1.5,
                  "budget_hours": 2.0, "heartbeat_timeout_s": 30.0, "golden_rows": 8, "golden_tolerance": 0.001,
-                 "golden_generation_rows": 2, "golden_generation_tokens": 7,
+                 "golden_generation_rows": 2, "golden_generation_tokens": 7, "audit": "always", "audit_prompts": 4,
+                 "audit_tokens": 9,
                  "concurrent": False, "engine_hosts": False, "gpus_per_machine": 2, "engines_per_gpu": 2,
                  "host_stall_s": 90.0, "fresh_processes": True, "aws_credentials_block": "jex-aws"},
 }

@@ -449,6 +449,59 @@ def test_golden_generation_is_token_identical_on_every_machine_or_the_machine_st
     assert not list((tmp_path / "store" / "fast_pass").rglob("shard-*.parquet"))
 
 
+@pytest.mark.slow
+def test_a_campaign_runs_only_with_settings_a_stored_passing_bake_off_covers(tmp_path, monkeypatch):
+    """The CPU twin of the vLLM audit (`machines.audit = "always"`: the HF engine's arms through the same
+    path): the first campaign runs the bake-off on its machine and stores it, the next one on the same
+    machine kind and stack reuses it, and a failed bake-off refuses the campaign before its golden replay."""
+    from jex.engine_spec import EngineSpec
+    from jex.flows.audit import SettingsAudit, SettingsNotAudited
+    from jex.flows.fleet import GpuFleet
+    from jex.sample_suite import write_sample_suite
+    from jex.settings import load_settings
+    from jex.tasks.campaign_spec import MachinesSpec
+    from jex.tasks.capture.stages import bundle_stage
+    from jex.tasks.inputs import EngineJob, FastPassInputs
+    from jex.tasks.store import LocalStore
+
+    for k, v in _env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    store = LocalStore(tmp_path / "store")
+    bundle = bundle_stage(store, suite=write_sample_suite(tmp_path / "suite", rows=18, seed=1))
+    job = EngineJob(inputs=FastPassInputs(bundle=bundle, engine=EngineSpec(batch_size=2), shard_rows=18),
+                    store=str(store.root))
+    spec = MachinesSpec(provider="local", golden_rows=2, golden_generation_rows=0, audit="always", audit_prompts=3,
+                        audit_tokens=6)
+
+    def fleet(name: str) -> GpuFleet:
+        return GpuFleet(spec, campaign=name, store=str(store.root), settings=load_settings(), echo=lambda s: None)
+
+    with fleet("a1") as first:
+        first.run_stage(job)
+    audit = first.audit
+    assert audit is not None and (audit.arm, audit.control, audit.ladder) == ("hf-bi", "hf-control", [1, 2])
+    assert audit.passed and not audit.reused and audit.gpus == []
+    assert (Path(audit.folder) / "bakeoff.json").exists() and (Path(audit.folder) / "audit.json").exists()
+    assert [j.job.split("-")[0] for j in first.sessions[0].outcomes][:2] == ["lab", "golden"]  # the bake-off first
+    assert first.report().audit == audit  # machines.json says which bake-off covers the settings
+    for f in (tmp_path / "store" / "fast_pass").rglob("shard-*.parquet"):
+        f.unlink()
+    with fleet("a2") as second:
+        second.run_stage(job)
+    assert second.audit is not None and second.audit.reused and second.audit.key == audit.key
+    assert not any(j.job.startswith("lab") for j in second.sessions[0].outcomes)  # no bake-off ran again
+    failed = SettingsAudit.model_validate({**audit.model_dump(), "passed": False,
+                                           "verdict": "NOT INVARIANT: hf-bi differ from batch 1 or run to run"})
+    (Path(audit.folder) / "audit.json").write_text(failed.model_dump_json())
+    for f in (tmp_path / "store" / "fast_pass").rglob("shard-*.parquet"):
+        f.unlink()
+    third = fleet("a3")
+    with pytest.raises(SettingsNotAudited, match="engine settings 'hf-bi' are not batch invariant on"), third:
+        third.run_stage(job)
+    assert not any(j.job.startswith("golden") for j in third.sessions[0].outcomes)
+    assert third.provider.list_machines() == []
+
+
 def bundle_rows_head(store, bundle, n: int) -> list[str]:
     from jex.tasks.capture.stages import _bundle_rows
 
