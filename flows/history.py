@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from jex.errors import JexError
@@ -19,14 +21,20 @@ class RunRow(BaseModel):
     index: float | None = Field(None, description="The full index (score.json), rounded to 3 places")
     coverage: float | None = None
     cost_usd: float | None = Field(None, description="The campaign's machine cost (machines.json)")
+    model: str | None = Field(None, description="The model as the campaign named it (the embedded one: 'embedded')")
+    revision: str | None = Field(None, description="The Hub commit the model resolved to (provenance.json)")
+    weights_sha256: str | None = Field(None, description="The weights the run read (provenance.json)")
+    bundle: str | None = Field(None, description="The bundle key (stages.json): runs of one bundle compare row by row")
     run_dir: str | None = Field(None, description="Absent when the run's spec does not validate")
 
     def to_json(self) -> dict[str, object]:
         return self.model_dump(mode="json", exclude={"run_dir"} if self.run_dir is None else set())
 
 
-def campaign_runs(limit: int = 50) -> list[RunRow]:
-    """Newest first. Index and cost come from the run folder when the run got that far."""
+def campaign_runs(limit: int = 50, *, model: str | None = None) -> list[RunRow]:
+    """Newest first; with `model`, only the runs of that model (its name as the campaign gave it, or a
+    prefix of its weights' sha256). Index, cost, weights and bundle come from the run folder when the
+    run got that far."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.client.schemas.sorting import FlowRunSort
@@ -56,17 +64,40 @@ def campaign_runs(limit: int = 50) -> list[RunRow]:
         rows.append(row.model_copy(update={
             "campaign": run_dir.name, "coverage": spec.coverage, "run_dir": str(run_dir),
             "index": round(read_doc(ScoreDoc, score).full, 3) if score.exists() else None,
-            "cost_usd": read_machines(machines).ledger.total_usd if machines.exists() else None}))
+            "cost_usd": read_machines(machines).ledger.total_usd if machines.exists() else None,
+            "model": spec.engine.model or "embedded", **_identity(run_dir)}))
+    if model is not None:
+        rows = [r for r in rows if r.model == model or (r.weights_sha256 or "").startswith(model)]
     return rows
 
 
+def _identity(run_dir: Path) -> dict[str, str | None]:
+    """The weights, Hub revision and bundle a run folder records (nothing for a run that did not get there)."""
+    from jex.fileio import read_json
+    from jex.run_records import RunStages
+
+    out: dict[str, str | None] = {}
+    provenance = run_dir / "provenance.json"
+    if provenance.exists():
+        engine = read_json(provenance).get("engine") or {}
+        out["weights_sha256"] = engine.get("weights_sha256")
+        out["revision"] = (engine.get("hub") or {}).get("commit") or None
+    try:
+        out["bundle"] = RunStages.read(run_dir).root["bundle"].key
+    except (OSError, KeyError, ValueError):
+        pass
+    return out
+
+
 def format_runs(rows: list[RunRow]) -> str:
-    head = f"{'flow run':<24} {'state':<10} {'started':<20} {'campaign':<26} {'index':>7} {'cov':>5} {'cost $':>8}"
+    head = (f"{'flow run':<24} {'state':<10} {'started':<20} {'campaign':<26} {'index':>7} {'cov':>5} {'cost $':>8} "
+            f"{'model':<24} {'weights':<8} {'bundle':<8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.flow_run:<24} {r.state or '-':<10} {(r.start or '-')[:19]:<20} "
                      f"{r.campaign or '-':<26} {_n(r.index, 2):>7} {_n(r.coverage, 2):>5} "
-                     f"{_n(r.cost_usd, 4):>8}")
+                     f"{_n(r.cost_usd, 4):>8} {(r.model or '-')[-24:]:<24} {(r.weights_sha256 or '-')[:8]:<8} "
+                     f"{(r.bundle or '-')[:8]:<8}")
     return "\n".join(lines)
 
 

@@ -178,3 +178,41 @@ def test_parity_against_a_finished_run_meets_its_readouts_and_its_post_rationale
     reasoned_ids = set(pl.read_parquet(summaries(main_job_run).reason.reasoned)["run_id"].to_list())
     assert pl.read_parquet(out / "parity-mismatches.parquet").height == 0 and len(reasoned_ids) >= 3
     assert "after the rationale 0 of 3 choices differ, 3 rationales identical" in result.output
+
+
+def test_diff_lists_exactly_the_rows_whose_predictions_differ(main_job_run, tmp_path):
+    """The main job against a run of the same bundle without reasoning (coverage 0: the fast pass's store
+    reused): `jex diff` lists exactly the rows whose predictions differ, per catalog and which way."""
+    from jex.flows.campaign import campaign
+    from jex.tasks.campaign_spec import CampaignSpec
+
+    spec = CampaignSpec.model_validate_json((main_job_run / "campaign.json").read_text())
+    other = Path(campaign(spec.model_copy(update={"coverage": 0.0, "name": "no-reasoning",
+                                                  "out": str(tmp_path / "runs")})))
+    result = CliRunner().invoke(app, ["diff", str(main_job_run), str(other), "--json", "-o", str(tmp_path / "d.pq")])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    a, b = (pl.read_parquet(r / "predictions.parquet").select("run_id", "choice") for r in (main_job_run, other))
+    both = a.join(b, on="run_id", suffix="_b")
+    expected = set(both.filter(pl.col("choice") != pl.col("choice_b"))["run_id"].to_list())
+    assert expected and {r["run_id"] for r in doc["rows_differing"]} == expected
+    assert sum(c["differing"] for c in doc["catalogs"].values()) == doc["differing"] == len(expected)
+    gold = dict(zip(*pl.read_parquet(main_job_run / "samples.parquet").select("run_id", "gold"), strict=True))
+    for r in doc["rows_differing"]:
+        want = "fixed" if r["choice_b"] == gold[r["run_id"]] else "broken" if r["choice_a"] == gold[r["run_id"]] \
+            else "changed"
+        assert r["way"] == want and r["decided_by_a"] != "fast_pass" or r["decided_by_b"] != "fast_pass"
+    assert pl.read_parquet(tmp_path / "d.pq")["run_id"].to_list() == [r["run_id"] for r in doc["rows_differing"]]
+
+
+def test_diff_refuses_runs_of_different_bundles_in_one_line(main_job_run, tmp_path):
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(main_job_run, other)
+    stages = json.loads((other / "stages.json").read_text())
+    stages["bundle"]["key"] = "0" * 32  # as if it had read another bundle
+    (other / "stages.json").write_text(json.dumps(stages))
+    result = CliRunner().invoke(app, ["diff", str(main_job_run), str(other)])
+    assert result.exit_code == 1 and "the runs read different bundles" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1

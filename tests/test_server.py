@@ -124,6 +124,13 @@ def test_campaign_deployment_runs_from_the_api_and_publishes_its_report(server):
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     mine = next(r for r in rows if r["id"] == str(run.id))
     assert mine["state"] == "Completed" and mine["index"] is not None and mine["cost_usd"] > 0
+    stages = json.loads((run_dir / "stages.json").read_text())
+    engine = json.loads((run_dir / "provenance.json").read_text())["engine"]
+    assert (mine["model"], mine["bundle"], mine["weights_sha256"]) == \
+        ("embedded", stages["bundle"]["key"], engine["weights_sha256"])
+    by_weights = _jex(["runs", "--json", "--model", engine["weights_sha256"][:10]], server["env"])
+    assert str(run.id) in by_weights.stdout
+    assert str(run.id) not in _jex(["runs", "--json", "--model", "another/model"], server["env"]).stdout
 
 
 def test_experiment_deployment_runs_from_the_api_and_publishes_its_report(server):

@@ -1,4 +1,4 @@
-"""`jex show`, `jex export inspect|lm-eval` and `jex score --from lm-eval|inspect`: a run's samples out,
+"""`jex show`, `jex diff`, `jex export inspect|lm-eval` and `jex score --from lm-eval|inspect`: a run's samples out,
 other tools' outputs in. Thin shells over `tasks.samples` and `tasks.interop` (imported lazily)."""
 
 from __future__ import annotations
@@ -42,9 +42,50 @@ def show(run: Annotated[Path, typer.Argument(help="A run folder (holds samples.p
                f"scored rows right")
 
 
+def diff(run_a: Annotated[Path, typer.Argument(help="A run folder")],
+         run_b: Annotated[Path, typer.Argument(help="Another run folder of the same bundle")],
+         catalog: Annotated[str | None, typer.Option(help="Only this catalog's rows")] = None,
+         limit: Annotated[int, typer.Option(help="At most N differing rows printed (0 = all)")] = 20,
+         as_json: Annotated[bool, typer.Option("--json", help="The whole comparison as one JSON object")] = False,
+         out: Annotated[Path | None, typer.Option("-o", "--out", help="Write the differing rows (prompts, both "
+                                                                      "choices, probabilities, rationales) "
+                                                                      "as Parquet")] = None) -> None:
+    """The rows whose final decision differs between two runs of the same bundle, with counts per catalog
+    and which way each went (fixed: wrong in A, right in B; broken: the reverse; changed: neither)."""
+    from jex.cli import preflight
+    from jex.tasks.outputs.run_diff import diff_frame, diff_runs
+    from jex.tasks.store import write_parquet
+
+    try:
+        preflight.existing_dir(run_a, "RUN_A")
+        preflight.existing_dir(run_b, "RUN_B")
+        preflight.at_least(limit, "--limit", 0)
+        result = diff_runs(run_a, run_b)
+    except JexError as e:
+        fail(e)
+    if catalog is not None:
+        rows = [r for r in result.rows_differing if r.catalog == catalog]
+        result = result.model_copy(update={"rows_differing": rows, "differing": len(rows),
+                                           "catalogs": {catalog: result.catalogs[catalog]}
+                                           if catalog in result.catalogs else {}})
+    if out is not None:
+        write_parquet(diff_frame(result), out)
+    if as_json:
+        typer.echo(result.model_dump_json())
+        return
+    typer.echo("| catalog | rows | differing | fixed | broken | changed |\n|---|---:|---:|---:|---:|---:|")
+    for name, c in result.catalogs.items():
+        typer.echo(f"| {name} | {c.rows} | {c.differing} | {c.fixed} | {c.broken} | {c.changed} |")
+    for r in result.rows_differing[:limit or None]:
+        typer.echo(f"{r.run_id} ({r.catalog}, gold {r.gold}): {r.label_a} -> {r.label_b} [{r.way}; decided by "
+                   f"{r.decided_by_a} -> {r.decided_by_b}]")
+    typer.echo(f"{result.differing} of {result.rows} rows differ (bundle {result.bundle[:12]})")
+
+
 def register(app: typer.Typer) -> None:
-    """Add `show` and `export` to the main CLI."""
+    """Add `show`, `diff` and `export` to the main CLI."""
     app.command("show")(show)
+    app.command("diff")(diff)
     app.add_typer(export_app, name="export")
 
 

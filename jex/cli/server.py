@@ -154,8 +154,12 @@ def deploy_cmd(api_url: Annotated[str | None, typer.Option(help="The Prefect API
 
 
 def runs_cmd(limit: Annotated[int, typer.Option(help="Newest N campaign runs")] = 20,
+             model: Annotated[str | None, typer.Option(help="Only this model's runs: its name as the campaign "
+                                                            "gave it ('embedded' for the default), or a prefix "
+                                                            "of its weights' sha256")] = None,
              as_json: Annotated[bool, typer.Option("--json", help="JSON lines")] = False) -> None:
-    """Campaign runs known to the Prefect API: state, index, coverage, machine cost."""
+    """Campaign runs known to the Prefect API: state, index, coverage, machine cost, the model (name,
+    revision, weights) and the bundle each read."""
     from jex.flows.history import campaign_runs, format_runs
 
     try:  # pre-flight: the API answers and takes our credentials, before Prefect's client retries for seconds
@@ -165,7 +169,7 @@ def runs_cmd(limit: Annotated[int, typer.Option(help="Newest N campaign runs")] 
             check_api(os.environ["PREFECT_API_URL"])
     except JexError as e:
         fail(e)
-    rows = campaign_runs(limit)
+    rows = campaign_runs(limit, model=model)
     typer.echo("\n".join(json.dumps(r.to_json()) for r in rows) if as_json else format_runs(rows))
 
 
