@@ -63,17 +63,16 @@ def panel_projection(run_dir: str | Path, panel: Panel, *, draws: int, seed: int
     import polars as pl
 
     from jex.lab.experiment_stats import paired_arms, project
+    from jex.tasks.decision_stages import fast_pass_predictions
     from jex.tasks.run_store import run_summaries
-    from jex.tasks.scoring.suite_table import FAST_PASS_SCORING_COLUMNS, load_suite_table
+    from jex.tasks.scoring.suite_table import load_suite_table
 
     s = run_summaries(run_dir)
     if s.overlay is None or s.fold is None:
         raise InputError("the run has no final predictions to project", file=str(run_dir))
     table = load_suite_table(panel.suite)
     final = pl.read_parquet(s.overlay.predictions).select(pl.exclude("stage"))
-    folded = pl.read_parquet(s.fold.folded)
-    kept = [c for c in FAST_PASS_SCORING_COLUMNS if c in folded.columns]
-    fast = folded.select("run_id", *kept, choice="fast_choice", probs=pl.col("logprobs").list.eval(pl.element().exp()))
+    fast = fast_pass_predictions(pl.read_parquet(s.fold.folded))
     _, stats = paired_arms(table.rows, table.spec, fast, {"campaign": final}, draws=draws, seed=seed)
     arm, projected = stats["campaign"], project(stats["campaign"], panel.shares)
     return {"catalogs": sorted(panel.shares), "shares": panel.shares, "share": panel.share,

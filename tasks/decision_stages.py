@@ -143,13 +143,19 @@ overlay_stage = CachedStage(OverlayInputs, OverlaySummary, body=_overlay)
 
 
 # -- score -----------------------------------------------------------------------------------------
+def fast_pass_predictions(folded: pl.DataFrame) -> pl.DataFrame:
+    """The fast-pass baseline as predictions (run_id, choice, probs and lm-eval's per-row scoring columns)
+    from the fold stage's `folded.parquet`: what the baseline score, and a panel's projection, compare with."""
+    kept = [c for c in FAST_PASS_SCORING_COLUMNS if c in folded.columns]
+    return folded.select("run_id", *kept, choice="fast_choice", probs=pl.col("logprobs").list.eval(pl.element().exp()))
+
+
 def _score(out: StageDir, store: LocalStore, inputs: ScoreInputs) -> ScoreSummary:
     bundle, overlay, fold, draws, seed = inputs.bundle, inputs.overlay, inputs.fold, inputs.draws, inputs.seed
     table = _suite(bundle)
     preds = pl.read_parquet(overlay.predictions).select(pl.exclude("stage"))  # run_id, choice, probs[, abstain]
     folded = pl.read_parquet(fold.folded)
-    kept = [c for c in FAST_PASS_SCORING_COLUMNS if c in folded.columns]
-    fast = folded.select("run_id", *kept, choice="fast_choice", probs=pl.col("logprobs").list.eval(pl.element().exp()))
+    fast = fast_pass_predictions(folded)
     policy = score_with_ci(table.rows, preds, table.spec, draws=draws, seed=seed)
     baseline = score_with_ci(table.rows, fast, table.spec, draws=draws, seed=seed)
     reference = bundle_reference(bundle.bundle, bundle.sha256)
