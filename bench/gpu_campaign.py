@@ -12,7 +12,8 @@ the rationales and the predictions, so configurations can be compared byte for b
 Configurations: `hosts1` (one engine host per machine), `hosts2` (two engine processes on the GPU,
 starting one after the other), `hosts2-kv` (the same with a fixed 16 GiB KV cache each: the two
 engines start together, beside the golden replay), `no-hosts` (every job loads its own engine: the
-behaviour before engine hosts). A configuration may be given twice. With `--shared-store` every run
+behaviour before engine hosts), `hosts1-fdo` (one host, `cudagraph_mode=FULL_DECODE_ONLY`: its capture
+against the default mode's). A configuration may be given twice. With `--shared-store` every run
 uses one store and its own suite (seed = its position), so nothing is cached between runs but the
 engine's compile cache: the second run's machine starts from the first one's (`compile_cache:
 restored` in its start records). `--first-seed` continues such a store in a later call (each whole
@@ -31,7 +32,8 @@ from pathlib import Path
 
 CONFIGS = {"hosts1": ["--engines-per-gpu", "1"], "hosts2": ["--engines-per-gpu", "2"],
            "hosts2-kv": ["--engines-per-gpu", "2", "--kv-cache-memory-gib", "16"],
-           "no-hosts": ["--no-engine-hosts", "--engines-per-gpu", "1"]}
+           "no-hosts": ["--no-engine-hosts", "--engines-per-gpu", "1"],
+           "hosts1-fdo": ["--engines-per-gpu", "1", "--cudagraph-mode", "FULL_DECODE_ONLY"]}
 
 
 def run_config(config: str, name: str, a: argparse.Namespace, suite: Path, work: Path, store: Path) -> dict:
@@ -80,6 +82,7 @@ def run_config(config: str, name: str, a: argparse.Namespace, suite: Path, work:
             "machine_cost_usd": machines["ledger"]["total_usd"],
             "capture_sha256": fast["sha256"], "reasoned_sha256": reason["sha256"],
             "predictions_sha256": sha256_file(run_dir / "predictions.parquet"),
+            "engine_stacks": fast.get("stacks"), "audit": machines.get("audit"), "golden": machines.get("golden"),
             "score": {k: json.loads((run_dir / "score.json").read_text())[k] for k in ("full", "ci")}}
 
 
