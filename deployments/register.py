@@ -7,6 +7,7 @@
     reconcile    no machine outlives its campaign: on a schedule, and on every failed/crashed campaign
     retry-stage  continue a campaign from a named stage, reusing the cached capture
     experiment   arms against the base, judged by a pre-registered test; the decision ledger
+    models       one campaign per model on one suite, then their comparison with paired intervals
 
 Each deployment points at this checkout (`flow.from_source(ROOT, entrypoint)`), so the process worker
 runs the code the server was started from. `register` writes into the Prefect API of the current Prefect
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from jex.engine_spec import EMBEDDED_MODEL
 from jex.errors import InputError, ServerError
 from jex.settings import JexSettings
 
@@ -77,6 +79,10 @@ def deployment_specs(settings: JexSettings, campaign_defaults: Mapping[str, Any]
          "description": "Supervise, collect and delete every jex machine; orphans are torn down"},
         {"name": "retry-stage", "entrypoint": "flows/retry_stage.py:retry_stage",
          "description": "Continue a campaign (its run folder) from a named stage; the capture upstream is reused"},
+        {"name": "models", "entrypoint": "flows/lab.py:models_comparison",
+         "parameters": {"spec": spec.model_dump(mode="json"), "models": [EMBEDDED_MODEL, EMBEDDED_MODEL]},
+         "description": "One campaign per model on one suite, then their comparison: every model's score and "
+                        "every pair's paired interval (compare.md)"},
         {"name": "experiment", "entrypoint": "flows/lab.py:experiment",
          "parameters": {"spec": _experiment_defaults(spec)},
          "description": "Arms against the base: placebos, twin audit, sweeps, pre-registered test, decision ledger"},

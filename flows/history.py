@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jex.engine_spec import EMBEDDED_MODEL
 from jex.errors import JexError
 
 
@@ -65,7 +66,7 @@ def campaign_runs(limit: int = 50, *, model: str | None = None) -> list[RunRow]:
             "campaign": run_dir.name, "coverage": spec.coverage, "run_dir": str(run_dir),
             "index": round(read_doc(ScoreDoc, score).full, 3) if score.exists() else None,
             "cost_usd": read_machines(machines).ledger.total_usd if machines.exists() else None,
-            "model": spec.engine.model or "embedded", **_identity(run_dir)}))
+            "model": spec.engine.model or EMBEDDED_MODEL, **_identity(run_dir)}))
     if model is not None:
         rows = [r for r in rows if r.model == model or (r.weights_sha256 or "").startswith(model)]
     return rows

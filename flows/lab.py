@@ -218,6 +218,38 @@ def _sub_run(spec: CampaignSpec) -> tuple[Path, dict[str, int], float]:
     return run_dir, calls, time.perf_counter() - t0
 
 
+@flow(name="models", log_prints=True)
+def models_comparison(spec: CampaignSpec = CampaignSpec(),  # noqa: B008 - UI form default
+                      models: list[str] = ["embedded"]) -> str:  # noqa: B006 - UI form default, never mutated
+    """One campaign per model on the campaign's suite, one after another (each cached as its own campaign,
+    so a model added later is the only one computed), then their comparison: `compare.md` with its plot
+    and `compare.json` in the comparison folder, and the Markdown as an artifact. Returns that folder."""
+    from jex.lab.model_comparison import compare_runs, comparison_folder, render_comparison, write_comparison
+
+    names = list(dict.fromkeys(models))
+    if len(names) < 2:
+        raise InputError(f"models: a comparison needs two or more different models, got {names}", field="models")
+    run_dirs = []
+    for model in names:
+        run_dir, calls, wall = _sub_run(spec.with_model(model))
+        print(f"model {model}: {run_dir} engine calls {calls} ({wall:.1f} s)")
+        run_dirs.append(run_dir)
+    doc = compare_runs(run_dirs)
+    out = write_comparison(doc, comparison_folder(spec.located().out, spec.name, run_dirs))
+    try:
+        create_markdown_artifact(markdown=inline_images(render_comparison(doc), out), key="models-comparison",
+                                 description=f"{len(names)} models of campaign {spec.name}")
+    except Exception as e:  # noqa: BLE001 - the files are written; a display failure must not hide the result
+        print(f"could not publish the comparison artifact: {e}")
+    print(f"comparison folder: {out.resolve()}")
+    return str(out)
+
+
+def run_models(spec: CampaignSpec, models: list[str]) -> Path:
+    """Run the models flow in this process (Prefect's local API unless PREFECT_API_URL is set)."""
+    return Path(models_comparison(spec, models))
+
+
 def run_twin(base: CampaignSpec, name: str, out: Path) -> tuple[Path, dict[str, int], float, str]:
     """The base again on a store of its own, its engine stages computed by fresh processes, then the
     campaign flow over that store. In-process campaigns: one worker process per stage

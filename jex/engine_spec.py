@@ -47,6 +47,10 @@ def _fields(template: str) -> set[str]:
     return {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
 
 
+EMBEDDED_MODEL = "embedded"
+"""The embedded SmolLM2's name where a model is named (`--model embedded`, `jex runs`); the spec holds None."""
+
+
 class RenderSpec(BaseModel):
     """What the engine reads, besides the row itself. Part of every engine stage's cache key."""
 
@@ -104,8 +108,8 @@ class EngineSpec(BaseModel):
     kind: EngineKind = Field("hf", description="Engine and profile")
     profile: EngineProfile = Field("audit", description="audit-ngram: n-gram speculative decoding, kept only if "
                                                         "proven exact on this run")
-    model: str | None = Field(None, description="Model folder, GGUF file or Hub id org/name[@revision]; empty = "
-                                                "the embedded SmolLM2")
+    model: str | None = Field(None, description="Model folder, GGUF file or Hub id org/name[@revision]; empty or "
+                                                f"'{EMBEDDED_MODEL}' = the embedded SmolLM2")
     device: str = Field("cpu", description="cpu, cuda, cuda:1 ...")
     batch_size: int | None = Field(None, ge=0, description="Requests per engine call; empty = the engine's: vLLM 0 "
                                                         "(all the stage hands over, a shard, in one call, scheduled "
@@ -125,6 +129,12 @@ class EngineSpec(BaseModel):
                           "and FULL_DECODE_ONLY (the seeds' setting), both measured batch invariant")
     cache_dir: str = Field(str(Path.home() / ".cache" / "jex"), description="Converted-model and Hub cache")
     render: RenderSpec = Field(RenderSpec(), description="Templates, system prompt, chat template, few-shot count")
+
+    @field_validator("model")
+    @classmethod
+    def _embedded_is_none(cls, value: str | None) -> str | None:
+        """'embedded' and '' name the embedded model, which the spec (and its identity) holds as None."""
+        return None if value in ("", EMBEDDED_MODEL) else value
 
     @model_validator(mode="after")
     def _profile_fits_kind(self) -> EngineSpec:

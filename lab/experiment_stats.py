@@ -35,7 +35,7 @@ from jex.tasks.scoring.bootstrap_ci import (
     resampled_accuracy,
     statistics_per_draw,
 )
-from jex.tasks.scoring.index import BEST, catalog_chances, catalog_shares, score_predictions, scored_frame
+from jex.tasks.scoring.index import BEST, Score, catalog_chances, catalog_shares, score_predictions, scored_frame
 from jex.tasks.scoring.suite_table import ScoreSpec
 
 
@@ -141,6 +141,63 @@ def arm_rng(seed: int, name: str) -> np.random.Generator:
     return named_rng(seed, name)
 
 
+@dataclass(frozen=True)
+class SharedDraws:
+    """Several prediction sets of the same rows under one set of bootstrap draws: each set's per-draw
+    statistics and point score, and its per-cluster values (for the permutation test)."""
+
+    layout: ClusterLayout
+    chance: dict[str, float]
+    per_cluster: dict[str, list[np.ndarray]]
+    per_draw: dict[str, DrawStatistics]
+    points: dict[str, Score]
+    frames: dict[str, pl.DataFrame]
+    seed: int
+
+
+def shared_draws(rows: pl.DataFrame, spec: ScoreSpec, sets: Mapping[str, pl.DataFrame], *,
+                 draws: int = BOOTSTRAP_DRAWS, seed: int = BOOTSTRAP_SEED) -> SharedDraws:
+    """Every set scored on the suite's rows and resampled with the same draws (the first set's rows and
+    order are the reference; a set on other rows is refused)."""
+    frames = {name: scored_frame(rows, p, spec) for name, p in sets.items()}
+    first = next(iter(frames))
+    order = frames[first]["run_id"].to_list()
+    for name, f in frames.items():
+        if f["run_id"].to_list() != order:
+            raise ValueError(f"'{name}' is not scored on the rows of '{first}' in their order")
+    chance = catalog_chances(frames[first], spec)
+    layout = ClusterLayout.from_frame(frames[first], spec)
+    sums = {name: layout.per_cluster_values(f, spec) for name, f in frames.items()}
+    names = list(frames)
+    acc = resampled_accuracy(layout, [sums[n] for n in names], draws=draws, seed=seed)
+    return SharedDraws(layout=layout, chance=chance, per_cluster=sums,
+                       per_draw={n: statistics_per_draw(spec, a, chance) for n, a in zip(names, acc, strict=True)},
+                       points={n: score_predictions(rows, sets[n], spec) for n in names}, frames=frames, seed=seed)
+
+
+def paired_stats(shared: SharedDraws, spec: ScoreSpec, base: str, arm: str, *, metric: str = "full",
+                 permutations: int = 2000) -> ArmStats:
+    """Set `arm` against set `base` of the same draws: paired deltas, intervals and sign-flip p."""
+    a, b = shared.per_draw[arm], shared.per_draw[base]
+    ap, bp = shared.points[arm], shared.points[base]
+    d_metric = _metric_of(a, metric) - _metric_of(b, metric)
+    d_full = a["full"] - b["full"]
+    point_metric = ap.full - bp.full if metric == "full" else ap.legs[metric]["index"] - bp.legs[metric]["index"]
+    legs = {leg: Delta(ap.legs[leg]["index"] - bp.legs[leg]["index"],
+                       _ci(a["legs"][leg] - b["legs"][leg])) for leg in spec.legs}
+    cats, cat_draws = {}, {}
+    for c in spec.catalogs:
+        d = 100.0 * (a["catalogs"][c.id] - b["catalogs"][c.id])
+        cat_draws[f"cat:{c.id}"] = d
+        cats[c.id] = Delta(100.0 * (ap.catalogs[c.id].skill - bp.catalogs[c.id].skill), _ci(d))
+    diffs = cluster_differences(shared.layout, shared.per_cluster[base], shared.per_cluster[arm],
+                                metric_weights(spec, shared.chance, metric))
+    p = permutation_p(diffs, permutations=permutations, rng=arm_rng(shared.seed, arm))
+    return ArmStats(metric=Delta(point_metric, _ci(d_metric)), full=Delta(ap.full - bp.full, _ci(d_full)), p=p,
+                    legs=legs, catalogs=cats, index=ap.full, draws={"metric": d_metric, "full": d_full, **cat_draws},
+                    retention=retention(shared.frames[base], shared.frames[arm]))
+
+
 def paired_arms(rows: pl.DataFrame, spec: ScoreSpec, base: pl.DataFrame, arms: Mapping[str, pl.DataFrame], *,
                 metric: str = "full", draws: int = BOOTSTRAP_DRAWS, seed: int = BOOTSTRAP_SEED,
                 permutations: int = 2000) -> tuple[float, dict[str, ArmStats]]:
@@ -148,41 +205,14 @@ def paired_arms(rows: pl.DataFrame, spec: ScoreSpec, base: pl.DataFrame, arms: M
 
     `base` and each arm: predictions with `run_id`, `choice` (and `probs`) for the suite's rows.
     """
-    frames = {"__base__": scored_frame(rows, base, spec)}
-    frames.update({name: scored_frame(rows, p, spec) for name, p in arms.items()})
-    order = frames["__base__"]["run_id"].to_list()
-    for name, f in frames.items():
-        if f["run_id"].to_list() != order:
-            raise ValueError(f"arm '{name}' is not scored on the base's rows in the base's order")
-    chance = catalog_chances(frames["__base__"], spec)
-    layout = ClusterLayout.from_frame(frames["__base__"], spec)
-    sums = {name: layout.per_cluster_values(f, spec) for name, f in frames.items()}
-    names = list(frames)
-    acc = resampled_accuracy(layout, [sums[n] for n in names], draws=draws, seed=seed)
-    per_draw = {n: statistics_per_draw(spec, a, chance) for n, a in zip(names, acc, strict=True)}
-    points = {n: score_predictions(rows, arms[n] if n != "__base__" else base, spec) for n in names}
-    weights = metric_weights(spec, chance, metric)
-    b, bp = per_draw["__base__"], points["__base__"]
-    out = {}
-    for name in arms:
-        a, ap = per_draw[name], points[name]
-        d_metric = _metric_of(a, metric) - _metric_of(b, metric)
-        d_full = a["full"] - b["full"]
-        point_metric = ap.full - bp.full if metric == "full" else ap.legs[metric]["index"] - bp.legs[metric]["index"]
-        legs = {leg: Delta(ap.legs[leg]["index"] - bp.legs[leg]["index"],
-                           _ci(a["legs"][leg] - b["legs"][leg])) for leg in spec.legs}
-        cats, cat_draws = {}, {}
-        for c in spec.catalogs:
-            d = 100.0 * (a["catalogs"][c.id] - b["catalogs"][c.id])
-            cat_draws[f"cat:{c.id}"] = d
-            cats[c.id] = Delta(100.0 * (ap.catalogs[c.id].skill - bp.catalogs[c.id].skill), _ci(d))
-        diffs = cluster_differences(layout, sums["__base__"], sums[name], weights)
-        p = permutation_p(diffs, permutations=permutations, rng=arm_rng(seed, name))
-        out[name] = ArmStats(metric=Delta(point_metric, _ci(d_metric)),
-                             full=Delta(ap.full - bp.full, _ci(d_full)), p=p, legs=legs, catalogs=cats,
-                             index=ap.full, draws={"metric": d_metric, "full": d_full, **cat_draws},
-                             retention=retention(frames["__base__"], frames[name]))
-    return bp.full, out
+    if metric != "full" and metric not in spec.legs:
+        raise ValueError(f"metric '{metric}' is neither 'full' nor a leg ({sorted(spec.legs)})")
+    try:
+        shared = shared_draws(rows, spec, {"__base__": base, **arms}, draws=draws, seed=seed)
+    except ValueError as e:
+        raise ValueError(f"{e} (an arm must be scored on the base's rows in the base's order)") from None
+    return shared.points["__base__"].full, {
+        name: paired_stats(shared, spec, "__base__", name, metric=metric, permutations=permutations) for name in arms}
 
 
 def versus(arm: ArmStats, placebo: ArmStats) -> Delta:

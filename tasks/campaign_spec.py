@@ -163,6 +163,11 @@ class CampaignSpec(BaseModel):
     def run_dir(self) -> Path:
         return Path(self.out) / f"{self.name}-{self.identity()}"
 
+    def with_model(self, model: str | None) -> CampaignSpec:
+        """The same campaign on another model (validated: 'embedded' names the embedded one)."""
+        engine = {**self.engine.model_dump(), "model": model}
+        return CampaignSpec.model_validate({**self.model_dump(), "engine": engine})
+
     def located(self) -> CampaignSpec:
         """The same campaign with every path absolute (folders, suite, reference, rules, a model on disk),
         so its run folder's record names them from any working folder."""

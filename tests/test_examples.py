@@ -38,3 +38,14 @@ def test_the_overlays_example_is_a_rule_file_on_the_sample_suites_catalogs():
     rules = load_rule_file(EXAMPLES / "overlays.toml")
     assert [r.id for r in rules] == ["R-sorted", "R-bool", "R-compare", "R-unsure"]
     assert {r.target for r in rules} <= {c[0] for c in CATALOGS}
+
+
+def test_the_models_example_names_two_models_and_is_otherwise_a_campaign_file():
+    from jex.cli.run import spec_file_models, spec_from
+    from jex.settings import load_settings
+
+    assert spec_file_models(EXAMPLES / "models.toml") == ["embedded", "runs/smollm2-20-layers"]
+    flags = {"render": None, "chat_template": None, "system_prompt": None, "num_fewshot": None}
+    spec = spec_from(load_settings(), spec_file=EXAMPLES / "models.toml", flags=flags)
+    assert spec.name == "models" and spec.engine.model is None and spec.machines.provider == "inprocess"
+    assert spec.with_model("embedded") == spec  # 'embedded' is the embedded model, as an empty model is

@@ -13,7 +13,7 @@ from jex.cli.run import (
     CAMPAIGN_FIELD_OF_FLAG,
     Device,
     EngineKind,
-    Model,
+    OneModel,
     PanelCatalogs,
     Provider,
     ReasonMaxTokens,
@@ -37,7 +37,7 @@ def run(arms: Annotated[Path, typer.Option(help="Arms file (TOML): [base], [gate
         panel_catalogs: PanelCatalogs = None,
         panel_share: Annotated[float | None, typer.Option(help="Declared panel share of the full weight "
                                                                "(asserted)")] = None,
-        engine: EngineKind = None, model: Model = None, device: Device = None,
+        engine: EngineKind = None, model: OneModel = None, device: Device = None,
         coverage: Annotated[float | None, typer.Option(help="Base coverage (an arm may change it) (default: "
                                                             "0.10)")] = None,
         reason_max_tokens: ReasonMaxTokens = None, store: Store = None, provider: Provider = None) -> None:

@@ -1,5 +1,6 @@
-"""`jex show`, `jex diff`, `jex export inspect|lm-eval` and `jex score --from lm-eval|inspect`: a run's samples out,
-other tools' outputs in. Thin shells over `tasks.samples` and `tasks.interop` (imported lazily)."""
+"""`jex show`, `jex diff`, `jex compare`, `jex export inspect|lm-eval` and `jex score --from lm-eval|inspect`:
+a run's samples out, runs side by side, other tools' outputs in. Thin shells over `tasks.samples`,
+`tasks.interop` and `lab.model_comparison` (imported lazily)."""
 
 from __future__ import annotations
 
@@ -82,10 +83,43 @@ def diff(run_a: Annotated[Path, typer.Argument(help="A run folder")],
     typer.echo(f"{result.differing} of {result.rows} rows differ (bundle {result.bundle[:12]})")
 
 
+def compare(runs: Annotated[list[Path], typer.Argument(help="Two or more run folders of the same bundle")],
+            as_json: Annotated[bool, typer.Option("--json", help="The whole comparison as one JSON object")] = False,
+            out: Annotated[Path | None, typer.Option("-o", "--out", help="Write compare.md, compare.json and "
+                                                                         "compare.png into this folder")] = None,
+            draws: Annotated[int | None, typer.Option(help="Bootstrap draws; empty = the first run's")] = None,
+            seed: Annotated[int | None, typer.Option(help="Bootstrap seed; empty = the first run's")] = None,
+            permutations: Annotated[int, typer.Option(help="Sign-flip permutations per pair")] = 2000) -> None:
+    """Models side by side on the same rows: every model's score with its interval, every pair's difference
+    with a paired clustered bootstrap interval (per catalog, leg and the full index), ranked only where
+    the intervals separate them. From the run folders alone."""
+    from jex.cli import preflight
+    from jex.lab.model_comparison import compare_runs, render_comparison, write_comparison
+
+    try:
+        for run in runs:
+            preflight.existing_dir(run, "RUN")
+        if draws is not None:
+            preflight.at_least(draws, "--draws", 1)
+        preflight.at_least(permutations, "--permutations", 1)
+        doc = compare_runs(runs, draws=draws, seed=seed, permutations=permutations)
+    except JexError as e:
+        fail(e)
+    if out is not None:
+        write_comparison(doc, out)
+    if as_json:
+        typer.echo(doc.model_dump_json())
+        return
+    typer.echo(render_comparison(doc, plot=None).rstrip())
+    if out is not None:
+        typer.echo(str(out.resolve()))
+
+
 def register(app: typer.Typer) -> None:
-    """Add `show`, `diff` and `export` to the main CLI."""
+    """Add `show`, `diff`, `compare` and `export` to the main CLI."""
     app.command("show")(show)
     app.command("diff")(diff)
+    app.command("compare")(compare)
     app.add_typer(export_app, name="export")
 
 

@@ -72,7 +72,10 @@ def spec_option(path: str, more: str = "") -> Any:
 SpecFile = Annotated[Path | None, typer.Option("--spec", help="Campaign TOML: any CampaignSpec field, with [engine], "
                                                                "[engine.render] and [machines] tables; flags override")]
 Suite = Annotated[Path | None, spec_option("suite")]
-Model = Annotated[str | None, spec_option("engine.model")]
+OneModel = Annotated[str | None, spec_option("engine.model")]
+Model = Annotated[list[str] | None, spec_option(
+    "engine.model", "; given twice or more (or `models = [...]` in the --spec file), one campaign per model on "
+                    "the same suite, then their comparison (compare.md: paired intervals, `jex compare`)")]
 Coverage = Annotated[float | None, spec_option("coverage")]
 Out = Annotated[Path | None, spec_option("out")]
 Store = Annotated[Path | None, spec_option("store")]
@@ -154,20 +157,20 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
     flags = dict(locals())  # every option by name; one not given is None
     settings = load_settings()
     try:  # pre-flight: every input checked before Prefect starts or anything is written
+        models = given_models(model, spec)
+        flags["model"] = models[0] if len(models) == 1 else None
         check_flags(flags, settings)  # the flags' own paths first: no import of the flows room (prefect) needed
         redo = retried_stages(retry, resume)
         campaign = spec_from(settings, spec_file=spec, flags=flags)
-        if resume is not None:  # from any folder: the run folder read where it is, its store found by its stages
-            resume_from_s3(resume, store)  # with S3 configured, the run folder may exist only there until now
-            resumed = resumed_spec(resume, store)
-            campaign = resumed.model_copy(update={"machines": campaign.machines}) if provider else resumed
-            from jex.flows.campaign import check_stages_held
-
-            check_stages_held(campaign, resume.absolute(), redo=redo, recompute=recompute)  # before a server starts
-        check_campaign(campaign)
-        check_hub_model(campaign.engine.model)
+        if len(models) > 1:
+            check_models(campaign, models, resume=resume, panel_catalogs=panel_catalogs)
+        else:
+            campaign = checked_campaign(campaign, resume=resume, store=store, keep_machines=provider is not None,
+                                        redo=redo, recompute=recompute)
     except JexError as e:
         fail(e)
+    if len(models) > 1:
+        return run_models(campaign, models, settings, style="json" if as_json else "quiet" if quiet else "table")
     temporary = connect_prefect(settings, notice=False)  # before Prefect is imported: it reads its settings once
     from jex.flows.campaign import run_campaign, stored_run
 
@@ -188,6 +191,63 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
     from jex.cli.results import print_results
 
     print_results(Path(run_dir), "json" if as_json else "quiet" if quiet else "table")
+
+
+def given_models(model: list[str] | None, spec: Path | None) -> list[str]:
+    """The models of `jex run`: the --model flags (each checked), else the --spec file's `models` list."""
+    for m in model or []:
+        preflight.model(m)
+    return list(dict.fromkeys(model or (spec_file_models(spec) if spec is not None else [])))
+
+
+def checked_campaign(campaign: CampaignSpec, *, resume: Path | None, store: Path | None, keep_machines: bool,
+                     redo: list[StageName], recompute: bool) -> CampaignSpec:
+    """The campaign to run, checked: with `resume`, the run folder's own (read where it is, its store found by
+    its stages; with S3 configured it may exist only there until now), its machines the flags' when
+    `keep_machines`, and its stages held in the store before a server starts."""
+    if resume is not None:
+        resume_from_s3(resume, store)
+        resumed = resumed_spec(resume, store)
+        campaign = resumed.model_copy(update={"machines": campaign.machines}) if keep_machines else resumed
+        from jex.flows.campaign import check_stages_held
+
+        check_stages_held(campaign, resume.absolute(), redo=redo, recompute=recompute)
+    check_campaign(campaign)
+    check_hub_model(campaign.engine.model)
+    return campaign
+
+
+def check_models(campaign: CampaignSpec, models: list[str], *, resume: Path | None, panel_catalogs: str | None
+                 ) -> None:
+    """Pre-flight of a campaign of several models: each one's campaign as `check_campaign` checks one."""
+    if resume is not None or panel_catalogs:
+        raise InputError("--resume and --panel-catalogs take one model: resume or sample each model's run alone",
+                         field="--model")
+    for m in models:
+        one = campaign.with_model(m)
+        check_campaign(one)
+        check_hub_model(one.engine.model)
+
+
+def run_models(campaign: CampaignSpec, models: list[str], settings: JexSettings, *, style: str) -> None:
+    """One campaign per model (the models flow), then the comparison printed: `table` (the leaderboard,
+    the pairs and the comparison folder last), `quiet` (the folder) or `json` (compare.json)."""
+    temporary = connect_prefect(settings, notice=False)
+    if temporary:
+        typer.echo(TEMPORARY_API_NOTICE, err=True)
+    from jex.flows.lab import run_models as models_flow
+    from jex.lab.model_comparison import COMPARE_JSON, COMPARE_MD
+
+    try:
+        folder = models_flow(campaign, models)
+    except JexError as e:
+        fail(e)
+    if style == "json":
+        typer.echo((folder / COMPARE_JSON).read_text())
+        return
+    if style == "table":
+        typer.echo((folder / COMPARE_MD).read_text().rstrip())
+    typer.echo(str(folder.resolve()))
 
 
 def retried_stages(stage: str | None, resume: Path | None) -> list[StageName]:
@@ -330,7 +390,7 @@ def spec_from(settings: JexSettings, *, spec_file: Path | None, flags: dict[str,
     layers = []
     try:
         if spec_file is not None:
-            layers.append(read_spec_file(spec_file))
+            layers.append({k: v for k, v in read_spec_file(spec_file).items() if k != "models"})  # spec_file_models
             campaign_spec(settings, *layers)
     except ValidationError as e:
         raise input_error(e, file=spec_file, model=CampaignSpec) from None
@@ -343,6 +403,14 @@ def spec_from(settings: JexSettings, *, spec_file: Path | None, flags: dict[str,
         return campaign_spec(settings, *layers)
     except ValidationError as e:
         raise input_error(e, model=CampaignSpec) from None
+
+
+def spec_file_models(path: Path) -> list[str]:
+    """The `models = [...]` list of a campaign file (empty when it names none)."""
+    models = read_spec_file(path).get("models", [])
+    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+        raise InputError("models: expected a list of model names, folders or Hub ids", file=str(path), field="models")
+    return models
 
 
 def read_spec_file(path: Path, flag: str = "--spec") -> dict[str, Any]:
