@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jex.answer_extraction import AnswerFilter, MatchSettings, UnsupportedFilter, filter_from_config
 from jex.suite import ScoringKind
 
 METRIC_AGGREGATIONS: dict[str, str] = {
@@ -164,3 +165,68 @@ def task_config(task: Any) -> dict[str, Any]:
     if config["process_results"] is None and type(task).process_results is not ConfigurableTask.process_results:
         config["process_results"] = type(task).process_results
     return config
+
+
+GENERATION_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature")
+"""The `generation_kwargs` jex reads: greedy decoding (do_sample false, temperature 0) up to max_gen_toks,
+cut at the `until` sequences. Any other key would reach the model's generate call and is refused."""
+MATCH_KWARGS = ("regexes_to_ignore", "ignore_case", "ignore_punctuation", "ignore_numbers")
+"""`exact_match`'s keyword arguments (lm-eval's `exact_match_hf_evaluate`)."""
+MAX_GEN_TOKS = 256
+"""lm-eval's default `max_gen_toks` (HF and vLLM backends)."""
+
+
+@dataclass(frozen=True)
+class GenerativeScoring:
+    """How jex runs and scores a `generate_until` task it reproduces: greedy generation settings, the
+    task's filter pipelines and exact_match's settings."""
+
+    until: tuple[str, ...]
+    max_tokens: int
+    filters: tuple[AnswerFilter, ...]
+    match: MatchSettings
+
+
+def generative_scoring(task: str, config: Mapping[str, Any], generation_kwargs: Mapping[str, Any] | None
+                       ) -> GenerativeScoring | ScoringRefusal:
+    """A `generate_until` task's generation and scoring when every field is one jex reproduces (exact_match
+    of each filter's answer, greedy decoding), else the first field it does not."""
+    if config.get("process_results") is not None:
+        return ScoringRefusal(task, "process_results", f"is the task's own function "
+                                                       f"({_name(config['process_results'])}), which jex does not run")
+    entries = list(config.get("metric_list") or ())
+    if len(entries) != 1 or _name(entries[0].get("metric")) != "exact_match":
+        names = [_name(e.get("metric")) for e in entries]
+        return ScoringRefusal(task, "metric_list", f"is {names}; of a generative task jex reproduces exact_match "
+                                                   "alone")
+    entry = entries[0]
+    if entry.get("aggregation") is not None and _name(entry["aggregation"]) != "mean":
+        return ScoringRefusal(task, "metric_list[0].aggregation", f"is {_name(entry['aggregation'])!r}; jex "
+                                                                  "aggregates exact_match by its mean")
+    kwargs = {k: v for k, v in entry.items() if k not in ("metric", "aggregation", "higher_is_better")}
+    if unknown := sorted(set(kwargs) - set(MATCH_KWARGS)):
+        return ScoringRefusal(task, f"metric_list[0].{unknown[0]}", f"is not one of exact_match's settings jex "
+                                                                    f"reproduces ({', '.join(MATCH_KWARGS)})")
+    if (config.get("repeats") or 1) != 1:
+        return ScoringRefusal(task, "repeats", f"is {config['repeats']}; jex generates once per document (greedy)")
+    gen = dict(generation_kwargs or {})
+    if unknown := sorted(set(gen) - set(GENERATION_KWARGS)):
+        return ScoringRefusal(task, f"generation_kwargs.{unknown[0]}", "is set; jex generates greedily with until "
+                                                                       "and max_gen_toks alone")
+    if gen.get("do_sample") or float(gen.get("temperature") or 0) != 0:
+        return ScoringRefusal(task, "generation_kwargs", "asks for sampling; jex generates greedily (do_sample false, "
+                                                         "temperature 0)")
+    until = gen.get("until") or ()
+    filters = []
+    for i, f in enumerate(config.get("filter_list") or ()):
+        try:
+            filters.append(filter_from_config(str(f.get("name")), list(f.get("filter") or ())))
+        except UnsupportedFilter as e:
+            return ScoringRefusal(task, f"filter_list[{i}]", f"cannot be reproduced: {e}")
+    try:
+        match = MatchSettings.model_validate(kwargs)
+    except ValueError as e:
+        return ScoringRefusal(task, "metric_list[0]", f"has exact_match settings jex cannot read: {e}")
+    return GenerativeScoring(until=(until,) if isinstance(until, str) else tuple(until),
+                             max_tokens=int(gen.get("max_gen_toks") or MAX_GEN_TOKS), filters=tuple(filters),
+                             match=match)

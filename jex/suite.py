@@ -1,7 +1,8 @@
 """The suite format: a TOML manifest plus row files (JSONL or Parquet), validated as they stream.
 
 A manifest (`SUITE_DIR/suite.toml`) has a `[legs]` table of composite weights and one
-`[[catalogs]]` entry per catalog. A row is one multiple-choice request. Every validation error is
+`[[catalogs]]` entry per catalog. A row is one multiple-choice request, or in a generative catalog
+(`kind = "generate"`) a prompt and its reference answer. Every validation error is
 an `InputError` naming the file, the row (1-based line for JSONL, 0-based index for Parquet) and
 the field.
 """
@@ -17,10 +18,11 @@ from typing import Any, Literal
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from jex.answer_extraction import NO_FILTER, AnswerFilter, MatchSettings
 from jex.errors import InputError
 
 MANIFEST_NAME = "suite.toml"
-ScoringKind = Literal["accuracy", "acc_norm", "brier", "log_loss", "calibrated_accuracy", "true_mass"]
+ScoringKind = Literal["accuracy", "acc_norm", "brier", "log_loss", "calibrated_accuracy", "true_mass", "exact_match"]
 """What a catalog's skill is computed from (`tasks/scoring/index.py` defines each)."""
 ReadoutKind = Literal["label_slot", "loglikelihood", "partial_loglikelihood"]
 """How the fast pass reads a catalog's rows (`Catalog.readout`)."""
@@ -29,6 +31,19 @@ LOGLIKELIHOOD_READOUTS: tuple[ReadoutKind, ...] = ("loglikelihood", "partial_log
 LOGLIKELIHOOD_KINDS = ("acc_norm", "true_mass")
 """Scoring kinds read from each option's continuation log-likelihood (a `loglikelihood` readout)."""
 ROW_FIELDS = ("run_id", "catalog", "question_id", "prompt", "options", "labels", "gold", "metadata", "true_options")
+GENERATION_ROW_FIELDS = ("run_id", "catalog", "question_id", "prompt", "answer", "metadata")
+CatalogKind = Literal["multiple_choice", "generate"]
+"""A catalog of multiple-choice rows (read by the fast pass), or of generative rows (a prompt the model
+continues and a reference answer its extracted answer must match, as lm-eval's `generate_until` tasks)."""
+
+
+class GenerationSettings(BaseModel):
+    """How a generative catalog's rows are generated: greedy, up to `max_tokens` new tokens, the text cut
+    at the first of the stop sequences (lm-eval's `until` and `max_gen_toks`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    until: tuple[str, ...] = Field((), description="Stop sequences: the text is cut before the first one")
+    max_tokens: int = Field(256, ge=1, description="Most new tokens per row (lm-eval's max_gen_toks)")
 
 
 class Catalog(BaseModel):
@@ -61,17 +76,60 @@ class Catalog(BaseModel):
                                 "(an imported harness's own prompt, choices already in it where it shows them)")
     target_delimiter: str = Field(" ", description="loglikelihood: the text between the context and each "
                                                    "choice (lm-eval's target_delimiter)")
+    kind: CatalogKind = Field("multiple_choice", description="multiple_choice, or generate: rows with a prompt "
+                                                             "and a reference answer, scored by exact_match")
+    generation: GenerationSettings | None = Field(None, description="generate: stop sequences and max tokens")
+    filters: tuple[AnswerFilter, ...] = Field((), description="generate: the named answer extractions (lm-eval's "
+                                                              "filter_list); none: the response as it is")
+    match: MatchSettings = Field(MatchSettings(), description="generate: exact_match's normalisations")
+    primary_filter: str | None = Field(None, description="generate: the filter whose exact_match the index "
+                                                         "reads; empty = the first")
 
     def declared(self) -> dict[str, Any]:
         """The catalog as JSON, leaving out the readout fields at their defaults, so a bundle of a suite
         that does not use them keeps the bytes (and so the identity) it had before they existed."""
         doc = self.model_dump(mode="json")
-        for name in ("readout", "prompt_format", "target_delimiter"):
-            if doc[name] == Catalog.model_fields[name].default:
+        for name in ("readout", "prompt_format", "target_delimiter", "kind", "generation", "filters", "match",
+                     "primary_filter"):
+            default = Catalog.model_fields[name].get_default()
+            if doc[name] == (default.model_dump(mode="json") if isinstance(default, BaseModel) else
+                             list(default) if isinstance(default, tuple) else default):
                 del doc[name]
         return doc
     secondary: tuple[Literal["abstain"], ...] = Field(
         (), description="Secondary prediction fields the scorer reads: 'abstain' (a row the predictor declined)")
+
+    def answer_filters(self) -> tuple[AnswerFilter, ...]:
+        """A generative catalog's filters, the one the index reads first (lm-eval's `none` when it declares none)."""
+        filters = self.filters or (NO_FILTER,)
+        first = next((f for f in filters if f.name == self.primary_filter), filters[0])
+        return (first, *(f for f in filters if f is not first))
+
+    @model_validator(mode="after")
+    def _kind_fits(self) -> Catalog:
+        generative = self.kind == "generate"
+        if generative != (self.scoring == "exact_match"):
+            raise ValueError(f"catalog '{self.id}': exact_match scores generative catalogs (kind = \"generate\"), "
+                             "and only them")
+        if generative and self.generation is None:
+            raise ValueError(f"catalog '{self.id}' is generative: it needs a [catalogs.generation] table "
+                             "(until, max_tokens)")
+        if generative and self.prompt_format != "verbatim":
+            raise ValueError(f"catalog '{self.id}' is generative: its prompt is the context the model continues, "
+                             "so it needs prompt_format = \"verbatim\"")
+        if generative and self.fewshot_files:
+            raise ValueError(f"catalog '{self.id}' is generative: its few-shot examples belong in its prompts "
+                             "(as lm-eval renders them), not in fewshot_files")
+        if not generative and (self.generation or self.filters or self.primary_filter):
+            raise ValueError(f"catalog '{self.id}': generation, filters and primary_filter are for generative "
+                             "catalogs (kind = \"generate\")")
+        names = [f.name for f in self.filters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"catalog '{self.id}': filter names must be distinct, got {names}")
+        if self.primary_filter is not None and self.primary_filter not in names:
+            raise ValueError(f"catalog '{self.id}': primary_filter {self.primary_filter!r} is none of its filters "
+                             f"{names}")
+        return self
 
 
 class SuiteManifest(BaseModel):
@@ -121,6 +179,19 @@ class SuiteManifest(BaseModel):
         raise KeyError(catalog_id)
 
 
+class GenerationRow(BaseModel):
+    """One generative request: the prompt the model continues and the reference answer (`question_id`: the
+    bootstrap cluster)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    run_id: str = Field(min_length=1)
+    catalog: str = Field(min_length=1)
+    question_id: str = Field(min_length=1)
+    prompt: str
+    answer: str
+    metadata: dict[str, Any] | None = None
+
+
 class SuiteRow(BaseModel):
     """One multiple-choice request. `question_id` is the bootstrap cluster; `true_options`, every option
     that is true, for a catalog scored by `true_mass` (`gold` is one of them)."""
@@ -135,6 +206,18 @@ class SuiteRow(BaseModel):
     gold: int
     metadata: dict[str, Any] | None = None
     true_options: list[int] | None = None
+
+
+GENERATION_STAGE_PENDING = ("is generative: jex validates and imports generative catalogs (`jex suite validate`, "
+                            "`jex suite import lm-eval`), but a campaign does not run them yet (the generation stage "
+                            "is being built); run the suite's multiple-choice catalogs in a suite of their own")
+
+
+def check_campaign_catalogs(manifest: SuiteManifest, file: str) -> None:
+    """A campaign runs only multiple-choice catalogs for now: the first generative one is refused in one line."""
+    for c in manifest.catalogs:
+        if c.kind == "generate":
+            raise InputError(f"catalog '{c.id}' {GENERATION_STAGE_PENDING}", file=file, field="kind")
 
 
 def load_manifest(suite_dir: str | Path) -> SuiteManifest:
@@ -171,7 +254,8 @@ def _manifest_error(err: Any, path: Path) -> InputError:
                       field=loc or None)
 
 
-def _check_row(row: SuiteRow, *, file: str, line: int, catalogs: dict[str, Catalog], expected: str | None) -> None:
+def _check_row(row: SuiteRow | GenerationRow, *, file: str, line: int, catalogs: dict[str, Catalog],
+               expected: str | None) -> None:
     def bad(field: str, msg: str) -> InputError:
         return InputError(msg, file=file, row=line, field=field)
 
@@ -181,6 +265,8 @@ def _check_row(row: SuiteRow, *, file: str, line: int, catalogs: dict[str, Catal
         raise bad("catalog", f"unknown catalog '{row.catalog}' (manifest has {sorted(catalogs)})")
     if expected is not None and row.catalog != expected:
         raise bad("catalog", f"row of catalog '{row.catalog}' in a file listed under '{expected}'")
+    if isinstance(row, GenerationRow):
+        return
     if len(row.labels) != len(row.options):
         raise bad("labels", f"{len(row.labels)} labels for {len(row.options)} options")
     if len(set(row.labels)) != len(row.labels) or any(not lab.strip() for lab in row.labels):
@@ -199,14 +285,17 @@ def _check_row(row: SuiteRow, *, file: str, line: int, catalogs: dict[str, Catal
         raise bad("true_options", f"catalog '{row.catalog}' is scored by true_mass: every row lists its true options")
 
 
-def _parse(record: Any, *, file: str, line: int) -> SuiteRow:
+def _parse(record: Any, *, file: str, line: int, generative: bool = False) -> SuiteRow | GenerationRow:
     if not isinstance(record, dict):
         raise InputError("a row must be a JSON object", file=file, row=line)
-    unknown = sorted(set(record) - set(ROW_FIELDS))
+    fields, model = (GENERATION_ROW_FIELDS, GenerationRow) if generative else (ROW_FIELDS, SuiteRow)
+    unknown = sorted(set(record) - set(fields))
     if unknown:
-        raise InputError(f"unknown field(s) {unknown}", file=file, row=line, field=unknown[0])
+        raise InputError(f"unknown field(s) {unknown}" + (" (a generative catalog's row: prompt and answer)"
+                                                          if generative else ""), file=file, row=line,
+                         field=unknown[0])
     try:
-        return SuiteRow.model_validate(record)
+        return model.model_validate(record)
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or None
@@ -251,6 +340,14 @@ def read_row_file(path: str | Path, *, problems: list[InputError] | None = None
 
 def iter_rows(suite_dir: str | Path, manifest: SuiteManifest | None = None, *,
               problems: list[InputError] | None = None) -> Iterator[SuiteRow]:
+    """The suite's multiple-choice rows (`iter_all_rows`, less the generative catalogs' rows)."""
+    for row in iter_all_rows(suite_dir, manifest, problems=problems):
+        if isinstance(row, SuiteRow):
+            yield row
+
+
+def iter_all_rows(suite_dir: str | Path, manifest: SuiteManifest | None = None, *,
+                  problems: list[InputError] | None = None) -> Iterator[SuiteRow | GenerationRow]:
     """Stream every row of the suite in manifest order, validated; run_ids must be unique.
 
     With `problems` given, a bad row is recorded there and skipped instead of raised (`validate`).
@@ -268,10 +365,14 @@ def iter_rows(suite_dir: str | Path, manifest: SuiteManifest | None = None, *,
 
 def iter_fewshot_rows(suite_dir: str | Path, manifest: SuiteManifest | None = None, *,
                       problems: list[InputError] | None = None) -> Iterator[SuiteRow]:
-    """The catalogs' few-shot example rows (same format as rows; never scored), validated."""
+    """The multiple-choice catalogs' few-shot example rows (same format as rows; never scored), validated.
+    (A generative catalog's few-shot examples are already in its prompts, as lm-eval renders them.)"""
     suite_dir = Path(suite_dir)
     manifest = manifest or load_manifest(suite_dir)
-    yield from _rows_of(suite_dir, manifest, {c.id: c.fewshot_files for c in manifest.catalogs}, {}, problems)
+    files = {c.id: c.fewshot_files for c in manifest.catalogs if c.kind != "generate"}
+    for row in _rows_of(suite_dir, manifest, files, {}, problems):
+        if isinstance(row, SuiteRow):
+            yield row
 
 
 def _report(problem: InputError, problems: list[InputError] | None) -> None:
@@ -281,7 +382,7 @@ def _report(problem: InputError, problems: list[InputError] | None) -> None:
 
 
 def _rows_of(suite_dir: Path, manifest: SuiteManifest, files: dict[str, tuple[str, ...]], seen: dict[str, str],
-             problems: list[InputError] | None) -> Iterator[SuiteRow]:
+             problems: list[InputError] | None) -> Iterator[SuiteRow | GenerationRow]:
     catalogs = {c.id: c for c in manifest.catalogs}
     for cat_id, rels in files.items():
         for rel in rels:
@@ -293,7 +394,8 @@ def _rows_of(suite_dir: Path, manifest: SuiteManifest, files: dict[str, tuple[st
             try:
                 for line, record in read_row_file(path, problems=problems):
                     try:
-                        row = _parse(record, file=str(path), line=line)
+                        row = _parse(record, file=str(path), line=line,
+                                     generative=catalogs[cat_id].kind == "generate")
                         _check_row(row, file=str(path), line=line, catalogs=catalogs, expected=cat_id)
                         if row.run_id in seen:
                             raise InputError(f"duplicate run_id '{row.run_id}' (first seen at {seen[row.run_id]})",
@@ -313,7 +415,7 @@ def validate_suite(suite_dir: str | Path, *, limit: int = 1000) -> list[InputErr
     if manifest is None:
         return problems
     counts = dict.fromkeys((c.id for c in manifest.catalogs), 0)
-    for row in iter_rows(suite_dir, manifest, problems=problems):
+    for row in iter_all_rows(suite_dir, manifest, problems=problems):
         counts[row.catalog] = counts.get(row.catalog, 0) + 1
         if len(problems) >= limit:
             return problems

@@ -22,7 +22,14 @@ from typing import Any
 
 from jex.errors import InputError
 from jex.fileio import sha256_file, write_toml
-from jex.lm_eval_scoring import BINARY_METRICS, ScoringRefusal, TaskScoring, task_config, task_scoring
+from jex.lm_eval_scoring import (
+    BINARY_METRICS,
+    ScoringRefusal,
+    TaskScoring,
+    generative_scoring,
+    task_config,
+    task_scoring,
+)
 from jex.suite import MANIFEST_NAME, load_manifest
 
 LETTERS = string.ascii_uppercase
@@ -50,6 +57,21 @@ class ImportedRow:
 
 
 @dataclass(frozen=True)
+class ImportedGenerationRow:
+    """One imported generative row: the context the model continues and the reference answer."""
+
+    run_id: str
+    question_id: str
+    prompt: str
+    answer: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def record(self, catalog: str) -> dict[str, Any]:
+        return {"run_id": self.run_id, "catalog": catalog, "question_id": self.question_id, "prompt": self.prompt,
+                "answer": self.answer, "metadata": self.metadata}
+
+
+@dataclass(frozen=True)
 class ReadoutSettings:
     """How a catalog's rows are read (the `Catalog` fields of the same names; written only when not
     the default, so a suite that does not use them keeps its bytes)."""
@@ -74,12 +96,14 @@ log-likelihood (its target_delimiter set per task), accuracy (acc_norm reported 
 @dataclass(frozen=True)
 class ImportedCatalog:
     id: str
-    rows: list[ImportedRow]
+    rows: Sequence[ImportedRow | ImportedGenerationRow]
     fewshot: list[ImportedRow] = field(default_factory=list)
     weight: float = 1.0
     leg: str = "public"
     name: str | None = None
     readout: ReadoutSettings = ReadoutSettings()
+    generative: dict[str, Any] | None = None
+    """A generative catalog's manifest keys (kind, scoring, prompt_format, generation, filters, match)."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +198,7 @@ def write_suite(out: str | Path, catalogs: Sequence[ImportedCatalog], *, name: s
             slug = _slug(cat.id)
             _write_jsonl(tmp / "rows" / f"{slug}.jsonl", (r.record(cat.id) for r in cat.rows))
             entry = {"id": cat.id, "name": cat.name or cat.id, "leg": cat.leg, "weight": cat.weight,
-                     "files": [f"rows/{slug}.jsonl"], **cat.readout.declared()}
+                     "files": [f"rows/{slug}.jsonl"], **(cat.generative or cat.readout.declared())}
             if cat.fewshot:
                 _write_jsonl(tmp / "rows" / f"{slug}.fewshot.jsonl", (r.record(cat.id) for r in cat.fewshot))
                 entry["fewshot_files"] = [f"rows/{slug}.fewshot.jsonl"]
@@ -485,7 +509,8 @@ def _task_rows(name: str, task: Any, docs: Iterable[Any], *, file: str, run_suff
 
 def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | None = None, leg: str = "public",
                    cluster: str | None = None, force: bool = False) -> ImportResult:
-    """An lm-evaluation-harness `multiple_choice` task (or a group of them) as a jex suite.
+    """An lm-evaluation-harness `multiple_choice` or `generate_until` task (or a group of them) as a jex suite
+    (a generate_until task: a generative catalog, `_generative_catalog`).
 
     Documents are read through the harness's own machinery (`doc_to_text`, `doc_to_choice`,
     `doc_to_target`, Jinja or `!function`); each row's prompt is the context lm-eval sends for it
@@ -499,6 +524,10 @@ def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | N
     loaded, shown = _load_lm_eval(task, data_files)
     catalogs, settings = [], {}
     for name, t, by_size in _leaf_tasks(loaded):
+        if t.config.output_type == "generate_until":
+            catalog, settings[name] = _generative_catalog(name, t, file=f"{shown} [{name}]", leg=leg, cluster=cluster)
+            catalogs.append(replace(catalog, weight=float(len(catalog.rows)) if by_size else 1.0))
+            continue
         scoring = task_scoring(name, task_config(t), multiple_input=bool(t.multiple_input))
         if isinstance(scoring, ScoringRefusal):
             raise InputError(scoring.line(), file=shown, field=scoring.field)
@@ -541,6 +570,42 @@ def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | N
         source["groups"] = groups
     suite_name = catalogs[0].name if len(catalogs) == 1 else Path(shown).stem
     return write_suite(out, catalogs, name=suite_name or "suite", source=source, force=force)
+
+
+def _generative_catalog(name: str, task: Any, *, file: str, leg: str, cluster: str | None
+                        ) -> tuple[ImportedCatalog, dict[str, Any]]:
+    """A `generate_until` task as a generative catalog: each document's context as lm-eval builds it (few-shot
+    examples included), its target as the reference answer (lm-eval's: a choice's text where the task has
+    choices is refused, a number as its text), the task's greedy generation settings, filters and exact_match
+    settings (`generative_scoring`; anything else refused in one line)."""
+    scoring = generative_scoring(name, task_config(task), task.config.generation_kwargs)
+    if isinstance(scoring, ScoringRefusal):
+        raise InputError(scoring.line(), file=file, field=scoring.field)
+    if task.config.doc_to_choice is not None:
+        raise InputError(f"task '{name}': doc_to_choice is set; jex compares a generative answer with the target "
+                         "text itself", file=file, field="doc_to_choice")
+    requests = lm_eval_requests(task, file=file)
+    rows = []
+    for doc_id, doc in enumerate(task.eval_docs):
+        where = Where(file, doc_id)
+        contexts = requests[doc_id].contexts
+        if len(contexts) != 1 or not contexts[0].strip():
+            raise where.at("doc_to_text").error(f"lm-eval built {len(contexts)} contexts for one document")
+        target = task.doc_to_target(doc)
+        if isinstance(target, list):
+            raise where.at("doc_to_target").error("multiple targets per document are not supported")
+        run_id = f"{name}-{doc_id}"
+        rows.append(ImportedGenerationRow(run_id, cluster_of(doc, cluster, catalog=name, default=run_id, where=where),
+                                          contexts[0], str(target), {"task": name, "doc_id": doc_id}))
+    generative = {"kind": "generate", "scoring": "exact_match", "prompt_format": "verbatim",
+                  "generation": {"until": list(scoring.until), "max_tokens": scoring.max_tokens},
+                  "filters": [f.model_dump(mode="json") for f in scoring.filters],
+                  "match": scoring.match.model_dump(mode="json")}
+    settings = {"num_fewshot": task.config.num_fewshot, "fewshot_split": task.config.fewshot_split,
+                "fewshot_delimiter": task.config.fewshot_delimiter, "description": task.config.description or None,
+                "version": (task.config.metadata or {}).get("version"), "metrics": ["exact_match"],
+                "filters": [f.name for f in scoring.filters] or ["none"]}
+    return ImportedCatalog(_slug(name), rows, leg=leg, name=name, generative=generative), settings
 
 
 def _load_lm_eval(task: str, data_files: dict[str, str] | None) -> tuple[dict[str, Any], str]:

@@ -219,3 +219,36 @@ def no_user_settings(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     for name in [n for n in os.environ if n.startswith("JEX_")]:
         monkeypatch.delenv(name)
+
+
+# --- a GSM8K-shaped generative task ---------------------------------------------------------------------
+
+GSM = [("Tom has 3 apples and buys 4 more. How many apples does he have?", "Tom has 3 + 4 = 7 apples.\n#### 7"),
+       ("A pen costs $2. How much do 5 pens cost?", "5 pens cost 5 * 2 = $10.\n#### 10"),
+       ("There are 20 birds. 8 fly away. How many remain?", "20 - 8 = 12 birds remain.\n#### 12"),
+       ("Sara read 12 pages on Monday and twice as many on Tuesday. How many pages did she read?",
+        "Tuesday: 12 * 2 = 24. Total: 12 + 24 = 36.\n#### 36"),
+       ("A box holds 6 eggs. How many eggs are in 4 boxes?", "4 * 6 = 24 eggs.\n#### 24"),
+       ("Jim earns $1,200 a week. How much does he earn in 3 weeks?", "3 * 1,200 = $3,600.\n#### 3600")]
+"""GSM8K-shaped documents (question, worked answer ending in `#### N`)."""
+SHOTS = [("Ann has 2 cats and 3 dogs. How many pets?", "2 + 3 = 5 pets.\n#### 5"),
+         ("Bob had 10 candies and ate 4. How many are left?", "10 - 4 = 6 candies.\n#### 6")]
+
+
+def gsm_task(folder: Path, **overrides: str) -> Path:
+    """lm-eval's shipped GSM8K YAML on local documents (2-shot, 48 new tokens at most), `overrides` appended."""
+    import lm_eval.tasks
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, docs in (("test", GSM), ("train", SHOTS)):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps({"question": q, "answer": a}) + "\n"
+                                                       for q, a in docs))
+    shipped = Path(lm_eval.tasks.__file__).parent / "gsm8k" / "gsm8k.yaml"
+    text = (f"include: {shipped}\ntask: fid_gsm\ntag: []\ndataset_path: json\ndataset_name: null\n"
+            f"dataset_kwargs:\n  data_files:\n    train: {folder / 'train.jsonl'}\n    test: {folder / 'test.jsonl'}\n"
+            "num_fewshot: 2\n")
+    text += overrides.get("generation", 'generation_kwargs:\n  until: ["Question:", "</s>", "<|im_end|>"]\n'
+                                        "  do_sample: false\n  temperature: 0.0\n  max_gen_toks: 48\n")
+    text += "".join(v for k, v in overrides.items() if k != "generation")
+    (folder / "fid_gsm.yaml").write_text(text)
+    return folder / "fid_gsm.yaml"

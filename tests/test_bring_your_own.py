@@ -227,10 +227,11 @@ def test_lm_eval_group_becomes_catalogs_weighted_by_size(tmp_path):
     assert [(c.id, c.weight) for c in load_manifest(tmp_path / "suite").catalogs] == [("alpha", 2.0), ("beta", 4.0)]
 
 
-def test_lm_eval_task_that_is_not_multiple_choice_is_refused(tmp_path):
-    task = write_lm_eval_task(tmp_path / "t", "gen", output_type="generate_until")
+def test_lm_eval_task_neither_multiple_choice_nor_generative_is_refused(tmp_path):
+    task = write_lm_eval_task(tmp_path / "t", "ppl", output_type="loglikelihood_rolling")
     result = run_cli("suite", "import", "lm-eval", "--task", task, "-o", tmp_path / "suite")
-    assert result.exit_code == 1 and "task 'gen': output_type is 'generate_until', not multiple_choice" in result.output
+    assert result.exit_code == 1 and "task 'ppl': output_type is 'loglikelihood_rolling', not multiple_choice" \
+        in result.output
     assert not (tmp_path / "suite").exists()
 
 

@@ -67,7 +67,8 @@ def import_lm_eval_cmd(task: Annotated[str, typer.Option(help="lm-eval task or g
                                 "together in the bootstrap (default: every row its own cluster)")] = None,
                        force: Annotated[bool, typer.Option(help="Replace a non-empty output folder")] = False) -> None:
     """An lm-evaluation-harness multiple_choice task (or group) as a jex suite, one catalog per task: each
-    row's prompt is lm-eval's own context, read verbatim with its log-likelihood readout."""
+    row's prompt is lm-eval's own context, read verbatim with its log-likelihood readout. A generate_until
+    task becomes a generative catalog (its generation settings, filters and exact_match settings)."""
     try:
         from jex.suite_import import import_lm_eval
     except ImportError as e:
@@ -110,14 +111,14 @@ def suite_validate(suite: Annotated[Path, typer.Argument(help="Suite folder (hol
 def suite_ls(suite: Annotated[Path, typer.Argument(help="Suite folder (holds suite.toml)")]) -> None:
     """Catalogs with their rows, options, chance, leg and weight; the legs and their weights."""
     from jex.cli import preflight
-    from jex.suite import iter_fewshot_rows, iter_rows, load_manifest
+    from jex.suite import SuiteRow, iter_all_rows, iter_fewshot_rows, load_manifest
     from jex.tasks.capture.bundle import catalog_chance
 
     try:
         manifest = load_manifest(preflight.existing_dir(suite, "SUITE"))
         options: dict[str, Counter[int]] = {c.id: Counter() for c in manifest.catalogs}
-        for row in iter_rows(suite, manifest):
-            options[row.catalog][len(row.options)] += 1
+        for row in iter_all_rows(suite, manifest):
+            options[row.catalog][len(row.options) if isinstance(row, SuiteRow) else 0] += 1
         shots = Counter(r.catalog for r in iter_fewshot_rows(suite, manifest))
     except JexError as e:
         fail(e)
@@ -126,7 +127,10 @@ def suite_ls(suite: Annotated[Path, typer.Argument(help="Suite folder (holds sui
     for c in manifest.catalogs:
         hist = options[c.id]
         ks = f"{min(hist)}-{max(hist)}" if hist and min(hist) != max(hist) else str(min(hist, default=0))
-        chance = c.chance if c.chance is not None else (catalog_chance(hist) if hist else float("nan"))
+        if c.kind == "generate":  # exact match of an extracted answer: no options, chance 0
+            ks, chance = "generate", 0.0
+        else:
+            chance = c.chance if c.chance is not None else (catalog_chance(hist) if hist else float("nan"))
         typer.echo(f"{c.id:<24} {c.leg:<10} {c.weight:>7g} {sum(hist.values()):>7} {ks:>9} {chance:>7.4f} "
                    f"{shots.get(c.id, 0):>8}")
     if manifest.source:

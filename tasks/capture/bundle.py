@@ -35,6 +35,7 @@ from jex.suite import (
     MANIFEST_NAME,
     SuiteManifest,
     SuiteRow,
+    check_campaign_catalogs,
     iter_fewshot_rows,
     iter_rows,
     load_manifest,
@@ -266,6 +267,7 @@ def build_bundle(suite_dir: str | Path, out: str | Path, *, reference: str | Pat
     written beside it, to `provenance_out` (a stage folder records its own: `StageDir.finish`)."""
     suite_dir, out = Path(suite_dir), Path(out)
     manifest = load_manifest(suite_dir)
+    check_campaign_catalogs(manifest, str(suite_dir / MANIFEST_NAME))
     with tempfile.TemporaryDirectory(prefix="jex-bundle-", dir=out.parent if out.parent.exists() else None) as t:
         stage = Path(t)
         (stage / "rows").mkdir()
