@@ -80,7 +80,7 @@ def deployment_specs(settings: JexSettings, campaign_defaults: Mapping[str, Any]
         {"name": "retry-stage", "entrypoint": "flows/retry_stage.py:retry_stage",
          "description": "Continue a campaign (its run folder) from a named stage; the capture upstream is reused"},
         {"name": "models", "entrypoint": "flows/lab.py:models_comparison",
-         "parameters": {"spec": spec.model_dump(mode="json"), "models": [EMBEDDED_MODEL, EMBEDDED_MODEL]},
+         "parameters": {"spec": spec.model_dump(mode="json"), "models": [EMBEDDED_MODEL]},
          "description": "One campaign per model on one suite, then their comparison: every model's score and "
                         "every pair's paired interval (compare.md)"},
         {"name": "experiment", "entrypoint": "flows/lab.py:experiment",

@@ -185,16 +185,17 @@ class ExperimentBudget:
     """One machine budget for every sub-run of an experiment: the ledger's cost of the sub-runs so far
     (each a ledger campaign, its run folder's name) is taken off before the next one starts."""
 
-    def __init__(self, total_usd: float, ledger: CostLedger):
+    def __init__(self, total_usd: float, ledger: CostLedger, *, of: str = "experiment", parts: str = "arms"):
         self.total_usd, self.ledger = total_usd, ledger
+        self.of, self.parts = of, parts
         self.spent_usd = 0.0
 
     def spec_for(self, spec: CampaignSpec, name: str) -> CampaignSpec:
         """`spec` with what is left of the budget as its machines' budget; FlowError when none is left."""
         left = self.total_usd - self.spent_usd
         if left <= 0:
-            raise FlowError(f"experiment budget spent: ${self.spent_usd:.4f} of ${self.total_usd:.4f} before "
-                            f"sub-run {name}; raise machines.budget_usd or drop arms")
+            raise FlowError(f"{self.of} budget spent: ${self.spent_usd:.4f} of ${self.total_usd:.4f} before "
+                            f"sub-run {name}; raise machines.budget_usd or drop {self.parts}")
         return spec.model_copy(update={"machines": spec.machines.model_copy(update={"budget_usd": left})})
 
     def charge(self, run_dir: Path) -> None:
@@ -202,36 +203,40 @@ class ExperimentBudget:
         self.spent_usd += self.ledger.total(run_dir.name)
 
 
-def experiment_budget(base: CampaignSpec) -> ExperimentBudget:
-    """The experiment's budget: the base's `machines.budget_usd`, else the settings', on the settings' ledger."""
+def experiment_budget(base: CampaignSpec, *, of: str = "experiment", parts: str = "arms") -> ExperimentBudget:
+    """The experiment's (or a comparison's) budget: the base's `machines.budget_usd`, else the settings', on
+    the settings' ledger."""
     from jex.settings import load_settings
 
     infra = load_settings().infra
     total = base.machines.budget_usd if base.machines.budget_usd is not None else infra.budget_usd
-    return ExperimentBudget(total, CostLedger(Path(infra.state_dir) / "ledger.json"))
+    return ExperimentBudget(total, CostLedger(Path(infra.state_dir) / "ledger.json"), of=of, parts=parts)
 
 
-def _sub_run(spec: CampaignSpec) -> tuple[Path, dict[str, int], float]:
+def _sub_run(spec: CampaignSpec, *, recompute: bool = False) -> tuple[Path, dict[str, int], float]:
     t0 = time.perf_counter()
-    run_dir = Path(campaign(spec))
+    run_dir = Path(campaign(spec, recompute=recompute))
     calls = {str(stage): n for stage, n in EngineCalls.read(run_dir).calls.items()}
     return run_dir, calls, time.perf_counter() - t0
 
 
 @flow(name="models", log_prints=True)
 def models_comparison(spec: CampaignSpec = CampaignSpec(),  # noqa: B008 - UI form default
-                      models: list[str] = ["embedded"]) -> str:  # noqa: B006 - UI form default, never mutated
+                      models: list[str] | None = None, recompute: bool = False) -> str:
     """One campaign per model on the campaign's suite, one after another (each cached as its own campaign,
-    so a model added later is the only one computed), then their comparison: `compare.md` with its plot
-    and `compare.json` in the comparison folder, and the Markdown as an artifact. Returns that folder."""
+    so a model added later is the only one computed; one machine budget for them all, as an experiment's),
+    then their comparison: `compare.md` with its plot and `compare.json` in the comparison folder, and the
+    Markdown as an artifact. Returns that folder. `recompute`: as the campaign flow's, for every model."""
     from jex.lab.model_comparison import compare_runs, comparison_folder, render_comparison, write_comparison
 
-    names = list(dict.fromkeys(models))
+    names = list(dict.fromkeys(models or []))
     if len(names) < 2:
         raise InputError(f"models: a comparison needs two or more different models, got {names}", field="models")
+    budget = experiment_budget(spec, of="comparison", parts="models")
     run_dirs = []
     for model in names:
-        run_dir, calls, wall = _sub_run(spec.with_model(model))
+        run_dir, calls, wall = _sub_run(budget.spec_for(spec.with_model(model), model), recompute=recompute)
+        budget.charge(run_dir)
         print(f"model {model}: {run_dir} engine calls {calls} ({wall:.1f} s)")
         run_dirs.append(run_dir)
     doc = compare_runs(run_dirs)
@@ -245,9 +250,9 @@ def models_comparison(spec: CampaignSpec = CampaignSpec(),  # noqa: B008 - UI fo
     return str(out)
 
 
-def run_models(spec: CampaignSpec, models: list[str]) -> Path:
+def run_models(spec: CampaignSpec, models: list[str], *, recompute: bool = False) -> Path:
     """Run the models flow in this process (Prefect's local API unless PREFECT_API_URL is set)."""
-    return Path(models_comparison(spec, models))
+    return Path(models_comparison(spec, models, recompute=recompute))
 
 
 def run_twin(base: CampaignSpec, name: str, out: Path) -> tuple[Path, dict[str, int], float, str]:

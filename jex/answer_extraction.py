@@ -174,6 +174,9 @@ def filter_from_config(name: str, steps: Sequence[Mapping[str, Any]]) -> AnswerF
             raise UnsupportedFilter(f"filter '{name}': unknown filter function {function!r} "
                                     f"(jex reproduces {', '.join(SUPPORTED_FILTERS)})")
         parsed.append(step)
+    if [s.get("function") for s in steps].count("take_first") != 1 or steps[-1].get("function") != "take_first":
+        raise UnsupportedFilter(f"filter '{name}': jex reproduces pipelines that end in one take_first (lm-eval "
+                                "then scores one answer per document; steps after it would read its characters)")
     try:
         return AnswerFilter.model_validate({"name": name, "steps": parsed})
     except ValueError as e:  # pydantic's ValidationError: an argument jex does not read (a map to numbers...)

@@ -213,9 +213,12 @@ def generative_scoring(task: str, config: Mapping[str, Any], generation_kwargs: 
     if unknown := sorted(set(gen) - set(GENERATION_KWARGS)):
         return ScoringRefusal(task, f"generation_kwargs.{unknown[0]}", "is set; jex generates greedily with until "
                                                                        "and max_gen_toks alone")
-    if gen.get("do_sample") or float(gen.get("temperature") or 0) != 0:
+    # lm-eval decodes greedily when do_sample is false whatever the temperature, and when it is unset at
+    # temperature 0; unset at a positive temperature leaves it to the model's generation config
+    sampling = gen.get("do_sample") or (gen.get("do_sample") is None and float(gen.get("temperature") or 0) != 0)
+    if sampling:
         return ScoringRefusal(task, "generation_kwargs", "asks for sampling; jex generates greedily (do_sample false, "
-                                                         "temperature 0)")
+                                                         "or unset at temperature 0)")
     until = gen.get("until") or ()
     filters = []
     for i, f in enumerate(config.get("filter_list") or ()):

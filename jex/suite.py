@@ -46,6 +46,21 @@ class GenerationSettings(BaseModel):
     max_tokens: int = Field(256, ge=1, description="Most new tokens per row (lm-eval's max_gen_toks)")
 
 
+READOUT_FIELDS = ("readout", "prompt_format", "target_delimiter")
+GENERATIVE_FIELDS = ("kind", "generation", "filters", "match", "primary_filter")
+
+
+def _without_defaults(doc: dict[str, Any], names: tuple[str, ...], *, json: bool) -> dict[str, Any]:
+    """`doc` (a dumped `Catalog`, in JSON or Python mode) less the fields of `names` that hold their defaults."""
+    for name in names:
+        default = Catalog.model_fields[name].get_default()
+        if isinstance(default, BaseModel):
+            default = default.model_dump(mode="json" if json else "python")
+        if name in doc and doc[name] == (list(default) if json and isinstance(default, tuple) else default):
+            del doc[name]
+    return doc
+
+
 class Catalog(BaseModel):
     """One benchmark catalog of the suite."""
 
@@ -86,16 +101,15 @@ class Catalog(BaseModel):
                                                          "reads; empty = the first")
 
     def declared(self) -> dict[str, Any]:
-        """The catalog as JSON, leaving out the readout fields at their defaults, so a bundle of a suite
-        that does not use them keeps the bytes (and so the identity) it had before they existed."""
-        doc = self.model_dump(mode="json")
-        for name in ("readout", "prompt_format", "target_delimiter", "kind", "generation", "filters", "match",
-                     "primary_filter"):
-            default = Catalog.model_fields[name].get_default()
-            if doc[name] == (default.model_dump(mode="json") if isinstance(default, BaseModel) else
-                             list(default) if isinstance(default, tuple) else default):
-                del doc[name]
-        return doc
+        """The catalog as JSON, leaving out the readout and generative fields at their defaults, so a bundle
+        of a suite that does not use them keeps the bytes (and so the identity) it had before they existed."""
+        return _without_defaults(self.model_dump(mode="json"), (*READOUT_FIELDS, *GENERATIVE_FIELDS), json=True)
+
+    def manifest_entry(self) -> dict[str, Any]:
+        """The catalog as a `[[catalogs]]` table written back (a panel's suite.toml): every field that is set,
+        the generative ones only where they are not their defaults (the bytes of a multiple-choice suite's
+        table are those it had before generative catalogs existed)."""
+        return _without_defaults(self.model_dump(exclude_none=True), GENERATIVE_FIELDS, json=False)
     secondary: tuple[Literal["abstain"], ...] = Field(
         (), description="Secondary prediction fields the scorer reads: 'abstain' (a row the predictor declined)")
 

@@ -524,38 +524,14 @@ def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | N
     loaded, shown = _load_lm_eval(task, data_files)
     catalogs, settings = [], {}
     for name, t, by_size in _leaf_tasks(loaded):
-        if t.config.output_type == "generate_until":
-            catalog, settings[name] = _generative_catalog(name, t, file=f"{shown} [{name}]", leg=leg, cluster=cluster)
-            catalogs.append(replace(catalog, weight=float(len(catalog.rows)) if by_size else 1.0))
-            continue
-        scoring = task_scoring(name, task_config(t), multiple_input=bool(t.multiple_input))
-        if isinstance(scoring, ScoringRefusal):
-            raise InputError(scoring.line(), file=shown, field=scoring.field)
         file = f"{shown} [{name}]"
         fields = list(getattr(t, "features", None) or [])
         if cluster is not None and cluster not in fields:
             raise InputError(f"no doc field {cluster!r} (fields: {fields})", file=file,
                              field=f"--cluster {cluster}")
-        rows = _task_rows(name, t, t.eval_docs, file=file, requests=lm_eval_requests(t, file=file), cluster=cluster,
-                          scoring=scoring)
-        binary = [m for m in scoring.metrics if m in BINARY_METRICS]
-        wide = next((r for r in rows if len(r.options) > 2), None)
-        if binary and wide is not None:
-            raise InputError(f"task '{name}': {binary[0]} is lm-eval's binary F1 (scikit-learn's default), "
-                             f"undefined on rows of more than two choices ({len(wide.options)} here)",
-                             file=file, row=wide.run_id, field="metric_list")
-        shots_docs = t.fewshot_docs() if t.config.fewshot_split else None
-        shots = _task_rows(name, t, list(shots_docs)[:MAX_FEWSHOT_ROWS], file=f"{shown} [{name} few-shot]",
-                           run_suffix="-shot", cluster=cluster, scoring=scoring) if shots_docs is not None else []
-        readout = replace(LM_EVAL_READOUT, target_delimiter=t.config.target_delimiter, scoring=scoring.scoring,
-                          readout="partial_loglikelihood" if t.multiple_input else "loglikelihood")
-        catalogs.append(ImportedCatalog(_slug(name), rows, shots, float(len(rows)) if by_size else 1.0, leg, name,
-                                        readout))
-        settings[name] = {"num_fewshot": t.config.num_fewshot, "fewshot_split": t.config.fewshot_split,
-                          "target_delimiter": t.config.target_delimiter,
-                          "fewshot_delimiter": t.config.fewshot_delimiter,
-                          "description": t.config.description or None,
-                          "version": (t.config.metadata or {}).get("version"), "metrics": list(scoring.metrics)}
+        make = _generative_catalog if t.config.output_type == "generate_until" else _choice_catalog
+        catalog, settings[name] = make(name, t, shown=shown, leg=leg, cluster=cluster)
+        catalogs.append(replace(catalog, weight=float(len(catalog.rows)) if by_size else 1.0))
     from importlib import metadata
 
     from lm_eval.defaults import DEFAULT_OTHER_SEED
@@ -572,12 +548,42 @@ def import_lm_eval(task: str, out: str | Path, *, data_files: dict[str, str] | N
     return write_suite(out, catalogs, name=suite_name or "suite", source=source, force=force)
 
 
-def _generative_catalog(name: str, task: Any, *, file: str, leg: str, cluster: str | None
+def _choice_catalog(name: str, task: Any, *, shown: str, leg: str, cluster: str | None
+                    ) -> tuple[ImportedCatalog, dict[str, Any]]:
+    """A `multiple_choice` task as a catalog read by lm-eval's log-likelihoods (its few-shot split as few-shot
+    rows), with the settings `[source.tasks]` records; what jex does not reproduce refused in one line."""
+    scoring = task_scoring(name, task_config(task), multiple_input=bool(task.multiple_input))
+    if isinstance(scoring, ScoringRefusal):
+        raise InputError(scoring.line(), file=shown, field=scoring.field)
+    file = f"{shown} [{name}]"
+    rows = _task_rows(name, task, task.eval_docs, file=file, requests=lm_eval_requests(task, file=file),
+                      cluster=cluster, scoring=scoring)
+    binary = [m for m in scoring.metrics if m in BINARY_METRICS]
+    wide = next((r for r in rows if len(r.options) > 2), None)
+    if binary and wide is not None:
+        raise InputError(f"task '{name}': {binary[0]} is lm-eval's binary F1 (scikit-learn's default), "
+                         f"undefined on rows of more than two choices ({len(wide.options)} here)",
+                         file=file, row=wide.run_id, field="metric_list")
+    shots_docs = task.fewshot_docs() if task.config.fewshot_split else None
+    shots = _task_rows(name, task, list(shots_docs)[:MAX_FEWSHOT_ROWS], file=f"{shown} [{name} few-shot]",
+                       run_suffix="-shot", cluster=cluster, scoring=scoring) if shots_docs is not None else []
+    readout = replace(LM_EVAL_READOUT, target_delimiter=task.config.target_delimiter, scoring=scoring.scoring,
+                      readout="partial_loglikelihood" if task.multiple_input else "loglikelihood")
+    settings = {"num_fewshot": task.config.num_fewshot, "fewshot_split": task.config.fewshot_split,
+                "target_delimiter": task.config.target_delimiter,
+                "fewshot_delimiter": task.config.fewshot_delimiter,
+                "description": task.config.description or None,
+                "version": (task.config.metadata or {}).get("version"), "metrics": list(scoring.metrics)}
+    return ImportedCatalog(_slug(name), rows, shots, 1.0, leg, name, readout), settings
+
+
+def _generative_catalog(name: str, task: Any, *, shown: str, leg: str, cluster: str | None
                         ) -> tuple[ImportedCatalog, dict[str, Any]]:
     """A `generate_until` task as a generative catalog: each document's context as lm-eval builds it (few-shot
     examples included), its target as the reference answer (lm-eval's: a choice's text where the task has
     choices is refused, a number as its text), the task's greedy generation settings, filters and exact_match
     settings (`generative_scoring`; anything else refused in one line)."""
+    file = f"{shown} [{name}]"
     scoring = generative_scoring(name, task_config(task), task.config.generation_kwargs)
     if isinstance(scoring, ScoringRefusal):
         raise InputError(scoring.line(), file=file, field=scoring.field)
@@ -599,7 +605,7 @@ def _generative_catalog(name: str, task: Any, *, file: str, leg: str, cluster: s
                                           contexts[0], str(target), {"task": name, "doc_id": doc_id}))
     generative = {"kind": "generate", "scoring": "exact_match", "prompt_format": "verbatim",
                   "generation": {"until": list(scoring.until), "max_tokens": scoring.max_tokens},
-                  "filters": [f.model_dump(mode="json") for f in scoring.filters],
+                  "filters": [f.model_dump(mode="json", exclude_none=True) for f in scoring.filters],
                   "match": scoring.match.model_dump(mode="json")}
     settings = {"num_fewshot": task.config.num_fewshot, "fewshot_split": task.config.fewshot_split,
                 "fewshot_delimiter": task.config.fewshot_delimiter, "description": task.config.description or None,

@@ -145,8 +145,8 @@ def compare_runs(run_dirs: Sequence[str | Path], *, draws: int | None = None, se
             catalogs={k: Interval(value=d.delta, ci=d.ci) for k, d in st.catalogs.items()}))
     above = {lab: 0 for lab in labels}  # models separated above each one
     for pair in pairs:
-        if pair.separated():
-            above[pair.a if pair.full.value > 0 else pair.b] += 1
+        if pair.separated():  # b - a's interval above zero: b is better, a has one more model above it
+            above[pair.a if pair.full.ci[0] > 0 else pair.b] += 1
     entries = []
     for model, lab, d in zip(models, labels, dirs, strict=True):
         per_draw, point = shared.per_draw[lab], shared.points[lab]

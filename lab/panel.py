@@ -128,7 +128,7 @@ def _panel_of_folder(source: Path, dest: Path, catalogs: Sequence[str], *, from_
     entries = []
     for c in keep:
         _write_rows(dest / "rows" / f"{c.id}.jsonl", rows[c.id])
-        entry = c.model_dump(exclude_none=True)
+        entry = c.manifest_entry()
         entry["files"] = [f"rows/{c.id}.jsonl"]
         if shots[c.id]:
             _write_rows(dest / "fewshot" / f"{c.id}.jsonl", shots[c.id])

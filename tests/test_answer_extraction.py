@@ -101,6 +101,13 @@ def test_a_filter_jex_does_not_reproduce_is_refused_by_name(function, why):
         filter_from_config("maj", [{"function": function}, {"function": "take_first"}])
 
 
+@pytest.mark.parametrize("steps", [[{"function": "regex"}], [{"function": "take_first"}, {"function": "lowercase"}],
+                                   [{"function": "take_first"}, {"function": "take_first"}]])
+def test_a_pipeline_that_does_not_end_in_one_take_first_is_refused(steps):
+    with pytest.raises(UnsupportedFilter, match="end in one take_first"):
+        filter_from_config("f", steps)
+
+
 def test_a_map_to_numbers_is_refused_in_one_line():
     with pytest.raises(UnsupportedFilter, match="filter 'm'"):
-        filter_from_config("m", [{"function": "map", "mapping_dict": {"A": 1}}])
+        filter_from_config("m", [{"function": "map", "mapping_dict": {"A": 1}}, {"function": "take_first"}])

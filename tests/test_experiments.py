@@ -317,6 +317,16 @@ def test_the_out_of_fold_choice_picks_the_value_that_wins_on_held_out_questions(
                                                                                            abs=1e-9)
 
 
+def test_a_panel_suites_manifest_keeps_its_bytes(sample_suite, tmp_path):
+    """A panel's suite.toml is its bundle's, so every key after it: a new catalog field at its default (the
+    generative ones) must not change it. Pinned: the bytes jex wrote before generative catalogs existed."""
+    from jex.fileio import sha256_file
+    from jex.lab.panel import panel_suite
+
+    manifest = panel_suite(sample_suite, tmp_path / "panel", ["arith", "boolean"]) / "suite.toml"
+    assert sha256_file(manifest) == "4cbda2c9987eb112b98f58c7ea958d0ff7755eee72966cc66839e283a42d4b95"
+
+
 def test_the_panel_share_is_the_catalogs_weight_in_the_full_index(sample_suite, tmp_path):
     from jex.lab.panel import panel_suite
     from jex.suite import iter_rows, load_manifest

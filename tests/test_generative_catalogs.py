@@ -134,6 +134,17 @@ def test_an_lm_eval_generate_until_task_becomes_a_generative_catalog(tmp_path):
     assert rows[0].prompt.endswith(f"Question: {GSM[0][0]}\nAnswer:") and rows[0].prompt.count("Question:") == 3
 
 
+def test_greedy_settings_lm_eval_reads_as_greedy_import_and_a_map_without_default_round_trips(tmp_path):
+    task = gsm_task(tmp_path / "task", generation="generation_kwargs:\n  until: [\"Question:\"]\n  do_sample: false\n"
+                                                   "  temperature: 0.7\n",
+                    filters="filter_list:\n  - name: yes-no\n    filter:\n      - function: map\n        mapping_dict:"
+                            "\n          'A': 'yes'\n      - function: take_first\n")
+    out = cli("suite", "import", "lm-eval", "--task", task, "-o", tmp_path / "suite")
+    assert out.exit_code == 0, out.output
+    (f,) = load_manifest(tmp_path / "suite").catalog("fid_gsm").filters
+    assert f.steps[0].function == "map" and f.steps[0].default_value is None  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(("override", "field"), [
     ({"metric": "metric_list:\n  - metric: bleu\n"}, "metric_list"),
     ({"generation": "generation_kwargs:\n  until: [\"\\n\"]\n  do_sample: true\n"}, "generation_kwargs"),

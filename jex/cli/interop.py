@@ -101,6 +101,7 @@ def compare(runs: Annotated[list[Path], typer.Argument(help="Two or more run fol
             preflight.existing_dir(run, "RUN")
         if draws is not None:
             preflight.at_least(draws, "--draws", 1)
+        preflight.at_least(seed, "--seed", 0)
         preflight.at_least(permutations, "--permutations", 1)
         doc = compare_runs(runs, draws=draws, seed=seed, permutations=permutations)
     except JexError as e:

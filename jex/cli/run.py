@@ -16,6 +16,7 @@ import typer
 
 from jex.cli import preflight
 from jex.cli.common import TEMPORARY_API_NOTICE, connect_prefect, fail, input_error, spec_fields
+from jex.cli.results import ResultsStyle, print_results
 from jex.cli.store import resume_from_s3
 from jex.engine_spec import CudagraphMode
 from jex.errors import InputError, JexError
@@ -169,8 +170,9 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
                                         redo=redo, recompute=recompute)
     except JexError as e:
         fail(e)
+    style: ResultsStyle = "json" if as_json else "quiet" if quiet else "table"
     if len(models) > 1:
-        return run_models(campaign, models, settings, style="json" if as_json else "quiet" if quiet else "table")
+        return run_models(campaign, models, settings, style=style, recompute=recompute)
     temporary = connect_prefect(settings, notice=False)  # before Prefect is imported: it reads its settings once
     from jex.flows.campaign import run_campaign, stored_run
 
@@ -188,9 +190,7 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
             project_panel(Path(run_dir), panel, campaign)
     except JexError as e:  # the engine's errors too
         fail(e)
-    from jex.cli.results import print_results
-
-    print_results(Path(run_dir), "json" if as_json else "quiet" if quiet else "table")
+    print_results(Path(run_dir), style)
 
 
 def given_models(model: list[str] | None, spec: Path | None) -> list[str]:
@@ -229,7 +229,8 @@ def check_models(campaign: CampaignSpec, models: list[str], *, resume: Path | No
         check_hub_model(one.engine.model)
 
 
-def run_models(campaign: CampaignSpec, models: list[str], settings: JexSettings, *, style: str) -> None:
+def run_models(campaign: CampaignSpec, models: list[str], settings: JexSettings, *, style: ResultsStyle,
+               recompute: bool = False) -> None:
     """One campaign per model (the models flow), then the comparison printed: `table` (the leaderboard,
     the pairs and the comparison folder last), `quiet` (the folder) or `json` (compare.json)."""
     temporary = connect_prefect(settings, notice=False)
@@ -239,7 +240,7 @@ def run_models(campaign: CampaignSpec, models: list[str], settings: JexSettings,
     from jex.lab.model_comparison import COMPARE_JSON, COMPARE_MD
 
     try:
-        folder = models_flow(campaign, models)
+        folder = models_flow(campaign, models, recompute=recompute)
     except JexError as e:
         fail(e)
     if style == "json":

@@ -16,7 +16,14 @@ import polars as pl
 
 from jex.errors import InputError
 from jex.fileio import sha256_file
-from jex.suite import LOGLIKELIHOOD_READOUTS, ScoringKind, iter_rows, load_manifest, read_row_file
+from jex.suite import (
+    LOGLIKELIHOOD_READOUTS,
+    ScoringKind,
+    check_campaign_catalogs,
+    iter_rows,
+    load_manifest,
+    read_row_file,
+)
 from jex.tasks.capture.bundle import PolarsType, open_bundle
 
 SCORING_COLUMNS = ["run_id", "catalog", "question_id", "gold", "n_options", "true_options"]
@@ -97,6 +104,7 @@ def load_suite_table(source: str | Path) -> SuiteTable:
                                true.cast(pl.List(pl.Int32)).alias("true_options")).collect()
         return SuiteTable(spec, rows, {"bundle": bundle.sha256})
     manifest = load_manifest(source)
+    check_campaign_catalogs(manifest, str(source / "suite.toml"))  # the scorers have no exact_match kind yet
     data: dict[str, list[Any]] = {c: [] for c in SCORING_COLUMNS}
     for r in iter_rows(source, manifest):
         for col, val in (("run_id", r.run_id), ("catalog", r.catalog), ("question_id", r.question_id),
