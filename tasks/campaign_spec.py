@@ -58,7 +58,9 @@ class MachinesSpec(BaseModel):
                                                  "on this kind of machine and stack, running it once when none "
                                                  "does (flows/audit.py): auto = vLLM engines, always = any "
                                                  "engine, off = none")
-    audit_prompts: int = Field(32, ge=1, description="The audit bake-off's divergence-prone prompts")
+    audit_prompts: int = Field(64, ge=1, description="The audit bake-off's divergence-prone prompts (64: the "
+                                                     "size whose control arm diverged on the H200; 32 did not "
+                                                     "on an H100, so proved nothing)")
     audit_tokens: int = Field(256, ge=1, description="Tokens the audit bake-off generates per prompt")
     concurrent: bool = Field(True, description="Machines compute at the same time (off: one after another, e.g. "
                                                "workers emulated on one shared GPU)")
