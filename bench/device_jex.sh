@@ -7,4 +7,4 @@
 mkdir -p /tmp/jexpkg/jex
 for f in "$PWD"/jex/*; do ln -sfn "$f" /tmp/jexpkg/jex/; done
 for room in engine tasks lab flows infra overlays deployments; do ln -sfn "$PWD/$room" "/tmp/jexpkg/jex/$room"; done
-export PYTHONPATH="/tmp/jexpkg:${PYTHONPATH:-}:/tmp/site2:/tmp/site3"
+export PYTHONPATH="/tmp/site4:/tmp/jexpkg:${PYTHONPATH:-}:/tmp/site2:/tmp/site3"  # site4: the stack lock's pins
