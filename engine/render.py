@@ -73,8 +73,12 @@ class Renderer:
         harness's description, few-shot examples and question), no template, option block or answer
         slot; with a chat template only when the spec asks for one (`model` or Jinja text), the prompt as
         one user turn after the system prompt. Labels are read, or options continued, right after it."""
-        text = prompt if self.verbatim_chat is None else self.verbatim_chat(self._messages(prompt))
-        return ReadoutRequest(run_id, text, tuple(labels), tuple(options), delimiter)
+        return ReadoutRequest(run_id, self.continued(prompt), tuple(labels), tuple(options), delimiter)
+
+    def continued(self, prompt: str) -> str:
+        """The text a generative row's model continues: its prompt exactly as the row holds it (as lm-eval's
+        `generate_until` context), in one user turn only when the spec asks for a chat template (`verbatim`)."""
+        return prompt if self.verbatim_chat is None else self.verbatim_chat(self._messages(prompt))
 
     def reason(self, *, prompt: str, labels: Sequence[str], options: Sequence[str]) -> str:
         """The prompt a rationale is generated from (zero-shot: examples carry no rationale)."""

@@ -1,5 +1,6 @@
-"""The campaign flow: bundle -> fast pass -> gate -> reason (-> a speculative profile's proof) -> fold ->
-calibrate -> overlay -> score -> report; the first four are `capture_stages`, the next four `decision_stages`.
+"""The campaign flow: bundle -> fast pass -> gate -> reason (-> a speculative profile's proof) (-> generate, for
+a suite's generative catalogs) -> fold -> calibrate -> overlay -> score -> report; the engine stages and those
+before them are `capture_stages`, the next four `decision_stages`.
 
 Every stage is a cached Prefect task keyed by its inputs' content, so running the flow again, a
 flow-run retry, or `jex run --resume RUN` recomputes only what is missing: completed stages come back
@@ -23,9 +24,9 @@ from jex.flows.runners import StageRunner, make_runner
 from jex.infra.s3 import S3Store, checkpoint
 from jex.run_records import (
     CAMPAIGN_FILE,
+    ENGINE_STAGES,
     STAGE_NAMES,
     EngineCalls,
-    EngineStageName,
     RunStages,
     StageName,
     StageRecord,
@@ -54,6 +55,7 @@ from jex.tasks.inputs import (
     FastPassInputs,
     FoldInputs,
     GateInputs,
+    GenerateInputs,
     OverlayInputs,
     ProofSampleInputs,
     ReasonInputs,
@@ -67,6 +69,7 @@ from jex.tasks.prefect_tasks import (
     fast_pass_task,
     fold_task,
     gate_task,
+    generate_task,
     overlay_task,
     proof_sample_task,
     reason_task,
@@ -87,9 +90,6 @@ S = TypeVar("S", bound=StageSummary)
 STAGES = STAGE_NAMES
 """The campaign's stages in order, what `redo` and retry-stage name (a speculative profile adds
 `spec_proof_sample` and `spec_proof`, `ProofStageName`)."""
-ENGINE_STAGES: tuple[EngineStageName, ...] = ("fast_pass", "reason")
-"""The stages that call the engine: the runner computes their shards, and a retry of one computes only
-its failed rows again (`retire_stages`)."""
 
 
 @dataclass
@@ -118,7 +118,7 @@ class CampaignRun:
             setattr(self.summaries, name, stored)
             return stored
         t0 = time.perf_counter()
-        if isinstance(inputs, FastPassInputs | ReasonInputs):
+        if isinstance(inputs, FastPassInputs | ReasonInputs | GenerateInputs):
             if isinstance(inputs, ReasonInputs) and not LocalStore(self.spec.store).stage(inputs.stage,
                                                                                           inputs.key()).complete:
                 warm_tokenizer(self.spec.engine)  # the report's prompts need it: loaded while the machine reasons
@@ -168,9 +168,12 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[StageName] | None =
     calls_before = dict(CALLS)
     proof = capture_stages(run)
     decision_stages(run)
-    in_process = {k: CALLS[k] - calls_before.get(k, 0) for k in ("fast_pass", "reason")}
+    stages = [k for k in ENGINE_STAGES if k != "generate" or run.summaries.generate is not None]
+    in_process = {k: CALLS[k] - calls_before.get(k, 0) for k in stages}
+    calls = run.runner.engine_calls()
     EngineCalls.model_validate({"redo": redo, "retired": retired, "in_process": in_process,
-                                "calls": run.runner.engine_calls() or in_process}).write(run_dir)
+                                "calls": {k: calls.get(k, 0) for k in stages} if calls else in_process}
+                               ).write(run_dir)
     if proof is not None:
         write_proof(run_dir, proof, fell_back=not proof.exact)
     report_task(run_dir=str(run_dir), summaries=run.summaries, spec=spec.model_dump(mode="json"),
@@ -202,6 +205,8 @@ def capture_stages(run: CampaignRun) -> ExactnessProof | None:
             run.stage("reason", reason_task, spec.reason_inputs(bundle, gate))
             if spec.engine.profile != "audit":
                 proof = prove_speculation(run)
+            if bundle.generate_rows:
+                run.stage("generate", generate_task, spec.generate_inputs(bundle))
     finally:
         if (machines := run.runner.report()) is not None:  # also when a machine failed its golden replay
             publish_machines(run.run_dir, machines)
@@ -218,7 +223,7 @@ def decision_stages(run: CampaignRun) -> None:
                                                                         folds=spec.calibration_folds))
     overlay = run.stage("overlay", overlay_task, OverlayInputs.from_file(calibrated, spec.overlays,
                                                                          unverified=run.overlays_unverified))
-    run.stage("score", score_task, ScoreInputs(bundle=s.bundle, overlay=overlay, fold=fold,
+    run.stage("score", score_task, ScoreInputs(bundle=s.bundle, overlay=overlay, fold=fold, generated=s.generate,
                                                draws=spec.bootstrap_draws, seed=spec.bootstrap_seed))
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from jex.flows.fleet import GpuFleet
 from jex.flows.machines_doc import MachinesDoc
 from jex.lab.jobs import LabJob, LabSummary, lab_summary, run_lab_job
+from jex.run_records import ENGINE_STAGES
 from jex.tasks.campaign_spec import MachinesSpec
 from jex.tasks.capture.workers import WorkerReport, run_workers
 from jex.tasks.inputs import EngineJob
@@ -75,7 +76,7 @@ class WorkerProcessesRunner(StageRunner):
 
     def engine_calls(self) -> dict[str, int]:
         return {stage: sum(len(r.computed_shards) for r in self.reports.get(stage, []))
-                for stage in ("fast_pass", "reason")}
+                for stage in ENGINE_STAGES}
 
 
 class FleetRunner(StageRunner):
@@ -94,7 +95,7 @@ class FleetRunner(StageRunner):
 
     def engine_calls(self) -> dict[str, int]:
         shards = self.fleet.report().shards()
-        return {k: shards.get(k, 0) for k in ("fast_pass", "reason")}
+        return {k: shards.get(k, 0) for k in ENGINE_STAGES}
 
     def report(self) -> MachinesDoc:
         return self.fleet.report()

@@ -21,13 +21,17 @@ from jex.engine_spec import EngineSpec
 from jex.fileio import read_json, write_json
 from jex.record import Record
 
-StageName = Literal["bundle", "fast_pass", "gate", "reason", "fold", "calibrate", "overlay", "score"]
-"""The campaign's stages, in order (what `retry-stage` and `redo` name)."""
+StageName = Literal["bundle", "fast_pass", "gate", "reason", "generate", "fold", "calibrate", "overlay", "score"]
+"""The campaign's stages, in order (what `retry-stage` and `redo` name; `generate` runs only in a campaign of a
+suite with generative catalogs)."""
 STAGE_NAMES: tuple[StageName, ...] = get_args(StageName)
 ProofStageName = Literal["spec_proof_sample", "spec_proof"]
 """The stages a speculative profile adds (its proof's sample of the gated rows and their base rationales)."""
 RecordedStage = StageName | ProofStageName
-EngineStageName = Literal["fast_pass", "reason"]
+EngineStageName = Literal["fast_pass", "reason", "generate"]
+ENGINE_STAGES: tuple[EngineStageName, ...] = get_args(EngineStageName)
+"""The stages that call the engine: a runner computes their shards, and a retry of one computes only its
+failed rows again."""
 
 STAGES_FILE = "stages.json"
 ENGINE_CALLS_FILE = "engine_calls.json"

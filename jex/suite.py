@@ -222,16 +222,9 @@ class SuiteRow(BaseModel):
     true_options: list[int] | None = None
 
 
-GENERATION_STAGE_PENDING = ("is generative: jex validates and imports generative catalogs (`jex suite validate`, "
-                            "`jex suite import lm-eval`), but a campaign does not run them yet (the generation stage "
-                            "is being built); run the suite's multiple-choice catalogs in a suite of their own")
-
-
-def check_campaign_catalogs(manifest: SuiteManifest, file: str) -> None:
-    """A campaign runs only multiple-choice catalogs for now: the first generative one is refused in one line."""
-    for c in manifest.catalogs:
-        if c.kind == "generate":
-            raise InputError(f"catalog '{c.id}' {GENERATION_STAGE_PENDING}", file=file, field="kind")
+MULTIPLE_CHOICE_NEEDED = ("a campaign needs at least one multiple-choice catalog beside its generative ones "
+                          "(the coverage gate, fold and calibration read multiple-choice rows); a suite of "
+                          "generative catalogs alone is not run yet")
 
 
 def load_manifest(suite_dir: str | Path) -> SuiteManifest:

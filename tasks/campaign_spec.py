@@ -19,9 +19,11 @@ from jex.settings import BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, GOLDEN_ROWS, PROOF_ROW
 from jex.tasks.capture.engine_host import HostOptions
 from jex.tasks.inputs import (
     FAST_SHARD_ROWS,
+    GENERATE_SHARD_ROWS,
     GPU_SHARDS_PER_ENGINE,
     REASON_SHARD_ROWS,
     FastPassInputs,
+    GenerateInputs,
     ReasonInputs,
     engine_content,
     file_content,
@@ -131,7 +133,8 @@ class CampaignSpec(BaseModel):
                                                                 "unit of work); empty = from the work: "
                                                                 f"{FAST_SHARD_ROWS} on CPU, on GPUs the rows split "
                                                                 f"into {GPU_SHARDS_PER_ENGINE} shards per engine")
-    reason_shard_rows: int | None = Field(None, ge=1, description="Rows per reason shard; empty = from the work: "
+    reason_shard_rows: int | None = Field(None, ge=1, description="Rows per reason (and generate) shard; empty = "
+                                                                  "from the work: "
                                                                   f"{REASON_SHARD_ROWS} on CPU, on GPUs as the "
                                                                   "fast pass")
     store: str = Field("runs/store", description="Artifact store folder")
@@ -190,6 +193,14 @@ class CampaignSpec(BaseModel):
         """The reason stage on `gate`'s rows, by the campaign's engine or another (a speculative proof's base)."""
         return ReasonInputs(bundle=bundle, gate=gate, engine=engine or self.engine, max_tokens=self.reason_max_tokens,
                             shard_rows=self.shard_rows(self.reason_shard_rows, REASON_SHARD_ROWS, gate.rows))
+
+    def generate_inputs(self, bundle: BundleSummary) -> GenerateInputs:
+        """The generate stage on the bundle's generative rows, by the audited engine (a speculative profile's
+        exactness proof covers rationales only, so generated answers never depend on the speculation); its
+        shards sized as the reason stage's (`reason_shard_rows`)."""
+        engine = self.engine if self.engine.profile == "audit" else self.engine.audited_base()
+        return GenerateInputs(bundle=bundle, engine=engine, shard_rows=self.shard_rows(
+            self.reason_shard_rows, GENERATE_SHARD_ROWS, bundle.generate_rows or 0))
 
     def shard_rows(self, given: int | None, cpu_rows: int, rows: int) -> int:
         """Rows per shard of an engine stage over `rows` rows: `given`, else `cpu_rows` on CPU, else sized

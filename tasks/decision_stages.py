@@ -28,17 +28,25 @@ from jex.tasks.records import (
     FastPassSummary,
     FoldSummary,
     GateSummary,
+    GenerateSummary,
     OverlaySummary,
     ScoreSummary,
 )
 from jex.tasks.scoring.reference_audit import bundle_reference, reference_audit
 from jex.tasks.scoring.score import score_with_ci
 from jex.tasks.scoring.suite_table import FAST_PASS_SCORING_COLUMNS, SuiteTable, load_suite_table
+from jex.tasks.scoring.verdicts import generation_verdicts
 from jex.tasks.store import LocalStore, StageDir, write_parquet
 
 
 def _suite(bundle: BundleSummary) -> SuiteTable:
+    """Every scored row of the bundle, generative catalogs included (what the score stage scores)."""
     return _suite_table(bundle.bundle, bundle.sha256)
+
+
+def _choices(bundle: BundleSummary) -> SuiteTable:
+    """The bundle's multiple-choice catalogs and rows: what gate, fold and calibration decide on."""
+    return _suite(bundle).multiple_choice()
 
 
 @functools.lru_cache(maxsize=4)
@@ -48,7 +56,7 @@ def _suite_table(path: str, sha256: str) -> SuiteTable:
 
 
 def _panel(bundle: BundleSummary, fast: FastPassSummary) -> pl.DataFrame:
-    rows = _suite(bundle).rows
+    rows = _choices(bundle).rows
     capture = pl.read_parquet(fast.capture)
     return rows.join(capture, on="run_id", how="left", maintain_order="left")
 
@@ -60,7 +68,7 @@ def _gate(out: StageDir, store: LocalStore, inputs: GateInputs) -> GateSummary:
     verbatim catalogs are never gated (`CatalogSpec.final_at_fast_pass`): `coverage` is a share of the rest."""
     coverage, sample_every = inputs.coverage, inputs.sample_every
     panel = _panel(inputs.bundle, inputs.fast)
-    final = [c.id for c in _suite(inputs.bundle).spec.catalogs if c.final_at_fast_pass]
+    final = [c.id for c in _choices(inputs.bundle).spec.catalogs if c.final_at_fast_pass]
     if final:  # loglikelihood and verbatim catalogs: the fast pass's answer is final (CatalogSpec)
         panel = panel.filter(~pl.col("catalog").is_in(final))
     if sample_every:
@@ -80,7 +88,7 @@ gate_stage = CachedStage(GateInputs, GateSummary, body=_gate)
 def _fold(out: StageDir, store: LocalStore, inputs: FoldInputs) -> FoldSummary:
     bundle, fast, gate, reason = inputs.bundle, inputs.fast, inputs.gate, inputs.reason
     rule, weight, draws, seed = inputs.rule, inputs.weight, inputs.draws, inputs.seed
-    table = _suite(bundle)
+    table = _choices(bundle)
     panel = _panel(bundle, fast)
     reasoned = pl.read_parquet(reason.reasoned)
     folded = fold_predictions(panel, reasoned, pl.read_parquet(gate.gated), rule=rule, weight=weight)
@@ -100,7 +108,7 @@ fold_stage = CachedStage(FoldInputs, FoldSummary, body=_fold)
 
 # -- calibrate -------------------------------------------------------------------------------------
 def _calibrate(out: StageDir, store: LocalStore, inputs: CalibrateInputs) -> CalibrateSummary:
-    rows = _suite(inputs.bundle).rows
+    rows = _choices(inputs.bundle).rows
     folded = pl.read_parquet(inputs.fold.folded).join(rows.select("run_id", "catalog", "question_id", "gold"),
                                                on="run_id", how="left", maintain_order="left")
     answered = folded.filter(pl.col("folded_logprobs").is_not_null())
@@ -150,12 +158,39 @@ def fast_pass_predictions(folded: pl.DataFrame) -> pl.DataFrame:
     return folded.select("run_id", *kept, choice="fast_choice", probs=pl.col("logprobs").list.eval(pl.element().exp()))
 
 
+def generative_predictions(bundle: BundleSummary, generated: GenerateSummary, store: LocalStore) -> pl.DataFrame:
+    """The generative rows' predictions: run_id, their primary filter's `exact_match` verdict, stage `generate`
+    (`tasks/scoring/verdicts.py`)."""
+    verdicts = bundle_verdicts(bundle, generated, store)
+    return verdicts.select("run_id", "exact_match", stage=pl.lit("generate"))
+
+
+def bundle_verdicts(bundle: BundleSummary, generated: GenerateSummary, store: LocalStore) -> pl.DataFrame:
+    """Every generative row's generation, answers and verdicts (`VERDICT_SCHEMA`), in suite order."""
+    from jex.tasks.capture.bundle import open_bundle
+
+    opened = open_bundle(bundle.bundle, store.extracted_bundle(bundle.key))
+    return generation_verdicts(opened.generation_rows(), pl.read_parquet(generated.generated),
+                               opened.suite_manifest().catalogs)
+
+
+def _with_generated(predictions: pl.DataFrame, generative: pl.DataFrame | None) -> pl.DataFrame:
+    """Multiple-choice predictions followed by the generative rows' verdicts (none: as they are)."""
+    if generative is None:
+        return predictions
+    return pl.concat([predictions, generative.select(pl.col(c) for c in generative.columns
+                                                     if c in predictions.columns or c == "exact_match")],
+                     how="diagonal_relaxed")
+
+
 def _score(out: StageDir, store: LocalStore, inputs: ScoreInputs) -> ScoreSummary:
     bundle, overlay, fold, draws, seed = inputs.bundle, inputs.overlay, inputs.fold, inputs.draws, inputs.seed
     table = _suite(bundle)
-    preds = pl.read_parquet(overlay.predictions).select(pl.exclude("stage"))  # run_id, choice, probs[, abstain]
+    generative = generative_predictions(bundle, inputs.generated, store) if inputs.generated else None
+    written = _with_generated(pl.read_parquet(overlay.predictions), generative)
+    preds = written.select(pl.exclude("stage"))  # run_id, choice, probs[, abstain][, exact_match]
     folded = pl.read_parquet(fold.folded)
-    fast = fast_pass_predictions(folded)
+    fast = _with_generated(fast_pass_predictions(folded), generative)
     policy = score_with_ci(table.rows, preds, table.spec, draws=draws, seed=seed)
     baseline = score_with_ci(table.rows, fast, table.spec, draws=draws, seed=seed)
     reference = bundle_reference(bundle.bundle, bundle.sha256)
@@ -163,13 +198,17 @@ def _score(out: StageDir, store: LocalStore, inputs: ScoreInputs) -> ScoreSummar
     if reference is not None:
         pre = folded.select("run_id", pre_margin=margins(folded["logprobs"]))
         final = pl.read_parquet(overlay.predictions).select("run_id", "choice", "probs")
-        audit = reference_audit(reference, table.rows, fast=fast.join(pre, on="run_id"),
+        audit = reference_audit(reference, _choices(bundle).rows, fast=fast.join(pre, on="run_id"),
                                 final=final.join(pre, on="run_id", how="left"))
         policy = policy.model_copy(update={"reference_audit": audit})
         agreement = audit.final.argmax_agreement
     write_doc(out.path / "score.json", policy)
     write_doc(out.path / "baseline_score.json", baseline)
-    return ScoreSummary(key=out.key, score_json=str(out.path / "score.json"),
+    predictions = None
+    if generative is not None:  # the run's predictions: the overlay's and the generative rows' verdicts
+        predictions = str(out.path / "predictions.parquet")
+        write_parquet(written, out.path / "predictions.parquet")
+    return ScoreSummary(key=out.key, score_json=str(out.path / "score.json"), predictions=predictions,
                         baseline_json=str(out.path / "baseline_score.json"), full=policy.full,
                         baseline_full=baseline.full, sha256=sha256_file(out.path / "score.json"),
                         reference_agreement=agreement, reference=reference is not None)

@@ -24,13 +24,14 @@ from jex.errors import InputError
 from jex.fileio import sha256_file
 from jex.overlays.rules import OverlayRuleBase
 from jex.settings import GOLDEN_ROWS, PROOF_ROWS
-from jex.tasks.keys import KeyDoc, KeyedBy, KeyedThrough, Unkeyed, keyed_value, stage_key
+from jex.tasks.keys import KeyDoc, KeyedBy, KeyedThrough, KeyedWhenSet, Unkeyed, keyed_value, stage_key
 from jex.tasks.records import (
     BundleSummary,
     CalibrateSummary,
     FastPassSummary,
     FoldSummary,
     GateSummary,
+    GenerateSummary,
     OverlaySummary,
     ReasonSummary,
     Record,
@@ -39,6 +40,8 @@ from jex.tasks.records import (
 SHARDS_MERGE = Unkeyed("shards merge to the same bytes whatever their size")
 FAST_SHARD_ROWS = 32
 REASON_SHARD_ROWS = 64
+GENERATE_SHARD_ROWS = 64
+"""Rows per generate shard: as the reason stage's (lock-step decoding on the CPU)."""
 """Rows per reason shard (the unit of a checkpoint and of a machine's work): the HF engine decodes a
 shard's rows in lock-step, so a larger shard reads the weights fewer times per token (the main job's 36
 rationales in one shard: 1.7x shards of 8)."""
@@ -68,8 +71,11 @@ class StageInputs(Record):
         """The inputs as they enter the key: every field but the unkeyed ones and `stage` (the name)."""
         doc: KeyDoc = {}
         for name, field in type(self).model_fields.items():
-            marker = next((m for m in field.metadata if isinstance(m, Unkeyed | KeyedBy | KeyedThrough)), None)
+            marker = next((m for m in field.metadata
+                           if isinstance(m, Unkeyed | KeyedBy | KeyedThrough | KeyedWhenSet)), None)
             if name == "stage" or isinstance(marker, Unkeyed | KeyedThrough):
+                continue
+            if isinstance(marker, KeyedWhenSet) and getattr(self, name) is None:
                 continue
             doc[name] = marker.by(self) if isinstance(marker, KeyedBy) else keyed_value(getattr(self, name))
         return doc
@@ -159,7 +165,16 @@ class ReasonInputs(EngineStageInputs):
     shard_rows: Annotated[int, SHARDS_MERGE] = Field(REASON_SHARD_ROWS, ge=1)
 
 
-EngineInputs = Annotated[FastPassInputs | ReasonInputs, Field(discriminator="stage")]
+class GenerateInputs(EngineStageInputs):
+    """Every generative row of the bundle, continued greedily with its catalog's stop sequences and token
+    limit (both in the bundle's suite.toml, so in its sha256)."""
+
+    stage: Literal["generate"] = "generate"
+    engine: Annotated[EngineSpec, KeyedBy(lambda i: i.fingerprint().key_doc(), "by its fingerprint")]
+    shard_rows: Annotated[int, SHARDS_MERGE] = Field(GENERATE_SHARD_ROWS, ge=1)
+
+
+EngineInputs = Annotated[FastPassInputs | ReasonInputs | GenerateInputs, Field(discriminator="stage")]
 
 
 class EngineJob(Record):
@@ -271,9 +286,11 @@ class ScoreInputs(StageInputs):
     fold: FoldSummary
     draws: int = Field(ge=1)
     seed: int
+    generated: Annotated[GenerateSummary | None, KeyedWhenSet("by its artifact's sha256; absent from the key "
+                                                              "without generative catalogs")] = None
 
 
-STAGE_INPUTS: tuple[type[StageInputs], ...] = (BundleInputs, FastPassInputs, ReasonInputs, GoldenInputs, GateInputs,
-                                               ProofSampleInputs, FoldInputs, CalibrateInputs, OverlayInputs,
-                                               ScoreInputs)
+STAGE_INPUTS: tuple[type[StageInputs], ...] = (BundleInputs, FastPassInputs, ReasonInputs, GenerateInputs, GoldenInputs,
+                                               GateInputs, ProofSampleInputs, FoldInputs, CalibrateInputs,
+                                               OverlayInputs, ScoreInputs)
 """Every stage's inputs record (the key-coverage test walks them all)."""

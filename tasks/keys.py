@@ -10,7 +10,8 @@ The inputs are one frozen record per stage (`tasks/inputs.py`); `StageInputs.key
 field, so an input cannot be added to a stage without reaching its key. A field that must not
 change the key says so with `Unkeyed(why)`; a field that enters the key in another form than its
 value (a path by its file's content, an engine spec by its fingerprint) says how with `KeyedBy`, and
-one that enters through another field's entry says which with `KeyedThrough`.
+one that enters through another field's entry says which with `KeyedThrough`, and an optional one that
+enters only when set (the keys of campaigns without it unchanged) with `KeyedWhenSet`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pydantic import BaseModel, JsonValue
 
 from jex.fileio import sha256_json
 
-STAGE_VERSIONS = {"bundle": 2, "fast_pass": 3, "gate": 2, "reason": 3, "fold": 3, "calibrate": 2,
+STAGE_VERSIONS = {"bundle": 2, "fast_pass": 3, "gate": 2, "reason": 3, "generate": 1, "fold": 3, "calibrate": 2,
                   "overlay": 2, "score": 3, "report": 1, "spec_proof_sample": 2, "golden": 1, "compile_cache": 2}
 """Bump a stage's version by hand when its code changes what it writes (tests/test_keys_pinned.py)."""
 
@@ -40,6 +41,14 @@ class KeyedThrough:
     """Marks an input field that changes the key through another field's entry (`through`)."""
 
     through: str
+    why: str
+
+
+@dataclass(frozen=True)
+class KeyedWhenSet:
+    """Marks an optional input field that enters the key as its value only when it is set: the keys of
+    the stages that never set it stay what they were before it existed (`why` says what it is)."""
+
     why: str
 
 

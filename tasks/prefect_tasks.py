@@ -33,6 +33,7 @@ from jex.tasks.inputs import (
     FastPassInputs,
     FoldInputs,
     GateInputs,
+    GenerateInputs,
     OverlayInputs,
     ProofSampleInputs,
     ReasonInputs,
@@ -47,6 +48,7 @@ from jex.tasks.records import (
     FastPassSummary,
     FoldSummary,
     GateSummary,
+    GenerateSummary,
     OverlaySummary,
     PartialSummary,
     ReasonSummary,
@@ -136,6 +138,12 @@ def reason_task(inputs: ReasonInputs, store: str) -> ReasonSummary:
                                              share=stages.ShardShare(progress=progress_artifact("reason"))))
 
 
+@task(name="generate", **ENGINE_RETRIES, **CACHED)
+def generate_task(inputs: GenerateInputs, store: str) -> GenerateSummary:
+    return _complete(stages.generate_stage.run(LocalStore(store), inputs,
+                                               share=stages.ShardShare(progress=progress_artifact("generate"))))
+
+
 @task(name="spec_proof_sample", **CACHED)
 def proof_sample_task(inputs: ProofSampleInputs, store: str) -> GateSummary:
     return proof_sample_stage(LocalStore(store), inputs)
@@ -198,7 +206,8 @@ def publish_report(report: str, run_dir: Path, docs: RunDocs) -> None:
     table = [{"catalog": c, "scoring": v.kind, "n": v.n, "acc": round(v.acc, 4),
               "value": round(v.value, 4), "skill": round(v.skill, 4),
               "ci_low": round(v.ci[0], 4), "ci_high": round(v.ci[1], 4),
-              "gated": fold[c].gated, "fixed": fold[c].fixed, "flipped": fold[c].flipped}
+              "gated": fold[c].gated if c in fold else None, "fixed": fold[c].fixed if c in fold else None,
+              "flipped": fold[c].flipped if c in fold else None}  # a generative catalog is not folded
              for c, v in docs.policy.catalogs.items()]
     create_table_artifact(table=table, key="campaign-catalogs", description=f"per-catalog results of {run_dir.name}")
     audit = docs.policy.reference_audit

@@ -15,6 +15,7 @@ from pydantic import ConfigDict, Field, JsonValue
 
 from jex.engine_identity import EngineFingerprint
 from jex.record import Record
+from jex.run_records import EngineStageName
 
 
 class StageSummary(Record):
@@ -38,7 +39,11 @@ class StageSummary(Record):
 class BundleSummary(StageSummary):
     stage: Literal["bundle"] = "bundle"
     bundle: str = Field(description="The bundle tar.gz")
-    rows: int
+    rows: int = Field(description="Multiple-choice rows (what the fast pass reads)")
+    generate_rows: int | None = Field(None, description="Generative rows (what the generate stage reads); absent "
+                                                       "when the suite has none")
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"generate_rows"})
 
 
 class ShardWork(Record):
@@ -58,7 +63,7 @@ class ShardWork(Record):
 class PartialSummary(ShardWork):
     """One of several processes sharing an engine stage: its own shards; another one merges."""
 
-    stage: Literal["fast_pass", "reason"]
+    stage: EngineStageName
     key: str
     partial: Literal[True] = True
 
@@ -140,6 +145,24 @@ class ReasonSummary(EngineStageSummary):
                             mechanism_failures=self.mechanism_failures)
 
 
+class GenerateErrors(TypedDict):
+    """The generate stage's error counters, disjoint (`generate_error_counters`)."""
+
+    context_refusals: int
+    batch_errors: int
+
+
+class GenerateSummary(EngineStageSummary):
+    """Every generative row's greedy continuation (the answers and verdicts are the score stage's)."""
+
+    stage: Literal["generate"] = "generate"
+    generated: str = Field(description="generated.parquet: run_id, generation, token ids, finish reason, refusal")
+    generated_tokens: RationaleTokens
+
+    def errors(self) -> GenerateErrors:
+        return GenerateErrors(context_refusals=self.context_refusals, batch_errors=self.batch_errors)
+
+
 class GateSummary(StageSummary):
     """The gated rows (the coverage gate's, or the speculative proof's sample of them)."""
 
@@ -178,12 +201,17 @@ class ScoreSummary(StageSummary):
     baseline_full: float | None
     reference_agreement: float | None = None
     reference: bool = False
+    predictions: str | None = Field(None, description="predictions.parquet: the overlay's and the generative rows' "
+                                                      "verdicts (absent when the suite has no generative catalog: "
+                                                      "the overlay's predictions are the run's)")
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"predictions"})
 
 
 class StagePlan(Record):
     """Where an engine stage's shards go and how many there are (computed without loading an engine)."""
 
-    stage: Literal["fast_pass", "reason"]
+    stage: EngineStageName
     key: str
     folder: str
     shards_dir: str
@@ -202,6 +230,7 @@ class CampaignSummaries(Record):
     reason: ReasonSummary | None = None
     spec_proof_sample: GateSummary | None = None
     spec_proof: ReasonSummary | None = None
+    generate: GenerateSummary | None = None
     fold: FoldSummary | None = None
     calibrate: CalibrateSummary | None = None
     overlay: OverlaySummary | None = None
@@ -231,6 +260,7 @@ class FinishedCampaign(Record):
     fast_pass: FastPassSummary
     gate: GateSummary
     reason: ReasonSummary
+    generate: GenerateSummary | None = None
     fold: FoldSummary
     calibrate: CalibrateSummary
     overlay: OverlaySummary

@@ -16,12 +16,13 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import polars as pl
 
 from jex.fileio import atomic_path, sha256_file, write_json
 from jex.provenance import ProvenanceBlock
+from jex.run_records import EngineStageName
 from jex.store_layout import PROVENANCE, SHARD_FOLDERS, SUCCESS, extracted_bundle, shard_file, stage_dir
 from jex.tasks.records import FailedRow, FailedRows, PartialSummary, StageSummary
 
@@ -354,7 +355,7 @@ def _link(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def partial_summary(stage: Literal["fast_pass", "reason"], key: str, stats: ShardStats) -> PartialSummary:
+def partial_summary(stage: EngineStageName, key: str, stats: ShardStats) -> PartialSummary:
     """What one of several workers sharing a stage returns: its own shards and their compute time."""
     return PartialSummary(stage=stage, key=key, computed_shards=stats.computed,
                           compute_seconds=stats.compute_seconds, computed_rows=stats.computed_rows,

@@ -17,6 +17,7 @@ PINNED = {
     "fast_pass": "d489d8d184a14a6db9bacedfca6e4935",
     "fold": "e244b03fcfa1801fc4419e7f895c6335",
     "gate": "4ce47151fa5bae9cf149e460f1ce6839",
+    "generate": "e2cdb350489b00e29c68711aa03546d1",
     "golden": "90616bdc9767f11d9bbe3c08b8c51d60",
     "overlay": "38e2a312b0ce886a2e602a55550ef581",
     "reason": "ff71dc182b1f5642476515a7c63767f5",

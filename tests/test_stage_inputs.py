@@ -29,6 +29,7 @@ from jex.tasks.records import (
     FastPassSummary,
     FoldSummary,
     GateSummary,
+    GenerateSummary,
     OverlaySummary,
     RationaleTokens,
     ReasonSummary,
@@ -54,6 +55,9 @@ SUMMARIES: dict[type[StageSummary], StageSummary] = {
     FoldSummary: FoldSummary(key="k", sha256="a5" * 32, folded="f.parquet", fold_json="f.json", errors={}),
     CalibrateSummary: CalibrateSummary(key="k", sha256="a6" * 32, calibrated="c.parquet", calibration_json="c.json"),
     OverlaySummary: OverlaySummary(key="k", sha256="a7" * 32, predictions="p.parquet", applied=[]),
+    GenerateSummary: GenerateSummary(key="k", sha256="a8" * 32, generated="g.parquet",
+                                     generated_tokens=RationaleTokens(mean=1.0, max=2, hit_max_tokens=0),
+                                     **_engine_summary_fields()),
 }
 
 
@@ -163,6 +167,16 @@ def test_a_keyed_field_changes_the_key_and_an_unkeyed_one_does_not(cls, name, mo
         assert changed.key() == inputs.key(), f"{cls.__name__}.{name} is marked unkeyed but changes the key"
     else:
         assert changed.key() != inputs.key(), f"{cls.__name__}.{name} does not reach the key"
+
+
+def test_an_optional_input_left_unset_is_absent_from_the_key(model_folder, suite_folder):
+    """`KeyedWhenSet`: a campaign without generative catalogs keeps the score key it had before they existed."""
+    from jex.tasks.inputs import ScoreInputs
+
+    inputs = example(ScoreInputs, model_folder, suite_folder)
+    assert "generated" in inputs.key_doc()
+    unset = inputs.model_copy(update={"generated": None})
+    assert "generated" not in unset.key_doc() and unset.key() != inputs.key()
 
 
 @pytest.mark.parametrize("cls", STAGE_INPUTS, ids=[c.__name__ for c in STAGE_INPUTS])

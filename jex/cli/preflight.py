@@ -133,7 +133,7 @@ def _writable(path: Path, flag: str, *, folder: bool) -> Path:
 
 def suite(path: Path | str, flag: str = "--suite", *, bundle_ok: bool = True) -> Path:
     """A suite folder whose manifest loads and whose first row is valid, or (`bundle_ok`) a bundle file."""
-    from jex.suite import MANIFEST_NAME, check_campaign_catalogs, iter_rows, load_manifest
+    from jex.suite import MANIFEST_NAME, MULTIPLE_CHOICE_NEEDED, iter_rows, load_manifest
 
     path = Path(path)
     if bundle_ok and path.is_file():
@@ -148,9 +148,10 @@ def suite(path: Path | str, flag: str = "--suite", *, bundle_ok: bool = True) ->
         return path
     existing_dir(path, flag)
     manifest = load_manifest(path)
-    check_campaign_catalogs(manifest, str(path / MANIFEST_NAME))
     if next(iter(iter_rows(path, manifest)), None) is None:
-        raise InputError(f"{flag}: the suite has no rows", file=str(path))
+        generative = [c.id for c in manifest.catalogs if c.kind == "generate"]
+        raise InputError(f"{flag}: " + (MULTIPLE_CHOICE_NEEDED if generative else "the suite has no rows"),
+                         file=str(path / MANIFEST_NAME) if generative else str(path))
     return path
 
 

@@ -39,7 +39,8 @@ def bundle_build(suite: Annotated[Path, typer.Argument(help="Suite folder (holds
 
 def score(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for score.json and score.md")],
           suite: Annotated[Path | None, typer.Option(help="Suite folder or bundle file (optional with --from)")] = None,
-          predictions: Annotated[Path | None, typer.Option(help="JSONL or Parquet: run_id, choice[, probs]")] = None,
+          predictions: Annotated[Path | None, typer.Option(help="JSONL or Parquet: run_id, choice[, probs]; a "
+                                                                "generative row: run_id, exact_match")] = None,
           bootstrap: Annotated[int | None, typer.Option(help="Bootstrap draws (default: JEX_BOOTSTRAP_DRAWS, "
                                                              "2000)")] = None,
           seed: Annotated[int | None, typer.Option(help="Bootstrap seed (default: JEX_BOOTSTRAP_SEED)")] = None,

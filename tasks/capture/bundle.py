@@ -4,7 +4,8 @@ Layout of a bundle:
 
     manifest.json              (first member) format, suite summary, per-catalog counts, sha256 of every member
     suite.toml                 the suite manifest, verbatim
-    rows/shard-00000.parquet   rows in suite order, `shard_rows` per shard
+    rows/shard-00000.parquet   multiple-choice rows in suite order, `shard_rows` per shard
+    generate/shard-00000.parquet   optional generative rows (prompt, reference answer), in suite order
     fewshot/shard-00000.parquet   optional solved examples for few-shot prompts (never scored)
     reference/shard-00000.parquet   optional banked capture (run_id, choice, probs), 1:1 with rows
 
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import Any, NotRequired, TypedDict, cast
 
 import polars as pl
 
@@ -33,11 +34,12 @@ from jex.fileio import atomic_path, canonical_json, sha256_file, write_json, wri
 from jex.provenance import provenance
 from jex.suite import (
     MANIFEST_NAME,
+    MULTIPLE_CHOICE_NEEDED,
+    GenerationRow,
     SuiteManifest,
     SuiteRow,
-    check_campaign_catalogs,
+    iter_all_rows,
     iter_fewshot_rows,
-    iter_rows,
     load_manifest,
     read_row_file,
 )
@@ -65,6 +67,9 @@ def row_schema(manifest: SuiteManifest) -> dict[str, PolarsType]:
     multi_gold = any(c.scoring == "true_mass" for c in manifest.catalogs)
     return {**ROW_SCHEMA, **TRUE_OPTIONS_SCHEMA} if multi_gold else ROW_SCHEMA
 REFERENCE_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "choice": pl.Int32, "probs": pl.List(pl.Float64)}
+GENERATE_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "catalog": pl.String, "question_id": pl.String,
+                                          "prompt": pl.String, "answer": pl.String, "metadata": pl.String}
+"""The generative catalogs' rows (`generate/`): the prompt the model continues and the reference answer."""
 
 
 class BundleError(JexError):
@@ -93,13 +98,17 @@ class SuiteSummary(TypedDict):
 
 
 class BundleManifest(TypedDict):
-    """`manifest.json`, the bundle's first member (written as canonical JSON)."""
+    """`manifest.json`, the bundle's first member (written as canonical JSON). `rows` counts the
+    multiple-choice rows (`rows/`); `generate_rows` the generative ones (`generate/`), present only when
+    the suite has some (a multiple-choice suite's bundle keeps the bytes it had before they existed)."""
 
     format: str
     suite: SuiteSummary
     rows: int
     shard_rows: int
     row_shards: int
+    generate_rows: NotRequired[int]
+    generate_shards: NotRequired[int]
     reference: ReferenceInfo | None
     members: dict[str, MemberEntry]
 
@@ -189,10 +198,13 @@ def suite_files(suite_dir: Path, manifest: SuiteManifest) -> list[Path]:
 class _RowCensus:
     """What streaming the suite's rows into shards counted: run_id order, rows and option counts."""
 
-    suite_ids: dict[str, int] = field(default_factory=dict)  # run_id -> position in suite order
+    suite_ids: dict[str, int] = field(default_factory=dict)  # run_id -> position in suite order (multiple choice)
     counts: Counter[str] = field(default_factory=Counter)  # rows per catalog
     options_hist: dict[str, Counter[int]] = field(default_factory=dict)  # scored rows per number of options
     shards: int = 0
+    generated: int = 0  # generative rows
+    generate_shards: int = 0
+    scored_generative: Counter[str] = field(default_factory=Counter)  # scored rows per generative catalog
 
 
 def _row_record(row: SuiteRow, schema: Mapping[str, PolarsType]) -> dict[str, Any]:
@@ -202,27 +214,52 @@ def _row_record(row: SuiteRow, schema: Mapping[str, PolarsType]) -> dict[str, An
     return {k: record[k] for k in schema}
 
 
-def _write_row_shards(suite_dir: Path, manifest: SuiteManifest, rows_dir: Path, shard_rows: int) -> _RowCensus:
-    """Stream the suite's rows into `shard_rows`-row Parquet shards through a bounded buffer."""
+def _generation_record(row: GenerationRow) -> dict[str, Any]:
+    """A generative row as a record of GENERATE_SCHEMA (metadata as canonical JSON text)."""
+    return {**row.model_dump(), "metadata": None if row.metadata is None else
+            json.dumps(row.metadata, sort_keys=True, ensure_ascii=False)}
+
+
+def _write_row_shards(suite_dir: Path, manifest: SuiteManifest, stage: Path, shard_rows: int) -> _RowCensus:
+    """Stream the suite's rows into `shard_rows`-row Parquet shards through bounded buffers: the
+    multiple-choice rows into `rows/`, the generative ones into `generate/`."""
     census = _RowCensus(options_hist={c.id: Counter() for c in manifest.catalogs})
     excluded = {c.id: set(c.exclusions) for c in manifest.catalogs}
-    buffer: list[dict[str, Any]] = []
+    choices: list[dict[str, Any]] = []
+    generative: list[dict[str, Any]] = []
     schema = row_schema(manifest)
-    for row in iter_rows(suite_dir, manifest):
-        census.suite_ids[row.run_id] = len(census.suite_ids)
+    (stage / "rows").mkdir()
+    for row in iter_all_rows(suite_dir, manifest):
         census.counts[row.catalog] += 1
+        if isinstance(row, GenerationRow):
+            census.generated += 1
+            census.scored_generative[row.catalog] += row.run_id not in excluded[row.catalog]
+            generative.append(_generation_record(row))
+            if len(generative) == shard_rows:
+                census.generate_shards = _next_shard(generative, GENERATE_SCHEMA, stage / "generate",
+                                                     census.generate_shards)
+            continue
+        census.suite_ids[row.run_id] = len(census.suite_ids)
         if row.run_id not in excluded[row.catalog]:
             census.options_hist[row.catalog][len(row.options)] += 1
-        buffer.append(_row_record(row, schema))
-        if len(buffer) == shard_rows:
-            _flush(buffer, schema, rows_dir, census.shards)
-            census.shards += 1
-    if buffer:
-        _flush(buffer, schema, rows_dir, census.shards)
-        census.shards += 1
+        choices.append(_row_record(row, schema))
+        if len(choices) == shard_rows:
+            census.shards = _next_shard(choices, schema, stage / "rows", census.shards)
+    if choices:
+        census.shards = _next_shard(choices, schema, stage / "rows", census.shards)
+    if generative:
+        census.generate_shards = _next_shard(generative, GENERATE_SCHEMA, stage / "generate", census.generate_shards)
     if not census.suite_ids:
-        raise InputError("the suite has no rows", file=str(suite_dir / MANIFEST_NAME))
+        raise InputError(MULTIPLE_CHOICE_NEEDED if census.generated else "the suite has no rows",
+                         file=str(suite_dir / MANIFEST_NAME))
     return census
+
+
+def _next_shard(buffer: list[dict[str, Any]], schema: Mapping[str, PolarsType], folder: Path, index: int) -> int:
+    """Flush `buffer` as shard `index` of `folder` (made on first use); the next shard's index."""
+    folder.mkdir(exist_ok=True)
+    _flush(buffer, schema, folder, index)
+    return index + 1
 
 
 def _write_fewshot(suite_dir: Path, manifest: SuiteManifest, stage: Path) -> None:
@@ -241,13 +278,16 @@ def _catalog_entries(suite_dir: Path, manifest: SuiteManifest, census: _RowCensu
     for c in manifest.catalogs:
         if census.counts[c.id] == 0:
             raise InputError(f"catalog '{c.id}' has no rows", file=str(suite_dir / MANIFEST_NAME), field="files")
-        scored = sum(census.options_hist[c.id].values())
+        generative = c.kind == "generate"
+        scored = census.scored_generative[c.id] if generative else sum(census.options_hist[c.id].values())
         if scored == 0:
             raise InputError(f"catalog '{c.id}' excludes every row", file=str(suite_dir / MANIFEST_NAME),
                              field="exclusions")
+        computed = (0.0, "exact_match: no answer by chance") if generative else (
+            catalog_chance(census.options_hist[c.id]), "mean 1/len(options)")
         catalogs.append({**c.declared(), "rows": census.counts[c.id], "scored_rows": scored,
-                         "chance": c.chance if c.chance is not None else catalog_chance(census.options_hist[c.id]),
-                         "chance_source": "manifest" if c.chance is not None else "mean 1/len(options)"})
+                         "chance": c.chance if c.chance is not None else computed[0],
+                         "chance_source": "manifest" if c.chance is not None else computed[1]})
     return catalogs
 
 
@@ -267,12 +307,10 @@ def build_bundle(suite_dir: str | Path, out: str | Path, *, reference: str | Pat
     written beside it, to `provenance_out` (a stage folder records its own: `StageDir.finish`)."""
     suite_dir, out = Path(suite_dir), Path(out)
     manifest = load_manifest(suite_dir)
-    check_campaign_catalogs(manifest, str(suite_dir / MANIFEST_NAME))
     with tempfile.TemporaryDirectory(prefix="jex-bundle-", dir=out.parent if out.parent.exists() else None) as t:
         stage = Path(t)
-        (stage / "rows").mkdir()
         shutil.copyfile(suite_dir / MANIFEST_NAME, stage / MANIFEST_NAME)
-        census = _write_row_shards(suite_dir, manifest, stage / "rows", shard_rows)
+        census = _write_row_shards(suite_dir, manifest, stage, shard_rows)
         _write_fewshot(suite_dir, manifest, stage)
         ref_info = _check_reference(Path(reference), census.suite_ids, stage, shard_rows) if reference else None
         inputs = {f"suite/{p.relative_to(suite_dir).as_posix()}": sha256_file(p)
@@ -290,6 +328,8 @@ def build_bundle(suite_dir: str | Path, out: str | Path, *, reference: str | Pat
             "reference": ref_info,
             "members": members,
         }
+        if census.generated:
+            doc |= {"generate_rows": census.generated, "generate_shards": census.generate_shards}
         (stage / MANIFEST_MEMBER).write_text(canonical_json(doc), encoding="utf-8")
         _pack(stage, out)
     if provenance_out is not None:
@@ -329,6 +369,11 @@ class Bundle:
     def rows(self, columns: list[str] | None = None) -> pl.DataFrame:
         """All rows in suite order (scan of the shards, so `columns` limits what is read)."""
         return pl.scan_parquet(self.row_shards()).select(columns or pl.all()).collect()
+
+    def generation_rows(self) -> pl.DataFrame:
+        """The generative catalogs' rows in suite order (GENERATE_SCHEMA; empty when the suite has none)."""
+        shards = sorted((self.root / "generate").glob("shard-*.parquet"))
+        return pl.read_parquet(shards) if shards else pl.DataFrame(schema=GENERATE_SCHEMA)
 
     def fewshot(self) -> pl.DataFrame | None:
         """The catalogs' few-shot example rows (ROW_SCHEMA), or None when the suite has none."""

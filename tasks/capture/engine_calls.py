@@ -270,6 +270,34 @@ def reread(engine: Engine, rows: Sequence[RowLike], rationales: Sequence[Generat
     return _restored(render, engine.readout(requests, ReadoutMode.LABEL_SLOT))
 
 
+@dataclass(frozen=True)
+class GenerationSpec:
+    """How one generative catalog's rows are generated (its suite catalog's `generation` table)."""
+
+    until: tuple[str, ...]
+    max_tokens: int
+
+
+class GenerativeRow(Protocol):
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def prompt(self) -> str: ...
+    @property
+    def catalog(self) -> str: ...
+
+
+def prepared_generations(tokenizer: ChatTokenizer, rows: Sequence[GenerativeRow], *,
+                         settings: Mapping[str, GenerationSpec], render: RenderSpec = DEFAULT_RENDER
+                         ) -> list[GenerateRequest]:
+    """The generate stage's requests: each row's prompt as it stands (`Renderer.continued`), greedy up to
+    its catalog's max tokens, cut at its stop sequences, with its token ids under `tokenizer`."""
+    renderer = tokenizer.renderer(render)
+    return with_prompt_ids(tokenizer, [GenerateRequest(r.run_id, renderer.continued(r.prompt),
+                                                       settings[r.catalog].max_tokens, settings[r.catalog].until)
+                                       for r in rows])
+
+
 def margin(logprobs: Sequence[float] | None) -> float | None:
     """Top-1 minus top-2 log-odds of a readout (natural log)."""
     if logprobs is None or len(logprobs) < 2:

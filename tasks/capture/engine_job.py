@@ -7,13 +7,15 @@ joint, is written down in docs/architecture.md ("The machine-side call chain") a
 
 from __future__ import annotations
 
-from jex.tasks.capture.stages import ALONE, ShardShare, fast_pass_stage, reason_stage
-from jex.tasks.inputs import EngineJob, FastPassInputs
-from jex.tasks.records import FastPassSummary, PartialSummary, ReasonSummary
+from jex.tasks.capture.stages import ALONE, ShardShare, fast_pass_stage, generate_stage, reason_stage
+from jex.tasks.inputs import EngineJob, FastPassInputs, GenerateInputs
+from jex.tasks.records import FastPassSummary, GenerateSummary, PartialSummary, ReasonSummary
 from jex.tasks.store import LocalStore
 
+EngineStageSummaries = FastPassSummary | ReasonSummary | GenerateSummary
 
-def run_engine_job(job: EngineJob, share: ShardShare = ALONE) -> FastPassSummary | ReasonSummary | PartialSummary:
+
+def run_engine_job(job: EngineJob, share: ShardShare = ALONE) -> EngineStageSummaries | PartialSummary:
     """Compute (this process's `share` of) the job's engine stage into the job's store; a
     `PartialSummary` when other processes of the share still compute some of its shards."""
     # The machine-side call chain, the record at each joint named (docs/architecture.md):
@@ -27,7 +29,7 @@ def run_engine_job(job: EngineJob, share: ShardShare = ALONE) -> FastPassSummary
     #    `engine_pool.get_engine` -> engine/factory.py `make_engine(EngineSpec) -> TokenizedEngine`,
     #    an `EngineStart` appended), then `execute` calls here with a `ShardShare` (worker, workers,
     #    claim, progress callback, engine start seconds).
-    # 4. Here: the inputs record picks the stage (`FastPassInputs` or `ReasonInputs`).
+    # 4. Here: the inputs record picks the stage (`FastPassInputs`, `ReasonInputs` or `GenerateInputs`).
     store, inputs = LocalStore(job.store), job.inputs
     # 5. `CachedStage.run` (tasks/cached_stage.py): `inputs.key()` names `<store>/<stage>/<key>/` (a
     #    `StageDir`); a complete folder returns its summary and no engine is touched; else the body.
@@ -48,6 +50,8 @@ def run_engine_job(job: EngineJob, share: ShardShare = ALONE) -> FastPassSummary
     #    collects them verified (flows/fleet.py) and the stage's task merges them in the flow's process.
     if isinstance(inputs, FastPassInputs):
         return fast_pass_stage.run(store, inputs, share=share)
+    if isinstance(inputs, GenerateInputs):
+        return generate_stage.run(store, inputs, share=share)
     return reason_stage.run(store, inputs, share=share)
 
 

@@ -1,6 +1,7 @@
-"""The capture's stages: the bundle, and the two engine stages, fast pass and reason, sharded.
+"""The capture's stages: the bundle, and the engine stages, fast pass, reason and generate, sharded.
 
-Each is a `CachedStage` over its inputs record (`BundleInputs`, `FastPassInputs`, `ReasonInputs`),
+Each is a `CachedStage` over its inputs record (`BundleInputs`, `FastPassInputs`, `ReasonInputs`,
+`GenerateInputs`),
 content-addressed in the store, and returns a small summary (paths, sha256s, counters): tasks hand each
 other these, never the frames. A completed stage folder is reused as is: the engine is not even loaded.
 An engine stage computed outside the flow's process (a machine, an engine host, a worker process) enters
@@ -15,7 +16,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypedDict, TypeVar
+from typing import Any, TypedDict, TypeVar, cast
 
 import polars as pl
 from pydantic import JsonValue
@@ -24,6 +25,7 @@ from jex.engine.base import ChatTokenizer
 from jex.engine.types import (
     EngineDeadError,
     FinishReason,
+    GenerateRequest,
     Generation,
     Readout,
     ReadoutMode,
@@ -33,6 +35,7 @@ from jex.engine.types import (
 from jex.engine_spec import EngineSpec, RenderSpec
 from jex.fileio import canonical_json, sha256_file
 from jex.numerics import length_normalised_choice
+from jex.run_records import EngineStageName
 from jex.store_layout import SUCCESS, shards_dir, stage_dir
 from jex.tasks.cached_stage import CachedStage
 from jex.tasks.capture.batch_errors import ROW_RETRIES, BatchLog, compute_resilient, refused
@@ -42,21 +45,25 @@ from jex.tasks.capture.engine_calls import (
     CatalogRead,
     CatalogReads,
     FewShotPool,
+    GenerationSpec,
     ReadPlan,
     ReasonCall,
     as_row,
+    prepared_generations,
     prepared_questions,
     prepared_reasons,
     read_questions,
     reread,
 )
 from jex.tasks.capture.engine_pool import CALLS, get_engine, release_engine
-from jex.tasks.inputs import BundleInputs, EngineStageInputs, FastPassInputs, ReasonInputs
+from jex.tasks.inputs import BundleInputs, EngineStageInputs, FastPassInputs, GenerateInputs, ReasonInputs
 from jex.tasks.records import (
     BundleSummary,
     FailedRow,
     FastPassErrors,
     FastPassSummary,
+    GenerateErrors,
+    GenerateSummary,
     PartialSummary,
     RationaleTokens,
     ReasonErrors,
@@ -85,7 +92,7 @@ unset: the fast pass ahead, the reason stage inline. Measured on the H200 (one e
 bench/results/h200-fastpass-prepare-ahead.json): ahead, the fast pass gains 6.5%; the reason stage
 loses 15%, as its preparation is a sliver of its work and the thread takes the GIL from vLLM's
 in-process scheduler loop, which runs once per generated token."""
-AHEAD_BY_DEFAULT = {"fast_pass": True, "reason": False}
+AHEAD_BY_DEFAULT = {"fast_pass": True, "reason": False, "generate": False}
 
 READOUT_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "logprobs": pl.List(pl.Float64), "label_mass": pl.Float64,
                   "refusal": pl.String}
@@ -94,6 +101,11 @@ LOGLIKELIHOOD_SCHEMA: dict[str, PolarsType] = {"choice_loglikelihoods": pl.List(
 """The capture's lm-eval columns, only in a bundle with a loglikelihood catalog (null on its other rows):
 each option's summed continuation log-likelihood, whether it is the greedy continuation, and lm-eval's
 `acc_norm` prediction, argmax of log-likelihood / len(option) in characters."""
+GENERATED_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "generation": pl.String,
+                                           "token_ids": pl.List(pl.Int64), "finish_reason": pl.String,
+                                           "refusal": pl.String}
+"""The generate stage's rows: the text (cut before the first stop sequence), every generated token id, why
+it ended (`stop`, `length`, `refused`, `error`) and why a row was not generated."""
 REASON_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "rationale": pl.String, "token_ids": pl.List(pl.Int64),
                  "finish_reason": pl.String, "post_logprobs": pl.List(pl.Float64), "refusal": pl.String}
 
@@ -103,7 +115,8 @@ def _bundle(out: StageDir, store: LocalStore, inputs: BundleInputs) -> BundleSum
         result = take_bundle(inputs.suite, out.path / "bundle.tar.gz")
     else:
         result = build_bundle(Path(inputs.suite), out.path / "bundle.tar.gz", reference=inputs.reference)
-    return BundleSummary(key=out.key, bundle=str(result.path), sha256=result.sha256, rows=result.rows)
+    return BundleSummary(key=out.key, bundle=str(result.path), sha256=result.sha256, rows=result.rows,
+                         generate_rows=result.manifest.get("generate_rows"))
 
 
 bundle_stage = CachedStage(BundleInputs, BundleSummary, body=_bundle)
@@ -168,7 +181,8 @@ def continued_options(rows: Sequence[CaptureRow], plan: ReadPlan) -> dict[str, S
 def stage_plan(inputs: EngineStageInputs, store: str | Path) -> StagePlan:
     """Where an engine stage's shards go and how many there are, without loading anything heavy."""
     key = inputs.key()
-    rows = inputs.gate.rows if isinstance(inputs, ReasonInputs) else inputs.bundle.rows
+    rows = (inputs.gate.rows if isinstance(inputs, ReasonInputs) else inputs.bundle.generate_rows or 0
+            if isinstance(inputs, GenerateInputs) else inputs.bundle.rows)
     folder = stage_dir(store, inputs.stage, key)
     return StagePlan(stage=inputs.stage, key=key, folder=str(folder),
                      shards_dir=str(shards_dir(folder, inputs.shard_rows)), shards=-(-rows // inputs.shard_rows),
@@ -193,7 +207,7 @@ ALONE = ShardShare()
 """One process computes every shard."""
 
 
-def _sharded(stage: Literal["fast_pass", "reason"], out: StageDir, rows: list[CaptureRow],
+def _sharded(stage: EngineStageName, out: StageDir, rows: Sequence[Any],
              prepare: Callable[[ChatTokenizer, Sequence[CaptureRow]], list[Prepared]],
              read: Callable[[Sequence[Prepared]], pl.DataFrame],
              failed: Callable[[Sequence[Prepared], str], pl.DataFrame],
@@ -434,6 +448,76 @@ def _reason(out: StageDir, store: LocalStore, inputs: ReasonInputs,
 
 reason_stage = CachedStage(ReasonInputs, ReasonSummary, body=_reason)
 """A greedy rationale for each gated row, then the options re-read after it (post-thought readout)."""
+
+
+def generation_rows(bundle: BundleSummary, store: LocalStore) -> pl.DataFrame:
+    """The bundle's generative rows (`bundle.GENERATE_SCHEMA`), in suite order."""
+    opened = open_bundle(bundle.bundle, store.extracted_bundle(bundle.key))
+    if opened.sha256 != bundle.sha256:
+        raise RuntimeError(f"{bundle.bundle} changed since it was built")
+    return opened.generation_rows()
+
+
+def generation_settings(bundle: BundleSummary, store: LocalStore) -> dict[str, GenerationSpec]:
+    """Each generative catalog's stop sequences and token limit, from the bundle's suite manifest."""
+    opened = open_bundle(bundle.bundle, store.extracted_bundle(bundle.key))
+    return {c.id: GenerationSpec(c.generation.until, c.generation.max_tokens)
+            for c in opened.suite_manifest().catalogs if c.generation is not None}
+
+
+def generated_frame(gens: Sequence[Generation]) -> pl.DataFrame:
+    """The generate stage's rows (`GENERATED_SCHEMA`); a prompt too long for the context is a context refusal."""
+    return pl.DataFrame({
+        "run_id": [g.run_id for g in gens], "generation": [g.text for g in gens],
+        "token_ids": [list(g.token_ids) for g in gens], "finish_reason": [g.finish_reason.value for g in gens],
+        "refusal": [RefusalKind.CONTEXT.refusal(f"the prompt of {g.prompt_tokens} tokens leaves no room to generate")
+                    if g.finish_reason is FinishReason.REFUSED else None for g in gens]}, schema=GENERATED_SCHEMA)
+
+
+def failed_generation_frame(requests: Sequence[GenerateRequest], why: str) -> pl.DataFrame:
+    """Rows whose batch failed on their own: no generation, finish reason `error`."""
+    return pl.DataFrame({"run_id": [r.run_id for r in requests], "generation": [""] * len(requests),
+                         "token_ids": [[] for _ in requests], "finish_reason": ["error"] * len(requests),
+                         "refusal": [why] * len(requests)}, schema=GENERATED_SCHEMA)
+
+
+def generate_error_counters(frame: pl.DataFrame) -> GenerateErrors:
+    """Disjoint counters of the generate stage: prompts refused for context, batch errors."""
+    return {"context_refusals": frame.filter(pl.col("finish_reason") == FinishReason.REFUSED.value).height,
+            "batch_errors": frame.filter(refused(RefusalKind.BATCH_ERROR)).height}
+
+
+def _generate(out: StageDir, store: LocalStore, inputs: GenerateInputs,
+              share: ShardShare = ALONE) -> GenerateSummary | PartialSummary:
+    bundle, engine = inputs.bundle, inputs.engine
+    rows = [CaptureRow(r["run_id"], r["prompt"], (), (), None, r["catalog"], r["question_id"])
+            for r in generation_rows(bundle, store).iter_rows(named=True)]
+    settings = generation_settings(bundle, store)
+
+    def requests(tokenizer: ChatTokenizer, batch: Sequence[CaptureRow]) -> list[GenerateRequest]:
+        return prepared_generations(tokenizer, cast(Sequence[Any], batch), settings=settings, render=engine.render)
+
+    def generate(batch: Sequence[GenerateRequest]) -> pl.DataFrame:
+        return generated_frame(get_engine(engine).generate(batch))
+
+    done = _sharded("generate", out, rows, requests, generate, failed_generation_frame, engine=engine,
+                    shard_rows=inputs.shard_rows, share=share)
+    if isinstance(done, PartialSummary):
+        return done
+    shards, stats = done
+    merged = out.path / "generated.parquet"
+    frame = merge_shards(shards, stats.shards, merged)
+    lengths = [len(t) for t in frame["token_ids"].to_list()]
+    tokens = RationaleTokens(mean=sum(lengths) / len(lengths) if lengths else 0.0, max=max(lengths, default=0),
+                             hit_max_tokens=frame.filter(pl.col("finish_reason") == "length").height)
+    return GenerateSummary(key=out.key, generated=str(merged), sha256=sha256_file(merged), rows=frame.height,
+                           **_shard_fields(stats, shards), **generate_error_counters(frame),
+                           generated_tokens=tokens, failed_rows=failed_rows(shards, stats, frame),
+                           engine=inputs.fingerprint())
+
+
+generate_stage = CachedStage(GenerateInputs, GenerateSummary, body=_generate)
+"""Every generative row of the bundle continued greedily (its catalog's stop sequences and max tokens)."""
 
 
 def _empty_reason(out: Path) -> pl.DataFrame:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from jex.tasks.inputs import EngineJob
-from jex.tasks.records import FastPassSummary, PartialSummary, ReasonSummary, Record
+from jex.tasks.records import FastPassSummary, GenerateSummary, PartialSummary, ReasonSummary, Record
 
 
 class WorkerReport(Record):
@@ -32,7 +32,8 @@ class WorkerReport(Record):
 
 
 def run_workers(job: EngineJob, *, workers: int, devices: list[str] | None = None,
-                timeout: float | None = None) -> tuple[FastPassSummary | ReasonSummary, list[WorkerReport]]:
+                timeout: float | None = None
+                ) -> tuple[FastPassSummary | ReasonSummary | GenerateSummary, list[WorkerReport]]:
     """Run the job's engine stage on `workers` processes, then merge; returns the stage summary and
     each worker's report.
 

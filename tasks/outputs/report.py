@@ -11,7 +11,7 @@ from pydantic import Field
 
 from jex.engine_identity import EngineFingerprint
 from jex.tasks.documents import CalibrationDoc, FoldDoc, ScoreDoc
-from jex.tasks.records import FastPassSummary, FinishedCampaign, GateSummary, ReasonSummary, Record
+from jex.tasks.records import FastPassSummary, FinishedCampaign, GateSummary, GenerateSummary, ReasonSummary, Record
 from jex.tasks.scoring.reference_audit import audit_markdown
 from jex.tasks.scoring.score import area_table, catalog_table
 from jex.tasks.scoring.suite_table import ScoreSpec
@@ -202,7 +202,10 @@ def _stages_section(s: FinishedCampaign, timings: dict[str, float], machines: Ma
     on_machines = machines.shards if machines else {}
     lines = ["", "## Stages", "", "| stage | seconds | shards computed here | shards computed on machines | "
              "shards reused |", "|---|---:|---:|---:|---:|"]
-    sharded: dict[str, FastPassSummary | ReasonSummary] = {"fast_pass": s.fast_pass, "reason": s.reason}
+    sharded: dict[str, FastPassSummary | ReasonSummary | GenerateSummary] = {"fast_pass": s.fast_pass,
+                                                                             "reason": s.reason}
+    if s.generate is not None:
+        sharded["generate"] = s.generate
     for stage, secs in timings.items():
         summary = sharded.get(stage)
         remote = on_machines.get(stage, 0) if summary else None
@@ -210,6 +213,25 @@ def _stages_section(s: FinishedCampaign, timings: dict[str, float], machines: Ma
         lines.append(f"| {stage} | {secs:.2f} | {len(summary.computed_shards) if summary else '-'} | "
                      f"{'-' if remote is None else remote} | {'-' if reused is None else reused} |")
     return lines
+
+
+def generation_section(samples: pl.DataFrame, generated: GenerateSummary) -> list[str]:
+    """The generative catalogs: how the rows were generated, and each filter's exact_match per catalog (lm-eval's
+    `exact_match,<filter>`), from the samples record."""
+    tokens = generated.generated_tokens
+    lines = ["", "## Generation", "", f"{generated.rows} rows generated greedily: {tokens.mean:.1f} tokens on average, "
+             f"at most {tokens.max}; {tokens.hit_max_tokens} reached their token limit; "
+             f"{generated.context_refusals} refused (prompt too long), {generated.batch_errors} failed.", "",
+             "| catalog | filter | exact_match | matches | n |", "|---|---|---:|---:|---:|"]
+    rows = samples.filter(pl.col("decided_by") == "generate", pl.col("scored"))
+    for catalog in dict.fromkeys(rows["catalog"].to_list()):
+        sub = rows.filter(pl.col("catalog") == catalog)
+        names: list[str] = next((f for f in sub["filters"].to_list() if f is not None), [])
+        for k, name in enumerate(names):
+            hits = sum(1 for v in sub["verdicts"].to_list() if v is not None and v[k])
+            lines.append(f"| {catalog} | {name}{' (scored)' if k == 0 else ''} | {hits / sub.height:.4f} | {hits} | "
+                         f"{sub.height} |")
+    return [*lines, ""]
 
 
 def failed_rows_section(fold: FoldDoc) -> list[str]:

@@ -17,6 +17,7 @@ from jex.tasks.outputs.report import (
     MachinesSection,
     RunDocs,
     every_row_own_cluster,
+    generation_section,
     prompt_notes,
     reliability_plot,
     render_report,
@@ -58,11 +59,12 @@ def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: dict[str
     `spec`: the campaign's spec as JSON (`campaign.json`); `machines`: its machines section, if any."""
     s = summaries.finished()
     run_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(s.overlay.predictions, run_dir / "predictions.parquet")
+    shutil.copyfile(s.score.predictions or s.overlay.predictions, run_dir / "predictions.parquet")
     write_samples(run_dir, s, spec, prompts=spec.get("samples_prompts", "full"))
     docs = run_docs(summaries)
+    generated = {"generate": s.generate.sha256} if s.generate is not None else {}
     prov = provenance(inputs={"bundle": s.bundle.sha256, "fast_pass": s.fast_pass.sha256,
-                              "reason": s.reason.sha256, "predictions": s.overlay.sha256},
+                              "reason": s.reason.sha256, **generated, "predictions": s.overlay.sha256},
                       settings=spec, engine=s.fast_pass.engine.model_dump(mode="json"),
                       stages={k: {"key": v.key, "folder": v.folder} for k, v in summaries.done().items()})
     write_doc(run_dir / "score.json", docs.policy.model_copy(update={"provenance": prov}))
@@ -90,9 +92,11 @@ def _score_notes(run_dir: Path, s: FinishedCampaign, spec: dict[str, Any]) -> li
     from jex.tasks.decision_stages import _suite
 
     verbatim = [c.id for c in _suite(s.bundle).spec.catalogs if c.prompt_format == "verbatim"]
-    own = every_row_own_cluster(pl.read_parquet(run_dir / "samples.parquet", columns=["catalog", "question_id",
-                                                                                      "scored"]))
-    return prompt_notes(spec["engine"]["render"]["chat_template"], verbatim) + (OWN_CLUSTERS if own else [])
+    samples = pl.read_parquet(run_dir / "samples.parquet")
+    own = every_row_own_cluster(samples.select("catalog", "question_id", "scored"))
+    generated = generation_section(samples, s.generate) if s.generate is not None else []
+    return prompt_notes(spec["engine"]["render"]["chat_template"], verbatim) + (OWN_CLUSTERS if own else []) \
+        + generated
 
 
 def run_docs(summaries: CampaignSummaries) -> RunDocs:

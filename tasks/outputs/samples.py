@@ -33,6 +33,14 @@ Only in a run whose suite has a loglikelihood catalog (`LOGLIKELIHOOD_COLUMNS`; 
 Only in a run whose suite has a true_mass catalog (`MULTI_GOLD_COLUMNS`; null on its other rows):
     true_options, true_mass            the row's true options, and the softmax of its options'
                                        log-likelihoods summed over them (lm-eval's TruthfulQA mc2 `acc`)
+Only in a run whose suite has a generative catalog (`GENERATIVE_COLUMNS`), whose rows follow the multiple-choice
+ones (their option, readout and fold columns null; `prompt` the text the model continued, `finish_reason` why
+its generation ended, `decided_by` `generate`, `correct` the primary filter's verdict):
+    generation, generation_tokens      the generated text (cut before the first stop sequence), its tokens
+    reference                          the row's reference answer
+    filters, answers, verdicts         each filter of its catalog (the primary first), the answer it extracted
+                                       and that answer's exact_match (lm-eval's filtered_resps and exact_match)
+    exact_match                        the primary filter's verdict (what the index scores)
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ import polars as pl
 
 from jex.errors import InputError
 from jex.fileio import sha256_bytes, sha256_json
-from jex.tasks.records import BundleSummary, FinishedCampaign
+from jex.tasks.records import BundleSummary, FinishedCampaign, GenerateSummary
 from jex.tasks.store import LocalStore
 
 SAMPLES_VERSION = "jex-samples/1"
@@ -76,6 +84,10 @@ LOGLIKELIHOOD_COLUMNS: dict[str, Any] = {"choice_loglikelihoods": pl.List(pl.Flo
 """Appended to `SAMPLES_SCHEMA` only when the capture has them, so other runs keep their bytes."""
 MULTI_GOLD_COLUMNS: dict[str, Any] = {"true_options": pl.List(pl.Int32), "true_mass": pl.Float64}
 """Appended only when the fold carries `true_mass` (a suite with a true_mass catalog)."""
+GENERATIVE_COLUMNS: dict[str, Any] = {"generation": pl.String, "generation_tokens": pl.Int32, "reference": pl.String,
+                                      "filters": pl.List(pl.String), "answers": pl.List(pl.String),
+                                      "verdicts": pl.List(pl.Boolean), "exact_match": pl.Boolean}
+"""Appended only when the run generated (a suite with a generative catalog), so other runs keep their bytes."""
 
 
 @dataclass(frozen=True)
@@ -97,12 +109,14 @@ class StageArtifacts:
     reasoned: Path
     folded: Path
     predictions: Path
+    generated: Path | None = None
 
     @classmethod
     def from_summaries(cls, s: FinishedCampaign) -> StageArtifacts:
         return cls(bundle=s.bundle, capture=Path(s.fast_pass.capture), gated=Path(s.gate.gated),
                    reasoned=Path(s.reason.reasoned), folded=Path(s.fold.folded),
-                   predictions=Path(s.overlay.predictions))
+                   predictions=Path(s.overlay.predictions),
+                   generated=Path(s.generate.generated) if s.generate is not None else None)
 
 
 def sha256_text(text: str | None) -> str | None:
@@ -276,9 +290,48 @@ def write_samples(run_dir: Path, summaries: FinishedCampaign, spec: dict[str, An
                           reasoned=pl.read_parquet(art.reasoned), folded=pl.read_parquet(art.folded),
                           predictions=pl.read_parquet(art.predictions), prompts=rendered, excluded=excluded,
                           prompt_ref=ref, abstaining=frozenset(c.id for c in catalogs if "abstain" in c.secondary))
+    if summaries.generate is not None:
+        frame = pl.concat([frame, generative_samples(art, summaries.generate, store, engine_spec, excluded=excluded,
+                                                     compact=ref is not None)], how="diagonal_relaxed")
+        frame = frame.select([pl.col(c).cast(t) for c, t in {**dict(frame.schema), **GENERATIVE_COLUMNS}.items()])
     out = Path(run_dir) / SAMPLES_FILE
     write_parquet(frame, out)
     return out
+
+
+def generative_samples(art: StageArtifacts, generated: GenerateSummary, store: LocalStore, engine_spec: Any, *,
+                       excluded: set[str], compact: bool) -> pl.DataFrame:
+    """The samples of the generative rows: the text continued (rendered again as the generate stage rendered
+    it), the generation and, per filter, the answer and verdict the score stage scored (`bundle_verdicts`)."""
+    from jex.tasks.capture.bundle import open_bundle
+    from jex.tasks.decision_stages import bundle_verdicts
+
+    rows = open_bundle(art.bundle.bundle, store.extracted_bundle(art.bundle.key)).generation_rows()
+    verdicts = bundle_verdicts(art.bundle, generated, store)
+    tokens = pl.read_parquet(generated.generated, columns=["run_id", "token_ids"])
+    missing = None
+    try:
+        renderer = tokenizer_engine(engine_spec).renderer(engine_spec.render)
+        texts = [renderer.continued(p) for p in rows["prompt"].to_list()]
+    except Exception as e:  # noqa: BLE001 - as `campaign_prompts`: no tokenizer here, no prompt, and why
+        missing = f"the tokenizer of model {engine_spec.model or 'embedded SmolLM2'} is not available here: " \
+                  f"{type(e).__name__}"
+        texts = [None] * rows.height
+    if compact and missing is None:
+        missing = "compact samples (samples_prompts = sha256): a generative row's prompt is kept by its sha256 only"
+    frame = (rows.select("run_id", "catalog", "question_id", "metadata", reference="answer")
+             .join(verdicts.select("run_id", "generation", "finish_reason", "filters", "answers", "verdicts",
+                                   "exact_match", fast_refusal="refusal"), on="run_id", how="left",
+                   maintain_order="left")
+             .join(tokens, on="run_id", how="left", maintain_order="left"))
+    return frame.with_columns(
+        pl.Series("prompt", [None if compact else t for t in texts], dtype=pl.String),
+        pl.Series("prompt_sha256", [sha256_text(t) for t in texts], dtype=pl.String),
+        pl.lit(missing, dtype=pl.String).alias("prompt_missing"),
+        pl.col("token_ids").list.len().cast(pl.Int32).alias("generation_tokens"),
+        pl.lit("generate").alias("decided_by"), pl.col("exact_match").fill_null(False).alias("correct"),
+        (~pl.col("run_id").is_in(list(excluded))).alias("scored"), pl.lit(False).alias("gated"),
+        pl.lit(False).alias("folded")).drop("token_ids")
 
 
 def bundle_metadata(bundle: BundleSummary, store: LocalStore) -> pl.DataFrame:
@@ -374,8 +427,32 @@ def _why_missing(refusal: str | None) -> str:
     return f"   refused: {refusal}"
 
 
+def format_generative_sample(r: dict[str, Any], *, prompt: bool = False) -> str:
+    """One generative sample, readably: verdict, the generation, each filter's answer and verdict, [prompt]."""
+    verdict = "excluded" if not r["scored"] else ("right" if r["correct"] else "WRONG")
+    lines = [f"{r['run_id']}  [{r['catalog']}, question {r['question_id']}]  generated  {verdict}  "
+             f"(reference {r['reference']!r})"]
+    if r["generation"] is None:
+        lines.append("  not generated" + _why_missing(r["fast_refusal"]))
+    else:
+        lines.append(f"  generation, {r['generation_tokens']} tokens, {r['finish_reason']}:")
+        lines += [f"    | {line}" for line in r["generation"].splitlines() or [""]]
+        for name, answer, ok in zip(r["filters"], r["answers"], r["verdicts"], strict=True):
+            lines.append(f"  filter {name:<16} answer {answer!r}  {'match' if ok else 'no match'}")
+    if prompt:
+        text = r["prompt"]
+        if text is None and r["prompt_ref"]:
+            text = resolve_prompt_ref(r["prompt_ref"])[0]
+        lines.append("  prompt (what the engine continued):" if text is not None else
+                     f"  prompt: not recorded ({r['prompt_missing']})")
+        lines += [f"    > {line}" for line in (text or "").splitlines()]
+    return "\n".join(lines)
+
+
 def format_sample(r: dict[str, Any], *, prompt: bool = False) -> str:
     """One sample, readably: verdict, the readouts as probabilities, the rationale, decisions, [prompt]."""
+    if r.get("decided_by") == "generate":
+        return format_generative_sample(r, prompt=prompt)
     labels = r["labels"]
 
     def lab(i: int | None) -> str:

@@ -19,7 +19,7 @@ import polars as pl
 
 from jex.numerics import named_rng
 from jex.settings import BOOTSTRAP_SEED
-from jex.tasks.scoring.index import BEST, aggregate, skill_of
+from jex.tasks.scoring.index import BEST, COUNTED_KINDS, aggregate, skill_of
 from jex.tasks.scoring.suite_table import ScoreSpec
 
 DRAW_CHUNK = 128
@@ -56,12 +56,12 @@ class ClusterLayout:
 
     def per_cluster_values(self, frame: pl.DataFrame, spec: ScoreSpec) -> list[np.ndarray]:
         """Per catalog, the sum per cluster of what its kind averages: `correct` (exact integers) for
-        accuracy, the row `value` (floats) for the probability kinds."""
+        accuracy and exact_match (`correct_norm` for acc_norm), the row `value` (floats) for the probability kinds."""
         out = []
         for c, codes, sizes in zip(spec.catalogs, self.row_cluster, self.sizes, strict=True):
             sub = frame.filter(pl.col("catalog") == c.id)
-            if c.scoring in ("accuracy", "acc_norm"):
-                hits = sub["correct" if c.scoring == "accuracy" else "correct_norm"]
+            if c.scoring in COUNTED_KINDS:
+                hits = sub["correct_norm" if c.scoring == "acc_norm" else "correct"]
                 out.append(np.bincount(codes, weights=hits.cast(pl.Int64).to_numpy(),
                                        minlength=len(sizes)).astype(np.int64))
             else:

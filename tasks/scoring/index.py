@@ -11,6 +11,9 @@ Definitions (the contract; `docs/suite-and-scoring.md` has them with examples):
                  log_loss             value = mean -ln max(p[gold], 1e-15)
                  true_mass            value = mean true_mass (the softmax of the options' log-likelihoods
                                       summed over the row's true options: lm-eval's TruthfulQA mc2)
+                 exact_match          value = mean exact_match (a generative row's verdict: its extracted
+                                      answer equals the reference, as lm-eval's exact_match; a missing
+                                      verdict is wrong); `correct` counts the matches
                  A row without the prediction its kind reads (choice; acc_norm_choice; true_mass; probs
                  for the other kinds) is counted `unsupported`: wrong for the accuracy kinds, the uniform
                  forecast for the others (1/k; t/k for true_mass, t the row's true options). A
@@ -18,7 +21,7 @@ Definitions (the contract; `docs/suite-and-scoring.md` has them with examples):
                  scored as if it had no prediction and counted `abstained`.
                  chance = the value of the uniform guess: c = the manifest's value or mean 1/k for the
                  accuracy kinds (mean t/k for true_mass); 1 - c for brier; -ln c (manifest) or mean ln k
-                 for log_loss.
+                 for log_loss; the manifest's value or 0 for exact_match (no answer matches by chance).
                  best = 1 for the accuracy kinds, 0 for the losses.
                  skill = (value - chance) / (best - chance); acc (accuracy of the choice) is always kept
     per leg      index = 100 * sum(weight * skill) / sum(weight); raw likewise with acc
@@ -46,7 +49,9 @@ if TYPE_CHECKING:  # the shape only: the plain scorer shares no code with this o
 
 LOG_LOSS_FLOOR = 1e-15
 BEST = {"accuracy": 1.0, "acc_norm": 1.0, "calibrated_accuracy": 1.0, "brier": 0.0, "log_loss": 0.0,
-        "true_mass": 1.0}
+        "true_mass": 1.0, "exact_match": 1.0}
+COUNTED_KINDS = ("accuracy", "acc_norm", "exact_match")
+"""The kinds whose value is a count of correct rows over n (exact integers in the bootstrap)."""
 
 
 @dataclass(frozen=True)
@@ -119,11 +124,11 @@ def scored_frame(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec)
     `abstained` and `correct`, and the per-row `value` of the catalog's kind (what the bootstrap
     resamples; the point estimate is summed exactly in `score_predictions`)."""
     excluded = [rid for c in spec.catalogs for rid in c.exclusions]
-    cols = ["run_id", "choice"] + [c for c in ("probs", "abstain", *FAST_PASS_SCORING_COLUMNS)
+    cols = ["run_id", "choice"] + [c for c in ("probs", "abstain", "exact_match", *FAST_PASS_SCORING_COLUMNS)
                                    if c in predictions.columns]
     frame = (rows.filter(~pl.col("run_id").is_in(excluded))
              .join(predictions.select(cols), on="run_id", how="left", maintain_order="left"))
-    for name, dtype in (("true_options", pl.List(pl.Int32)), ("true_mass", pl.Float64)):
+    for name, dtype in (("true_options", pl.List(pl.Int32)), ("true_mass", pl.Float64), ("exact_match", pl.Boolean)):
         if name not in frame.columns:
             frame = frame.with_columns(pl.lit(None, dtype=dtype).alias(name))
     frame = frame.with_columns(n_true=pl.col("true_options").list.len().cast(pl.Int32))
@@ -138,8 +143,10 @@ def scored_frame(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec)
         choice=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("choice")),
         probs=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("probs")),
         acc_norm_choice=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("acc_norm_choice")),
-        true_mass=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("true_mass")))
-    frame = frame.with_columns(correct=(pl.col("choice") == pl.col("gold")).fill_null(False),
+        true_mass=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("true_mass")),
+        exact_match=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("exact_match")))
+    frame = frame.with_columns(correct=(pl.col("choice") == pl.col("gold")).fill_null(False)
+                               | pl.col("exact_match").fill_null(False),
                                correct_norm=(pl.col("acc_norm_choice") == pl.col("gold")).fill_null(False))
     return frame.with_columns(value=_row_value(spec))
 
@@ -155,6 +162,7 @@ def _row_value(spec: ScoreSpec) -> pl.Expr:
     brier = pl.when(pl.col("probs").is_null()).then(1.0 - 1.0 / pl.col("n_options")) \
         .otherwise(sum_sq - 2.0 * p_gold + 1.0)
     by_kind = {"accuracy": pl.col("correct").cast(pl.Float64), "acc_norm": pl.col("correct_norm").cast(pl.Float64),
+               "exact_match": pl.col("correct").cast(pl.Float64),
                "calibrated_accuracy": p_gold, "brier": brier,
                "true_mass": pl.col("true_mass").fill_null(pl.col("n_true") / pl.col("n_options")),
                "log_loss": -(pl.max_horizontal(p_gold, pl.lit(LOG_LOSS_FLOOR)).log())}
@@ -176,6 +184,7 @@ def catalog_chances(frame: pl.DataFrame, spec: ScoreSpec) -> dict[str, float]:
         if cat in shares and t is not None:
             shares[cat][t, k] += n
     return {c.id: true_mass_chance(c.chance, shares[c.id]) if c.scoring == "true_mass" else
+            (c.chance or 0.0) if c.scoring == "exact_match" else
             chance_of(c.scoring, c.chance, hist[c.id]) for c in spec.catalogs}
 
 
@@ -239,6 +248,7 @@ def score_predictions(rows: pl.DataFrame, predictions: pl.DataFrame, spec: Score
                                            no_norm=pl.col("acc_norm_choice").is_null().sum(),
                                            correct_norm=pl.col("correct_norm").sum(),
                                            no_mass=pl.col("true_mass").is_null().sum(),
+                                           no_verdict=pl.col("exact_match").is_null().sum(),
                                            abstained=pl.col("abstained").sum())
     per = {r["catalog"]: r for r in totals.iter_rows(named=True)}
     missing = [c.id for c in spec.catalogs if c.id not in per]
@@ -246,14 +256,14 @@ def score_predictions(rows: pl.DataFrame, predictions: pl.DataFrame, spec: Score
         raise ValueError(f"catalog(s) {missing} have no scored rows")
     chance = catalog_chances(frame, spec)
     acc = {c.id: per[c.id]["correct"] / per[c.id]["n"] for c in spec.catalogs}
-    value = {c.id: acc[c.id] if c.scoring == "accuracy" else
+    value = {c.id: acc[c.id] if c.scoring in ("accuracy", "exact_match") else
              catalog_value(c.scoring, frame.filter(pl.col("catalog") == c.id)) for c in spec.catalogs}
     full, full_raw, legs = aggregate(spec, value, chance, acc)
     catalogs = {}
     for c in spec.catalogs:
         p = per[c.id]
-        unsupported = {"accuracy": p["no_choice"], "acc_norm": p["no_norm"],
-                       "true_mass": p["no_mass"]}.get(c.scoring, p["no_probs"])
+        unsupported = {"accuracy": p["no_choice"], "acc_norm": p["no_norm"], "true_mass": p["no_mass"],
+                       "exact_match": p["no_verdict"]}.get(c.scoring, p["no_probs"])
         catalogs[c.id] = CatalogScore(
             n=p["n"], correct=p["correct"], unsupported=unsupported,
             acc=acc[c.id], chance=chance[c.id], skill=skill_of(value[c.id], chance[c.id], BEST[c.scoring]),

@@ -75,6 +75,8 @@ class _Tally:
 
 def _chance(kind: str, given: float | None, t: _Tally) -> float:
     options, n = t.options, t.n
+    if kind == "exact_match":  # no answer matches by chance
+        return given if given is not None else 0.0
     if kind == "true_mass":
         return given if given is not None else float(t.true_share / n)
     inv = sum((Fraction(m, k) for k, m in options.items()), Fraction(0))
@@ -101,7 +103,7 @@ def _value_terms(kind: str, p: list[float] | None, gold: int, k: int) -> list[fl
 def _tally_rows(rows: Iterable[Mapping[str, Any]], catalogs: Sequence[PlainCatalog],
                 choices: Mapping[str, int | None], probs: Mapping[str, list[float] | None],
                 abstain: Mapping[str, bool | None], norm: Mapping[str, int | None],
-                mass: Mapping[str, float | None]) -> dict[str, _Tally]:
+                mass: Mapping[str, float | None], verdicts: Mapping[str, bool | None]) -> dict[str, _Tally]:
     """One pass over the rows: counts, correct choices, unsupported and abstained rows, value terms."""
     tally = {c["id"]: _Tally() for c in catalogs}
     kinds = {c["id"]: c["scoring"] for c in catalogs}
@@ -114,6 +116,15 @@ def _tally_rows(rows: Iterable[Mapping[str, Any]], catalogs: Sequence[PlainCatal
         cat, k, gold = row["catalog"], row["n_options"], row["gold"]
         t = tally[cat]
         t.n += 1
+        kind = kinds[cat]
+        if kind == "exact_match":  # a generative row: its verdict, nothing else
+            verdict = verdicts.get(rid)
+            if abstain.get(rid) and cat in may_abstain:
+                t.abstained += 1
+                verdict = None
+            t.correct += verdict is True
+            t.unsupported += verdict is None
+            continue
         t.options[k] = t.options.get(k, 0) + 1
         true_options = row.get("true_options")
         n_true = None if true_options is None else len(true_options)
@@ -127,7 +138,6 @@ def _tally_rows(rows: Iterable[Mapping[str, Any]], catalogs: Sequence[PlainCatal
             t.correct += 1
         if choice_norm is not None and choice_norm == gold:
             t.correct_norm += 1
-        kind = kinds[cat]
         if {"accuracy": choice, "acc_norm": choice_norm, "true_mass": row_mass}.get(kind, p) is None:
             t.unsupported += 1
         if kind == "true_mass":  # no mass read: the uniform forecast's, t/k
@@ -142,7 +152,8 @@ def _catalog_score(c: PlainCatalog, t: _Tally) -> PlainCatalogScore:
     kind = c["scoring"]
     acc = t.correct / t.n
     acc_norm = t.correct_norm / t.n
-    value = acc if kind == "accuracy" else acc_norm if kind == "acc_norm" else math.fsum(t.terms) / t.n
+    value = acc if kind in ("accuracy", "exact_match") else acc_norm if kind == "acc_norm" else \
+        math.fsum(t.terms) / t.n
     chance = _chance(kind, c["chance"], t)
     best = 0.0 if kind in ("brier", "log_loss") else 1.0
     out: PlainCatalogScore = {"n": t.n, "correct": t.correct, "unsupported": t.unsupported, "acc": acc,
@@ -165,12 +176,14 @@ def plain_score(rows: Iterable[Mapping[str, Any]], choices: Mapping[str, int | N
                 catalogs: Sequence[PlainCatalog], probs: Mapping[str, list[float] | None] | None = None,
                 abstain: Mapping[str, bool | None] | None = None,
                 acc_norm: Mapping[str, int | None] | None = None,
-                true_mass: Mapping[str, float | None] | None = None) -> PlainScore:
+                true_mass: Mapping[str, float | None] | None = None,
+                exact_match: Mapping[str, bool | None] | None = None) -> PlainScore:
     """rows: dicts with run_id, catalog, gold, n_options[, true_options]; choices, probs, abstain, acc_norm
-    (lm-eval's length-normalised choices), true_mass (the mass of a row's true options): by run_id (a
-    run_id absent is no prediction); catalogs: id, leg, weight, chance, exclusions, scoring, secondary[,
-    readout]."""
-    tally = _tally_rows(rows, catalogs, choices, probs or {}, abstain or {}, acc_norm or {}, true_mass or {})
+    (lm-eval's length-normalised choices), true_mass (the mass of a row's true options), exact_match (a
+    generative row's verdict): by run_id (a run_id absent is no prediction); catalogs: id, leg, weight,
+    chance, exclusions, scoring, secondary[, readout]."""
+    tally = _tally_rows(rows, catalogs, choices, probs or {}, abstain or {}, acc_norm or {}, true_mass or {},
+                        exact_match or {})
     out_cats = {c["id"]: _catalog_score(c, tally[c["id"]]) for c in catalogs}
     out_legs = {leg: _leg_score([c for c in catalogs if c["leg"] == leg], out_cats) for leg in legs}
     total = math.fsum(legs.values())

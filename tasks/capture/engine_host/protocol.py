@@ -24,7 +24,7 @@ from jex.engine_spec import EngineSpec
 from jex.fileio import atomic_path
 from jex.record import Record
 from jex.tasks.inputs import EngineJob
-from jex.tasks.records import FastPassSummary, PartialSummary, ReasonSummary
+from jex.tasks.records import FastPassSummary, GenerateSummary, PartialSummary, ReasonSummary
 
 STARTS = "starts.jsonl"
 PGID = "host.pgid"
@@ -83,7 +83,7 @@ class HostRequest(Record):
     """One piece of engine work for a host: the golden replay of the job's rows, or the job's stage.
     Paths in `engine_job` are absolute."""
 
-    job: Literal["golden", "fast_pass", "reason"]
+    job: Literal["golden", "fast_pass", "reason", "generate"]
     engine_job: EngineJob
     worker: int = 0
     workers: int = 1
@@ -102,7 +102,7 @@ class GoldenDone(BaseModel):
     rows: int
 
 
-JobSummary = FastPassSummary | ReasonSummary | PartialSummary | GoldenDone
+JobSummary = FastPassSummary | ReasonSummary | GenerateSummary | PartialSummary | GoldenDone
 """What a host returns for one request: the stage's summary, this worker's share of it, or the replay."""
 
 

@@ -82,14 +82,39 @@ STAGES = ("fast_pass", "gate", "reason", "fold", "calibrate", "overlay")
 """The campaign's stages, as the log's plan steps."""
 
 
+def _generated_sample(r: dict[str, Any], model: str, prompt: str | None) -> Any:
+    """A generative row as an `EvalSample`: the prompt in, the generation out, target the reference; the `jex`
+    score is C/I with the primary filter's answer, every filter's answer and verdict in its metadata."""
+    from inspect_ai.model import ChatMessageAssistant, ChatMessageUser, ModelOutput
+    from inspect_ai.scorer import Score
+
+    text = r["generation"] or ""
+    scores = {}
+    if r["scored"]:
+        scores[SCORER] = Score(value="C" if r["correct"] else "I", answer=(r["answers"] or [None])[0],
+                               explanation="exact_match of the primary filter's answer",
+                               metadata={"filters": r["filters"], "answers": r["answers"], "verdicts": r["verdicts"],
+                                         "decided_by": r["decided_by"]})
+    return _inspect().EvalSample(
+        id=r["run_id"], epoch=1, input=prompt or "", target=r["reference"],
+        messages=[ChatMessageUser(content=prompt or ""), ChatMessageAssistant(content=text, model=model)],
+        output=ModelOutput.from_content(model=model, content=text), scores=scores,
+        metadata={"run_id": r["run_id"], "catalog": r["catalog"], "question_id": r["question_id"],
+                  "generation_tokens": r["generation_tokens"], "finish_reason": r["finish_reason"],
+                  "scored": r["scored"], "row_metadata": json.loads(r["metadata"]) if r["metadata"] else None})
+
+
 def _eval_sample(r: dict[str, Any], model: str) -> Any:
     """One `samples.parquet` row as an `EvalSample`: the prompt in, the rationale and answer out, and
-    the `jex` score (none on a row the suite does not score)."""
+    the `jex` score (none on a row the suite does not score); a generative row by `_generated_sample`."""
     from inspect_ai.model import ChatMessageAssistant, ChatMessageUser, ModelOutput
     from inspect_ai.scorer import Score
 
     from jex.tasks.outputs.samples import resolve_prompt_ref
 
+    if r.get("decided_by") == "generate":
+        return _generated_sample(r, model, r["prompt"] if r["prompt"] is not None or not r["prompt_ref"]
+                                 else resolve_prompt_ref(r["prompt_ref"])[0])
     prompt, reason_prompt = (r["prompt"], r["reason_prompt"]) if r["prompt"] is not None else \
         resolve_prompt_ref(r["prompt_ref"])
     labels = r["labels"]

@@ -11,8 +11,10 @@ Out (`export_lm_eval`): a run folder's `samples.parquet` in the same layout, one
 catalog (task = catalog id; doc_id = the row's imported document id, else its index in the catalog),
 with `arguments` = the rendered prompt and the label continuations jex read, `filtered_resps` = the
 final log-probabilities, `acc` = the final choice is gold, and a `jex` block per sample (run_id,
-choice, decided_by, gated, rationale). Rows the suite excludes from scoring are left out, as lm-eval
-has no such notion.
+choice, decided_by, gated, rationale). A generative catalog becomes a `generate_until` task: one line per
+document and filter (`resps` the generation, `filtered_resps` the filter's answer, `exact_match` its
+verdict), `exact_match,<filter>` per filter in the results, its generation_kwargs and filter_list in its
+config. Rows the suite excludes from scoring are left out, as lm-eval has no such notion.
 """
 
 from __future__ import annotations
@@ -318,6 +320,7 @@ class _ExportCatalog:
     target_delimiter: str
     version: Any
     settings: dict[str, Any]  # the imported task's settings (`[source.tasks.<name>]`), or {}
+    generative: Any = None  # a generative catalog's `jex.suite.Catalog`: a generate_until task, one line per filter
 
     @classmethod
     def of(cls, manifest: Any, catalog: str) -> _ExportCatalog:
@@ -325,12 +328,15 @@ class _ExportCatalog:
         imported = manifest.source.get("importer") == "lm-eval"
         settings = ((manifest.source.get("tasks") or {}).get(c.name) or {}) if imported else {}
         return cls(catalog, c.name, c.readout in LOGLIKELIHOOD_READOUTS, c.scoring == "true_mass",
-                   c.readout == "partial_loglikelihood", c.target_delimiter, settings.get("version", "jex"), settings)
+                   c.readout == "partial_loglikelihood", c.target_delimiter, settings.get("version", "jex"), settings,
+                   c if c.kind == "generate" else None)
 
     @property
     def metrics(self) -> list[str]:
-        """The metrics lm-eval reports for the task: the imported task's metric_list, else acc and
-        acc_norm (acc alone for a label-slot, multi-gold or partial catalog)."""
+        """The metrics lm-eval reports for the task: exact_match for a generative one, the imported task's
+        metric_list, else acc and acc_norm (acc alone for a label-slot, multi-gold or partial catalog)."""
+        if self.generative is not None:
+            return ["exact_match"]
         if self.settings.get("metrics"):
             return list(self.settings["metrics"])
         return ["acc", "acc_norm"] if self.loglikelihood and not (self.multi_gold or self.partial) else ["acc"]
@@ -355,7 +361,7 @@ class _ExportedTask:
     lm-eval's task hash of the lines (`task_hashes`)."""
 
     catalog: _ExportCatalog
-    values: dict[str, list[Any]]  # metric -> its per-document item of each exported (scored) row, as lm-eval's
+    values: dict[str, list[Any]]  # "metric,filter" -> its per-document item of each exported (scored) row, lm-eval's
     original: int  # rows of the catalog, scored or not
     task_hash: str
 
@@ -369,10 +375,17 @@ def _write_task_samples(run: RunToExport, catalog: _ExportCatalog, path: Path) -
     from lm_eval.utils import hash_string
 
     rows = run.samples.filter((pl.col("catalog") == catalog.id) & pl.col("scored"))
-    lines = [_export_line(r, i, catalog) for i, r in enumerate(rows.iter_rows(named=True))]
+    lines: list[Any]
+    if catalog.generative is not None:  # lm-eval's generate_until samples: one line per document and filter
+        lines = [ln for i, r in enumerate(rows.iter_rows(named=True)) for ln in _generation_lines(r, i, catalog)]
+        values = {f"exact_match,{f.name}": [ln["exact_match"] for ln in lines if ln["filter"] == f.name]
+                  for f in catalog.generative.answer_filters()}
+    else:
+        lines = [_export_line(r, i, catalog) for i, r in enumerate(rows.iter_rows(named=True))]
+        values = {f"{m},none": [cast(dict, ln)[m] for ln in lines] for m in catalog.metrics}
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(ln, ensure_ascii=False) + "\n" for ln in lines)
-    return _ExportedTask(catalog, {m: [cast(dict, ln)[m] for ln in lines] for m in catalog.metrics},
+    return _ExportedTask(catalog, values,
                          run.samples.filter(pl.col("catalog") == catalog.id).height,
                          hash_string("".join(ln["doc_hash"] + ln["prompt_hash"] + ln["target_hash"] for ln in lines)))
 
@@ -400,7 +413,8 @@ def _write_results(run: RunToExport, tasks: list[_ExportedTask], head: _RunHeade
            "jex": {"run": run.run_dir.name, "full": run.score.full, "ci": list(run.score.ci),
                    "legs": {k: v.model_dump(mode="json") for k, v in run.score.legs.items()},
                    "catalogs": catalog_summary(run),
-                   "note": "acc, f1 and mcc read jex's final choice (after fold, calibration and overlays); "
+                   "note": "acc, f1 and mcc read jex's final choice (after fold, calibration and overlays); a "
+                           "generative catalog's exact_match is per filter, as lm-eval's generate_until tasks; "
                            "for a loglikelihood catalog resps hold each choice's [loglikelihood, is_greedy], and "
                            "acc_norm, acc_bytes, exact_match and brier_score are lm-eval's, of those; else "
                            "filtered_resps hold the final log-probabilities of the label continuations",
@@ -423,11 +437,13 @@ def _metric_values(t: _ExportedTask, bootstrap_iters: int) -> dict[str, float | 
     with mock.patch.dict(os.environ, {"DISABLE_MULTIPROC": "1"}), contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for m in t.catalog.metrics:
-            items, aggregate = t.values[m], get_aggregation(METRIC_AGGREGATIONS[m])
-            out[f"{m},none"] = float(aggregate(items))
+        for key, items in t.values.items():
+            m, filter_name = key.split(",", 1)
+            aggregate = get_aggregation(METRIC_AGGREGATIONS[m])
+            out[key] = float(aggregate(items))
             stderr = stderr_for_metric(aggregate, bootstrap_iters=bootstrap_iters)
-            out[f"{m}_stderr,none"] = float(stderr(items)) if stderr is not None and len(items) > 1 else "N/A"
+            out[f"{m}_stderr,{filter_name}"] = float(stderr(items)) if stderr is not None and len(items) > 1 \
+                else "N/A"
     return out
 
 
@@ -468,6 +484,8 @@ def _task_config(run: RunToExport, c: _ExportCatalog) -> dict[str, Any]:
 
     render = run.spec.engine.render
     s = c.settings
+    if c.generative is not None:
+        return _generation_config(run, c)
     return {"task": c.id, "output_type": "multiple_choice", "target_delimiter": c.target_delimiter,
             "fewshot_delimiter": s.get("fewshot_delimiter", "\n\n"), "description": s.get("description") or "",
             "num_fewshot": (s.get("num_fewshot") or 0) if s else render.num_fewshot,
@@ -476,6 +494,55 @@ def _task_config(run: RunToExport, c: _ExportCatalog) -> dict[str, Any]:
                              "higher_is_better": _higher_is_better(m)} for m in c.metrics],
             "metadata": {"version": c.version, "jex_catalog": c.id, "jex_leg": run.score.catalogs[c.id].leg,
                          "jex_readout": "loglikelihood" if c.loglikelihood else "label_slot"}}
+
+
+def _generation_kwargs(catalog: Any) -> dict[str, Any]:
+    """lm-eval's generation_kwargs of a generative catalog: its stop sequences and token limit, greedy."""
+    return {"until": list(catalog.generation.until), "max_gen_toks": catalog.generation.max_tokens,
+            "do_sample": False}
+
+
+def _generation_config(run: RunToExport, c: _ExportCatalog) -> dict[str, Any]:
+    """A generative catalog's config as lm-eval writes a generate_until task's: generation_kwargs, filter_list
+    (each filter's steps as lm-eval's `function` entries) and exact_match with its settings."""
+    catalog, s = c.generative, c.settings
+    return {"task": c.id, "output_type": "generate_until", "target_delimiter": c.target_delimiter,
+            "fewshot_delimiter": s.get("fewshot_delimiter", "\n\n"), "description": s.get("description") or "",
+            "num_fewshot": s.get("num_fewshot") or 0, "fewshot_split": s.get("fewshot_split"),
+            "generation_kwargs": _generation_kwargs(catalog),
+            "filter_list": [{"name": f.name, "filter": [step.model_dump(mode="json") for step in f.steps]}
+                            for f in catalog.answer_filters()],
+            "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                             **catalog.match.model_dump(mode="json")}],
+            "metadata": {"version": c.version, "jex_catalog": c.id, "jex_leg": run.score.catalogs[c.id].leg,
+                         "jex_readout": "generate"}}
+
+
+def _generation_lines(r: dict[str, Any], index: int, catalog: _ExportCatalog) -> list[dict[str, Any]]:
+    """One scored generative row as lm-eval's samples lines, one per filter: the context and generation
+    kwargs (`arguments`), the generation (`resps`), the filter's answer (`filtered_resps`) and its
+    `exact_match`. A row that was not generated has an empty response and no answer (scored 0, as by jex)."""
+    from lm_eval.utils import hash_string
+
+    from jex.tasks.outputs.samples import resolve_prompt_ref
+
+    meta = json.loads(r["metadata"]) if r["metadata"] else {}
+    doc_id = int(meta["doc_id"]) if meta.get("task") in (catalog.id, catalog.name) and "doc_id" in meta else index
+    prompt = r["prompt"] if r["prompt"] is not None else resolve_prompt_ref(r["prompt_ref"])[0] \
+        if r["prompt_ref"] else None
+    doc = {"run_id": r["run_id"], "question_id": r["question_id"], "answer": r["reference"],
+           **({"metadata": meta} if meta else {})}
+    names = r["filters"] or [f.name for f in catalog.generative.answer_filters()]
+    answers, verdicts = r["answers"] or [None] * len(names), r["verdicts"] or [False] * len(names)
+    common = {"doc_id": doc_id, "doc": doc, "target": r["reference"],
+              "arguments": {"gen_args_0": {"arg_0": prompt, "arg_1": _generation_kwargs(catalog.generative)}},
+              "resps": [[r["generation"] or ""]], "metrics": ["exact_match"],
+              "doc_hash": hash_string(json.dumps(doc, indent=2, ensure_ascii=False)),
+              "prompt_hash": hash_string(prompt or ""), "target_hash": hash_string(r["reference"])}
+    return [{**common, "filtered_resps": [answer], "filter": name, "exact_match": 1.0 if ok else 0.0,
+             "jex": {"task": catalog.id, "run_id": r["run_id"], "finish_reason": r["finish_reason"],
+                     "generation_tokens": r["generation_tokens"], "primary": k == 0}}
+            for k, (name, answer, ok) in enumerate(zip(names, answers, verdicts, strict=True))]
 
 
 def _run_fields(run: RunToExport, head: _RunHeader) -> dict[str, Any]:
