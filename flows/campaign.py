@@ -180,8 +180,8 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[StageName] | None =
                 timings=run.timings, machines=report_section(run.runner.report()))
     upload_to_s3(run.s3, run_dir, run.summaries, spec.store)
     s = run.summaries.finished()
-    if any(s.fold.errors.values()):
-        print(f"WARNING: error counters are not all zero: {s.fold.errors}")
+    if any(run_errors(s).values()):
+        print(f"WARNING: error counters are not all zero: {run_errors(s)}")
     enforce_audit(spec, s)
     record_campaign(spec, run_dir, s, unverified=run.overlays_unverified)
     print(f"run folder: {run_dir.resolve()} (retry a stage: the retry-stage deployment with this run_dir)")
@@ -282,13 +282,20 @@ def record_campaign(spec: CampaignSpec, run_dir: Path, s: FinishedCampaign, *, u
         print(f"ledger: campaign recorded in {ledger_path(spec.store)}")
 
 
+def run_errors(s: FinishedCampaign) -> dict[str, int]:
+    """Every error counter of a run: the fold's (fast pass and reason) and the generate stage's, prefixed."""
+    generated: dict[str, int] = {} if s.generate is None else {
+        "generate_context_refusals": s.generate.context_refusals, "generate_batch_errors": s.generate.batch_errors}
+    return {**s.fold.errors, **generated}
+
+
 def enforce_audit(spec: CampaignSpec, summaries: FinishedCampaign) -> None:
     """After the report is written: fail the run if the spec requires zero errors or a reference
     agreement that this run does not have."""
     from jex.tasks.probabilities.fold import require_zero
 
     if spec.require_zero_errors:
-        require_zero(summaries.fold.errors)
+        require_zero(run_errors(summaries))
     audit = summaries.score.reference_agreement
     if spec.reference_min_agreement is not None and (audit is None or audit < spec.reference_min_agreement):
         shown = "none (no row compared)" if audit is None else f"{audit:.4f}"

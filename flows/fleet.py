@@ -251,8 +251,12 @@ class GpuFleet:
                 raise GoldenMismatch(host.id, mismatch)
             plan = stage_plan(inputs.model_copy(update={"engine_fp": fp}), job.store)
             capture = Path(plan.folder) / "capture.parquet"
-            ref, source = find_reference(self.store, inputs.bundle, fp, rows, str(capture))
-            if not replay_rows and ref is None:
+            ref, source = find_reference(self.store, inputs.bundle, fp, rows, str(capture)) if rows else \
+                (None, "nothing (no multiple-choice row)")
+            if not rows:  # generative catalogs alone: no readout to replay; the golden generation checks the machine
+                verdict = GoldenReplay(machine=host.id, reference="no multiple-choice row", established=False,
+                                       ok=True, rows=0, max_abs_dp=0.0, tolerance=self.spec.golden_tolerance)
+            elif not replay_rows and ref is None:
                 self._reference_due = rows
                 verdict = GoldenReplay(machine=host.id, reference="the fast pass's first rows", established=True,
                                        ok=True, rows=0, max_abs_dp=0.0, tolerance=self.spec.golden_tolerance)
@@ -308,7 +312,8 @@ class GpuFleet:
         brought = cached.exists()
         cache_argv = self._compile_cache_argv(cached, files) if first else []
         generate = self.spec.golden_generation_rows if first else 0
-        generation_argv = ["--generation-rows", str(min(generate, inputs.bundle.rows)), "--generation-tokens",
+        available = inputs.bundle.rows or inputs.bundle.generate_rows or 0  # generative prompts when no row is MC
+        generation_argv = ["--generation-rows", str(min(generate, available)), "--generation-tokens",
                            str(self.spec.golden_generation_tokens), "--generation-out", GOLDEN_GENERATION] \
             if generate else []
         remote = RemoteJob(name, ["-m", "jex", "stage", "golden", "--args", "args.json", "--rows", str(rows),

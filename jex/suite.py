@@ -222,11 +222,6 @@ class SuiteRow(BaseModel):
     true_options: list[int] | None = None
 
 
-MULTIPLE_CHOICE_NEEDED = ("a campaign needs at least one multiple-choice catalog beside its generative ones "
-                          "(the coverage gate, fold and calibration read multiple-choice rows); a suite of "
-                          "generative catalogs alone is not run yet")
-
-
 def load_manifest(suite_dir: str | Path) -> SuiteManifest:
     """Parse and validate `suite.toml`; errors name the file and the offending key."""
     manifest, problems = _manifest_and_problems(suite_dir)

@@ -68,7 +68,7 @@ def load_capture(run_dir: str | Path) -> Capture:
     summaries = run_summaries(run_dir)  # its store found wherever it lies now
     if summaries.bundle is None:
         raise InputError("no bundle stage recorded; expected a finished run", file=str(run_dir / STAGES_FILE))
-    table = load_suite_table(summaries.bundle.bundle)
+    table = load_suite_table(summaries.bundle.bundle).multiple_choice()  # rules decide multiple-choice rows
     try:
         preds = pl.read_parquet(run_dir / "predictions.parquet")
     except (OSError, pl.exceptions.PolarsError) as e:

@@ -46,9 +46,14 @@ def prepare_panel(source: str | Path, dest: str | Path, catalogs: Sequence[str],
     from jex.tasks.scoring.suite_table import load_suite_table
 
     try:
-        shares = panel_share(load_suite_table(source).spec, catalogs)
+        spec = load_suite_table(source).spec
+        shares = panel_share(spec, catalogs)
     except ValueError as e:
         raise InputError(str(e), field="panel_catalogs") from None
+    generative = [c.id for c in spec.catalogs if c.id in catalogs and c.generative]
+    if generative:
+        raise InputError(f"catalog(s) {generative} are generative: a panel projects the fast pass and the "
+                         "decisions of multiple-choice catalogs only", field="panel_catalogs")
     total = sum(shares.values())
     if declared_share is not None and abs(total - declared_share) > SHARE_TOLERANCE:
         raise InputError(f"the panel's share of the full weight is {total:.5f}, not the declared "

@@ -51,7 +51,8 @@ class MachinesSpec(BaseModel):
     golden_rows: int = Field(GOLDEN_ROWS, ge=1, description="Rows replayed before a machine runs its shards (and "
                                                             "proved first by a speculative profile's proof)")
     golden_tolerance: float = Field(1e-4, ge=0, description="Max |dp| of the golden replay")
-    golden_generation_rows: int = Field(8, ge=0, description="Rows whose rationale prompts every machine decodes "
+    golden_generation_rows: int = Field(8, ge=0, description="Rows whose rationale prompts (a suite of generative "
+                                                             "catalogs alone: whose prompts) every machine decodes "
                                                              "greedily before its shards, token for token against "
                                                              "the reference of the same bundle, engine and GPU "
                                                              "models (0: none)")

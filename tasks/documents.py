@@ -247,10 +247,10 @@ class CalibrationDoc(Document):
     """`calibration.json`: temperature scaling, fitted out of fold by question."""
 
     folds: list[FoldTemperature]
-    nll_before: float
-    nll_after: float
-    reliability_before: Reliability
-    reliability_after: Reliability
+    nll_before: float | None = Field(description="None: no multiple-choice row was calibrated")
+    nll_after: float | None
+    reliability_before: Reliability | None
+    reliability_after: Reliability | None
     argmax_changed: int = Field(description="Always 0: the stage fails otherwise")
     rounding_ties: int = Field(description="Rows that scaling tied by rounding (their choice is kept)")
 

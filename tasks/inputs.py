@@ -40,11 +40,11 @@ from jex.tasks.records import (
 SHARDS_MERGE = Unkeyed("shards merge to the same bytes whatever their size")
 FAST_SHARD_ROWS = 32
 REASON_SHARD_ROWS = 64
-GENERATE_SHARD_ROWS = 64
-"""Rows per generate shard: as the reason stage's (lock-step decoding on the CPU)."""
 """Rows per reason shard (the unit of a checkpoint and of a machine's work): the HF engine decodes a
 shard's rows in lock-step, so a larger shard reads the weights fewer times per token (the main job's 36
 rationales in one shard: 1.7x shards of 8)."""
+GENERATE_SHARD_ROWS = 64
+"""Rows per generate shard: as the reason stage's (lock-step decoding on the CPU)."""
 GPU_SHARDS_PER_ENGINE = 8
 """On a GPU a stage's rows are cut into about this many shards per engine: each a checkpoint of seconds, and
 enough of them that engines which start late still share the work (claims, first come first served)."""

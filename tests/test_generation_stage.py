@@ -23,6 +23,9 @@ pytestmark = pytest.mark.usefixtures("no_user_settings")
 GENERATED = 6
 
 
+LOCAL_MACHINES = {"JEX_INFRA__POLL_S": "0.3", "JEX_INFRA__WORKER_PYTHON": sys.executable}
+
+
 def campaign(root: Path, suite: Path, provider: str) -> Path:
     from jex.flows.campaign import run_campaign
     from jex.tasks.campaign_spec import CampaignSpec, MachinesSpec
@@ -40,15 +43,17 @@ def mixed(tmp_path_factory, prefect_harness):
     root = tmp_path_factory.mktemp("mixed")
     suite = mixed_suite(root / "suite", rows=18, generated=GENERATED)
     with pytest.MonkeyPatch.context() as env:
-        for k, v in {"JEX_INFRA__STATE_DIR": str(root / "infra"), "JEX_INFRA__POLL_S": "0.3",
-                     "JEX_INFRA__WORKER_PYTHON": sys.executable}.items():
+        for k, v in {"JEX_INFRA__STATE_DIR": str(root / "infra"), **LOCAL_MACHINES}.items():
             env.setenv(k, v)
         run = campaign(root / "local", suite, "local")
     choices = mixed_suite(root / "choices", rows=18, generated=GENERATED)
     manifest = (choices / "suite.toml").read_text()
-    (choices / "suite.toml").write_text(manifest[:manifest.index("[[catalogs]]\nid = \"arith_gen\"")])
+    cut = manifest.index("[[catalogs]]\nid = \"arith_gen\"")
+    (choices / "suite.toml").write_text(manifest[:cut])
+    alone = mixed_suite(root / "alone", rows=18, generated=GENERATED)  # the generative catalog, and no other
+    (alone / "suite.toml").write_text("[legs]\npublic = 1.0\n\n" + manifest[cut:])
     return {"run": run, "suite": suite, "choices_run": campaign(root / "choices", choices, "inprocess"),
-            "root": root}
+            "root": root, "alone": alone}
 
 
 def samples(run: Path) -> pl.DataFrame:
@@ -197,3 +202,19 @@ def test_jex_export_inspect_logs_each_generation_with_its_verdict(mixed, tmp_pat
         assert sample.output.completion == r["generation"] and sample.target == r["reference"]
         assert sample.scores["jex"].value == ("C" if r["exact_match"] else "I")
         assert sample.scores["jex"].answer == r["answers"][0]
+
+
+def test_a_suite_of_generative_catalogs_alone_runs_on_a_machine_checked_by_its_golden_generation(
+        mixed, tmp_path, monkeypatch):
+    """No multiple-choice row: the decision stages decide nothing and calibrate nothing, the index is the
+    generative catalog's, and the machine's golden generation reads the generative prompts (the readout has
+    no row to replay)."""
+    for k, v in {"JEX_INFRA__STATE_DIR": str(tmp_path / "infra"), **LOCAL_MACHINES}.items():
+        monkeypatch.setenv(k, v)
+    run = campaign(tmp_path, mixed["alone"], "local")
+    score = json.loads((run / "score.json").read_text())
+    assert list(score["catalogs"]) == ["arith_gen"] and score["full"] == 100 * score["catalogs"]["arith_gen"]["skill"]
+    assert generated_rows(run)["generation"].to_list() == generated_rows(mixed["run"])["generation"].to_list()
+    (golden,) = json.loads((run / "machines.json").read_text())["golden"]
+    assert golden["rows"] == 0 and golden["generation"]["rows"] == GENERATED and golden["generation"]["ok"]
+    assert "nothing was calibrated" in (run / "report.md").read_text()

@@ -1,8 +1,8 @@
 """Generative catalogs (issue 45, its first part): the suite format declares them (a prompt and a reference
 answer per row; stop sequences, max tokens, lm-eval's filters and exact_match settings per catalog),
 `jex suite import lm-eval` reads lm-eval's `generate_until` tasks into them through the harness itself (its
-shipped GSM8K YAML on local documents), whatever jex does not reproduce is refused in one line; a campaign of
-generative catalogs alone is refused in one line (tests/test_generation_stage.py runs mixed suites)."""
+shipped GSM8K YAML on local documents), whatever jex does not reproduce is refused in one line
+(tests/test_generation_stage.py runs them in campaigns)."""
 
 from __future__ import annotations
 
@@ -110,16 +110,6 @@ def test_suite_ls_lists_a_generative_catalog(tmp_path):
     out = cli("suite", "ls", mixed_suite(tmp_path))
     assert out.exit_code == 0, out.output
     assert any(line.split()[:5] == ["gen", "public", "1", "2", "generate"] for line in out.output.splitlines())
-
-
-def test_a_campaign_of_generative_catalogs_alone_is_refused_in_one_line_before_anything_runs(tmp_path):
-    suite = mixed_suite(tmp_path / "s")
-    manifest = (suite / "suite.toml").read_text()
-    (suite / "suite.toml").write_text(manifest[manifest.index("[[catalogs]]\nid = \"gen\""):].join(
-        ["[legs]\npublic = 1.0\n\n", ""]))
-    out = cli("run", "--suite", suite, "--out", tmp_path / "runs", "--store", tmp_path / "st")
-    assert out.exit_code == 1 and "at least one multiple-choice catalog" in out.output, out.output
-    assert "Traceback" not in out.output and not (tmp_path / "runs").exists()
 
 
 # --- lm-eval's generate_until tasks ------------------------------------------------------------------

@@ -133,7 +133,7 @@ def _writable(path: Path, flag: str, *, folder: bool) -> Path:
 
 def suite(path: Path | str, flag: str = "--suite", *, bundle_ok: bool = True) -> Path:
     """A suite folder whose manifest loads and whose first row is valid, or (`bundle_ok`) a bundle file."""
-    from jex.suite import MANIFEST_NAME, MULTIPLE_CHOICE_NEEDED, iter_rows, load_manifest
+    from jex.suite import iter_all_rows, load_manifest
 
     path = Path(path)
     if bundle_ok and path.is_file():
@@ -148,10 +148,8 @@ def suite(path: Path | str, flag: str = "--suite", *, bundle_ok: bool = True) ->
         return path
     existing_dir(path, flag)
     manifest = load_manifest(path)
-    if next(iter(iter_rows(path, manifest)), None) is None:
-        generative = [c.id for c in manifest.catalogs if c.kind == "generate"]
-        raise InputError(f"{flag}: " + (MULTIPLE_CHOICE_NEEDED if generative else "the suite has no rows"),
-                         file=str(path / MANIFEST_NAME) if generative else str(path))
+    if next(iter(iter_all_rows(path, manifest)), None) is None:
+        raise InputError(f"{flag}: the suite has no rows", file=str(path))
     return path
 
 

@@ -34,7 +34,6 @@ from jex.fileio import atomic_path, canonical_json, sha256_file, write_json, wri
 from jex.provenance import provenance
 from jex.suite import (
     MANIFEST_NAME,
-    MULTIPLE_CHOICE_NEEDED,
     GenerationRow,
     SuiteManifest,
     SuiteRow,
@@ -121,11 +120,12 @@ class BuildResult:
     manifest: BundleManifest
 
 
-def _flush(buffer: list[dict[str, Any]], schema: Mapping[str, PolarsType], folder: Path, index: int) -> Path:
-    path = folder / f"shard-{index:05d}.parquet"
-    write_parquet(pl.DataFrame(buffer, schema=schema, orient="row"), path)
+def _flush(buffer: list[dict[str, Any]], schema: Mapping[str, PolarsType], folder: Path, index: int) -> int:
+    """Write `buffer` as shard `index` of `folder` (made on first use) and empty it; the next shard's index."""
+    folder.mkdir(exist_ok=True)
+    write_parquet(pl.DataFrame(buffer, schema=schema, orient="row"), folder / f"shard-{index:05d}.parquet")
     buffer.clear()
-    return path
+    return index + 1
 
 
 def _reference_rows(path: Path) -> Any:
@@ -161,17 +161,14 @@ def _check_reference(path: Path, suite_ids: dict[str, int], stage: Path, shard_r
         raise InputError("reference rows do not match the suite 1:1 on run_id; " + "; ".join(parts),
                          file=str(path), field="run_id")
     folder = stage / "reference"
-    folder.mkdir()
     buffer: list[dict[str, Any]] = []
     shards = 0
     for rid in suite_ids:  # suite order
         buffer.append(seen[rid])
         if len(buffer) == shard_rows:
-            _flush(buffer, REFERENCE_SCHEMA, folder, shards)
-            shards += 1
+            shards = _flush(buffer, REFERENCE_SCHEMA, folder, shards)
     if buffer:
-        _flush(buffer, REFERENCE_SCHEMA, folder, shards)
-        shards += 1
+        shards = _flush(buffer, REFERENCE_SCHEMA, folder, shards)
     return {"rows": len(seen), "shards": shards, "source_sha256": sha256_file(path)}
 
 
@@ -236,7 +233,7 @@ def _write_row_shards(suite_dir: Path, manifest: SuiteManifest, stage: Path, sha
             census.scored_generative[row.catalog] += row.run_id not in excluded[row.catalog]
             generative.append(_generation_record(row))
             if len(generative) == shard_rows:
-                census.generate_shards = _next_shard(generative, GENERATE_SCHEMA, stage / "generate",
+                census.generate_shards = _flush(generative, GENERATE_SCHEMA, stage / "generate",
                                                      census.generate_shards)
             continue
         census.suite_ids[row.run_id] = len(census.suite_ids)
@@ -244,22 +241,14 @@ def _write_row_shards(suite_dir: Path, manifest: SuiteManifest, stage: Path, sha
             census.options_hist[row.catalog][len(row.options)] += 1
         choices.append(_row_record(row, schema))
         if len(choices) == shard_rows:
-            census.shards = _next_shard(choices, schema, stage / "rows", census.shards)
+            census.shards = _flush(choices, schema, stage / "rows", census.shards)
     if choices:
-        census.shards = _next_shard(choices, schema, stage / "rows", census.shards)
+        census.shards = _flush(choices, schema, stage / "rows", census.shards)
     if generative:
-        census.generate_shards = _next_shard(generative, GENERATE_SCHEMA, stage / "generate", census.generate_shards)
-    if not census.suite_ids:
-        raise InputError(MULTIPLE_CHOICE_NEEDED if census.generated else "the suite has no rows",
-                         file=str(suite_dir / MANIFEST_NAME))
+        census.generate_shards = _flush(generative, GENERATE_SCHEMA, stage / "generate", census.generate_shards)
+    if not census.suite_ids and not census.generated:
+        raise InputError("the suite has no rows", file=str(suite_dir / MANIFEST_NAME))
     return census
-
-
-def _next_shard(buffer: list[dict[str, Any]], schema: Mapping[str, PolarsType], folder: Path, index: int) -> int:
-    """Flush `buffer` as shard `index` of `folder` (made on first use); the next shard's index."""
-    folder.mkdir(exist_ok=True)
-    _flush(buffer, schema, folder, index)
-    return index + 1
 
 
 def _write_fewshot(suite_dir: Path, manifest: SuiteManifest, stage: Path) -> None:
@@ -267,7 +256,6 @@ def _write_fewshot(suite_dir: Path, manifest: SuiteManifest, stage: Path) -> Non
     schema = row_schema(manifest)
     fewshot = [_row_record(r, schema) for r in iter_fewshot_rows(suite_dir, manifest)]
     if fewshot:
-        (stage / "fewshot").mkdir()
         _flush(fewshot, schema, stage / "fewshot", 0)
 
 
@@ -367,8 +355,12 @@ class Bundle:
         return sorted((self.root / "rows").glob("shard-*.parquet"))
 
     def rows(self, columns: list[str] | None = None) -> pl.DataFrame:
-        """All rows in suite order (scan of the shards, so `columns` limits what is read)."""
-        return pl.scan_parquet(self.row_shards()).select(columns or pl.all()).collect()
+        """The multiple-choice rows in suite order (scan of the shards, so `columns` limits what is read); none
+        in a suite of generative catalogs alone."""
+        shards = self.row_shards()
+        if not shards:
+            return pl.DataFrame(schema=row_schema(self.suite_manifest())).select(columns or pl.all())
+        return pl.scan_parquet(shards).select(columns or pl.all()).collect()
 
     def generation_rows(self) -> pl.DataFrame:
         """The generative catalogs' rows in suite order (GENERATE_SCHEMA; empty when the suite has none)."""

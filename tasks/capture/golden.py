@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any, cast
 
 import polars as pl
 
@@ -23,9 +24,11 @@ from jex.tasks.capture.engine_pool import get_engine
 from jex.tasks.capture.stages import (
     _as_rows,
     _bundle_rows,
+    as_generative,
     catalog_reads,
     continued_options,
     fewshot_pool,
+    generation_rows,
     readouts_frame,
 )
 from jex.tasks.documents import GenerationVerdict, GoldenRow, GoldenVerdict
@@ -48,11 +51,19 @@ def golden_readout(bundle: BundleSummary, engine: EngineSpec, store: LocalStore,
 def golden_generation(bundle: BundleSummary, engine: EngineSpec, store: LocalStore, rows: int,
                       tokens: int) -> pl.DataFrame:
     """run_id, token_ids, text: the greedy generation of the bundle's first `rows` rows' rationale prompts
-    (the reason stage's code path, `tokens` new tokens, no stop sequence, EOS ending a row early)."""
-    from jex.tasks.capture.engine_calls import reason
+    (the reason stage's code path, `tokens` new tokens, no stop sequence, EOS ending a row early); in a
+    bundle without multiple-choice rows, of its first generative rows' prompts (the generate stage's path)."""
+    from jex.tasks.capture.engine_calls import GenerationSpec, prepared_generations, reason
 
+    eng = get_engine(engine)
     chunk = _as_rows(_bundle_rows(bundle, store).head(rows))
-    out = reason(get_engine(engine), chunk, max_tokens=tokens, render=engine.render)
+    if chunk:
+        out = reason(eng, chunk, max_tokens=tokens, render=engine.render)
+    else:
+        generative = generation_rows(bundle, store).head(rows)
+        settings = {c: GenerationSpec((), tokens) for c in set(generative["catalog"].to_list())}
+        out = eng.generate(prepared_generations(eng, cast(Any, as_generative(generative)), settings=settings,
+                                                render=engine.render))
     return pl.DataFrame({"run_id": [g.run_id for g in out], "token_ids": [list(g.token_ids) for g in out],
                          "text": [g.text for g in out]},
                         schema={"run_id": pl.String, "token_ids": pl.List(pl.Int64), "text": pl.String})

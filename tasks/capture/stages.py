@@ -335,7 +335,8 @@ def _fast_pass(out: StageDir, store: LocalStore, inputs: FastPassInputs,
         return done
     shards, stats = done
     merged = out.path / "capture.parquet"
-    frame = merge_shards(shards, stats.shards, merged)
+    frame = merge_shards(shards, stats.shards, merged) if stats.shards else _written(readouts_frame([], continued),
+                                                                                      merged)
     return FastPassSummary(key=out.key, capture=str(merged), sha256=sha256_file(merged), rows=frame.height,
                            shard_rows=inputs.shard_rows, **_shard_fields(stats, shards),
                            failed_rows=failed_rows(shards, stats, frame),
@@ -436,7 +437,7 @@ def _reason(out: StageDir, store: LocalStore, inputs: ReasonInputs,
         return done
     shards, stats = done
     merged = out.path / "reasoned.parquet"
-    frame = merge_shards(shards, stats.shards, merged) if stats.shards else _empty_reason(merged)
+    frame = merge_shards(shards, stats.shards, merged) if stats.shards else _written(reason_frame([], []), merged)
     lengths = [len(t) for t in frame["token_ids"].to_list()]
     tokens = RationaleTokens(mean=sum(lengths) / len(lengths) if lengths else 0.0, max=max(lengths, default=0),
                              hit_max_tokens=frame.filter(pl.col("finish_reason") == "length").height)
@@ -456,6 +457,12 @@ def generation_rows(bundle: BundleSummary, store: LocalStore) -> pl.DataFrame:
     if opened.sha256 != bundle.sha256:
         raise RuntimeError(f"{bundle.bundle} changed since it was built")
     return opened.generation_rows()
+
+
+def as_generative(frame: pl.DataFrame) -> list[CaptureRow]:
+    """Generative rows (`generation_rows`) as the engine calls take them: run_id, prompt, catalog, question_id."""
+    return [CaptureRow(r["run_id"], r["prompt"], (), (), None, r["catalog"], r["question_id"])
+            for r in frame.iter_rows(named=True)]
 
 
 def generation_settings(bundle: BundleSummary, store: LocalStore) -> dict[str, GenerationSpec]:
@@ -490,8 +497,7 @@ def generate_error_counters(frame: pl.DataFrame) -> GenerateErrors:
 def _generate(out: StageDir, store: LocalStore, inputs: GenerateInputs,
               share: ShardShare = ALONE) -> GenerateSummary | PartialSummary:
     bundle, engine = inputs.bundle, inputs.engine
-    rows = [CaptureRow(r["run_id"], r["prompt"], (), (), None, r["catalog"], r["question_id"])
-            for r in generation_rows(bundle, store).iter_rows(named=True)]
+    rows = as_generative(generation_rows(bundle, store))
     settings = generation_settings(bundle, store)
 
     def requests(tokenizer: ChatTokenizer, batch: Sequence[CaptureRow]) -> list[GenerateRequest]:
@@ -520,9 +526,10 @@ generate_stage = CachedStage(GenerateInputs, GenerateSummary, body=_generate)
 """Every generative row of the bundle continued greedily (its catalog's stop sequences and max tokens)."""
 
 
-def _empty_reason(out: Path) -> pl.DataFrame:
+def _written(frame: pl.DataFrame, out: Path) -> pl.DataFrame:
+    """An engine stage's merged frame when it has no shards (no row to read: a suite of generative catalogs
+    alone has no multiple-choice row), written as its artifact."""
     from jex.tasks.store import write_parquet
 
-    frame = reason_frame([], [])
     write_parquet(frame, out)
     return frame

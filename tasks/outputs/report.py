@@ -58,10 +58,13 @@ def reliability_plot(calibration: CalibrationDoc, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5, 5))
     ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--")
     for rel, name in ((calibration.reliability_before, "before"), (calibration.reliability_after, "after")):
+        if rel is None:  # nothing calibrated (no multiple-choice row): the diagonal alone
+            continue
         ax.plot([b.confidence for b in rel.bins], [b.accuracy for b in rel.bins], marker="o",
                 label=f"{name} (ECE {rel.ece:.3f})")
     ax.set(xlabel="confidence (top-1 probability)", ylabel="accuracy", title="Reliability", xlim=(0, 1), ylim=(0, 1))
-    ax.legend()
+    if calibration.reliability_before is not None:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -188,11 +191,14 @@ def _score_section(policy: ScoreDoc, spec: ScoreSpec | None = None) -> list[str]
 
 
 def _calibration_section(calibration: CalibrationDoc) -> list[str]:
+    before, after = calibration.reliability_before, calibration.reliability_after
+    if before is None or after is None or calibration.nll_before is None or calibration.nll_after is None:
+        return ["## Calibration", "", "No multiple-choice row: nothing was calibrated.", ""]
     return ["## Calibration", "",
             f"Temperature scaling out-of-fold by question ({len(calibration.folds)} folds; T = "
             + ", ".join(f"{t.temperature:.3f}" for t in calibration.folds)
             + f"). NLL {calibration.nll_before:.4f} -> {calibration.nll_after:.4f}; ECE "
-            f"{calibration.reliability_before.ece:.4f} -> {calibration.reliability_after.ece:.4f}; "
+            f"{before.ece:.4f} -> {after.ece:.4f}; "
             f"choices changed: {calibration.argmax_changed} "
             f"(ties made by rounding, choice kept: {calibration.rounding_ties}).", "",
             "![reliability](reliability.png)", ""]
@@ -221,7 +227,9 @@ def generation_section(samples: pl.DataFrame, generated: GenerateSummary) -> lis
     tokens = generated.generated_tokens
     lines = ["", "## Generation", "", f"{generated.rows} rows generated greedily: {tokens.mean:.1f} tokens on average, "
              f"at most {tokens.max}; {tokens.hit_max_tokens} reached their token limit; "
-             f"{generated.context_refusals} refused (prompt too long), {generated.batch_errors} failed.", "",
+             f"{generated.context_refusals} refused (prompt too long), {generated.batch_errors} failed"
+             + (": " + ", ".join(f"{r.run_id} ({r.attempts} attempts, {r.error_type})" for r in generated.failed_rows)
+                if generated.failed_rows else "") + ".", "",
              "| catalog | filter | exact_match | matches | n |", "|---|---|---:|---:|---:|"]
     rows = samples.filter(pl.col("decided_by") == "generate", pl.col("scored"))
     for catalog in dict.fromkeys(rows["catalog"].to_list()):

@@ -281,53 +281,66 @@ def write_samples(run_dir: Path, summaries: FinishedCampaign, spec: dict[str, An
                                    maintain_order="left")
     gated = pl.read_parquet(art.gated)
     rendered = campaign_prompts(art, engine_spec, store, _as_rows(bundle_rows), set(gated["run_id"].to_list()))
+    continued = generative_prompts(art, engine_spec, store) if summaries.generate is not None else None
     ref = None
     if prompts == "sha256" and rendered.missing is None:
-        ref = str(store_prompts(store.root, art.bundle.sha256, engine_spec, rendered))
+        kept = rendered if continued is None or continued.missing else RenderedPrompts(
+            {**rendered.question, **continued.question}, rendered.reason)
+        ref = str(store_prompts(store.root, art.bundle.sha256, engine_spec, kept))
     catalogs = table.spec.catalogs
     excluded = {rid for c in catalogs for rid in c.exclusions}
     frame = build_samples(bundle_rows, capture=pl.read_parquet(art.capture), gated=gated,
                           reasoned=pl.read_parquet(art.reasoned), folded=pl.read_parquet(art.folded),
                           predictions=pl.read_parquet(art.predictions), prompts=rendered, excluded=excluded,
                           prompt_ref=ref, abstaining=frozenset(c.id for c in catalogs if "abstain" in c.secondary))
-    if summaries.generate is not None:
-        frame = pl.concat([frame, generative_samples(art, summaries.generate, store, engine_spec, excluded=excluded,
-                                                     compact=ref is not None)], how="diagonal_relaxed")
+    if summaries.generate is not None and continued is not None:
+        frame = pl.concat([frame, generative_samples(art, summaries.generate, store, continued, excluded=excluded,
+                                                     prompt_ref=ref)], how="diagonal_relaxed")
         frame = frame.select([pl.col(c).cast(t) for c, t in {**dict(frame.schema), **GENERATIVE_COLUMNS}.items()])
     out = Path(run_dir) / SAMPLES_FILE
     write_parquet(frame, out)
     return out
 
 
-def generative_samples(art: StageArtifacts, generated: GenerateSummary, store: LocalStore, engine_spec: Any, *,
-                       excluded: set[str], compact: bool) -> pl.DataFrame:
-    """The samples of the generative rows: the text continued (rendered again as the generate stage rendered
-    it), the generation and, per filter, the answer and verdict the score stage scored (`bundle_verdicts`)."""
+def generative_prompts(art: StageArtifacts, engine_spec: Any, store: LocalStore) -> RenderedPrompts:
+    """The texts the generate stage continued, by run_id, rendered again as it rendered them (`Renderer.continued`);
+    none, and why, when the model's tokenizer is not available here."""
+    from jex.tasks.capture.bundle import open_bundle
+
+    rows = open_bundle(art.bundle.bundle, store.extracted_bundle(art.bundle.key)).generation_rows()
+    try:
+        renderer = tokenizer_engine(engine_spec).renderer(engine_spec.render)
+    except Exception as e:  # noqa: BLE001 - as `campaign_prompts`: no tokenizer here, no prompt, and why
+        return RenderedPrompts({}, {}, f"the tokenizer of model {engine_spec.model or 'embedded SmolLM2'} is not "
+                                       f"available here: {type(e).__name__}")
+    return RenderedPrompts(dict(zip(rows["run_id"].to_list(), map(renderer.continued, rows["prompt"].to_list()),
+                                    strict=True)), {})
+
+
+def generative_samples(art: StageArtifacts, generated: GenerateSummary, store: LocalStore, prompts: RenderedPrompts,
+                       *, excluded: set[str], prompt_ref: str | None) -> pl.DataFrame:
+    """The samples of the generative rows: the text continued (`generative_prompts`; with `prompt_ref`, compact
+    samples, in the store's prompts file), the generation and, per filter, the answer and verdict the score
+    stage scored (`bundle_verdicts`)."""
     from jex.tasks.capture.bundle import open_bundle
     from jex.tasks.decision_stages import bundle_verdicts
 
     rows = open_bundle(art.bundle.bundle, store.extracted_bundle(art.bundle.key)).generation_rows()
     verdicts = bundle_verdicts(art.bundle, generated, store)
     tokens = pl.read_parquet(generated.generated, columns=["run_id", "token_ids"])
-    missing = None
-    try:
-        renderer = tokenizer_engine(engine_spec).renderer(engine_spec.render)
-        texts = [renderer.continued(p) for p in rows["prompt"].to_list()]
-    except Exception as e:  # noqa: BLE001 - as `campaign_prompts`: no tokenizer here, no prompt, and why
-        missing = f"the tokenizer of model {engine_spec.model or 'embedded SmolLM2'} is not available here: " \
-                  f"{type(e).__name__}"
-        texts = [None] * rows.height
-    if compact and missing is None:
-        missing = "compact samples (samples_prompts = sha256): a generative row's prompt is kept by its sha256 only"
+    ids = rows["run_id"].to_list()
+    texts = [prompts.question.get(r) for r in ids]
     frame = (rows.select("run_id", "catalog", "question_id", "metadata", reference="answer")
              .join(verdicts.select("run_id", "generation", "finish_reason", "filters", "answers", "verdicts",
                                    "exact_match", fast_refusal="refusal"), on="run_id", how="left",
                    maintain_order="left")
              .join(tokens, on="run_id", how="left", maintain_order="left"))
     return frame.with_columns(
-        pl.Series("prompt", [None if compact else t for t in texts], dtype=pl.String),
+        pl.Series("prompt", [None if prompt_ref else t for t in texts], dtype=pl.String),
         pl.Series("prompt_sha256", [sha256_text(t) for t in texts], dtype=pl.String),
-        pl.lit(missing, dtype=pl.String).alias("prompt_missing"),
+        pl.Series("prompt_ref", [f"{prompt_ref}#run_id={r}" if prompt_ref and t is not None else None
+                                 for r, t in zip(ids, texts, strict=True)], dtype=pl.String),
+        pl.lit(prompts.missing, dtype=pl.String).alias("prompt_missing"),
         pl.col("token_ids").list.len().cast(pl.Int32).alias("generation_tokens"),
         pl.lit("generate").alias("decided_by"), pl.col("exact_match").fill_null(False).alias("correct"),
         (~pl.col("run_id").is_in(list(excluded))).alias("scored"), pl.lit(False).alias("gated"),
@@ -432,8 +445,8 @@ def format_generative_sample(r: dict[str, Any], *, prompt: bool = False) -> str:
     verdict = "excluded" if not r["scored"] else ("right" if r["correct"] else "WRONG")
     lines = [f"{r['run_id']}  [{r['catalog']}, question {r['question_id']}]  generated  {verdict}  "
              f"(reference {r['reference']!r})"]
-    if r["generation"] is None:
-        lines.append("  not generated" + _why_missing(r["fast_refusal"]))
+    if r["answers"] is None:  # refused for context, or failed: no generation to extract from
+        lines.append(f"  not generated ({r['finish_reason']})" + _why_missing(r["fast_refusal"]))
     else:
         lines.append(f"  generation, {r['generation_tokens']} tokens, {r['finish_reason']}:")
         lines += [f"    | {line}" for line in r["generation"].splitlines() or [""]]

@@ -88,8 +88,13 @@ def choice_reversals(before: list[list[float]], after: list[list[float]]) -> tup
 
 
 def calibrate(frame: pl.DataFrame, *, folds: int = 5) -> tuple[pl.DataFrame, CalibrationDoc]:
-    """`frame`: run_id, question_id, gold, folded_logprobs (non-null). Adds `calibrated_logprobs`."""
+    """`frame`: run_id, question_id, gold, folded_logprobs (non-null). Adds `calibrated_logprobs`. No row (a
+    suite of generative catalogs alone): nothing is fitted, and the document says so (no NLL, no reliability)."""
     lp_list = frame["folded_logprobs"].to_list()
+    if not lp_list:
+        return frame.with_columns(pl.lit(None, dtype=pl.List(pl.Float64)).alias("calibrated_logprobs")), \
+            CalibrationDoc(folds=[], nll_before=None, nll_after=None, reliability_before=None,
+                           reliability_after=None, argmax_changed=0, rounding_ties=0)
     lp = _padded(lp_list)
     gold = frame["gold"].to_numpy()
     fold_of = question_folds(frame["question_id"].to_list(), folds)

@@ -120,6 +120,8 @@ def fold_counters(rows: pl.DataFrame, folded: pl.DataFrame, reasoned: pl.DataFra
                             baseline_acc=_mean(d["fast_ok"]), policy_acc=_mean(d["ok"]))
 
     overall = FoldOverall(**dict(counts(df)), reasoned=reasoned_ok)
+    if not spec.catalogs:  # a suite of generative catalogs alone: no choice to fold, so none changes
+        return FoldMeasures(overall=overall, catalogs={}, delta_full_ci=(0.0, 0.0), delta_legs_ci={})
     fast = df.select("run_id", choice="fast_choice")
     pol = df.select("run_id", "choice")
     base_frame, pol_frame = scored_frame(rows, fast, spec), scored_frame(rows, pol, spec)

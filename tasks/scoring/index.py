@@ -145,8 +145,10 @@ def scored_frame(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec)
         acc_norm_choice=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("acc_norm_choice")),
         true_mass=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("true_mass")),
         exact_match=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("exact_match")))
-    frame = frame.with_columns(correct=(pl.col("choice") == pl.col("gold")).fill_null(False)
-                               | pl.col("exact_match").fill_null(False),
+    generative = [c.id for c in spec.catalogs if c.generative]
+    frame = frame.with_columns(correct=pl.when(pl.col("catalog").is_in(generative))
+                               .then(pl.col("exact_match").fill_null(False))
+                               .otherwise((pl.col("choice") == pl.col("gold")).fill_null(False)),
                                correct_norm=(pl.col("acc_norm_choice") == pl.col("gold")).fill_null(False))
     return frame.with_columns(value=_row_value(spec))
 

@@ -120,7 +120,7 @@ def load_suite_table(source: str | Path) -> SuiteTable:
         with tempfile.TemporaryDirectory(prefix="jex-score-") as tmp:
             bundle = open_bundle(source, tmp)
             spec = ScoreSpec.from_manifest(bundle.suite_manifest())
-            scan = pl.scan_parquet(bundle.row_shards())
+            scan = pl.scan_parquet(bundle.row_shards()) if bundle.row_shards() else bundle.rows().lazy()
             true = pl.col("true_options") if "true_options" in scan.collect_schema() else pl.lit(None)
             rows = scan.select("run_id", "catalog", "question_id", "gold",
                                pl.col("options").list.len().cast(pl.Int32).alias("n_options"),
@@ -219,7 +219,7 @@ def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
             run_ids.append(rid)
             choices.append(None)
             probs.append(None)
-            abstain.append(_check_abstain(rec, where))
+            abstain.append(_check_abstain(rec.get("abstain"), where))
             norm.append(None)
             mass.append(None)
             verdicts.append(verdict)
@@ -229,7 +229,7 @@ def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
             raise InputError("missing choice (use null for no answer)", field="choice", **where)
         for name in ("choice", "acc_norm_choice"):
             _check_choice(rec.get(name), name, n_options[rid], where)
-        flag = _check_abstain(rec, where)
+        flag = _check_abstain(rec.get("abstain"), where)
         probs.append(_check_probs(rec.get("probs"), n_options[rid], where))
         mass.append(_check_mass(rec.get("true_mass"), where))
         verdicts.append(None)
@@ -243,8 +243,8 @@ def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
                         schema=PREDICTION_SCHEMA)
 
 
-def _check_abstain(rec: dict[str, Any], where: _Where) -> bool | None:
-    flag = rec.get("abstain")
+def _check_abstain(flag: Any, where: _Where) -> bool | None:
+    """`abstain`: true, false or null."""
     if flag is not None and not isinstance(flag, bool):
         raise InputError(f"abstain must be true, false or null, got {flag!r}", field="abstain", **where)
     return flag

@@ -78,7 +78,7 @@ def export_inspect(run_dir: str | Path, out: str | Path) -> Path:
     return path
 
 
-STAGES = ("fast_pass", "gate", "reason", "fold", "calibrate", "overlay")
+STAGES = ("fast_pass", "gate", "reason", "generate", "fold", "calibrate", "overlay")
 """The campaign's stages, as the log's plan steps."""
 
 

@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -41,7 +42,7 @@ from jex.fileio import read_json
 # argmaxes tie to the first, as numpy (and lm-eval)
 from jex.numerics import argmax, byte_normalised_choice, choice_softmax, length_normalised_choice
 from jex.run_records import RunStages
-from jex.suite import LOGLIKELIHOOD_READOUTS
+from jex.suite import LOGLIKELIHOOD_READOUTS, GenerationSettings
 from jex.tasks.documents import ScoreDoc
 from jex.tasks.outputs.interop.common import (
     ImportRecord,
@@ -496,10 +497,18 @@ def _task_config(run: RunToExport, c: _ExportCatalog) -> dict[str, Any]:
                          "jex_readout": "loglikelihood" if c.loglikelihood else "label_slot"}}
 
 
-def _generation_kwargs(catalog: Any) -> dict[str, Any]:
-    """lm-eval's generation_kwargs of a generative catalog: its stop sequences and token limit, greedy."""
-    return {"until": list(catalog.generation.until), "max_gen_toks": catalog.generation.max_tokens,
-            "do_sample": False}
+class _GenerationKwargs(TypedDict):
+    """lm-eval's generation_kwargs of a generate_until task."""
+
+    until: list[str]
+    max_gen_toks: int
+    do_sample: bool
+
+
+def _generation_kwargs(generation: GenerationSettings) -> _GenerationKwargs:
+    """A generative catalog's generation settings as lm-eval's generation_kwargs: stop sequences, token
+    limit, greedy."""
+    return {"until": list(generation.until), "max_gen_toks": generation.max_tokens, "do_sample": False}
 
 
 def _generation_config(run: RunToExport, c: _ExportCatalog) -> dict[str, Any]:
@@ -509,7 +518,7 @@ def _generation_config(run: RunToExport, c: _ExportCatalog) -> dict[str, Any]:
     return {"task": c.id, "output_type": "generate_until", "target_delimiter": c.target_delimiter,
             "fewshot_delimiter": s.get("fewshot_delimiter", "\n\n"), "description": s.get("description") or "",
             "num_fewshot": s.get("num_fewshot") or 0, "fewshot_split": s.get("fewshot_split"),
-            "generation_kwargs": _generation_kwargs(catalog),
+            "generation_kwargs": _generation_kwargs(catalog.generation),
             "filter_list": [{"name": f.name, "filter": [step.model_dump(mode="json") for step in f.steps]}
                             for f in catalog.answer_filters()],
             "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
@@ -527,15 +536,16 @@ def _generation_lines(r: dict[str, Any], index: int, catalog: _ExportCatalog) ->
     from jex.tasks.outputs.samples import resolve_prompt_ref
 
     meta = json.loads(r["metadata"]) if r["metadata"] else {}
-    doc_id = int(meta["doc_id"]) if meta.get("task") in (catalog.id, catalog.name) and "doc_id" in meta else index
+    doc_id = _doc_id(meta, index, catalog)
     prompt = r["prompt"] if r["prompt"] is not None else resolve_prompt_ref(r["prompt_ref"])[0] \
         if r["prompt_ref"] else None
     doc = {"run_id": r["run_id"], "question_id": r["question_id"], "answer": r["reference"],
            **({"metadata": meta} if meta else {})}
     names = r["filters"] or [f.name for f in catalog.generative.answer_filters()]
     answers, verdicts = r["answers"] or [None] * len(names), r["verdicts"] or [False] * len(names)
+    kwargs = _generation_kwargs(catalog.generative.generation)
     common = {"doc_id": doc_id, "doc": doc, "target": r["reference"],
-              "arguments": {"gen_args_0": {"arg_0": prompt, "arg_1": _generation_kwargs(catalog.generative)}},
+              "arguments": {"gen_args_0": {"arg_0": prompt, "arg_1": kwargs}},
               "resps": [[r["generation"] or ""]], "metrics": ["exact_match"],
               "doc_hash": hash_string(json.dumps(doc, indent=2, ensure_ascii=False)),
               "prompt_hash": hash_string(prompt or ""), "target_hash": hash_string(r["reference"])}
@@ -605,6 +615,12 @@ class LmEvalSampleLine(TypedDict):
     jex: dict[str, Any]  # task, run_id, choice, probs, decided_by, gated, rationale
 
 
+def _doc_id(meta: Mapping[str, Any], index: int, catalog: _ExportCatalog) -> int:
+    """lm-eval's doc_id of a row imported from the catalog's lm-eval task (kept in its metadata); else the
+    row's index in its catalog."""
+    return int(meta["doc_id"]) if meta.get("task") in (catalog.id, catalog.name) and "doc_id" in meta else index
+
+
 def _export_line(r: dict[str, Any], index: int, catalog: _ExportCatalog) -> LmEvalSampleLine:
     """One scored `samples.parquet` row (`index`-th of its catalog) as an lm-eval samples line."""
     from lm_eval.utils import hash_string
@@ -612,7 +628,7 @@ def _export_line(r: dict[str, Any], index: int, catalog: _ExportCatalog) -> LmEv
     from jex.tasks.outputs.samples import resolve_prompt_ref
 
     meta = json.loads(r["metadata"]) if r["metadata"] else {}
-    doc_id = int(meta["doc_id"]) if meta.get("task") in (catalog.id, catalog.name) and "doc_id" in meta else index
+    doc_id = _doc_id(meta, index, catalog)
     # every row of a prompts file has its prompt (only `reason_prompt` may be null)
     prompt: str = r["prompt"] if r["prompt"] is not None else cast(str, resolve_prompt_ref(r["prompt_ref"])[0])
     doc = {"run_id": r["run_id"], "question_id": r["question_id"], "options": r["options"], "labels": r["labels"],
