@@ -137,7 +137,8 @@ class CampaignSpec(BaseModel):
     reason_shard_rows: int | None = Field(None, ge=1, description="Rows per reason (and generate) shard; empty = "
                                                                   "from the work: "
                                                                   f"{REASON_SHARD_ROWS} on CPU, on GPUs as the "
-                                                                  "fast pass")
+                                                                  "fast pass but at least max_num_seqs rows "
+                                                                  "(an engine's share at most)")
     store: str = Field("runs/store", description="Artifact store folder")
     out: str = Field("runs", description="Folder the run folder is created in")
     machines: MachinesSpec = MachinesSpec()
@@ -192,8 +193,9 @@ class CampaignSpec(BaseModel):
 
     def reason_inputs(self, bundle: BundleSummary, gate: GateSummary, engine: EngineSpec | None = None) -> ReasonInputs:
         """The reason stage on `gate`'s rows, by the campaign's engine or another (a speculative proof's base)."""
+        shard_rows = self.shard_rows(self.reason_shard_rows, REASON_SHARD_ROWS, gate.rows, generating=True)
         return ReasonInputs(bundle=bundle, gate=gate, engine=engine or self.engine, max_tokens=self.reason_max_tokens,
-                            shard_rows=self.shard_rows(self.reason_shard_rows, REASON_SHARD_ROWS, gate.rows))
+                            shard_rows=shard_rows)
 
     def generate_inputs(self, bundle: BundleSummary) -> GenerateInputs:
         """The generate stage on the bundle's generative rows, by the audited engine (a speculative profile's
@@ -201,17 +203,18 @@ class CampaignSpec(BaseModel):
         shards sized as the reason stage's (`reason_shard_rows`)."""
         engine = self.engine if self.engine.profile == "audit" else self.engine.audited_base()
         return GenerateInputs(bundle=bundle, engine=engine, shard_rows=self.shard_rows(
-            self.reason_shard_rows, GENERATE_SHARD_ROWS, bundle.generate_rows or 0))
+            self.reason_shard_rows, GENERATE_SHARD_ROWS, bundle.generate_rows or 0, generating=True))
 
-    def shard_rows(self, given: int | None, cpu_rows: int, rows: int) -> int:
+    def shard_rows(self, given: int | None, cpu_rows: int, rows: int, *, generating: bool = False) -> int:
         """Rows per shard of an engine stage over `rows` rows: `given`, else `cpu_rows` on CPU, else sized
-        for the campaign's GPU engines (`gpu_shard_rows`). Shards merge to the same bytes whatever their
-        size, so this changes no key."""
+        for the campaign's GPU engines (`gpu_shard_rows`; a `generating` stage's shards fill vLLM's
+        scheduler). Shards merge to the same bytes whatever their size, so this changes no key."""
         if given is not None:
             return given
         if not self.engine.on_gpu():
             return cpu_rows
-        return gpu_shard_rows(rows, self.machines.workers * self.machines.slots, cpu_rows)
+        return gpu_shard_rows(rows, self.machines.workers * self.machines.slots, cpu_rows,
+                              fill=self.engine.scheduler_seqs() if generating else 0)
 
     def gpu_warnings(self) -> list[str]:
         """The settings that would leave a GPU engine idle, one line each naming the setting (the pre-flight

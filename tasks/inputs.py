@@ -51,11 +51,15 @@ enough of them that engines which start late still share the work (claims, first
 GPU_SHARD_MAX_ROWS = 4096
 
 
-def gpu_shard_rows(rows: int, engines: int, floor: int) -> int:
+def gpu_shard_rows(rows: int, engines: int, floor: int, fill: int = 0) -> int:
     """Rows per shard of a stage on GPU engines: the stage's `rows` split into GPU_SHARDS_PER_ENGINE shards
     per engine, at least `floor` (the CPU size) and at most GPU_SHARD_MAX_ROWS. vLLM's scheduler batches
-    within a shard, so a shard of CPU size (32 rows) leaves the GPU idle between calls."""
-    return max(floor, min(GPU_SHARD_MAX_ROWS, -(-rows // (max(1, engines) * GPU_SHARDS_PER_ENGINE))))
+    within a shard, so a shard of CPU size (32 rows) leaves the GPU idle between calls. A generating stage
+    passes `fill`, the scheduler's sequences: its shards hold at least that many rows (up to an engine's
+    share), since each shard decodes to its longest row and a smaller one leaves decode slots empty."""
+    engines = max(1, engines)
+    split = max(floor, min(GPU_SHARD_MAX_ROWS, -(-rows // (engines * GPU_SHARDS_PER_ENGINE))))
+    return max(split, min(fill, GPU_SHARD_MAX_ROWS, -(-rows // engines)))
 
 
 FP_MEASURED = KeyedThrough("engine", "the fingerprint measured where the shards are computed replaces this "

@@ -47,6 +47,21 @@ def test_gpu_shards_are_cut_from_the_work_and_the_engines(rows, workers, engines
     assert spec.fast_pass_inputs(bundle(rows)).shard_rows == expected
 
 
+@pytest.mark.parametrize(("rows", "workers", "max_num_seqs", "expected"), [
+    (1_300, 1, None, VLLM_MAX_NUM_SEQS),  # not 163: a shard fills the scheduler's decode slots
+    (1_300, 1, 1_024, 1_024),
+    (1_300, 4, None, 325),  # but each engine gets its share
+    (100_000, 1, None, GPU_SHARD_MAX_ROWS),  # as any stage's: a checkpoint every few seconds
+])
+def test_a_generating_stages_gpu_shards_fill_the_scheduler(rows, workers, max_num_seqs, expected):
+    engine = GPU.model_copy(update={"max_num_seqs": max_num_seqs})
+    spec = CampaignSpec(engine=engine, machines=MachinesSpec(workers=workers))
+    gate = GateSummary(key="k", sha256="12" * 32, gated="g.parquet", rows=rows)
+    generative = bundle(10).model_copy(update={"generate_rows": rows})
+    assert spec.reason_inputs(bundle(rows), gate).shard_rows == expected
+    assert spec.generate_inputs(generative).shard_rows == expected
+
+
 def test_a_shard_size_given_is_kept_on_a_gpu():
     assert CampaignSpec(engine=GPU, fast_shard_rows=16).fast_pass_inputs(bundle(10_000)).shard_rows == 16
 

@@ -179,8 +179,7 @@ def test_a_browser_starts_a_campaign_from_the_run_form(server, tmp_path):
         stores = [boxes.nth(i) for i in range(boxes.count()) if boxes.nth(i).input_value() == shared]
         stores[0].fill(str(tmp_path / "store"))  # its own store: its stages run on a machine, none come from a cache
         page.screenshot(path=str(shots / "ui-run-form.png"))
-        page.get_by_role("button", name="Submit").click()
-        run_id = _wait_for_submitted(page, "browser")  # the run the form created, with the name typed into it
+        run_id = _submit(page, "browser")  # the run the form created, with the name typed into it
         page.goto(f"{ui}/runs/flow-run/{run_id}", wait_until="networkidle")
         deadline = time.time() + 900
         while time.time() < deadline:
@@ -220,17 +219,25 @@ def _report_artifact(flow_run_id: str) -> str:
     return str(found[0].id)
 
 
-def _wait_for_submitted(page: Any, name: str, timeout_s: float = 120) -> str:
-    """The id of the campaign run named `name` once the form created it: the UI's toast said it was scheduled,
-    or the server holds the run (a busy UI may drop its toast); else fail with what the page says instead."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if page.get_by_text("scheduled to start", exact=False).count():
-            return _wait_for_run_named(name)
-        with contextlib.suppress(AssertionError):
-            return _wait_for_run_named(name, timeout=2)
+def _submit(page: Any, name: str, tries: int = 3, wait_s: float = 60) -> str:
+    """Submit the run form and return the id of the campaign run named `name` it created: the UI's toast said
+    it was scheduled, or the server holds the run. A submit that created nothing within `wait_s` (a busy
+    server's error toast) is clicked again, as a user would; after `tries`, fail with the API calls that
+    failed and what the page says."""
+    failed: list[str] = []
+    page.on("response", lambda r: failed.append(f"{r.status} {r.request.method} {r.url}") if r.status >= 400 else None)
+    page.on("requestfailed", lambda r: failed.append(f"{r.failure} {r.method} {r.url}"))
+    for _ in range(tries):
+        page.get_by_role("button", name="Submit").click()
+        deadline = time.time() + wait_s
+        while time.time() < deadline:
+            if page.get_by_text("scheduled to start", exact=False).count():
+                return _wait_for_run_named(name)
+            with contextlib.suppress(AssertionError):
+                return _wait_for_run_named(name, timeout=2)
     said = page.inner_text("body")[-2000:]
-    raise AssertionError(f"the form created no run named {name!r}; the page reads:\n{said}")
+    raise AssertionError(f"the form created no run named {name!r} in {tries} submits; failed API calls: {failed}; "
+                         f"the page reads:\n{said}")
 
 
 def _wait_for_run_named(name: str, timeout: float = 120) -> str:
