@@ -150,3 +150,17 @@ def test_what_jex_does_not_reproduce_of_a_generative_task_is_refused_in_one_line
     out = cli("suite", "import", "lm-eval", "--task", gsm_task(tmp_path / "task", **override), "-o", tmp_path / "s")
     assert out.exit_code == 1 and "task 'fid_gsm'" in out.output and field in out.output, out.output
     assert "Traceback" not in out.output and not (tmp_path / "s").exists()
+
+
+def test_a_bundle_of_generative_catalogs_alone_passes_the_preflight(tmp_path):
+    """Its manifest counts no multiple-choice row, but its generative rows are rows to run."""
+    from jex.cli.preflight import suite
+    from jex.tasks.capture.bundle import build_bundle
+
+    root = tmp_path / "suite"
+    (root / "rows").mkdir(parents=True)
+    (root / "rows" / "gen.jsonl").write_text(json.dumps(
+        {"run_id": "g1", "catalog": "gen", "question_id": "g1", "prompt": "2 + 2 =", "answer": "4"}) + "\n")
+    (root / "suite.toml").write_text("[legs]\npublic = 1.0\n" + GENERATIVE.format(extra=""))
+    bundle = build_bundle(root, tmp_path / "gen.tar.gz").path
+    assert suite(bundle) == bundle

@@ -143,7 +143,8 @@ def suite(path: Path | str, flag: str = "--suite", *, bundle_ok: bool = True) ->
         from jex.tasks.capture.bundle import bundle_manifest
 
         existing_file(path, flag)
-        if bundle_manifest(path)["rows"] < 1:
+        manifest_doc = bundle_manifest(path)
+        if manifest_doc["rows"] + manifest_doc.get("generate_rows", 0) < 1:  # multiple-choice and generative
             raise InputError(f"{flag}: the bundle has no rows", file=str(path))
         return path
     existing_dir(path, flag)
