@@ -108,23 +108,29 @@ def sshd(tmp_path_factory):
         f"Port {port}", "ListenAddress 127.0.0.1", f"HostKey {d / 'host_key'}",
         f"AuthorizedKeysFile {d}/authorized_keys", "Subsystem sftp internal-sftp",
         "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no",
-        "PermitRootLogin prohibit-password", f"PidFile {d / 'sshd.pid'}", "MaxStartups 50", "MaxSessions 50",
+        "PermitRootLogin prohibit-password", "PidFile none", "MaxStartups 50", "MaxSessions 50",
         # an SSH session starts from a fresh environment: the engines it starts get the tests' thread count here
         f"SetEnv OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}", ""]))
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)
-    subprocess.run([exe, "-f", str(d / "sshd_config"), "-E", str(d / "sshd.log")], check=True)
-    deadline = time.time() + 10
-    while time.time() < deadline:
+    # in the foreground (-D), so its PID is known at once: a daemon writes its PID file after it listens,
+    # and a loaded machine once read the file before it was there
+    server = subprocess.Popen([exe, "-D", "-f", str(d / "sshd_config"), "-E", str(d / "sshd.log")])
+    deadline = time.time() + 30
+    while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
             break
         except OSError:
+            if server.poll() is not None or time.time() > deadline:
+                server.kill()
+                log = (d / "sshd.log").read_text() if (d / "sshd.log").exists() else ""
+                pytest.fail(f"the test sshd did not listen on 127.0.0.1:{port}: {log}")
             time.sleep(0.1)
     kind, b64 = (d / "host_key.pub").read_text().split()[:2]
     (d / "known_hosts").write_text(f"[127.0.0.1]:{port} {kind} {b64}\n")
-    pid = int((d / "sshd.pid").read_text())
-    yield {"port": port, "key_path": d / "user_key", "known_hosts": d / "known_hosts", "pid": pid, "dir": d}
-    os.kill(pid, signal.SIGTERM)
+    yield {"port": port, "key_path": d / "user_key", "known_hosts": d / "known_hosts", "pid": server.pid, "dir": d}
+    server.send_signal(signal.SIGTERM)
+    server.wait(timeout=10)
 
 
 @pytest.fixture()
