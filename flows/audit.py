@@ -28,6 +28,11 @@ from jex.tasks.campaign_spec import AuditMode
 
 AUDIT_FILE = "audit.json"
 """Beside a stored bake-off's outputs: its `SettingsAudit`, written last (the folder's completion)."""
+AUDIT_REFERENCE_PROMPTS = 8
+"""Prompts the bake-off's batch-1 rung reads (one request at a time, most of its cost when it read all 64):
+8 spread over their lengths, the longest among them. Where batch variance shows, it shows in most long
+prompts within tokens (control arm at batch 32 on the H200: 3,523 of 8,192 tokens differ, first at step 1,
+median step 19), and the other rungs still read every prompt against the smallest rung above batch 1."""
 
 
 class SettingsAudit(Record):
@@ -83,7 +88,8 @@ def audit_width(engine: EngineSpec) -> int:
 def audit_key(*, arm: str, gpus: list[str], stack_lock: str, weights_sha256: str, prompts: int, tokens: int) -> str:
     """What a bake-off's verdict depends on; the ladder is not in it (a wider one covers a narrower)."""
     return sha256_json({"arm": arm, "gpus": gpus, "stack_sha256": sha256_bytes(stack_lock.encode()),
-                        "weights_sha256": weights_sha256, "prompts": prompts, "tokens": tokens})[:32]
+                        "weights_sha256": weights_sha256, "prompts": prompts, "tokens": tokens,
+                        "reference_prompts": AUDIT_REFERENCE_PROMPTS})[:32]
 
 
 def audit_folder(store_root: Path, key: str) -> Path:
@@ -128,7 +134,8 @@ def audit_settings(engine: EngineSpec, *, store_root: Path, gpus: list[str], sta
         ladder = audit_ladder(width)
         folder = audit_folder(store_root, key)
         job = BakeoffJob(arms=[control, arm], model=engine.model, prompts=prompts, tokens=tokens, ladder=ladder,
-                         repeats=2, max_num_seqs=max(ladder), device=engine.device)
+                         repeats=2, reference_prompts=AUDIT_REFERENCE_PROMPTS, max_num_seqs=max(ladder),
+                         device=engine.device)
         run_bakeoff(job, folder)
         audit = judge(folder / "bakeoff.json", key=key, arm=arm, control=control, gpus=gpus, stack_lock=stack_lock,
                       ladder=ladder)

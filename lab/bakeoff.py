@@ -3,6 +3,9 @@
 Each arm (an engine under one profile) generates G tokens for N divergence-prone prompts at every
 rung of a batch ladder, with repeats. Tokens are compared with the arm's own batch-1 run: the count
 of positions that differ, the first divergence (prompt, step), and run-to-run identity per rung.
+Batch 1 is the dearest rung (one request at a time): it may read a sample of the prompts
+(`reference_prompts`), and a prompt it did not read is compared with the smallest rung above it.
+A control arm runs each rung once: the verdict reads only whether it diverged.
 Arms run in separate processes (`python -m jex.lab.bakeoff ARM OUT JOB`, JOB the `BakeoffJob` as JSON):
 batch invariance is process-wide in vLLM, so a control arm and an invariant arm must not share one. If
 the control arm shows no divergence, the verdict says the test was underpowered instead of claiming
@@ -35,7 +38,8 @@ FACTS = ["The reading at {n} was {m} units.", "Step {n} took {m} seconds longer 
 class LadderRung(TypedDict):
     """One batch size of an arm's ladder, as generated: token ids per repeat and per prompt."""
 
-    runs: list[list[list[int]]]  # (repeat, prompt, step)
+    prompts: list[int]  # the prompts it read, by index
+    runs: list[list[list[int]]]  # (repeat, prompt read, step)
     seconds: list[float]  # per repeat
     tok_s: float  # tokens / fastest repeat
     tokens: int
@@ -47,8 +51,9 @@ class FirstDivergence(TypedDict):
 
 
 class RungComparison(TypedDict):
-    """One rung against the arm's batch-1 run (repeat 0): `arm-*.json` and, less token_ids, bakeoff.json."""
+    """One rung against the arm's reference (`compare`): `arm-*.json` and, less token_ids, bakeoff.json."""
 
+    prompts: list[int]
     mismatches: int
     divergent_prompts: int
     first_divergence: FirstDivergence | None
@@ -96,6 +101,7 @@ class BakeoffResult(TypedDict):
     tokens: int
     ladder: list[int]
     repeats: int
+    reference_prompts: int  # how many prompts batch 1 read
     arms: dict[str, ArmResult]
     tax: dict[str, float]  # by batch: control tok/s / invariant tok/s
     speculation: dict[str, Speculation]
@@ -116,42 +122,59 @@ def divergence_prompts(n: int = 32, seed: int = 0) -> list[str]:
     return out
 
 
-def run_ladder(engine: Any, prompts: list[str], *, ladder: list[int], repeats: int,
-               tokens: int) -> dict[str, LadderRung]:
-    """Generate at every rung; returns token ids per repeat and throughput per rung."""
+def reference_sample(n: int, k: int | None) -> list[int]:
+    """The prompts batch 1 reads: all `n`, or `k` of them spread evenly over their indices (the prompts
+    grow longer with their index, and the longest diverge first), the last among them."""
+    if k is None or k >= n:
+        return list(range(n))
+    return sorted({n - 1 - (i * n) // k for i in range(k)})
+
+
+def run_ladder(engine: Any, prompts: list[str], *, ladder: list[int], repeats: int, tokens: int,
+               reference: list[int] | None = None) -> dict[str, LadderRung]:
+    """Generate at every rung (batch 1 on the `reference` prompts only, if given); returns token ids per
+    repeat and throughput per rung."""
     requests = [GenerateRequest(f"p{i:03d}", engine.chat_prompt(p), tokens, ignore_eos=True)
                 for i, p in enumerate(prompts)]
     engine.generate(requests[:1])  # warm-up outside the timings
     rungs: dict[str, LadderRung] = {}
     for batch in ladder:
         engine.batch_size = batch
+        read = reference if batch == 1 and reference is not None else list(range(len(requests)))
         runs: list[list[list[int]]] = []
         seconds: list[float] = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            gens = engine.generate(requests)
+            gens = engine.generate([requests[i] for i in read])
             seconds.append(time.perf_counter() - t0)
             runs.append([list(g.token_ids) for g in gens])
         n_tok = sum(len(t) for t in runs[0])
-        rungs[str(batch)] = {"runs": runs, "seconds": seconds, "tok_s": n_tok / min(seconds), "tokens": n_tok}
+        rungs[str(batch)] = {"prompts": read, "runs": runs, "seconds": seconds, "tok_s": n_tok / min(seconds),
+                             "tokens": n_tok}
     return rungs
 
 
 def compare(rungs: dict[str, LadderRung]) -> dict[str, RungComparison]:
-    """Mismatches of every rung and repeat against batch 1, repeat 0."""
-    ref = rungs["1"]["runs"][0]
+    """Mismatches of every rung against its reference, and run-to-run identity of its repeats. A prompt's
+    reference is its batch-1 run (repeat 0), else its run at the smallest rung above batch 1 that read it."""
+    ref: dict[int, list[int]] = {}
+    for batch in sorted(rungs, key=int):
+        for p, tokens in zip(rungs[batch]["prompts"], rungs[batch]["runs"][0], strict=True):
+            ref.setdefault(p, tokens)
     out: dict[str, RungComparison] = {}
     for batch, rung in rungs.items():
         mismatches, divergent = 0, 0
         first: FirstDivergence | None = None
-        for p, (a, b) in enumerate(zip(ref, rung["runs"][0], strict=True)):
+        for p, b in zip(rung["prompts"], rung["runs"][0], strict=True):
+            a = ref[p]
             diff = [s for s in range(max(len(a), len(b))) if s >= len(a) or s >= len(b) or a[s] != b[s]]
             mismatches += len(diff)
             if diff:
                 divergent += 1
                 if first is None or diff[0] < first["step"]:
                     first = {"prompt": p, "step": diff[0]}
-        out[batch] = {"mismatches": mismatches, "divergent_prompts": divergent, "first_divergence": first,
+        out[batch] = {"prompts": rung["prompts"], "mismatches": mismatches, "divergent_prompts": divergent,
+                      "first_divergence": first,
                       "run_to_run_identical": all(r == rung["runs"][0] for r in rung["runs"]),
                       "tok_s": rung["tok_s"], "tokens": rung["tokens"], "seconds": rung["seconds"],
                       "token_ids": rung["runs"][0]}
@@ -178,8 +201,9 @@ def verdict(arms: dict[str, ArmResult], invariant_arms: list[str], control_arms:
 
 def markdown(result: BakeoffResult) -> str:
     lines = [f"# Bake-off ({result['engine']})", "", f"**{result['verdict']}**", "",
-             f"{result['prompts']} prompts x {result['tokens']} tokens, ladder {result['ladder']}, "
-             f"{result['repeats']} repeats.", "",
+             f"{result['prompts']} prompts x {result['tokens']} tokens, ladder {result['ladder']} (batch 1 on "
+             f"{result['reference_prompts']} of the prompts, the others compared with the next rung), "
+             f"{result['repeats']} runs of each rung of an invariant arm, 1 of a control arm.", "",
              "| arm | batch | mismatches | divergent prompts | first divergence (prompt, step) | run-to-run | tok/s |",
              "|---|---:|---:|---:|---|---|---:|"]
     for arm, data in result["arms"].items():
@@ -187,7 +211,7 @@ def markdown(result: BakeoffResult) -> str:
             fd = r["first_divergence"]
             lines.append(f"| {arm} | {batch} | {r['mismatches']} | {r['divergent_prompts']} | "
                          f"{'-' if fd is None else (fd['prompt'], fd['step'])} | "
-                         f"{'identical' if r['run_to_run_identical'] else 'DIFFERS'} | {r['tok_s']:.1f} |")
+                         f"{_run_to_run(r)} | {r['tok_s']:.1f} |")
     if result.get("tax"):
         lines += ["", "| batch | BI tax (control tok/s / invariant tok/s) |", "|---:|---:|"]
         lines += [f"| {b} | {t:.2f}x |" for b, t in result["tax"].items()]
@@ -199,6 +223,12 @@ def markdown(result: BakeoffResult) -> str:
                   f"{r['tok_s']:.1f} | {r['base_tok_s']:.1f} | {r['speedup']:.2f}x"
                   f"{' (slower)' if r['speedup'] < 1 else ''} |" for b, r in sp["rungs"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _run_to_run(rung: RungComparison) -> str:
+    if len(rung["seconds"]) == 1:
+        return "1 run"
+    return "identical" if rung["run_to_run_identical"] else "DIFFERS"
 
 
 def plot(result: BakeoffResult, path: Path) -> None:
@@ -280,7 +310,8 @@ def _arm_main(arm: str, target: str, job_json: str) -> None:
     job = BakeoffJob.model_validate_json(job_json)
     engine = arm_engine(arm, job)
     prompts = divergence_prompts(job.prompts)
-    rungs = run_ladder(engine, prompts, ladder=job.ladder, repeats=job.repeats, tokens=job.tokens)
+    rungs = run_ladder(engine, prompts, ladder=job.ladder, repeats=job.repeats if arm in INVARIANT_ARMS else 1,
+                       tokens=job.tokens, reference=reference_sample(job.prompts, job.reference_prompts))
     out: ArmResult = {"arm": arm, "rungs": compare(rungs), "provenance": engine.provenance(),
                       "prompt_tokens": [len(engine.encode(engine.chat_prompt(p))) for p in prompts]}
     Path(target).write_text(json.dumps(out, default=str))
@@ -299,7 +330,8 @@ def run_bakeoff(job: BakeoffJob, out_dir: Path) -> BakeoffResult:
         tax = {b: ok[ctl[0]]["rungs"][b]["tok_s"] / ok[inv[0]]["rungs"][b]["tok_s"] for b in ok[inv[0]]["rungs"]}
     result: BakeoffResult = {
         "engine": ARMS[arms[0]][0], "prompts": job.prompts, "tokens": job.tokens, "ladder": job.ladder,
-        "repeats": job.repeats, "arms": results, "tax": tax, "speculation": speculation(ok),
+        "repeats": job.repeats, "reference_prompts": len(reference_sample(job.prompts, job.reference_prompts)),
+        "arms": results, "tax": tax, "speculation": speculation(ok),
         "errors": {a: r["error"] for a, r in results.items() if "error" in r},
         "verdict": verdict(ok, inv, ctl) if ok else "NO RESULT: every arm failed"}
     slim = {**result, "arms": {a: {**r, "rungs": {b: {k: v for k, v in x.items() if k != "token_ids"}

@@ -68,7 +68,12 @@ class BakeoffJob(Record):
     tokens: int = Field(256, ge=1, description="Tokens generated per prompt")
     ladder: list[Annotated[int, Field(ge=1)]] = Field([1, 8, 16, 32], min_length=1, description="Batch sizes, "
                                                       "1 (the reference) among them")
-    repeats: int = Field(2, ge=1, description="Runs per batch size (run-to-run identity)")
+    repeats: int = Field(2, ge=1, description="Runs per batch size of an invariant arm (run-to-run identity); a "
+                                              "control arm runs each once: only its divergence is read")
+    reference_prompts: int | None = Field(None, ge=1, description="Prompts batch 1 (the reference, one request at "
+                                                                  "a time) generates: a sample spread over the "
+                                                                  "prompts' lengths, the longest among them "
+                                                                  "(empty: all); other rungs read every prompt")
     max_num_seqs: int = Field(32, ge=1, description="vLLM: sequences per scheduler step")
     device: str = Field("cpu", description="cpu, cuda, ...")
 

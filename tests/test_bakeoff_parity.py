@@ -8,21 +8,40 @@ import math
 import pytest
 
 from jex.engine.types import Readout, ReadoutMode
-from jex.lab.bakeoff import compare, divergence_prompts, run_bakeoff, verdict
+from jex.lab.bakeoff import compare, divergence_prompts, reference_sample, run_bakeoff, verdict
 from jex.lab.jobs import BakeoffJob
 from jex.lab.parity import compare_readouts
 
 
 def test_compare_counts_mismatches_and_first_divergence():
-    rungs = {"1": {"runs": [[[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 6]]], "tok_s": 10.0, "tokens": 6,
-                   "seconds": [1, 1]},
-             "8": {"runs": [[[1, 2, 9], [4, 7, 7]], [[1, 2, 9], [4, 7, 8]]], "tok_s": 30.0, "tokens": 6,
-                   "seconds": [1, 1]}}
+    rungs = {"1": {"prompts": [0, 1], "runs": [[[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 6]]], "tok_s": 10.0,
+                   "tokens": 6, "seconds": [1, 1]},
+             "8": {"prompts": [0, 1], "runs": [[[1, 2, 9], [4, 7, 7]], [[1, 2, 9], [4, 7, 8]]], "tok_s": 30.0,
+                   "tokens": 6, "seconds": [1, 1]}}
     got = compare(rungs)
     assert got["1"]["mismatches"] == 0 and got["1"]["run_to_run_identical"]
     assert got["8"]["mismatches"] == 3 and got["8"]["divergent_prompts"] == 2
     assert got["8"]["first_divergence"] == {"prompt": 1, "step": 1}
     assert not got["8"]["run_to_run_identical"]
+
+
+def test_a_prompt_batch_1_did_not_read_is_compared_with_the_smallest_rung_above_it():
+    """Batch 1 read prompt 1 only: prompt 1 differing at batch 8 is a mismatch there; prompt 0, read first at
+    batch 8, is the reference of batch 16, where it differs."""
+    rungs = {"1": {"prompts": [1], "runs": [[[4, 5, 6]]], "tok_s": 1.0, "tokens": 3, "seconds": [1]},
+             "8": {"prompts": [0, 1], "runs": [[[1, 2, 3], [4, 5, 0]]], "tok_s": 1.0, "tokens": 6, "seconds": [1]},
+             "16": {"prompts": [0, 1], "runs": [[[1, 0, 3], [4, 5, 0]]], "tok_s": 1.0, "tokens": 6,
+                    "seconds": [1]}}
+    got = compare(rungs)
+    assert got["1"]["mismatches"] == 0
+    assert (got["8"]["mismatches"], got["8"]["first_divergence"]) == (1, {"prompt": 1, "step": 2})
+    assert (got["16"]["mismatches"], got["16"]["divergent_prompts"]) == (2, 2)
+    assert got["16"]["first_divergence"] == {"prompt": 0, "step": 1}
+
+
+def test_batch_1_reads_a_sample_spread_over_the_prompts_the_longest_among_them():
+    assert reference_sample(64, 8) == [7, 15, 23, 31, 39, 47, 55, 63]
+    assert reference_sample(5, 2) == [2, 4] and reference_sample(3, 8) == reference_sample(3, None) == [0, 1, 2]
 
 
 def test_quiet_control_arm_means_underpowered():
@@ -59,11 +78,17 @@ def test_readout_parity_metrics_by_hand():
 
 @pytest.mark.slow
 def test_cpu_bakeoff_twin_runs_each_arm_in_its_own_process(tmp_path):
-    res = run_bakeoff(BakeoffJob(arms=["hf-control", "hf-bi"], prompts=3, tokens=6, ladder=[1, 3], repeats=2),
-                      tmp_path)
+    res = run_bakeoff(BakeoffJob(arms=["hf-control", "hf-bi"], prompts=3, tokens=6, ladder=[1, 3], repeats=2,
+                                 reference_prompts=1), tmp_path)
     assert res["errors"] == {}
     bi = res["arms"]["hf-bi"]["rungs"]
     assert all(r["mismatches"] == 0 and r["run_to_run_identical"] for r in bi.values())
+    assert (bi["1"]["prompts"], bi["3"]["prompts"]) == ([2], [0, 1, 2]) and len(bi["1"]["token_ids"]) == 1
+    control = res["arms"]["hf-control"]["rungs"]
+    assert [len(r["seconds"]) for r in bi.values()] == [2, 2] and [len(r["seconds"]) for r in control.values()] == \
+        [1, 1]  # a control arm's run-to-run identity decides nothing: one run of each rung
+    assert "| hf-control | 3 |" in (tmp_path / "bakeoff.md").read_text() and "1 run |" in \
+        (tmp_path / "bakeoff.md").read_text()
     assert {"mismatches", "first_divergence", "tok_s"} <= set(bi["3"])
     assert res["verdict"].split(":")[0] in ("UNDERPOWERED", "INVARIANT")
     assert json.loads((tmp_path / "bakeoff.json").read_text())["ladder"] == [1, 3]

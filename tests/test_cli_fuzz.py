@@ -83,7 +83,7 @@ COMMANDS = {
                    __batch_size=BAD_COUNTS, __reference=BAD_FILES, __out=BAD_OUTS),
     "bakeoff": _cmd("bakeoff", "-o", "{o}", settings=False, __arms=["nope", "hf-bi,zzz", ","],
                     __ladder=["1,x", "0", "", "1,,-2"], __prompts=BAD_COUNTS, __tokens=BAD_COUNTS,
-                    __repeats=BAD_COUNTS, __model=BAD_MODELS, __out=BAD_OUTS),
+                    __repeats=BAD_COUNTS, __reference_prompts=BAD_COUNTS, __model=BAD_MODELS, __out=BAD_OUTS),
     "score": _cmd("score", "--suite", "{w}/suite", "--predictions", "{w}/preds.jsonl", "-o", "{o}",
                   __bootstrap=BAD_COUNTS, __seed=BAD_SEEDS, __suite=BAD_DIRS, __predictions=BAD_FILES,
                   __out=BAD_OUTS),

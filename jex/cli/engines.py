@@ -26,6 +26,8 @@ def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for ba
             ladder: Annotated[str, field_option(BakeoffJob, "ladder", more="; comma-separated")]
             = ",".join(map(str, field_default(BakeoffJob, "ladder"))),
             repeats: Annotated[int, field_option(BakeoffJob, "repeats")] = field_default(BakeoffJob, "repeats"),
+            reference_prompts: Annotated[int | None, field_option(BakeoffJob, "reference_prompts")]
+            = field_default(BakeoffJob, "reference_prompts"),
             max_num_seqs: Annotated[int, field_option(BakeoffJob, "max_num_seqs")]
             = field_default(BakeoffJob, "max_num_seqs"),
             device: Annotated[str, field_option(BakeoffJob, "device")] = field_default(BakeoffJob, "device"),
@@ -39,6 +41,7 @@ def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for ba
                              f"{', '.join(ARMS)}")
         job = record_from_flags(BakeoffJob, arms=chosen, model=model, prompts=prompts, tokens=tokens,
                                 ladder=preflight.int_list(ladder, "--ladder"), repeats=repeats,
+                                reference_prompts=reference_prompts,
                                 max_num_seqs=max_num_seqs, device=device)
         preflight.model(model)
         preflight.writable_dir(out, "--out")
