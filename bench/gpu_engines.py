@@ -22,6 +22,7 @@ def bakeoff(args: argparse.Namespace) -> None:
 
     job = BakeoffJob(arms=args.arms.split(","), model=args.model, prompts=args.prompts, tokens=args.tokens,
                      ladder=[int(x) for x in args.ladder.split(",")], repeats=args.repeats,
+                     reference_prompts=args.reference_prompts,
                      max_num_seqs=args.max_num_seqs, device=args.device)
     res = run_bakeoff(job, Path(args.out))
     print(res["verdict"])
@@ -63,6 +64,7 @@ def main() -> None:
     b.add_argument("--tokens", type=int, default=256)
     b.add_argument("--ladder", default="1,8,16,32")
     b.add_argument("--repeats", type=int, default=2)
+    b.add_argument("--reference-prompts", type=int, default=None, help="prompts batch 1 reads (default: all)")
     b.add_argument("--max-num-seqs", type=int, default=32)
     b.add_argument("--device", default="cuda")
     b.add_argument("--out", required=True)

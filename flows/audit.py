@@ -7,7 +7,8 @@ keyed by the machine's GPU models, the sha256 of the stack lock it installed, th
 the bake-off's size (`audit_key`). One that passed and whose batch ladder reaches the campaign's
 scheduler width covers the campaign; none does, and the fleet runs the bake-off once on its first
 machine (a lab job: its machine time is in the campaign's cost ledger) and stores it. A bake-off whose
-invariant arm differs from batch 1 at any rung, or run to run, refuses the campaign in one line.
+invariant arm differs from its reference at any rung (batch 1, on the prompts it read: `AUDIT_REFERENCE_PROMPTS`),
+or run to run, refuses the campaign in one line.
 `machines.audit`: "auto" audits vLLM engines, "always" any engine (the HF engine's arms: the CPU twin of
 the same path), "off" none (the campaign's machines.json says so).
 """
@@ -29,10 +30,11 @@ from jex.tasks.campaign_spec import AuditMode
 AUDIT_FILE = "audit.json"
 """Beside a stored bake-off's outputs: its `SettingsAudit`, written last (the folder's completion)."""
 AUDIT_REFERENCE_PROMPTS = 8
-"""Prompts the bake-off's batch-1 rung reads (one request at a time, most of its cost when it read all 64):
-8 spread over their lengths, the longest among them. Where batch variance shows, it shows in most long
-prompts within tokens (control arm at batch 32 on the H200: 3,523 of 8,192 tokens differ, first at step 1,
-median step 19), and the other rungs still read every prompt against the smallest rung above batch 1."""
+"""Prompts the bake-off's batch-1 rung reads (one request at a time: most of its cost when it read all 64),
+8 at evenly spaced ranks of length, the longest among them (`reference_sample`). The weaker part: batch 1
+against the next rung is checked on these 8 only. Where batch variance shows, it shows in most long prompts
+within few tokens (control arm at batch 32 on the H200: 3,523 of 8,192 tokens differ, first at step 1,
+median step 19), and every rung above batch 1 still reads all prompts against the smallest of them."""
 
 
 class SettingsAudit(Record):
@@ -43,8 +45,9 @@ class SettingsAudit(Record):
     control: str = Field(description="The arm beside it that shows the test could see divergence")
     gpus: list[str] = Field(description="GPU models of the machine it ran on ([] on a CPU machine)")
     stack_sha256: str = Field(description="sha256 of the stack lock the machine installed")
-    ladder: list[int] = Field(description="Batch sizes compared with batch 1")
-    passed: bool = Field(description="The audited arm: 0 tokens differing from batch 1 at every rung, run to run")
+    ladder: list[int] = Field(description="Batch sizes of the bake-off, batch 1 (the reference) among them")
+    passed: bool = Field(description="The audited arm: 0 tokens differing from its reference (batch 1, where it "
+                                     "read the prompt) at every rung, run to run")
     powered: bool = Field(description="The control arm diverged somewhere (else the test could not have seen it)")
     verdict: str = Field(description="The bake-off's own one-line verdict")
     folder: str = Field(description="Where bakeoff.json, bakeoff.md and each arm's tokens are")
@@ -87,9 +90,11 @@ def audit_width(engine: EngineSpec) -> int:
 
 def audit_key(*, arm: str, gpus: list[str], stack_lock: str, weights_sha256: str, prompts: int, tokens: int) -> str:
     """What a bake-off's verdict depends on; the ladder is not in it (a wider one covers a narrower)."""
+    from jex.lab.jobs import REFERENCE_RULE
+
     return sha256_json({"arm": arm, "gpus": gpus, "stack_sha256": sha256_bytes(stack_lock.encode()),
                         "weights_sha256": weights_sha256, "prompts": prompts, "tokens": tokens,
-                        "reference_prompts": AUDIT_REFERENCE_PROMPTS})[:32]
+                        "reference_prompts": AUDIT_REFERENCE_PROMPTS, "reference_rule": REFERENCE_RULE})[:32]
 
 
 def audit_folder(store_root: Path, key: str) -> Path:
@@ -104,7 +109,8 @@ def stored_audit(store_root: Path, key: str) -> SettingsAudit | None:
 def judge(bakeoff_json: Path, *, key: str, arm: str, control: str, gpus: list[str], stack_lock: str,
           ladder: list[int]) -> SettingsAudit:
     """The audit of a finished bake-off (`bakeoff.json`): passed when the audited arm ran and showed no
-    token differing from batch 1 at any rung and was identical run to run."""
+    token differing from its reference (batch 1 where it read the prompt) at any rung and was identical run to
+    run."""
     doc = read_json(bakeoff_json)
     arms = doc.get("arms", {})
     rungs = arms.get(arm, {}).get("rungs", {})

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, JsonValue
+from pydantic import Field, JsonValue, field_validator
 
 from jex.engine_spec import EngineSpec
 from jex.fileio import read_json, write_json, write_text
@@ -56,6 +56,11 @@ class ParityJob(Record):
     batch_size: int = Field(8, ge=1, description="Requests per engine call")
 
 
+REFERENCE_RULE = "evenly spaced ranks of prompt length, the longest first"
+"""How batch 1's prompts are picked (`lab/bakeoff.py` `reference_sample`; in the audit's key: a new rule is a
+new bake-off)."""
+
+
 class BakeoffJob(Record):
     """`jex bakeoff` (lab/bakeoff.py): each arm in its own process. The one declaration of the bake-off's
     parameters: the flow's form, the command's flags and each arm's process read it."""
@@ -73,9 +78,16 @@ class BakeoffJob(Record):
     reference_prompts: int | None = Field(None, ge=1, description="Prompts batch 1 (the reference, one request at "
                                                                   "a time) generates: a sample spread over the "
                                                                   "prompts' lengths, the longest among them "
-                                                                  "(empty: all); other rungs read every prompt")
+                                                                  "(default: all); other rungs read every prompt")
     max_num_seqs: int = Field(32, ge=1, description="vLLM: sequences per scheduler step")
     device: str = Field("cpu", description="cpu, cuda, ...")
+
+    @field_validator("ladder")
+    @classmethod
+    def _reference_rung(cls, ladder: list[int]) -> list[int]:
+        if 1 not in ladder:
+            raise ValueError("batch 1, the reference, must be among the batch sizes")
+        return ladder
 
 
 LabSpec = Annotated[ProbeJob | ParityJob | BakeoffJob, Field(discriminator="kind")]

@@ -39,9 +39,13 @@ def test_a_prompt_batch_1_did_not_read_is_compared_with_the_smallest_rung_above_
     assert got["16"]["first_divergence"] == {"prompt": 0, "step": 1}
 
 
-def test_batch_1_reads_a_sample_spread_over_the_prompts_the_longest_among_them():
-    assert reference_sample(64, 8) == [7, 15, 23, 31, 39, 47, 55, 63]
-    assert reference_sample(5, 2) == [2, 4] and reference_sample(3, 8) == reference_sample(3, None) == [0, 1, 2]
+def test_batch_1_reads_a_sample_spread_over_the_prompts_lengths_the_longest_among_them():
+    prompts = divergence_prompts(64)  # their lengths do not grow with their index all the way
+    picked = reference_sample(prompts, 8)
+    ranks = sorted(sorted(range(64), key=lambda i: (len(prompts[i]), i)).index(i) for i in picked)
+    assert len(picked) == 8 and ranks == [7, 15, 23, 31, 39, 47, 55, 63]
+    assert max(len(prompts[i]) for i in picked) == max(map(len, prompts))  # the longest among them
+    assert reference_sample(prompts[:3], 8) == reference_sample(prompts[:3], None) == [0, 1, 2]
 
 
 def test_quiet_control_arm_means_underpowered():
@@ -83,7 +87,8 @@ def test_cpu_bakeoff_twin_runs_each_arm_in_its_own_process(tmp_path):
     assert res["errors"] == {}
     bi = res["arms"]["hf-bi"]["rungs"]
     assert all(r["mismatches"] == 0 and r["run_to_run_identical"] for r in bi.values())
-    assert (bi["1"]["prompts"], bi["3"]["prompts"]) == ([2], [0, 1, 2]) and len(bi["1"]["token_ids"]) == 1
+    assert (bi["1"]["prompts"], bi["3"]["prompts"]) == (reference_sample(divergence_prompts(3), 1), [0, 1, 2])
+    assert len(bi["1"]["token_ids"]) == 1
     control = res["arms"]["hf-control"]["rungs"]
     assert [len(r["seconds"]) for r in bi.values()] == [2, 2] and [len(r["seconds"]) for r in control.values()] == \
         [1, 1]  # a control arm's run-to-run identity decides nothing: one run of each rung

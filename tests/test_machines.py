@@ -491,7 +491,7 @@ def test_a_campaign_runs_only_with_settings_a_stored_passing_bake_off_covers(tmp
     assert second.audit is not None and second.audit.reused and second.audit.key == audit.key
     assert not any(j.job.startswith("lab") for j in second.sessions[0].outcomes)  # no bake-off ran again
     failed = SettingsAudit.model_validate({**audit.model_dump(), "passed": False,
-                                           "verdict": "NOT INVARIANT: hf-bi differ from batch 1 or run to run"})
+                                           "verdict": "NOT INVARIANT: hf-bi differ from their reference run"})
     (Path(audit.folder) / "audit.json").write_text(failed.model_dump_json())
     for f in (tmp_path / "store" / "fast_pass").rglob("shard-*.parquet"):
         f.unlink()
