@@ -30,7 +30,7 @@ from jex.engine.hf import HFEngine
 from jex.engine_spec import RenderSpec
 from jex.sample_suite import write_sample_suite
 from jex.suite import iter_rows
-from jex.tasks.capture.engine_calls import _reason_requests, fast_pass, question_prompts
+from jex.tasks.capture.engine_calls import fast_pass, question_prompts, reason_requests
 
 
 def plain_forward(engine: HFEngine, prompts: list[str], batch: int = 8) -> None:
@@ -95,7 +95,7 @@ def main() -> None:
     batched.batch_size = 8
     batched_all = HFEngine(batch_invariant=False, batch_size=len(gen_rows))  # every rationale in one batch
     prompts = [r.prompt for r in question_prompts(inv, read_rows, RenderSpec(), None, None)]
-    reqs = _reason_requests(inv, gen_rows, args.gen_tokens, RenderSpec(), ())
+    reqs = reason_requests(inv, gen_rows, args.gen_tokens, RenderSpec(), ())
     arms = {
         "readout_jex_invariant": lambda: fast_pass(inv, read_rows),
         "readout_jex_invariant_unshared_prefix": lambda: unshared(inv, read_rows),

@@ -19,8 +19,8 @@ from pathlib import Path
 from jex.engine_spec import EngineSpec  # noqa: E402
 from jex.sample_suite import write_sample_suite  # noqa: E402
 from jex.tasks.capture.stages import bundle_stage  # noqa: E402
-from jex.tasks.capture.workers import run_workers  # noqa: E402
 from jex.tasks.decision_stages import gate_stage  # noqa: E402
+from jex.tasks.execution.workers import run_workers  # noqa: E402
 from jex.tasks.inputs import EngineJob, FastPassInputs, ReasonInputs  # noqa: E402
 from jex.tasks.store import LocalStore  # noqa: E402
 

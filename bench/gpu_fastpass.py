@@ -71,9 +71,9 @@ def child(args: argparse.Namespace) -> None:
     from jex.engine_spec import EngineSpec
     from jex.fileio import sha256_file
     from jex.tasks.capture.engine_calls import question_prompts
-    from jex.tasks.capture.engine_pool import get_engine
     from jex.tasks.capture.stages import bundle_stage, fast_pass_stage, reason_stage
     from jex.tasks.decision_stages import gate_stage
+    from jex.tasks.execution.engine_pool import get_engine
     from jex.tasks.store import LocalStore
 
     cfg = CONFIGS[args.config]
@@ -106,9 +106,10 @@ def child(args: argparse.Namespace) -> None:
                       "rows_per_s": reasoned.rows / reason_s, "reasoned_sha256": sha256_file(reasoned.reasoned)},
            "provenance": engine.provenance()}
     if args.config == "new" and args.kind == "vllm":
-        from jex.tasks.capture.stages import _as_rows, _bundle_rows
+        from jex.tasks.bundle.reading import bundle_rows
+        from jex.tasks.capture.engine_calls import as_rows
 
-        rows = _as_rows(_bundle_rows(bundle, store))
+        rows = as_rows(bundle_rows(bundle, store))
         out["ceiling"] = ceiling(engine, question_prompts(engine, rows, spec.render))
     print("RESULT " + json.dumps(out, default=str), flush=True)
 

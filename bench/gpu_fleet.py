@@ -39,7 +39,7 @@ def main() -> None:
                        "JEX_INFRA__WORKER_PYTHON": sys.executable})
     from jex.engine_spec import EngineSpec
     from jex.fileio import sha256_file
-    from jex.flows.fleet import GpuFleet, JobFailed
+    from jex.flows.machines.fleet import GpuFleet, JobFailed
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
     from jex.tasks.campaign_spec import MachinesSpec

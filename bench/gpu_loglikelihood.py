@@ -93,7 +93,7 @@ def throughput(model: str, rows: int) -> dict:
     from jex.engine.types import ReadoutMode, ReadoutRequest
     from jex.sample_suite import write_sample_suite
     from jex.suite import iter_rows
-    from jex.tasks.capture.engine_pool import get_engine
+    from jex.tasks.execution.engine_pool import get_engine
 
     with tempfile.TemporaryDirectory() as tmp:
         suite_rows = list(iter_rows(write_sample_suite(Path(tmp) / "s", rows=rows)))

@@ -127,11 +127,12 @@ def child(a: argparse.Namespace) -> None:
     from jex.engine.fingerprint import engine_fingerprint
     from jex.engine_spec import EngineSpec
     from jex.fileio import sha256_file
-    from jex.tasks.capture.engine_calls import question_prompts, reason_prompts
-    from jex.tasks.capture.engine_pool import get_engine
+    from jex.tasks.bundle.reading import bundle_rows
+    from jex.tasks.capture.engine_calls import as_rows, question_prompts, reason_prompts
     from jex.tasks.capture.golden import golden_readout
-    from jex.tasks.capture.stages import _as_rows, _bundle_rows, bundle_stage, fast_pass_stage, reason_stage
+    from jex.tasks.capture.stages import bundle_stage, fast_pass_stage, reason_stage
     from jex.tasks.decision_stages import gate_stage
+    from jex.tasks.execution.engine_pool import get_engine
     from jex.tasks.store import LocalStore
 
     spec = EngineSpec(kind="vllm", model=a.model, batch_size=0, max_num_seqs=a.max_num_seqs,
@@ -151,7 +152,7 @@ def child(a: argparse.Namespace) -> None:
     reasoned, reason_s = _timed(reason_stage, store, bundle=bundle, gate=gate, engine=spec,
                                 max_tokens=a.max_tokens, shard_rows=a.reason_shard)
     tokens = sum(len(t) for t in pl.read_parquet(reasoned.reasoned)["token_ids"].to_list())
-    rows = _as_rows(_bundle_rows(bundle, store))
+    rows = as_rows(bundle_rows(bundle, store))
     gated_ids = set(pl.read_parquet(reasoned.reasoned)["run_id"].to_list())
     gated = [r for r in rows if r.run_id in gated_ids]
     raw_fp = raw_fast_pass(engine, question_prompts(engine, rows, spec.render))

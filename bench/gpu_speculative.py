@@ -108,7 +108,7 @@ def workload(args: argparse.Namespace) -> dict:
 def probe(args: argparse.Namespace) -> dict:
     from jex.lab.early_exit import markdown, pick_gated, plot, probe_rows, suite_rows
     from jex.sample_suite import write_sample_suite
-    from jex.tasks.capture.engine_pool import get_engine
+    from jex.tasks.execution.engine_pool import get_engine
 
     work = Path(args.work)
     suite = work / "probe-suite"

@@ -69,8 +69,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="bench/out/scoring-kinds.json")
     args = p.parse_args()
-    from jex.tasks.capture.bundle import build_bundle
-    from jex.tasks.scoring.suite_table import load_suite_table
+    from jex.tasks.bundle.bundle_file import build_bundle
+    from jex.tasks.bundle.suite_table import load_suite_table
 
     res: dict = {"rows": args.rows, "draws": args.draws, "repeats": args.repeats}
     with tempfile.TemporaryDirectory() as tmp:

@@ -72,10 +72,10 @@ def main() -> None:
         # predictions: a fixed-seed mix of right and wrong answers
         import polars as pl
 
+        from jex.tasks.bundle.suite_table import load_suite_table
         from jex.tasks.scoring.bootstrap_ci import bootstrap_ci
         from jex.tasks.scoring.index import catalog_chances, scored_frame
         from jex.tasks.scoring.score import score_twice
-        from jex.tasks.scoring.suite_table import load_suite_table
 
         t0 = time.perf_counter()
         table = load_suite_table(tmp / "b.tar.gz")

@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from jex.fileio import write_json, write_text
 from jex.flows.campaign import publish_machines
-from jex.flows.runners import StageRunner, make_runner
+from jex.flows.machines.runners import StageRunner, make_runner
 from jex.record import Record
 from jex.tasks.campaign_spec import CampaignSpec, sample_suite_dir
 from jex.tasks.decision_stages import gate_stage

@@ -18,9 +18,9 @@ from prefect import Task, flow
 
 from jex.errors import FlowError
 from jex.fileio import sha256_json, write_json, write_text
-from jex.flows.fleet import s3_store
-from jex.flows.machines_doc import MachinesDoc, machines_section, report_section
-from jex.flows.runners import StageRunner, make_runner
+from jex.flows.machines.fleet import s3_store
+from jex.flows.machines.machines_doc import MachinesDoc, machines_section, report_section
+from jex.flows.machines.runners import StageRunner, make_runner
 from jex.infra.s3 import S3Store, checkpoint
 from jex.run_records import (
     CAMPAIGN_FILE,
@@ -37,7 +37,6 @@ from jex.store_layout import SUCCESS
 # CampaignSpec and campaign_spec: the campaign flow's form and how settings fill it (deployments read them here)
 from jex.tasks.campaign_spec import CampaignSpec, load_spec, sample_suite_dir
 from jex.tasks.campaign_spec import campaign_spec as campaign_spec
-from jex.tasks.capture.engine_pool import CALLS
 from jex.tasks.capture.spec_proof import ExactnessProof, prove, write_proof
 from jex.tasks.decisions import (
     Decision,
@@ -48,6 +47,7 @@ from jex.tasks.decisions import (
     read_decisions,
     ungated_rules,
 )
+from jex.tasks.execution import CALLS
 from jex.tasks.inputs import (
     BundleInputs,
     CalibrateInputs,
@@ -391,7 +391,7 @@ def stored_run(spec: CampaignSpec, settings: JexSettings) -> Path | None:
     under the keys the flow would compute, the folder's report rendered from them, no S3 to upload to.
     Found with the flow's own composition (`capture_stages`, `decision_stages`) looking stages up, so no
     Prefect API is needed. A run that fails the audit settings fails here as in the flow. None otherwise."""
-    from jex.flows.runners import InProcessRunner
+    from jex.flows.machines.runners import InProcessRunner
     from jex.tasks.outputs.run_folder import rendered, report_key
 
     spec = spec.located()

@@ -40,7 +40,7 @@ def campaign_runs(limit: int = 50, *, model: str | None = None) -> list[RunRow]:
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.client.schemas.sorting import FlowRunSort
 
-    from jex.flows.machines_doc import read_machines
+    from jex.flows.machines.machines_doc import read_machines
     from jex.tasks.campaign_spec import CampaignSpec
     from jex.tasks.documents import ScoreDoc, read_doc
 

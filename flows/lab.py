@@ -19,7 +19,7 @@ The experiment: the base and each arm as a cached campaign sub-run, judged by a 
    becomes a Prefect artifact. A twin that is not byte-identical fails the run (after the report).
 
 A lab job runs where its `machines` say (None: the settings' provider): in this process or on a machine
-(`jex.flows.runners.run_lab`); its Markdown report becomes a Prefect artifact.
+(`jex.flows.machines.runners.run_lab`); its Markdown report becomes a Prefect artifact.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from jex.errors import FlowError, InputError
 from jex.fileio import write_json
 from jex.flows.campaign import campaign
-from jex.flows.runners import run_lab
+from jex.flows.machines.runners import run_lab
 from jex.infra.cost_ledger import CostLedger
 from jex.lab.arms import ArmDecl, ArmsFile, parse_arms
 from jex.lab.experiment_report import (
@@ -144,7 +144,7 @@ def plan_experiment(spec: ExperimentSpec) -> Plan:
     suite = base.suite or sample_suite_dir(base)
     if Path(suite).is_file():  # a bundle: the campaign reads a suite folder, so write one from it
         from jex.lab.panel import panel_suite
-        from jex.tasks.scoring.suite_table import load_suite_table
+        from jex.tasks.bundle.suite_table import load_suite_table
 
         ids = [c.id for c in load_suite_table(suite).spec.catalogs]
         suite = str(panel_suite(suite, out / "suite-of-bundle", ids))
@@ -159,7 +159,7 @@ def plan_experiment(spec: ExperimentSpec) -> Plan:
     base = derive(base.model_copy(update={"suite": suite}), arms.base, name="base", path=spec.arms_path)
     try:
         from jex.lab.experiment_stats import metric_weights
-        from jex.tasks.scoring.suite_table import load_suite_table
+        from jex.tasks.bundle.suite_table import load_suite_table
 
         table = load_suite_table(suite)
         metric_weights(table.spec, dict.fromkeys((c.id for c in table.spec.catalogs), 0.0), arms.test.metric)

@@ -27,7 +27,7 @@ def reconcile_flow(provider: str | None = None, campaign: str | None = None,
     `flow_run_id` is the failed campaign run that triggered it through the automation (for the log).
     """
     from jex.flows.credentials import with_block_credentials
-    from jex.flows.fleet import s3_store
+    from jex.flows.machines.fleet import s3_store
     from jex.settings import load_settings
 
     settings = with_block_credentials(load_settings())

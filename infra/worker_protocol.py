@@ -37,7 +37,7 @@ PGID = "worker.pgid"
 """Written by whoever starts the wrapper detached: its process group, which teardown kills."""
 DETACHED_PGIDS = "engines/*/host.pgid"
 """Under a machine's workdir: process groups that outlive single jobs (the engine hosts of
-`jex.tasks.capture.engine_host`); a machine's teardown and its watchdog stop them with the jobs."""
+`jex.tasks.execution.engine_host`); a machine's teardown and its watchdog stop them with the jobs."""
 POWEROFF_PID = "poweroff.pid"
 """Under a machine's workdir: the bootstrap's detached backstop that runs a custom poweroff command at the
 hard time to live (`JEX_INFRA__POWEROFF_COMMAND`); a host lease's teardown kills it with the jobs."""

@@ -94,3 +94,12 @@ def named_rng(seed: int, name: str) -> np.random.Generator:
     """A generator seeded by (seed, crc32(name)): each catalog or arm draws its own stream, so adding
     one leaves the others' draws unchanged."""
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def margin(logprobs: Sequence[float] | None) -> float | None:
+    """Top-1 minus top-2 log-odds of a readout (natural log)."""
+    if logprobs is None or len(logprobs) < 2:
+        return None
+    top = sorted(logprobs, reverse=True)
+    p1, p2 = math.exp(top[0]), math.exp(top[1])
+    return logit(p1) - logit(p2)

@@ -36,9 +36,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from jex.engine.render import DEFAULT_RENDER
 from jex.engine.types import NextTokenRequest, ReadoutMode, ReadoutRequest
 from jex.engine_spec import RenderSpec
-from jex.numerics import argmax, named_rng
+from jex.numerics import argmax, margin, named_rng
 from jex.settings import BOOTSTRAP_SEED
-from jex.tasks.capture.engine_calls import CaptureRow, as_row, margin, reason, reason_prompts
+from jex.tasks.capture.engine_calls import CaptureRow, as_row, reason, reason_prompts
 
 DEFAULT_TAUS = (1.0, 2.0, 3.0)
 """Margin thresholds (log-odds) of the stable-margin grid."""
@@ -304,7 +304,7 @@ def suite_rows(source: str | Path, workdir: Path) -> list[CaptureRow]:
         from jex.suite import iter_rows
 
         return [as_row(r.model_dump()) for r in iter_rows(source)]
-    from jex.tasks.capture.bundle import open_bundle
+    from jex.tasks.bundle.bundle_file import open_bundle
 
     frame = open_bundle(source, workdir / "bundle").rows(["run_id", "catalog", "question_id", "prompt", "options",
                                                           "labels", "gold"])

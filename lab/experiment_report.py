@@ -20,10 +20,10 @@ from jex.fileio import canonical_json, read_json, sha256_json, write_json, write
 from jex.lab.arms import ArmsFile, ExperimentTestSettings
 from jex.lab.experiment_stats import ArmStats, Delta, DeltaJson, OofChoice, versus
 from jex.record import Record
+from jex.tasks.bundle.suite_table import SuiteTable
 from jex.tasks.decisions import Decision, now, read_decisions
 from jex.tasks.records import FinishedCampaign
 from jex.tasks.run_store import run_summaries
-from jex.tasks.scoring.suite_table import SuiteTable
 
 
 class ParquetDifference(TypedDict):
@@ -428,7 +428,7 @@ def analyse(arms: ArmsFile, *, base: ArmRun, runs: list[ArmRun], test_sha256: st
     `experiment.json`, `report.md`, `forest.png` and one `sweep-NAME.png` per sweep. Returns the doc."""
     from jex.lab.experiment_stats import paired_arms
     from jex.provenance import provenance
-    from jex.tasks.scoring.suite_table import load_suite_table
+    from jex.tasks.bundle.suite_table import load_suite_table
 
     test = arms.test
     bundle = stage_summaries(base.run_dir).bundle

@@ -28,6 +28,7 @@ import polars as pl
 
 from jex.numerics import named_rng, question_folds
 from jex.settings import BOOTSTRAP_DRAWS, BOOTSTRAP_SEED
+from jex.tasks.bundle.suite_table import ScoreSpec
 from jex.tasks.scoring.bootstrap_ci import (
     ClusterLayout,
     DrawStatistics,
@@ -36,7 +37,6 @@ from jex.tasks.scoring.bootstrap_ci import (
     statistics_per_draw,
 )
 from jex.tasks.scoring.index import BEST, Score, catalog_chances, catalog_shares, score_predictions, scored_frame
-from jex.tasks.scoring.suite_table import ScoreSpec
 
 
 class DeltaJson(TypedDict):

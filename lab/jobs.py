@@ -4,7 +4,7 @@ One function (`run_lab_job`) runs a job wherever it is: in the orchestrator's pr
 inprocess`) or on a machine, where the fleet starts `python -m jex.lab.jobs args.json` in the
 job's folder (its suite under `inputs/suite`, its outputs under `out/`, collected back into the job's
 `out`). The flows read their summaries from the output files (`lab_summary`), so both places give
-the same answer; `flows/runners.py` decides which place.
+the same answer; `flows/machines/runners.py` decides which place.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def run_lab_job(job: LabJob) -> None:
 
 def _probe(spec: ProbeJob, out: Path) -> None:
     from jex.lab.early_exit import DEFAULT_KS, DEFAULT_TAUS, markdown, pick_gated, plot, probe_rows, suite_rows
-    from jex.tasks.capture.engine_pool import get_engine
+    from jex.tasks.execution.engine_pool import get_engine
 
     eng = get_engine(spec.engine)
     picked = pick_gated(eng, suite_rows(spec.suite, out), spec.rows, render=spec.engine.render, seed=spec.seed)

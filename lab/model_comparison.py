@@ -115,8 +115,8 @@ def compare_runs(run_dirs: Sequence[str | Path], *, draws: int | None = None, se
     `draws`, `seed`: the bootstrap's, by default the first run's campaign's (`bootstrap_draws`, `_seed`)."""
     from jex.lab.experiment_report import predictions, stage_summaries
     from jex.lab.experiment_stats import paired_stats, shared_draws
+    from jex.tasks.bundle.suite_table import load_suite_table
     from jex.tasks.campaign_spec import load_spec
-    from jex.tasks.scoring.suite_table import load_suite_table
 
     dirs = [Path(d) for d in run_dirs]
     if len(dirs) < 2:

@@ -36,11 +36,11 @@ from jex.overlays.apply import apply_overlays, no_degrade_check, reversibility_c
 from jex.overlays.rules import IsotonicShrink, OverlayRuleBase
 from jex.run_records import STAGES_FILE
 from jex.settings import BOOTSTRAP_SEED
+from jex.tasks.bundle.suite_table import ScoreSpec, load_suite_table
 from jex.tasks.decisions import Decision, now
 from jex.tasks.run_store import run_summaries
 from jex.tasks.scoring.bootstrap_ci import paired_bootstrap_ci
 from jex.tasks.scoring.index import catalog_chances, score_predictions, scored_frame
-from jex.tasks.scoring.suite_table import ScoreSpec, load_suite_table
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ def prepare_panel(source: str | Path, dest: str | Path, catalogs: Sequence[str],
     """The panel of `catalogs` of the suite at `source`: shares first (an unknown catalog, or a share
     more than SHARE_TOLERANCE from `declared_share`, is an `InputError` before anything is written)."""
     from jex.lab.experiment_stats import panel_share
-    from jex.tasks.scoring.suite_table import load_suite_table
+    from jex.tasks.bundle.suite_table import load_suite_table
 
     try:
         spec = load_suite_table(source).spec
@@ -68,9 +68,9 @@ def panel_projection(run_dir: str | Path, panel: Panel, *, draws: int, seed: int
     import polars as pl
 
     from jex.lab.experiment_stats import paired_arms, project
+    from jex.tasks.bundle.suite_table import load_suite_table
     from jex.tasks.decision_stages import fast_pass_predictions
     from jex.tasks.run_store import run_summaries
-    from jex.tasks.scoring.suite_table import load_suite_table
 
     s = run_summaries(run_dir)
     if s.overlay is None or s.fold is None:
@@ -96,7 +96,7 @@ def panel_suite(source: str | Path, dest: str | Path, catalogs: Sequence[str]) -
     """Write the panel of `catalogs` of the suite at `source` (folder or bundle) into `dest`."""
     source, dest = Path(source), Path(dest)
     if source.is_file():
-        from jex.tasks.capture.bundle import open_bundle
+        from jex.tasks.bundle.bundle_file import open_bundle
 
         with tempfile.TemporaryDirectory(prefix="jex-panel-") as tmp:
             return _panel_of_folder(open_bundle(source, tmp).root, dest, catalogs, from_bundle=True)

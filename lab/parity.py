@@ -35,9 +35,9 @@ from jex.engine.types import FinishReason, Generation, Readout, ReadoutMode
 from jex.engine_spec import RenderSpec
 from jex.errors import InputError
 from jex.fileio import sha256_file
-from jex.numerics import named_rng
+from jex.numerics import margin, named_rng
 from jex.suite import read_row_file
-from jex.tasks.capture.engine_calls import RowLike, fast_pass, margin, reason, reread
+from jex.tasks.capture.engine_calls import RowLike, fast_pass, reason, reread
 from jex.tasks.store import write_parquet
 
 

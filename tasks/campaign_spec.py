@@ -16,7 +16,7 @@ from jex.engine_spec import VLLM_MAX_NUM_SEQS, EngineSpec
 from jex.fileio import sha256_json
 from jex.run_records import CAMPAIGN_FILE
 from jex.settings import BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, GOLDEN_ROWS, PROOF_ROWS, JexSettings, ProviderName
-from jex.tasks.capture.engine_host import HostOptions
+from jex.tasks.execution.engine_host import HostOptions
 from jex.tasks.inputs import (
     FAST_SHARD_ROWS,
     GENERATE_SHARD_ROWS,
@@ -33,7 +33,7 @@ from jex.tasks.inputs import (
 from jex.tasks.records import BundleSummary, GateSummary
 
 AuditMode = Literal["auto", "always", "off"]
-"""Which engines a campaign audits (`MachinesSpec.audit`, flows/audit.py)."""
+"""Which engines a campaign audits (`MachinesSpec.audit`, flows/machines/audit.py)."""
 
 
 class MachinesSpec(BaseModel):
@@ -59,7 +59,7 @@ class MachinesSpec(BaseModel):
     golden_generation_tokens: int = Field(32, ge=1, description="New tokens per golden generation row")
     audit: AuditMode = Field("auto", description="Run only with engine settings a stored passing bake-off covers "
                                                  "on this kind of machine and stack, running it once when none "
-                                                 "does (flows/audit.py): auto = vLLM engines, always = any "
+                                                 "does (flows/machines/audit.py): auto = vLLM engines, always = any "
                                                  "engine, off = none")
     audit_prompts: int = Field(64, ge=1, description="The audit bake-off's divergence-prone prompts (64: the "
                                                      "size whose control arm diverged on the H200; 32 did not "

@@ -9,13 +9,13 @@ record, or the record's fields as keywords, e.g. `gate_stage(store, bundle=bundl
 
 from __future__ import annotations
 
-import functools
-
 import polars as pl
 
 from jex.fileio import sha256_file
 from jex.numerics import question_folds
 from jex.overlays.apply import apply_overlays, reversibility_check
+from jex.tasks.bundle.reading import scored_suite
+from jex.tasks.bundle.suite_table import FAST_PASS_SCORING_COLUMNS, SuiteTable
 from jex.tasks.cached_stage import CachedStage
 from jex.tasks.documents import FoldDoc, FoldRuleParams, write_doc
 from jex.tasks.inputs import CalibrateInputs, FoldInputs, GateInputs, OverlayInputs, ScoreInputs
@@ -34,25 +34,13 @@ from jex.tasks.records import (
 )
 from jex.tasks.scoring.reference_audit import bundle_reference, reference_audit
 from jex.tasks.scoring.score import score_with_ci
-from jex.tasks.scoring.suite_table import FAST_PASS_SCORING_COLUMNS, SuiteTable, load_suite_table
 from jex.tasks.scoring.verdicts import generation_verdicts
 from jex.tasks.store import LocalStore, StageDir, write_parquet
 
 
-def _suite(bundle: BundleSummary) -> SuiteTable:
-    """Every scored row of the bundle, generative catalogs included (what the score stage scores)."""
-    return _suite_table(bundle.bundle, bundle.sha256)
-
-
 def _choices(bundle: BundleSummary) -> SuiteTable:
     """The bundle's multiple-choice catalogs and rows: what gate, fold and calibration decide on."""
-    return _suite(bundle).multiple_choice()
-
-
-@functools.lru_cache(maxsize=4)
-def _suite_table(path: str, sha256: str) -> SuiteTable:
-    """The scored rows of a bundle, read and verified once per process (keyed by content, not path alone)."""
-    return load_suite_table(path)
+    return scored_suite(bundle).multiple_choice()
 
 
 def _panel(bundle: BundleSummary, fast: FastPassSummary) -> pl.DataFrame:
@@ -167,7 +155,7 @@ def generative_predictions(bundle: BundleSummary, generated: GenerateSummary, st
 
 def bundle_verdicts(bundle: BundleSummary, generated: GenerateSummary, store: LocalStore) -> pl.DataFrame:
     """Every generative row's generation, answers and verdicts (`VERDICT_SCHEMA`), in suite order."""
-    from jex.tasks.capture.bundle import open_bundle
+    from jex.tasks.bundle.bundle_file import open_bundle
 
     opened = open_bundle(bundle.bundle, store.extracted_bundle(bundle.key))
     return generation_verdicts(opened.generation_rows(), pl.read_parquet(generated.generated),
@@ -185,7 +173,7 @@ def _with_generated(predictions: pl.DataFrame, generative: pl.DataFrame | None) 
 
 def _score(out: StageDir, store: LocalStore, inputs: ScoreInputs) -> ScoreSummary:
     bundle, overlay, fold, draws, seed = inputs.bundle, inputs.overlay, inputs.fold, inputs.draws, inputs.seed
-    table = _suite(bundle)
+    table = scored_suite(bundle)
     generative = generative_predictions(bundle, inputs.generated, store) if inputs.generated else None
     written = _with_generated(pl.read_parquet(overlay.predictions), generative)
     preds = written.select(pl.exclude("stage"))  # run_id, choice, probs[, abstain][, exact_match]

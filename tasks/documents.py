@@ -1,6 +1,6 @@
 """The JSON documents the campaign's stages write, typed: `score.json` (and `baseline_score.json`),
 `fold.json`, `calibration.json`, and the golden replay's verdict (which the fleet's `machines.json`
-carries, `flows/machines_doc.py`).
+carries, `flows/machines/machines_doc.py`).
 
 Each document is built once, by the stage that writes it (`write_doc`), and read back through its
 model everywhere else (`read_doc`): no reader indexes a dictionary by key. The files keep the keys and

@@ -93,7 +93,7 @@ def suite_content(suite_dir: str | Path) -> dict[str, str]:
     """sha256 of every file a bundle is built from (the suite manifest and the files it lists), or of
     a bundle file given as it was built (`{"bundle": sha256}`)."""
     from jex.suite import MANIFEST_NAME, load_manifest
-    from jex.tasks.capture.bundle import suite_files
+    from jex.tasks.bundle.bundle_file import suite_files
 
     folder = Path(suite_dir)
     if folder.is_file():

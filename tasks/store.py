@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import polars as pl
 
+from jex.engine.types import RefusalKind
 from jex.fileio import atomic_path, sha256_file, write_json
 from jex.provenance import ProvenanceBlock
 from jex.run_records import EngineStageName
@@ -407,3 +408,8 @@ def merge_shards(folder: Path, n_shards: int, out: Path) -> pl.DataFrame:
     frame = pl.concat([pl.read_parquet(p) for p in paths]) if paths else pl.DataFrame()
     write_parquet(frame, out)
     return frame
+
+
+def refused(kind: RefusalKind) -> pl.Expr:
+    """The rows of a capture or a reasoned frame whose refusal is of `kind` (a null refusal is none)."""
+    return pl.col("refusal").str.starts_with(kind.value).fill_null(False)

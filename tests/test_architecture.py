@@ -116,3 +116,29 @@ def test_untyped_dicts_in_signatures_stay_rare():
                 annotations = [a.annotation for a in (*f.args.args, *f.args.kwonlyargs) if a.annotation]
                 count += sum("dict[str, Any]" in ast.unparse(a) for a in [*annotations, *[f.returns] * bool(f.returns)])
     assert count / lines * 1000 < 3, f"{count} dict[str, Any] in signatures over {lines} lines"
+
+
+def test_scoring_probabilities_and_stage_inputs_do_not_import_the_capture():
+    """They read the bundle (`tasks/bundle/`) and the stage summaries, never the engine stages."""
+    files = [*(ROOT / "tasks" / "scoring").rglob("*.py"), *(ROOT / "tasks" / "probabilities").rglob("*.py"),
+             ROOT / "tasks" / "inputs.py", ROOT / "tasks" / "records.py", ROOT / "tasks" / "documents.py"]
+    bad = {str(p.relative_to(ROOT)): sorted(m for m in imported(p) if m.startswith("jex.tasks.capture"))
+           for p in files}
+    assert not {k: v for k, v in bad.items() if v}
+
+
+def test_the_flows_import_one_face_of_execution():
+    """`jex.tasks.execution` (its `__init__`) is what the orchestrator may name; its modules are its own."""
+    bad = {str(p.relative_to(ROOT)): sorted(m for m in imported(p) if m.startswith("jex.tasks.execution."))
+           for p in sources("flows")}
+    assert not {k: v for k, v in bad.items() if v}
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A leading underscore means "this module's own": another module that needs it needs a public name."""
+    files = [p for room in PRODUCT for p in sources(room)] + list((ROOT / "bench").rglob("*.py"))
+    bad = {f"{p.relative_to(ROOT)}: {node.module}.{a.name}"
+           for p in files for node in ast.walk(ast.parse(p.read_text()))
+           if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jex")
+           for a in node.names if a.name.startswith("_") and not a.name.startswith("__")}
+    assert not bad, sorted(bad)

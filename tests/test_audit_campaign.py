@@ -45,7 +45,7 @@ def test_campaign_counts_a_failing_batch_audits_the_reference_and_enforces_both(
     import jex.tasks.capture.stages as stages
     from jex.flows.campaign import campaign
     from jex.tasks.campaign_spec import CampaignSpec, MachinesSpec
-    from jex.tasks.capture.engine_pool import get_engine
+    from jex.tasks.execution.engine_pool import get_engine
 
     suite = write_sample_suite(tmp_path / "suite", rows=27, seed=5)
     run_ids = [r.run_id for r in iter_rows(suite)]  # suite order: shards of 9 are rows 0-8, 9-17, 18-26

@@ -104,8 +104,10 @@ def test_parity_against_a_stored_capture_needs_no_second_engine(tmp_path):
     from jex.engine_spec import EngineSpec
     from jex.lab.parity import parity_with_capture
     from jex.sample_suite import write_sample_suite
-    from jex.tasks.capture.engine_pool import get_engine
-    from jex.tasks.capture.stages import _as_rows, _bundle_rows, fast_pass_stage
+    from jex.tasks.bundle.reading import bundle_rows
+    from jex.tasks.capture.engine_calls import as_rows
+    from jex.tasks.capture.stages import fast_pass_stage
+    from jex.tasks.execution.engine_pool import get_engine
 
     suite = write_sample_suite(tmp_path / "suite", rows=18, seed=3)
     store = LocalStore(tmp_path / "store")
@@ -122,5 +124,5 @@ def test_parity_against_a_stored_capture_needs_no_second_engine(tmp_path):
     lp[4] = sorted(lp[4])  # the most likely option becomes the least: a flip on this row only
     write_parquet(frame.with_columns(pl.Series("logprobs", lp)), tmp_path / "planted.parquet")
     res = parity_with_capture(get_engine(EngineSpec()), tmp_path / "planted.parquet",
-                              _as_rows(_bundle_rows(bundle, store)))["readout"]
+                              as_rows(bundle_rows(bundle, store)))["readout"]
     assert res["flips"] == 1 and [f["run_id"] for f in res["flip_rows"]] == [victim]

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from jex.errors import InputError
+from jex.tasks.bundle.suite_table import load_predictions, load_suite_table
 from jex.tasks.records import CalibrateSummary, FoldSummary
 from jex.tasks.scoring.bootstrap_ci import bootstrap_ci, bootstrap_loop
 from jex.tasks.scoring.index import catalog_chances, scored_frame
 from jex.tasks.scoring.score import score_files, score_twice
-from jex.tasks.scoring.suite_table import load_predictions, load_suite_table
 from tests.conftest import row, write_suite
 
 KINDS = {"acc": "accuracy", "bri": "brier", "ll": "log_loss", "cal": "calibrated_accuracy"}
@@ -112,8 +112,8 @@ def test_chance_baselines_are_the_uniform_guess():
     """Predicting the uniform distribution on every row scores skill 0 under every kind."""
     import polars as pl
 
+    from jex.tasks.bundle.suite_table import CatalogSpec, ScoreSpec
     from jex.tasks.scoring.index import score_predictions
-    from jex.tasks.scoring.suite_table import CatalogSpec, ScoreSpec
 
     spec = ScoreSpec(legs={"L": 1.0}, catalogs=tuple(CatalogSpec(c, "L", 1.0, None, scoring=k)
                                                      for c, k in KINDS.items() if k != "accuracy"))

@@ -177,7 +177,7 @@ def test_a_dotenv_that_is_not_utf8_is_one_line(tmp_path):
 
 def test_a_machine_that_never_started_is_reported_with_its_cause(tmp_path, monkeypatch):
     from jex.engine_spec import EngineSpec
-    from jex.flows.fleet import GpuFleet
+    from jex.flows.machines.fleet import GpuFleet
     from jex.infra.providers import ProviderError
     from jex.settings import load_settings
     from jex.tasks.campaign_spec import MachinesSpec
@@ -258,7 +258,7 @@ def test_jex_runs_without_a_server_is_one_line(monkeypatch):
 # --- 7. bundle limits --------------------------------------------------------------------------------
 
 def test_a_bundle_over_its_size_limits_is_refused_before_a_byte_is_written(tmp_path, monkeypatch):
-    from jex.tasks.capture.bundle import BundleError, BundleLimits, build_bundle, open_bundle
+    from jex.tasks.bundle.bundle_file import BundleError, BundleLimits, build_bundle, open_bundle
 
     suite = write_suite(tmp_path / "s", {"a": [row(f"a{i}", "a") for i in range(20)]})
     build_bundle(suite, tmp_path / "b.tar.gz")
@@ -278,7 +278,7 @@ def test_a_member_that_grows_past_its_declared_size_is_cut_off(tmp_path):
     import io
     import tarfile
 
-    from jex.tasks.capture.bundle import BundleError, _extract
+    from jex.tasks.bundle.bundle_file import BundleError, _extract
 
     class Growing:
         """A tar whose member's data stream gives more than its header declared."""

@@ -6,6 +6,7 @@ import numpy as np
 import polars as pl
 import pytest
 
+from jex.tasks.bundle.suite_table import load_suite_table
 from jex.tasks.scoring.bootstrap_ci import (
     ClusterLayout,
     bootstrap_ci,
@@ -14,7 +15,6 @@ from jex.tasks.scoring.bootstrap_ci import (
     resampled_accuracy,
 )
 from jex.tasks.scoring.index import catalog_chances, scored_frame
-from jex.tasks.scoring.suite_table import load_suite_table
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_paired_interval_is_narrower_than_unpaired_difference(scored):
 
 def test_clusters_move_together():
     """One catalog of two questions with 10 rows each: every draw's accuracy is 0, 0.5 or 1."""
-    from jex.tasks.scoring.suite_table import CatalogSpec, ScoreSpec
+    from jex.tasks.bundle.suite_table import CatalogSpec, ScoreSpec
 
     spec = ScoreSpec(legs={"L": 1.0}, catalogs=(CatalogSpec("c", "L", 1.0, 0.5),))
     frame = pl.DataFrame({"run_id": [str(i) for i in range(20)], "catalog": ["c"] * 20,

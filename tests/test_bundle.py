@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 from jex.errors import InputError
-from jex.tasks.capture.bundle import BundleError, build_bundle, open_bundle
+from jex.tasks.bundle.bundle_file import BundleError, build_bundle, open_bundle
 from tests.conftest import row, write_suite
 
 
@@ -45,7 +45,7 @@ def test_round_trip_keeps_rows_order_and_counts(sample_suite, tmp_path):
 def test_provenance_lies_beside_the_bundle_not_in_its_bytes(sample_suite, tmp_path, monkeypatch):
     """Another jex commit or library version builds the same bytes; what built it is in the sidecar."""
     from jex import provenance as prov
-    from jex.tasks.capture.bundle import provenance_sidecar
+    from jex.tasks.bundle.bundle_file import provenance_sidecar
 
     first = build_bundle(sample_suite, tmp_path / "a.tar.gz", provenance_out=provenance_sidecar(tmp_path / "a.tar.gz"))
     monkeypatch.setattr(prov, "git_commit", lambda: {"commit": "0" * 40, "dirty": False})
@@ -206,7 +206,7 @@ def test_engine_processes_opening_one_bundle_at_once_each_read_it_whole(tmp_path
     from jex.sample_suite import write_sample_suite
 
     built = build_bundle(write_sample_suite(tmp_path / "suite", rows=6000, seed=2), tmp_path / "b.tar.gz")
-    read = ("import sys; from jex.tasks.capture.bundle import open_bundle\n"
+    read = ("import sys; from jex.tasks.bundle.bundle_file import open_bundle\n"
             "for _ in range(25):\n"
             "    print(open_bundle(sys.argv[1], sys.argv[2]).rows(['run_id', 'prompt']).height)")
     procs = [subprocess.Popen([sys.executable, "-c", read, str(built.path), str(tmp_path / "extracted")],

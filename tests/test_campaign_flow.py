@@ -18,8 +18,8 @@ import pytest
 
 from jex.engine_spec import EngineSpec
 from jex.sample_suite import write_sample_suite
-from jex.tasks.capture.engine_pool import CALLS
 from jex.tasks.capture.stages import ShardShare, bundle_stage, fast_pass_stage
+from jex.tasks.execution.engine_pool import CALLS
 from jex.tasks.inputs import FastPassInputs
 from jex.tasks.store import LocalStore
 

@@ -148,8 +148,8 @@ def test_a_panel_campaign_projects_its_delta_onto_the_full_index(tmp_path, prefe
 
     from jex.lab.experiment_stats import panel_share
     from jex.sample_suite import write_sample_suite
+    from jex.tasks.bundle.suite_table import load_suite_table
     from jex.tasks.records import ScoreSummary
-    from jex.tasks.scoring.suite_table import load_suite_table
 
     sample_suite = write_sample_suite(tmp_path / "suite", rows=144, seed=0)  # 16 rows a catalog: 32 in the panel
     shares = panel_share(load_suite_table(sample_suite).spec, ["arith", "boolean"])

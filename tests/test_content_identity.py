@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jex.sample_suite import write_sample_suite
-from jex.tasks.capture.engine_pool import CALLS
+from jex.tasks.execution.engine_pool import CALLS
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from pydantic import SecretStr
 
 from jex.errors import SettingsError
 from jex.flows.credentials import with_block_credentials
-from jex.flows.fleet import s3_store
+from jex.flows.machines.fleet import s3_store
 from jex.settings import JexSettings
 
 BLOCK_KEY_ID = "AKIABLOCKKEY00000001"

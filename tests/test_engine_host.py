@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from jex.fileio import sha256_file
-from jex.tasks.capture.engine_host import EngineHostDied, HostPolicy, HostRequest, prestart
-from jex.tasks.capture.engine_host.client import submit
-from jex.tasks.capture.engine_host.protocol import read_starts, slot_dir
+from jex.tasks.execution.engine_host import EngineHostDied, HostPolicy, HostRequest, prestart
+from jex.tasks.execution.engine_host.client import submit
+from jex.tasks.execution.engine_host.protocol import read_starts, slot_dir
 
 
 @pytest.fixture
@@ -153,9 +153,9 @@ def test_a_retired_host_refuses_new_clients_at_once(tmp_path):
     import queue
     from multiprocessing.connection import Listener
 
-    from jex.tasks.capture.engine_host.client import _connect
-    from jex.tasks.capture.engine_host.protocol import address, authkey
-    from jex.tasks.capture.engine_host.server import EngineHost
+    from jex.tasks.execution.engine_host.client import _connect
+    from jex.tasks.execution.engine_host.protocol import address, authkey
+    from jex.tasks.execution.engine_host.server import EngineHost
 
     home = tmp_path / "engines"
     home.mkdir()
@@ -213,7 +213,7 @@ def test_the_first_machine_s_compile_cache_is_restored_on_the_next_machine_of_th
     import tarfile
 
     from jex.engine_spec import EngineSpec
-    from jex.flows.fleet import GpuFleet, compile_cache_path
+    from jex.flows.machines.fleet import GpuFleet, compile_cache_path
     from jex.settings import load_settings
     from jex.tasks.campaign_spec import MachinesSpec
     from jex.tasks.capture.stages import bundle_stage
@@ -320,7 +320,7 @@ def test_the_fleet_hands_its_jobs_one_host_options_record_the_stage_command_vali
 
     from jex.engine_spec import EngineSpec
     from jex.tasks.campaign_spec import MachinesSpec
-    from jex.tasks.capture.engine_host import HostOptions
+    from jex.tasks.execution.engine_host import HostOptions
 
     spec = MachinesSpec(provider="local", gpus_per_machine=2, engines_per_gpu=2, engine_hosts=False, host_stall_s=90)
     options = spec.host_options("/work", EngineSpec(device="cuda"))

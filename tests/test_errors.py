@@ -18,13 +18,13 @@ JEX = str(Path(sys.executable).with_name("jex"))
 
 def test_infra_flow_and_server_errors_share_the_one_root():
     from jex.deployments.server import ServerError as StartError
-    from jex.flows.fleet import GoldenMismatch
+    from jex.flows.machines.fleet import GoldenMismatch
     from jex.infra.cost_ledger import BudgetExceeded
     from jex.infra.machine import JobFailed
     from jex.infra.providers import ProviderError
     from jex.infra.s3 import UploadError
     from jex.infra.shell import ShellError, Unreachable
-    from jex.tasks.capture.bundle import BundleError
+    from jex.tasks.bundle.bundle_file import BundleError
 
     for cls in (ShellError, Unreachable, ProviderError, UploadError, BudgetExceeded, JobFailed):
         assert issubclass(cls, InfraError) and issubclass(cls, JexError), cls

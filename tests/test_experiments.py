@@ -27,8 +27,8 @@ from jex.lab.experiment_stats import (
     row_contributions,
     versus,
 )
+from jex.tasks.bundle.suite_table import load_suite_table
 from jex.tasks.scoring.index import aggregate, catalog_chances, score_predictions, scored_frame
-from jex.tasks.scoring.suite_table import load_suite_table
 from tests.conftest import row, write_suite
 
 GOOD = '''
@@ -90,7 +90,7 @@ def test_a_bad_arms_file_fails_in_the_cli_before_any_engine_or_prefect_starts(tm
     from typer.testing import CliRunner
 
     from jex.cli import app
-    from jex.tasks.capture.engine_pool import CALLS
+    from jex.tasks.execution.engine_pool import CALLS
 
     bad = tmp_path / "arms.toml"
     bad.write_text('[[arms]]\nname = "p"\nkind = "placebo"\n[arms.render]\nanswer_slot = "Reply:"\n')
@@ -340,7 +340,7 @@ def test_the_panel_share_is_the_catalogs_weight_in_the_full_index(sample_suite, 
     assert [c.id for c in manifest.catalogs] == ["arith", "boolean"] and set(manifest.legs) == {"public", "eqS"}
     want = [r for r in iter_rows(sample_suite) if r.catalog in ("arith", "boolean")]
     assert list(iter_rows(panel)) == want
-    from jex.tasks.capture.bundle import build_bundle
+    from jex.tasks.bundle.bundle_file import build_bundle
 
     bundle = build_bundle(sample_suite, tmp_path / "b.tar.gz").path
     of_bundle = panel_suite(bundle, tmp_path / "panel-b", ["arith", "boolean"])

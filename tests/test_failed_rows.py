@@ -136,7 +136,7 @@ def fast_pass(tmp_path, monkeypatch):
     `FlakyEngine` around it) under the row policy `NO_WAIT`; returns the summary."""
     import jex.tasks.capture.stages as stages
     from jex.engine_spec import EngineSpec
-    from jex.tasks.capture.engine_pool import get_engine
+    from jex.tasks.execution.engine_pool import get_engine
     from jex.tasks.store import LocalStore
     from tests.conftest import row, write_suite
 
@@ -222,7 +222,7 @@ class DeadEngine(FlakyEngine):
 
 def test_a_dead_engine_is_released_and_its_stage_not_retried(fast_pass, monkeypatch):
     from jex.engine_spec import EngineSpec
-    from jex.tasks.capture import engine_pool
+    from jex.tasks.execution import engine_pool
 
     dead = DeadEngine(fast_pass.real(), "q0")
     monkeypatch.setitem(engine_pool._ENGINES, EngineSpec().loaded_key(), dead)

@@ -46,7 +46,7 @@ def _fleet_flow(tmp_path, monkeypatch, rows: int):
     from prefect.runtime import flow_run
 
     from jex.engine_spec import EngineSpec
-    from jex.flows.fleet import GpuFleet
+    from jex.flows.machines.fleet import GpuFleet
     from jex.settings import load_settings
     from jex.tasks.campaign_spec import MachinesSpec
     from jex.tasks.capture.stages import bundle_stage

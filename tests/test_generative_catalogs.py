@@ -155,7 +155,7 @@ def test_what_jex_does_not_reproduce_of_a_generative_task_is_refused_in_one_line
 def test_a_bundle_of_generative_catalogs_alone_passes_the_preflight(tmp_path):
     """Its manifest counts no multiple-choice row, but its generative rows are rows to run."""
     from jex.cli.preflight import suite
-    from jex.tasks.capture.bundle import build_bundle
+    from jex.tasks.bundle.bundle_file import build_bundle
 
     root = tmp_path / "suite"
     (root / "rows").mkdir(parents=True)

@@ -91,10 +91,10 @@ def test_an_experiment_shares_one_machine_budget_across_its_sub_runs(tmp_path):
 def test_the_report_area_table_splits_the_full_index_by_the_manifests_area(sample_suite):
     import random
 
+    from jex.tasks.bundle.suite_table import load_suite_table
     from jex.tasks.outputs.report import _score_section
     from jex.tasks.scoring.index import catalog_shares
     from jex.tasks.scoring.score import area_table, score_with_ci
-    from jex.tasks.scoring.suite_table import load_suite_table
 
     table = load_suite_table(sample_suite)
     rng = random.Random(4)
@@ -114,8 +114,8 @@ def test_the_report_area_table_splits_the_full_index_by_the_manifests_area(sampl
 def test_no_area_table_when_every_catalog_is_general(sample_suite):
     from dataclasses import replace
 
+    from jex.tasks.bundle.suite_table import load_suite_table
     from jex.tasks.scoring.score import area_table, score_with_ci
-    from jex.tasks.scoring.suite_table import load_suite_table
 
     table = load_suite_table(sample_suite)
     general = replace(table.spec, catalogs=tuple(replace(c, area="general") for c in table.spec.catalogs))

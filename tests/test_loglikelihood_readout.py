@@ -106,8 +106,8 @@ def test_acc_norm_divides_by_characters_and_ties_go_first():
 
 
 def test_the_scorers_score_acc_norm_and_report_it_beside_acc(tmp_path):
+    from jex.tasks.bundle.suite_table import CatalogSpec, ScoreSpec, load_predictions
     from jex.tasks.scoring.score import score_with_ci
-    from jex.tasks.scoring.suite_table import CatalogSpec, ScoreSpec, load_predictions
 
     rows = pl.DataFrame({"run_id": ["a", "b", "c", "d"], "catalog": ["ll"] * 4, "question_id": ["a", "b", "c", "d"],
                          "gold": [0, 1, 0, 1], "n_options": [2] * 4},
@@ -147,7 +147,8 @@ def _suite(root: Path) -> Path:
 
 def test_a_loglikelihood_catalog_through_the_stages_into_the_samples_record(tmp_path):
     from jex.engine_spec import EngineSpec
-    from jex.tasks.capture.stages import _bundle_rows, bundle_stage, fast_pass_stage, reason_stage
+    from jex.tasks.bundle.reading import bundle_rows
+    from jex.tasks.capture.stages import bundle_stage, fast_pass_stage, reason_stage
     from jex.tasks.decision_stages import calibrate_stage, fold_stage, gate_stage, overlay_stage, score_stage
     from jex.tasks.outputs.samples import RenderedPrompts, build_samples
     from jex.tasks.store import LocalStore
@@ -175,7 +176,7 @@ def test_a_loglikelihood_catalog_through_the_stages_into_the_samples_record(tmp_
     norm = ll["acc_norm_choice"].to_list()
     assert lm["kind"] == "acc_norm" and lm["value"] == sum(c == 0 for c in norm) / 4 == lm["acc_norm"]
     assert "acc_norm" not in score["catalogs"]["mc"]
-    samples = build_samples(_bundle_rows(bundle, store), capture=capture, gated=pl.read_parquet(gate.gated),
+    samples = build_samples(bundle_rows(bundle, store), capture=capture, gated=pl.read_parquet(gate.gated),
                             reasoned=pl.read_parquet(reason.reasoned), folded=pl.read_parquet(fold.folded),
                             predictions=pl.read_parquet(overlay.predictions), prompts=RenderedPrompts({}, {}),
                             excluded=set())

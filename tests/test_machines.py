@@ -365,7 +365,7 @@ def test_golden_replay_mismatch_stops_the_machine_before_its_shards(tmp_path, mo
     import polars as pl
 
     from jex.engine_spec import EngineSpec
-    from jex.flows.fleet import GoldenMismatch, GpuFleet
+    from jex.flows.machines.fleet import GoldenMismatch, GpuFleet
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
     from jex.tasks.campaign_spec import MachinesSpec
@@ -408,7 +408,7 @@ def test_golden_generation_is_token_identical_on_every_machine_or_the_machine_st
     import polars as pl
 
     from jex.engine_spec import EngineSpec
-    from jex.flows.fleet import GoldenMismatch, GpuFleet
+    from jex.flows.machines.fleet import GoldenMismatch, GpuFleet
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
     from jex.tasks.campaign_spec import MachinesSpec
@@ -455,8 +455,8 @@ def test_a_campaign_runs_only_with_settings_a_stored_passing_bake_off_covers(tmp
     path): the first campaign runs the bake-off on its machine and stores it, the next one on the same
     machine kind and stack reuses it, and a failed bake-off refuses the campaign before its golden replay."""
     from jex.engine_spec import EngineSpec
-    from jex.flows.audit import SettingsAudit, SettingsNotAudited
-    from jex.flows.fleet import GpuFleet
+    from jex.flows.machines.audit import SettingsAudit, SettingsNotAudited
+    from jex.flows.machines.fleet import GpuFleet
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
     from jex.tasks.campaign_spec import MachinesSpec
@@ -503,9 +503,9 @@ def test_a_campaign_runs_only_with_settings_a_stored_passing_bake_off_covers(tmp
 
 
 def bundle_rows_head(store, bundle, n: int) -> list[str]:
-    from jex.tasks.capture.stages import _bundle_rows
+    from jex.tasks.bundle.reading import bundle_rows
 
-    return _bundle_rows(bundle, store).head(n)["run_id"].to_list()
+    return bundle_rows(bundle, store).head(n)["run_id"].to_list()
 
 
 def test_jex_infra_reconcile_deletes_orphans_from_the_command_line(tmp_path):

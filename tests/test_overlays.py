@@ -21,7 +21,7 @@ from jex.lab.overlay_lab import (
 from jex.overlays import IsotonicShrink, PositionalThreshold, SignedLogitThreshold, load_rule_file
 from jex.overlays.apply import NoDegradeViolation, apply_overlays, no_degrade_check
 from jex.overlays.rules import isotonic_apply, isotonic_fit
-from jex.tasks.scoring.suite_table import CatalogSpec, ScoreSpec
+from jex.tasks.bundle.suite_table import CatalogSpec, ScoreSpec
 
 
 def frame(probs, choice, gold=None, catalog="c"):

@@ -36,16 +36,17 @@ def by_id(frame: pl.DataFrame) -> dict[str, dict]:
 
 def test_samples_record_equals_the_stage_artifacts_row_by_row(main_job_run):
     from jex.engine_spec import EngineSpec
+    from jex.tasks.bundle.reading import bundle_rows
     from jex.tasks.capture.engine_calls import CaptureRow, question_prompts, reason_prompts
-    from jex.tasks.capture.engine_pool import get_engine
-    from jex.tasks.capture.stages import _bundle_rows, fewshot_pool
+    from jex.tasks.capture.stages import fewshot_pool
+    from jex.tasks.execution.engine_pool import get_engine
     from jex.tasks.store import LocalStore
 
     s, spec = summaries(main_job_run), spec_of(main_job_run)
     samples = read_samples(main_job_run)
     assert dict(samples.schema) == SAMPLES_SCHEMA
     store = LocalStore(spec["store"])
-    bundle = _bundle_rows(s.bundle, store)
+    bundle = bundle_rows(s.bundle, store)
     assert samples["run_id"].to_list() == bundle["run_id"].to_list()  # every suite row, in suite order
     capture = by_id(pl.read_parquet(s.fast_pass.capture))
     gated = by_id(pl.read_parquet(s.gate.gated))

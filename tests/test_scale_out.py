@@ -22,7 +22,7 @@ def test_merged_capture_of_two_engines_is_byte_identical_to_one_process(tmp_path
     import sys
 
     from jex.engine_spec import EngineSpec
-    from jex.flows.fleet import GpuFleet
+    from jex.flows.machines.fleet import GpuFleet
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
     from jex.tasks.campaign_spec import MachinesSpec

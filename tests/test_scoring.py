@@ -8,8 +8,8 @@ import polars as pl
 import pytest
 
 from jex.errors import InputError
+from jex.tasks.bundle.suite_table import load_predictions, load_suite_table
 from jex.tasks.scoring.score import ScorerDisagreement, score_files, score_twice
-from jex.tasks.scoring.suite_table import load_predictions, load_suite_table
 from tests.conftest import row, write_suite
 
 
@@ -93,7 +93,7 @@ def test_disagreement_is_detected(two_legs, monkeypatch):
 
 
 def test_scoring_a_bundle_equals_scoring_the_folder(sample_suite, tmp_path):
-    from jex.tasks.capture.bundle import build_bundle
+    from jex.tasks.bundle.bundle_file import build_bundle
 
     build_bundle(sample_suite, tmp_path / "b.tar.gz")
     table = load_suite_table(sample_suite)

@@ -128,7 +128,7 @@ def test_a_perturbed_speculative_engine_fails_the_proof_and_the_campaign_falls_b
     import dataclasses
 
     import jex.tasks.capture.stages as engine_stages
-    from jex.tasks.capture.engine_pool import get_engine
+    from jex.tasks.execution.engine_pool import get_engine
 
     class PerturbOneToken:
         """A test double: the speculative engine, except that one generated token is changed."""
@@ -222,7 +222,7 @@ def test_on_machines_the_proof_and_the_fallback_are_jobs_of_their_own_keyed_alik
     base's jobs carry the fleet's measured fingerprint made audited, a machine reading the job file computes
     the key the orchestrator expects, and no two keys share a job name (a job's folder on the machine)."""
     from jex.engine_spec import EngineSpec
-    from jex.flows.fleet import GpuFleet
+    from jex.flows.machines.fleet import GpuFleet
     from jex.tasks.campaign_spec import MachinesSpec
     from jex.tasks.inputs import EngineJob, ReasonInputs
     from jex.tasks.records import BundleSummary, GateSummary

@@ -125,7 +125,7 @@ def suite(tmp_path_factory) -> Path:
 def engine():
     """The engine the stages use in this process."""
     from jex.engine_spec import EngineSpec
-    from jex.tasks.capture.engine_pool import get_engine
+    from jex.tasks.execution.engine_pool import get_engine
 
     return get_engine(EngineSpec())
 

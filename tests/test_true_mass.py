@@ -13,9 +13,9 @@ import pytest
 from jex.errors import InputError
 from jex.numerics import true_mass
 from jex.suite import iter_rows, load_manifest
-from jex.tasks.capture.bundle import build_bundle
+from jex.tasks.bundle.bundle_file import build_bundle
+from jex.tasks.bundle.suite_table import load_suite_table
 from jex.tasks.scoring.score import score_files
-from jex.tasks.scoring.suite_table import load_suite_table
 from tests.conftest import row, write_suite
 
 

@@ -242,7 +242,7 @@ def test_a_campaign_on_a_cloud_that_drops_the_disk_needs_a_bucket_before_any_mac
     """Refused by `jex run`'s pre-flight (one line, before any flow) and by the fleet itself (a run from the
     Prefect UI has no CLI): no VM was ever created."""
     from jex.errors import InputError
-    from jex.flows.fleet import GpuFleet
+    from jex.flows.machines.fleet import GpuFleet
     from jex.settings import load_settings
     from jex.tasks.campaign_spec import MachinesSpec
 

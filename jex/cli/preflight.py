@@ -140,7 +140,7 @@ def suite(path: Path | str, flag: str = "--suite", *, bundle_ok: bool = True) ->
         if not path.name.endswith((".tar.gz", ".tgz")):
             raise InputError(f"{flag}: expected a suite folder (holds suite.toml) or a bundle (.tar.gz)",
                              file=str(path))
-        from jex.tasks.capture.bundle import bundle_manifest
+        from jex.tasks.bundle.bundle_file import bundle_manifest
 
         existing_file(path, flag)
         manifest_doc = bundle_manifest(path)

@@ -22,7 +22,7 @@ def bundle_build(suite: Annotated[Path, typer.Argument(help="Suite folder (holds
                  reference: Annotated[Path | None, typer.Option(help="Banked capture, 1:1 on run_id")] = None,
                  shard_rows: Annotated[int, typer.Option(help="Rows per Parquet shard")] = 16384) -> None:
     """Stream a suite into a byte-reproducible bundle; prints its sha256."""
-    from jex.tasks.capture.bundle import build_bundle, provenance_sidecar
+    from jex.tasks.bundle.bundle_file import build_bundle, provenance_sidecar
 
     try:
         preflight.suite(suite, "SUITE", bundle_ok=False)

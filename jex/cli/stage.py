@@ -15,7 +15,7 @@ from jex.settings import GOLDEN_ROWS
 
 if TYPE_CHECKING:
     from jex.engine_spec import EngineSpec
-    from jex.tasks.capture.engine_host import HostOptions
+    from jex.tasks.execution.engine_host import HostOptions
     from jex.tasks.inputs import EngineJob
 
 R = TypeVar("R", bound=BaseModel)
@@ -52,7 +52,7 @@ def stage_golden(args_file: JobOption,
     every job (`max_requests` 0), every other slot's engine is started too: beside the replay's when
     engines start together, else right after it."""
     from jex.engine.compile_cache import bring_compile_cache, take_compile_cache
-    from jex.tasks.capture.engine_host import HostRequest, run_request
+    from jex.tasks.execution.engine_host import HostRequest, run_request
 
     request = HostRequest(job="golden", engine_job=_job(args_file), golden_rows=rows, golden_out=str(out.resolve()),
                           fingerprint_out=str(fingerprint_out.resolve()), generation_rows=generation_rows,
@@ -80,7 +80,7 @@ def stage_run(args_file: JobOption,
               host_options: HostOptionsOption = None) -> None:
     """Compute this worker's shards of the job's engine stage into the store (shards w, w+N, ...); with
     several slots, their engine hosts share them, each claiming the next free one."""
-    from jex.tasks.capture.engine_host import HostRequest, run_request
+    from jex.tasks.execution.engine_host import HostRequest, run_request
 
     job = _job(args_file)
     request = HostRequest(job=job.inputs.stage, engine_job=job, worker=worker, workers=workers)
@@ -99,7 +99,7 @@ def _job(path: Path) -> EngineJob:
 
 def _host_options(path: Path | None) -> HostOptions | None:
     """The job's `--host-options` file, validated, its engine folder made absolute."""
-    from jex.tasks.capture.engine_host import HostOptions
+    from jex.tasks.execution.engine_host import HostOptions
 
     if path is None:
         return None
@@ -123,7 +123,7 @@ def _record(model: type[R], path: Path, flag: str) -> R:
 def _prestart(options: HostOptions, engine: EngineSpec) -> None:
     """Start the engines of slots 1.. (slot 0 runs the golden replay). Only a head start: a host that
     fails to start here is started again by the first job that needs it, which then reports why."""
-    from jex.tasks.capture.engine_host import EngineHostDied, HostPolicy, prestart
+    from jex.tasks.execution.engine_host import EngineHostDied, HostPolicy, prestart
 
     try:
         prestart(Path(options.home), engine, range(1, options.slots), options.devices, HostPolicy.of(options))

@@ -112,7 +112,7 @@ def suite_ls(suite: Annotated[Path, typer.Argument(help="Suite folder (holds sui
     """Catalogs with their rows, options, chance, leg and weight; the legs and their weights."""
     from jex.cli import preflight
     from jex.suite import SuiteRow, iter_all_rows, iter_fewshot_rows, load_manifest
-    from jex.tasks.capture.bundle import catalog_chance
+    from jex.tasks.bundle.bundle_file import catalog_chance
 
     try:
         manifest = load_manifest(preflight.existing_dir(suite, "SUITE"))

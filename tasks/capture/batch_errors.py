@@ -57,11 +57,6 @@ def error_line(error: BaseException) -> str:
     return (str(error).splitlines() or [""])[0][:200]
 
 
-def refused(kind: RefusalKind) -> pl.Expr:
-    """The rows of a capture or a reasoned frame whose refusal is of `kind` (a null refusal is none)."""
-    return pl.col("refusal").str.starts_with(kind.value).fill_null(False)
-
-
 def batch_error_text(error: BaseException) -> str:
     """The refusal text of a row that failed on its own."""
     return RefusalKind.BATCH_ERROR.refusal(f"{type(error).__name__}: {error_line(error)}")

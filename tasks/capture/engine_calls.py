@@ -10,16 +10,16 @@ the engine's `preparer()`, and hand them to the engine calls (`read_questions`, 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
+
+import polars as pl
 
 from jex.engine.base import ChatTokenizer
 from jex.engine.render import DEFAULT_RENDER, Example, Renderer, option_order
 from jex.engine.types import Engine, GenerateRequest, Generation, Readout, ReadoutMode, ReadoutRequest
 from jex.engine_spec import RenderSpec
-from jex.numerics import logit
 from jex.suite import LOGLIKELIHOOD_READOUTS, ReadoutKind
 
 
@@ -52,6 +52,11 @@ class CaptureRow:
 def as_row(d: dict[str, Any]) -> CaptureRow:
     return CaptureRow(d["run_id"], d["prompt"], tuple(d["labels"]), tuple(d["options"]), d.get("gold"),
                       d.get("catalog"), d.get("question_id"))
+
+
+def as_rows(frame: pl.DataFrame) -> list[CaptureRow]:
+    """A frame of bundle rows (`tasks/bundle/reading.py: bundle_rows`) as the capture's rows."""
+    return [as_row(r) for r in frame.iter_rows(named=True)]
 
 
 class Renders(Protocol):
@@ -230,10 +235,10 @@ def reason_prompts(engine: Renders, rows: Sequence[RowLike], render: RenderSpec 
 def reason(engine: Engine, rows: Sequence[RowLike], *, max_tokens: int, render: RenderSpec = DEFAULT_RENDER,
            stop: tuple[str, ...] = ()) -> list[Generation]:
     """A greedy rationale per row."""
-    return engine.generate(_reason_requests(engine, rows, max_tokens, render, stop))
+    return engine.generate(reason_requests(engine, rows, max_tokens, render, stop))
 
 
-def _reason_requests(renders: Renders, rows: Sequence[RowLike], max_tokens: int, render: RenderSpec,
+def reason_requests(renders: Renders, rows: Sequence[RowLike], max_tokens: int, render: RenderSpec,
                      stop: tuple[str, ...]) -> list[GenerateRequest]:
     return [GenerateRequest(r.run_id, p, max_tokens, stop)
             for r, p in zip(rows, reason_prompts(renders, rows, render), strict=True)]
@@ -255,7 +260,7 @@ def prepared_reasons(tokenizer: ChatTokenizer, rows: Sequence[RowLike], *, max_t
                      render: RenderSpec = DEFAULT_RENDER, stop: tuple[str, ...] = ()) -> list[ReasonCall]:
     """The requests of `reason`, with their token ids (`prompt_ids`) under `tokenizer` (the engine or its
     `preparer()`)."""
-    requests = with_prompt_ids(tokenizer, _reason_requests(tokenizer, rows, max_tokens, render, stop))
+    requests = with_prompt_ids(tokenizer, reason_requests(tokenizer, rows, max_tokens, render, stop))
     return [ReasonCall(r, q) for r, q in zip(rows, requests, strict=True)]
 
 
@@ -298,10 +303,3 @@ def prepared_generations(tokenizer: ChatTokenizer, rows: Sequence[GenerativeRow]
                                        for r in rows])
 
 
-def margin(logprobs: Sequence[float] | None) -> float | None:
-    """Top-1 minus top-2 log-odds of a readout (natural log)."""
-    if logprobs is None or len(logprobs) < 2:
-        return None
-    top = sorted(logprobs, reverse=True)
-    p1, p2 = math.exp(top[0]), math.exp(top[1])
-    return logit(p1) - logit(p2)

@@ -20,10 +20,10 @@ from jex.engine.fingerprint import engine_fingerprint
 from jex.engine_identity import EngineFingerprint
 from jex.engine_spec import EngineSpec
 from jex.numerics import argmax
-from jex.tasks.capture.engine_pool import get_engine
+from jex.store_layout import golden_dir
+from jex.tasks.bundle.reading import bundle_rows
+from jex.tasks.capture.engine_calls import as_rows
 from jex.tasks.capture.stages import (
-    _as_rows,
-    _bundle_rows,
     as_generative,
     catalog_reads,
     continued_options,
@@ -32,6 +32,7 @@ from jex.tasks.capture.stages import (
     readouts_frame,
 )
 from jex.tasks.documents import GenerationVerdict, GoldenRow, GoldenVerdict
+from jex.tasks.execution.engine_pool import get_engine
 from jex.tasks.inputs import EngineJob, GoldenInputs
 from jex.tasks.records import BundleSummary
 from jex.tasks.store import LocalStore, write_parquet
@@ -41,7 +42,7 @@ def golden_readout(bundle: BundleSummary, engine: EngineSpec, store: LocalStore,
     """The label-slot readout of the bundle's first `rows` rows (the same code path as the fast pass)."""
     from jex.tasks.capture.engine_calls import ReadPlan, fast_pass
 
-    chunk = _as_rows(_bundle_rows(bundle, store).head(rows))
+    chunk = as_rows(bundle_rows(bundle, store).head(rows))
     reads = catalog_reads(bundle, store)
     return readouts_frame(fast_pass(get_engine(engine), chunk, render=engine.render,
                                    fewshot=fewshot_pool(bundle, store, engine), reads=reads),
@@ -56,7 +57,7 @@ def golden_generation(bundle: BundleSummary, engine: EngineSpec, store: LocalSto
     from jex.tasks.capture.engine_calls import GenerationSpec, prepared_generations, reason
 
     eng = get_engine(engine)
-    chunk = _as_rows(_bundle_rows(bundle, store).head(rows))
+    chunk = as_rows(bundle_rows(bundle, store).head(rows))
     if chunk:
         out = reason(eng, chunk, max_tokens=tokens, render=engine.render)
     else:
@@ -77,7 +78,7 @@ def generation_reference_path(store: LocalStore, bundle: BundleSummary, engine_f
 
     key = sha256_json({"bundle": bundle.key, "engine": engine_fp.key_doc(), "gpus": gpus, "rows": rows,
                        "tokens": tokens})[:32]
-    return store.root / "golden" / bundle.key / "generation" / key / "reference.parquet"
+    return golden_dir(store.root, bundle.key) / "generation" / key / "reference.parquet"
 
 
 def compare_generation(reference: pl.DataFrame, replay: pl.DataFrame, *, source: str, tokens: int,
@@ -99,12 +100,12 @@ def compare_generation(reference: pl.DataFrame, replay: pl.DataFrame, *, source:
 
 def reference_path(store: LocalStore, bundle: BundleSummary, engine_fp: EngineFingerprint, rows: int) -> Path:
     key = GoldenInputs(bundle=bundle, engine_fp=engine_fp, rows=rows).key()
-    return store.root / "golden" / bundle.key / key / "reference.parquet"
+    return golden_dir(store.root, bundle.key) / key / "reference.parquet"
 
 
 def has_reference(store: LocalStore, bundle: BundleSummary) -> bool:
     """Whether the store holds a golden reference of this bundle for any engine (one a replay could meet)."""
-    return any((store.root / "golden" / bundle.key).glob("*/reference.parquet"))
+    return any(golden_dir(store.root, bundle.key).glob("*/reference.parquet"))
 
 
 def find_reference(store: LocalStore, bundle: BundleSummary, engine_fp: EngineFingerprint, rows: int,

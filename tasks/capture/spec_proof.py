@@ -76,7 +76,7 @@ def proof_sample(gated: pl.DataFrame, golden_ids: list[str], rows: int = PROOF_R
 
 
 def _write_proof_sample(out: StageDir, store: LocalStore, inputs: ProofSampleInputs) -> GateSummary:
-    from jex.tasks.capture.bundle import open_bundle
+    from jex.tasks.bundle.bundle_file import open_bundle
 
     bundle = inputs.bundle
     opened = open_bundle(bundle.bundle, store.extracted_bundle(bundle.key))

@@ -37,9 +37,10 @@ from jex.fileio import canonical_json, sha256_file
 from jex.numerics import length_normalised_choice
 from jex.run_records import EngineStageName
 from jex.store_layout import SUCCESS, shards_dir, stage_dir
+from jex.tasks.bundle.bundle_file import PolarsType, build_bundle, is_bundle_file, open_bundle, take_bundle
+from jex.tasks.bundle.reading import bundle_rows
 from jex.tasks.cached_stage import CachedStage
-from jex.tasks.capture.batch_errors import ROW_RETRIES, BatchLog, compute_resilient, refused
-from jex.tasks.capture.bundle import PolarsType, build_bundle, is_bundle_file, open_bundle, take_bundle
+from jex.tasks.capture.batch_errors import ROW_RETRIES, BatchLog, compute_resilient
 from jex.tasks.capture.engine_calls import (
     CaptureRow,
     CatalogRead,
@@ -48,14 +49,14 @@ from jex.tasks.capture.engine_calls import (
     GenerationSpec,
     ReadPlan,
     ReasonCall,
-    as_row,
+    as_rows,
     prepared_generations,
     prepared_questions,
     prepared_reasons,
     read_questions,
     reread,
 )
-from jex.tasks.capture.engine_pool import CALLS, get_engine, release_engine
+from jex.tasks.execution.engine_pool import CALLS, get_engine, release_engine
 from jex.tasks.inputs import BundleInputs, EngineStageInputs, FastPassInputs, GenerateInputs, ReasonInputs
 from jex.tasks.records import (
     BundleSummary,
@@ -78,6 +79,7 @@ from jex.tasks.store import (
     StageDir,
     merge_shards,
     partial_summary,
+    refused,
     run_sharded,
     stage_failed_rows,
 )
@@ -124,17 +126,6 @@ bundle_stage = CachedStage(BundleInputs, BundleSummary, body=_bundle)
 `bundle_stage(store, suite=..., reference=None)`."""
 
 
-def _bundle_rows(bundle: BundleSummary, store: LocalStore) -> pl.DataFrame:
-    opened = open_bundle(bundle.bundle, store.extracted_bundle(bundle.key))
-    if opened.sha256 != bundle.sha256:
-        raise RuntimeError(f"{bundle.bundle} changed since it was built")
-    return opened.rows(["run_id", "catalog", "question_id", "prompt", "options", "labels", "gold"])
-
-
-def _as_rows(frame: pl.DataFrame) -> list[CaptureRow]:
-    return [as_row(r) for r in frame.iter_rows(named=True)]
-
-
 def fewshot_pool(bundle: BundleSummary, store: LocalStore, engine: EngineSpec) -> FewShotPool | None:
     """The bundle's few-shot rows by catalog, when the render asks for examples (else None)."""
     if engine.render.num_fewshot == 0:
@@ -142,7 +133,7 @@ def fewshot_pool(bundle: BundleSummary, store: LocalStore, engine: EngineSpec) -
     opened = open_bundle(bundle.bundle, store.extracted_bundle(bundle.key))
     frame = opened.fewshot()
     pool: dict[str, list[CaptureRow]] = {}
-    for r in _as_rows(frame) if frame is not None else []:
+    for r in as_rows(frame) if frame is not None else []:
         pool.setdefault(r.catalog or "", []).append(r)
     return pool
 
@@ -312,7 +303,7 @@ class ShardFields(TypedDict):
 def _fast_pass(out: StageDir, store: LocalStore, inputs: FastPassInputs,
                share: ShardShare = ALONE) -> FastPassSummary | PartialSummary:
     bundle, engine = inputs.bundle, inputs.engine
-    rows = _as_rows(_bundle_rows(bundle, store))
+    rows = as_rows(bundle_rows(bundle, store))
     pool = fewshot_pool(bundle, store, engine)
     reads = catalog_reads(bundle, store)
     plan = ReadPlan.of(rows, reads)
@@ -420,7 +411,7 @@ def _reason(out: StageDir, store: LocalStore, inputs: ReasonInputs,
             share: ShardShare = ALONE) -> ReasonSummary | PartialSummary:
     bundle, engine, max_tokens = inputs.bundle, inputs.engine, inputs.max_tokens
     gated = pl.read_parquet(inputs.gate.gated)["run_id"]
-    rows = _as_rows(_bundle_rows(bundle, store).join(gated.to_frame(), on="run_id", how="semi", maintain_order="left"))
+    rows = as_rows(bundle_rows(bundle, store).join(gated.to_frame(), on="run_id", how="semi", maintain_order="left"))
 
     def calls(tokenizer: ChatTokenizer, batch: Sequence[CaptureRow]) -> list[ReasonCall]:
         return prepared_reasons(tokenizer, batch, max_tokens=max_tokens, render=engine.render)

@@ -10,16 +10,16 @@ import polars as pl
 from pydantic import Field
 
 from jex.engine_identity import EngineFingerprint
+from jex.tasks.bundle.suite_table import ScoreSpec
 from jex.tasks.documents import CalibrationDoc, FoldDoc, ScoreDoc
 from jex.tasks.records import FastPassSummary, FinishedCampaign, GateSummary, GenerateSummary, ReasonSummary, Record
 from jex.tasks.scoring.reference_audit import audit_markdown
 from jex.tasks.scoring.score import area_table, catalog_table
-from jex.tasks.scoring.suite_table import ScoreSpec
 
 
 class MachinesSection(Record):
     """What the report shows of a run's machines; the flows room renders it from its `machines.json`
-    (`flows/machines_doc.py`), which this room may not read."""
+    (`flows/machines/machines_doc.py`), which this room may not read."""
 
     markdown: list[str] = Field(description="The report's machines section, as Markdown lines")
     shards: dict[str, int] = Field(description="Shard artifacts the machines' jobs handed over, by job (stage)")

@@ -72,10 +72,10 @@ def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: dict[str
     write_json(run_dir / "provenance.json", prov)
     skill_plot(docs.baseline, docs.policy, run_dir / "skill.png")
     reliability_plot(docs.calibration, run_dir / "reliability.png")
-    from jex.tasks.decision_stages import _suite
+    from jex.tasks.bundle.reading import scored_suite
 
     report = render_report(spec["name"], docs, s, timings, machines, notes=_score_notes(run_dir, s, spec),
-                           score_spec=_suite(s.bundle).spec)
+                           score_spec=scored_suite(s.bundle).spec)
     if (run_dir / "spec_proof.json").exists():  # a speculative profile: its exactness proof on this run
         from jex.tasks.capture.spec_proof import ExactnessProof, proof_section
 
@@ -89,9 +89,9 @@ def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: dict[str
 def _score_notes(run_dir: Path, s: FinishedCampaign, spec: dict[str, Any]) -> list[str]:
     """The report's lines after the score: what verbatim catalogs read, and whether every row is its own
     bootstrap cluster."""
-    from jex.tasks.decision_stages import _suite
+    from jex.tasks.bundle.reading import scored_suite
 
-    verbatim = [c.id for c in _suite(s.bundle).spec.catalogs if c.prompt_format == "verbatim"]
+    verbatim = [c.id for c in scored_suite(s.bundle).spec.catalogs if c.prompt_format == "verbatim"]
     samples = pl.read_parquet(run_dir / "samples.parquet")
     own = every_row_own_cluster(samples.select("catalog", "question_id", "scored"))
     generated = generation_section(samples, s.generate) if s.generate is not None else []

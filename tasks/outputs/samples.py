@@ -266,21 +266,19 @@ def write_samples(run_dir: Path, summaries: FinishedCampaign, spec: dict[str, An
     """`samples.parquet` of a finished campaign (`summaries`: the flow's stage summaries; `spec`: its
     CampaignSpec as JSON). With `prompts="sha256"` the texts go to the store and the run keeps hashes."""
     from jex.engine_spec import EngineSpec
-    from jex.tasks.capture.stages import _as_rows, _bundle_rows
-    from jex.tasks.decision_stages import _suite
+    from jex.tasks.bundle.reading import bundle_rows, scored_suite
+    from jex.tasks.capture.engine_calls import as_rows
     from jex.tasks.store import write_parquet
 
     art = StageArtifacts.from_summaries(summaries)
     store = LocalStore(spec["store"])
     engine_spec = EngineSpec.model_validate(spec["engine"])
-    bundle_rows = _bundle_rows(art.bundle, store)
-    bundle_rows = bundle_rows.join(bundle_metadata(art.bundle, store), on="run_id", how="left",
-                                   maintain_order="left")
-    table = _suite(art.bundle)
-    bundle_rows = bundle_rows.join(table.rows.select("run_id", "true_options"), on="run_id", how="left",
-                                   maintain_order="left")
+    rows = bundle_rows(art.bundle, store)
+    rows = rows.join(bundle_metadata(art.bundle, store), on="run_id", how="left", maintain_order="left")
+    table = scored_suite(art.bundle)
+    rows = rows.join(table.rows.select("run_id", "true_options"), on="run_id", how="left", maintain_order="left")
     gated = pl.read_parquet(art.gated)
-    rendered = campaign_prompts(art, engine_spec, store, _as_rows(bundle_rows), set(gated["run_id"].to_list()))
+    rendered = campaign_prompts(art, engine_spec, store, as_rows(rows), set(gated["run_id"].to_list()))
     continued = generative_prompts(art, engine_spec, store) if summaries.generate is not None else None
     ref = None
     if prompts == "sha256" and rendered.missing is None:
@@ -289,7 +287,7 @@ def write_samples(run_dir: Path, summaries: FinishedCampaign, spec: dict[str, An
         ref = str(store_prompts(store.root, art.bundle.sha256, engine_spec, kept))
     catalogs = table.spec.catalogs
     excluded = {rid for c in catalogs for rid in c.exclusions}
-    frame = build_samples(bundle_rows, capture=pl.read_parquet(art.capture), gated=gated,
+    frame = build_samples(rows, capture=pl.read_parquet(art.capture), gated=gated,
                           reasoned=pl.read_parquet(art.reasoned), folded=pl.read_parquet(art.folded),
                           predictions=pl.read_parquet(art.predictions), prompts=rendered, excluded=excluded,
                           prompt_ref=ref, abstaining=frozenset(c.id for c in catalogs if "abstain" in c.secondary))
@@ -305,7 +303,7 @@ def write_samples(run_dir: Path, summaries: FinishedCampaign, spec: dict[str, An
 def generative_prompts(art: StageArtifacts, engine_spec: Any, store: LocalStore) -> RenderedPrompts:
     """The texts the generate stage continued, by run_id, rendered again as it rendered them (`Renderer.continued`);
     none, and why, when the model's tokenizer is not available here."""
-    from jex.tasks.capture.bundle import open_bundle
+    from jex.tasks.bundle.bundle_file import open_bundle
 
     rows = open_bundle(art.bundle.bundle, store.extracted_bundle(art.bundle.key)).generation_rows()
     try:
@@ -322,7 +320,7 @@ def generative_samples(art: StageArtifacts, generated: GenerateSummary, store: L
     """The samples of the generative rows: the text continued (`generative_prompts`; with `prompt_ref`, compact
     samples, in the store's prompts file), the generation and, per filter, the answer and verdict the score
     stage scored (`bundle_verdicts`)."""
-    from jex.tasks.capture.bundle import open_bundle
+    from jex.tasks.bundle.bundle_file import open_bundle
     from jex.tasks.decision_stages import bundle_verdicts
 
     rows = open_bundle(art.bundle.bundle, store.extracted_bundle(art.bundle.key)).generation_rows()
@@ -349,7 +347,7 @@ def generative_samples(art: StageArtifacts, generated: GenerateSummary, store: L
 
 def bundle_metadata(bundle: BundleSummary, store: LocalStore) -> pl.DataFrame:
     """run_id and the row's metadata (JSON text) from the bundle."""
-    from jex.tasks.capture.bundle import open_bundle
+    from jex.tasks.bundle.bundle_file import open_bundle
 
     opened = open_bundle(bundle.bundle, store.extracted_bundle(bundle.key))
     return opened.rows(["run_id", "metadata"])

@@ -17,7 +17,7 @@ import polars as pl
 from jex.engine.types import RefusalKind
 from jex.errors import JexError
 from jex.numerics import argmax, true_mass
-from jex.tasks.capture.batch_errors import refused
+from jex.tasks.bundle.suite_table import FAST_PASS_SCORING_COLUMNS, ScoreSpec
 from jex.tasks.documents import (
     ErrorCounters,
     ErrorRow,
@@ -30,7 +30,7 @@ from jex.tasks.documents import (
 from jex.tasks.records import FailedRow, FastPassErrors, FastPassSummary, ReasonErrors, ReasonSummary
 from jex.tasks.scoring.bootstrap_ci import paired_bootstrap_ci
 from jex.tasks.scoring.index import catalog_chances, scored_frame, skill_of
-from jex.tasks.scoring.suite_table import FAST_PASS_SCORING_COLUMNS, ScoreSpec
+from jex.tasks.store import refused
 
 
 def fold_logprobs(fast: list[float], post: list[float], *, rule: FoldRule, weight: float) -> list[float]:

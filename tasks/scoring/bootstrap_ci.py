@@ -19,8 +19,8 @@ import polars as pl
 
 from jex.numerics import named_rng
 from jex.settings import BOOTSTRAP_SEED
+from jex.tasks.bundle.suite_table import ScoreSpec
 from jex.tasks.scoring.index import BEST, COUNTED_KINDS, aggregate, skill_of
-from jex.tasks.scoring.suite_table import ScoreSpec
 
 DRAW_CHUNK = 128
 DEFAULT_DRAWS = 2000

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from jex.tasks.scoring.suite_table import FAST_PASS_SCORING_COLUMNS, ScoreSpec
+from jex.tasks.bundle.suite_table import FAST_PASS_SCORING_COLUMNS, ScoreSpec
 
 if TYPE_CHECKING:  # the shape only: the plain scorer shares no code with this one
     from jex.tasks.scoring.plain import PlainCatalogScore, PlainScore

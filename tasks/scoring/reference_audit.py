@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from jex.tasks.capture.bundle import open_bundle
-from jex.tasks.capture.engine_calls import margin
+from jex.numerics import margin
+from jex.tasks.bundle.bundle_file import open_bundle
 from jex.tasks.documents import CatalogAgreement, ReferenceAudit, ReferenceComparison, ReferenceFlip
 
 FLIP_ROWS = 200  # flips listed in full in the JSON (all are counted)
@@ -41,7 +41,7 @@ def bundle_reference(path: str, sha256: str) -> pl.DataFrame | None:
 
 
 def probs_margin(probs: list[float] | None) -> float | None:
-    """Top-1 minus top-2 log-odds of a probability vector (as `capture.margin` of its logs)."""
+    """Top-1 minus top-2 log-odds of a probability vector (as `numerics.margin` of its logs)."""
     if probs is None or len(probs) < 2:
         return None
     return margin([math.log(p) if p > 0 else -math.inf for p in probs])

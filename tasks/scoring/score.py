@@ -10,11 +10,11 @@ import polars as pl
 from jex.errors import JexError
 from jex.fileio import sha256_file, write_text
 from jex.provenance import provenance
+from jex.tasks.bundle.suite_table import ScoreSpec, load_predictions, load_suite_table
 from jex.tasks.documents import BootstrapParams, CatalogResult, LegScore, ScoreDoc, write_doc
 from jex.tasks.scoring.bootstrap_ci import DEFAULT_DRAWS, DEFAULT_SEED, bootstrap_ci
 from jex.tasks.scoring.index import Score, catalog_chances, catalog_shares, score_predictions, scored_frame
 from jex.tasks.scoring.plain import plain_score
-from jex.tasks.scoring.suite_table import ScoreSpec, load_predictions, load_suite_table
 
 
 class ScorerDisagreement(JexError):

@@ -14,7 +14,7 @@ import polars as pl
 
 from jex.answer_extraction import exact_match, extract
 from jex.suite import Catalog
-from jex.tasks.capture.bundle import PolarsType
+from jex.tasks.bundle.bundle_file import PolarsType
 
 VERDICT_SCHEMA: dict[str, PolarsType] = {
     "run_id": pl.String, "catalog": pl.String, "generation": pl.String, "finish_reason": pl.String,

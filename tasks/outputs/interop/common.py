@@ -176,7 +176,7 @@ def load_suite_rows(source: str | Path) -> SuiteRows:
     if not source.exists():
         raise InputError("no suite folder or bundle here", file=str(source))
     if source.is_file():
-        from jex.tasks.capture.bundle import open_bundle
+        from jex.tasks.bundle.bundle_file import open_bundle
 
         with tempfile.TemporaryDirectory(prefix="jex-interop-") as tmp:
             opened = open_bundle(source, tmp)
@@ -374,7 +374,7 @@ def _synthesized_row(s: ToolSample, task: str) -> dict[str, Any]:
 
 def run_suite_manifest(run_dir: Path) -> Any:
     """The `SuiteManifest` of a run, from its bundle (the bundle stage its stages.json records)."""
-    from jex.tasks.capture.bundle import open_bundle
+    from jex.tasks.bundle.bundle_file import open_bundle
 
     bundle = run_summaries(run_dir).bundle
     if bundle is None:

@@ -69,7 +69,7 @@ class HostOptions(Record):
 
 
 class HostLaunch(Record):
-    """What a job hands the host it starts (`python -m jex.tasks.capture.engine_host serve LAUNCH`, as
+    """What a job hands the host it starts (`python -m jex.tasks.execution.engine_host serve LAUNCH`, as
     JSON): where and which slot it serves, its settings, and the engine to load as soon as it listens."""
 
     home: str

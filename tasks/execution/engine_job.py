@@ -47,7 +47,7 @@ def run_engine_job(job: EngineJob, share: ShardShare = ALONE) -> EngineStageSumm
     #    records (`StageDir.finish`: provenance, every file's sha256, `_SUCCESS.json` last).
     # 9. Back up the chain: a `HostReply(summary=JobSummary)` per slot; one JSON line per summary from
     #    `jex stage run`; `SUCCESS.json` from the worker protocol, listing the shards. The orchestrator
-    #    collects them verified (flows/fleet.py) and the stage's task merges them in the flow's process.
+    #    collects them verified (flows/machines/fleet.py) and the stage's task merges them in the flow's process.
     if isinstance(inputs, FastPassInputs):
         return fast_pass_stage.run(store, inputs, share=share)
     if isinstance(inputs, GenerateInputs):

@@ -1,6 +1,6 @@
 """`machines.json`: the fleet's report of a campaign's machines, typed, and its section of the report.
 
-`GpuFleet.report()` builds it (`flows/fleet.py`); the campaign flow writes it into the run folder
+`GpuFleet.report()` builds it (`flows/machines/fleet.py`); the campaign flow writes it into the run folder
 (`publish_machines`) and hands the report its Markdown (`report_section`: the tasks room renders
 the report but may not read this room's records); `jex runs` reads the cost from it (`read_machines`).
 """
@@ -13,10 +13,10 @@ from pydantic import Field
 
 from jex.engine_identity import EngineFingerprint
 from jex.fileio import read_json
-from jex.flows.audit import SettingsAudit
+from jex.flows.machines.audit import SettingsAudit
 from jex.infra.records import CostLedgerReport, MachineReport, Record
-from jex.tasks.capture.engine_host.protocol import EngineStart
 from jex.tasks.documents import GenerationVerdict, GoldenVerdict
+from jex.tasks.execution import EngineStart
 from jex.tasks.outputs.report import MachinesSection
 
 
@@ -54,7 +54,7 @@ class MachinesDoc(Record):
     engine_hosts: bool
     golden: list[GoldenReplay | FingerprintMismatch] = Field(description="Every machine's golden replay, in order")
     audit: SettingsAudit | None = Field(None, description="The bake-off that covers the engine's settings on these "
-                                                          "machines (flows/audit.py); None: not audited")
+                                                          "machines (flows/machines/audit.py); None: not audited")
     machines: list[FleetMachine]
     engine_starts: int = Field(description="Engine starts over every machine")
     ledger: CostLedgerReport = Field(description="The cost ledger of the campaign's machines")

@@ -1,9 +1,9 @@
 """Where a campaign's engine stages compute their shards: one interface, three places, one factory.
 
 - `InProcessRunner`: the stage task computes in the flow's own process (nothing to do beforehand);
-- `WorkerProcessesRunner`: fresh local processes, one engine each (`tasks/capture/workers.py`): data
+- `WorkerProcessesRunner`: fresh local processes, one engine each (`tasks/execution/workers.py`): data
   parallelism on one host, or a twin audit's "same stage, another process";
-- `FleetRunner`: rented machines (`flows/fleet.py`): golden replay, detached shard jobs, collection.
+- `FleetRunner`: rented machines (`flows/machines/fleet.py`): golden replay, detached shard jobs, collection.
 
 In every case the stage task then runs in the flow's process and finds the shards in the store: it
 merges them (or finds the stage complete) without loading an engine. `make_runner` is the only place
@@ -19,12 +19,12 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from jex.flows.fleet import GpuFleet
-from jex.flows.machines_doc import MachinesDoc
+from jex.flows.machines.fleet import GpuFleet
+from jex.flows.machines.machines_doc import MachinesDoc
 from jex.lab.jobs import LabJob, LabSummary, lab_summary, run_lab_job
 from jex.run_records import ENGINE_STAGES
 from jex.tasks.campaign_spec import MachinesSpec
-from jex.tasks.capture.workers import WorkerReport, run_workers
+from jex.tasks.execution import WorkerReport, run_workers
 from jex.tasks.inputs import EngineJob
 
 

@@ -6,7 +6,7 @@ parallel 1: batch invariance survives data parallelism, not tensor parallelism).
 stage called once more with workers=1: every shard exists, so nothing is recomputed, and the merged
 capture is the same bytes as a one-worker run.
 
-    python -m jex.tasks.capture.workers JOB.json WORKER WORKERS    (one worker; used by `run_workers`)
+    python -m jex.tasks.execution.workers JOB.json WORKER WORKERS    (one worker; used by `run_workers`)
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def run_workers(job: EngineJob, *, workers: int, devices: list[str] | None = Non
 
     `devices[i]` becomes worker i's CUDA_VISIBLE_DEVICES (None: inherit). Raises if any worker fails.
     """
-    from jex.tasks.capture.engine_job import run_engine_job
+    from jex.tasks.execution.engine_job import run_engine_job
 
     stage = job.inputs.stage
     spec_file = Path(job.store) / f".workers-{stage}-{os.getpid()}.json"
@@ -50,7 +50,7 @@ def run_workers(job: EngineJob, *, workers: int, devices: list[str] | None = Non
         env = dict(os.environ)
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices[w]
-        procs.append(subprocess.Popen([sys.executable, "-m", "jex.tasks.capture.workers", str(spec_file), str(w),
+        procs.append(subprocess.Popen([sys.executable, "-m", "jex.tasks.execution.workers", str(spec_file), str(w),
                                        str(workers)], env=env, stdout=subprocess.PIPE, text=True))
     reports = []
     for w, p in enumerate(procs):
@@ -66,9 +66,9 @@ def run_workers(job: EngineJob, *, workers: int, devices: list[str] | None = Non
 
 
 def _main(spec_file: str, worker: int, workers: int) -> None:
-    from jex.tasks.capture.engine_job import run_engine_job
-    from jex.tasks.capture.engine_pool import get_engine
     from jex.tasks.capture.stages import ShardShare
+    from jex.tasks.execution.engine_job import run_engine_job
+    from jex.tasks.execution.engine_pool import get_engine
 
     job = EngineJob.model_validate_json(Path(spec_file).read_text())
     t0 = time.perf_counter()

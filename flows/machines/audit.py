@@ -25,6 +25,7 @@ from jex.engine_spec import EngineSpec
 from jex.errors import FlowError
 from jex.fileio import read_json, sha256_bytes, sha256_json, write_json
 from jex.record import Record
+from jex.store_layout import bakeoff_dir
 from jex.tasks.campaign_spec import AuditMode
 
 AUDIT_FILE = "audit.json"
@@ -98,7 +99,7 @@ def audit_key(*, arm: str, gpus: list[str], stack_lock: str, weights_sha256: str
 
 
 def audit_folder(store_root: Path, key: str) -> Path:
-    return store_root / "bakeoff" / key
+    return bakeoff_dir(store_root, key)
 
 
 def stored_audit(store_root: Path, key: str) -> SettingsAudit | None:

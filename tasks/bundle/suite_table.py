@@ -24,7 +24,7 @@ from jex.suite import (
     load_manifest,
     read_row_file,
 )
-from jex.tasks.capture.bundle import PolarsType, open_bundle
+from jex.tasks.bundle.bundle_file import PolarsType, open_bundle
 
 SCORING_COLUMNS = ["run_id", "catalog", "question_id", "gold", "n_options", "true_options"]
 """The suite table's rows; `true_options` is null on a row that does not list them (`SuiteRow`); a generative

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from jex.engine.compile_cache import cache_env
 from jex.engine_spec import EngineSpec
-from jex.tasks.capture.engine_host.protocol import (
+from jex.tasks.execution.engine_host.protocol import (
     IDLE_EXIT_S,
     PGID,
     POLL_S,
@@ -39,7 +39,7 @@ from jex.tasks.capture.engine_host.protocol import (
     read_progress,
     slot_dir,
 )
-from jex.tasks.capture.engine_host.server import execute
+from jex.tasks.execution.engine_host.server import execute
 
 START_TIMEOUT_S = 120.0
 """A new host must listen within this (it listens before it loads an engine)."""
@@ -98,7 +98,7 @@ def _start_host(home: Path, slot: int, key: bytes, device: str | None, policy: H
     launch = HostLaunch(home=str(home), slot=slot, max_requests=policy.max_requests, idle_exit_s=policy.idle_exit_s,
                         warm=warm)
     with open(sd / "host.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "jex.tasks.capture.engine_host", "serve",
+        proc = subprocess.Popen([sys.executable, "-m", "jex.tasks.execution.engine_host", "serve",
                                  launch.model_dump_json()], stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env, cwd=home, start_new_session=True)
     (sd / PGID).write_text(str(proc.pid))  # its own session: it outlives the job that started it

@@ -5,7 +5,7 @@ under the worker protocol (heartbeat, marker, salvage). Instead of loading an en
 hand their work to the slot's engine host, which loads each engine once and stays up between jobs, so
 a machine pays one engine start per slot instead of one per job:
 
-    python -m jex.tasks.capture.engine_host serve LAUNCH   (started by the golden job, or the first client
+    python -m jex.tasks.execution.engine_host serve LAUNCH   (started by the golden job, or the first client
                                                          that finds none listening; LAUNCH: a HostLaunch)
 
 `protocol` holds what crosses the boundaries: `HostOptions` (how a job uses the machine's hosts: what
@@ -25,7 +25,7 @@ their own, so those take turns under a machine-wide lock (their imports happen b
 With hosts kept up for every job (`HostOptions.max_requests` 0), the golden job starts every slot's
 host (`prestart`), so a machine's engines are up when its first stage job arrives. A host accepts
 connections on a thread and serves them one at a time; what it runs for a stage request is
-`jex.tasks.capture.engine_job.run_engine_job`.
+`jex.tasks.execution.engine_job.run_engine_job`.
 
 A host that dies during a request: the client starts a new host and asks once more (shards
 already written are reused), then gives up and the job fails under its marker. A host that stays
@@ -37,8 +37,8 @@ have left unusable.
 """
 
 from jex.engine.compile_cache import COMPILE_CACHE
-from jex.tasks.capture.engine_host.client import EngineHostDied, HostPolicy, prestart, run_request
-from jex.tasks.capture.engine_host.protocol import STARTS, HostOptions, HostRequest, parse_starts
+from jex.tasks.execution.engine_host.client import EngineHostDied, HostPolicy, prestart, run_request
+from jex.tasks.execution.engine_host.protocol import STARTS, HostOptions, HostRequest, parse_starts
 
 __all__ = ["COMPILE_CACHE", "STARTS", "EngineHostDied", "HostOptions", "HostPolicy", "HostRequest",
            "parse_starts", "prestart", "run_request"]

@@ -17,8 +17,6 @@ its teardown step. So the UI shows the fleet, each machine's state and its logs.
 
 from __future__ import annotations
 
-import queue
-import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, wait
@@ -27,9 +25,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import polars as pl
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import JsonValue
 
@@ -37,8 +32,17 @@ from jex.engine_identity import EngineFingerprint
 from jex.engine_spec import EngineSpec
 from jex.errors import FlowError, InfraError, JexError
 from jex.fileio import sha256_json, write_json
-from jex.flows.audit import SettingsAudit, audit_settings, audited
-from jex.flows.machines_doc import FingerprintMismatch, FleetMachine, GoldenReplay, MachinesDoc
+from jex.flows.machines.audit import SettingsAudit, audit_settings, audited
+from jex.flows.machines.machine_life import (
+    MachineLife,
+    failure_reason,
+    machine_gpus,
+    machine_life,
+    machine_of,
+    machine_provenance,
+    machine_step,
+)
+from jex.flows.machines.machines_doc import FingerprintMismatch, FleetMachine, GoldenReplay, MachinesDoc
 from jex.infra.cost_ledger import CostLedger
 from jex.infra.machine import JobFailed, MachineSession, RemoteJob, required_tools, stack_lock
 from jex.infra.providers import Machine
@@ -47,11 +51,8 @@ from jex.infra.records import MachineProvenance
 from jex.infra.s3 import S3Store
 from jex.lab.jobs import MACHINE_OUT, OUTPUTS, LabJob
 from jex.settings import JexSettings
-from jex.store_layout import shards_dir, stage_dir
+from jex.store_layout import compile_cache_dir, machine_inbox, shards_dir, stage_dir
 from jex.tasks.campaign_spec import MachinesSpec
-from jex.tasks.capture.engine_host import COMPILE_CACHE, STARTS, parse_starts
-from jex.tasks.capture.engine_host.protocol import EngineStart
-from jex.tasks.capture.engine_pool import compile_cache_key
 from jex.tasks.capture.golden import (
     compare_generation,
     compare_golden,
@@ -62,6 +63,7 @@ from jex.tasks.capture.golden import (
 )
 from jex.tasks.capture.stages import WORK_RECORDS, stage_plan
 from jex.tasks.documents import GenerationVerdict, GoldenVerdict
+from jex.tasks.execution import COMPILE_CACHE, STARTS, EngineStart, compile_cache_key, parse_starts
 from jex.tasks.inputs import EngineJob, FastPassInputs, ReasonInputs
 from jex.tasks.prefect_tasks import progress_artifact
 from jex.tasks.records import BundleSummary, StagePlan
@@ -137,7 +139,7 @@ class GpuFleet:
     def __exit__(self, *exc: Any) -> None:
         """Each machine's life ends with its teardown (those that failed ended so already); an
         undeletable machine fails a fleet that had no other error."""
-        reason = "campaign stages done" if exc[1] is None else _failure(exc[1])
+        reason = "campaign stages done" if exc[1] is None else failure_reason(exc[1])
         for life in self._lives:
             life.close(reason)
         for life in self._lives:
@@ -178,12 +180,12 @@ class GpuFleet:
 
     def _audit(self, job: EngineJob) -> None:
         """The engine's settings covered by a stored passing bake-off for these machines' GPUs and stack,
-        else the bake-off run on the first machine now (flows/audit.py); `SettingsNotAudited` if it fails."""
+        else the bake-off run on the first machine now (flows/machines/audit.py); `SettingsNotAudited` if it fails."""
         from jex.lab.jobs import LabJob
 
         engine = job.inputs.engine
         self.audit = audit_settings(
-            engine, store_root=self.store.root, gpus=machine_gpus(_provenance(self.sessions[0])),
+            engine, store_root=self.store.root, gpus=machine_gpus(machine_provenance(self.sessions[0])),
             stack_lock=stack_lock(engine.kind), weights_sha256=job.inputs.fingerprint().weights_sha256,
             prompts=self.spec.audit_prompts, tokens=self.spec.audit_tokens,
             run_bakeoff=lambda bakeoff, folder: self.run_lab(LabJob(spec=bakeoff, out=str(folder))))
@@ -236,7 +238,7 @@ class GpuFleet:
         engine's fast-pass capture). With nothing a replay could meet (one machine, no reference of the
         bundle in the store) the machine only measures its fingerprint, and the fast pass it runs next
         becomes the reference (`_establish_reference`): a replay would compare nothing."""
-        host = _machine(session)
+        host = machine_of(session)
         inputs = job.inputs
         rows = min(self.spec.golden_rows, inputs.bundle.rows)
         replay_rows = rows if len(self._lives) > 1 or has_reference(self.store, inputs.bundle) else 0
@@ -290,7 +292,7 @@ class GpuFleet:
         replay = inbox / GOLDEN_GENERATION
         if not self.spec.golden_generation_rows or not replay.exists():
             return None
-        gpus = machine_gpus(_provenance(session))
+        gpus = machine_gpus(machine_provenance(session))
         ref = generation_reference_path(self.store, bundle, fp, gpus, self.spec.golden_generation_rows,
                                         self.spec.golden_generation_tokens)
         with self._lock:
@@ -305,10 +307,10 @@ class GpuFleet:
     def _replay(self, session: MachineSession, job: EngineJob, name: str, rows: int, *, first: bool) -> Path:
         """Run the golden job `name` (the bundle's first `rows` rows and the engine fingerprint) on the
         machine; its inbox. The `first` one brings the store's compile cache or takes the machine's."""
-        host, inputs = _machine(session), job.inputs
-        inbox = self.store.root / ".machines" / host.id / name
+        host, inputs = machine_of(session), job.inputs
+        inbox = machine_inbox(self.store.root, host.id, name)
         files = _job_files(job, inbox)
-        cached = compile_cache_path(self.store, inputs.engine, _provenance(session))
+        cached = compile_cache_path(self.store, inputs.engine, machine_provenance(session))
         brought = cached.exists()
         cache_argv = self._compile_cache_argv(cached, files) if first else []
         generate = self.spec.golden_generation_rows if first else 0
@@ -396,7 +398,7 @@ class GpuFleet:
             vllm = next((k for k in job.engine_kinds() if k.startswith("vllm")), "hf")
             self._start_machines(stack_lock(vllm), tools=required_tools(vllm))
         session, name = self.sessions[0], self._job_name(f"lab-{job.kind}", sha256_json(job.model_dump(mode="json")))
-        inbox = self.store.root / ".machines" / _machine(session).id / name
+        inbox = machine_inbox(self.store.root, machine_of(session).id, name)
         inbox.mkdir(parents=True, exist_ok=True)
         write_json(inbox / "args.json", job.on_machine().model_dump(mode="json"))
         remote = RemoteJob(name, ["-m", "jex.lab.jobs", "args.json"],
@@ -413,8 +415,8 @@ class GpuFleet:
         progress = progress_artifact(stage)
 
         def one(i: int, session: MachineSession) -> None:
-            host = _machine(session)
-            inbox = self.store.root / ".machines" / host.id / name
+            host = machine_of(session)
+            inbox = machine_inbox(self.store.root, host.id, name)
             files = _job_files(job, inbox)
             remote = RemoteJob(name, ["-m", "jex", "stage", "run", "--args", "args.json", "--worker", str(i),
                                       "--workers", str(n),
@@ -445,7 +447,7 @@ class GpuFleet:
         finally:  # never in the way of the job's own outcome: an unreadable record counts no start
             text = session.read_text(f"engines/{STARTS}")
             if text is not None:
-                self.engine_starts[_machine(session).id] = parse_starts(text)
+                self.engine_starts[machine_of(session).id] = parse_starts(text)
 
     def report(self) -> MachinesDoc:
         """`machines.json`: the machines so far, their golden replays and jobs, and the campaign's cost."""
@@ -459,116 +461,8 @@ class GpuFleet:
                            ledger=self.ledger.usage(self.campaign))
 
 
-class _Order:
-    """One step a machine's life is asked to take: `work`, or (`work` None) the end of its life."""
-
-    def __init__(self, step: str, work: Callable[[], object] | None, reason: str = ""):
-        self.step, self.work, self.reason = step, work, reason
-        self.done: Future[None] = Future()
-
-
-class MachineLife:
-    """The hand-over between the fleet and one machine's life task run: the steps it is to take, in
-    order, and how its teardown went. A plain object on purpose: Prefect passes it to the task run as
-    is (it rebuilds dataclasses and pydantic models, which would lose what the run writes here)."""
-
-    def __init__(self, session: MachineSession):
-        self.session = session
-        self.run: PrefectFuture[None] | None = None
-        self.teardown_error: str | None = None
-        self._orders: queue.Queue[_Order] = queue.Queue()
-        self._ended = ""
-        """Why the life ended (empty while it runs): later steps fail at once, naming it."""
-        self._lock = threading.Lock()
-
-    def order(self, step: str, work: Callable[[], object]) -> Future[None]:
-        """Ask the life to take a step next; the future ends as the step does."""
-        order = _Order(step, work)
-        with self._lock:
-            if self._ended:
-                order.done.set_exception(InfraError(f"machine {self.session.label}: no {step} step, its life "
-                                                    f"ended ({self._ended})"))
-            else:
-                self._orders.put(order)
-        return order.done
-
-    def close(self, reason: str) -> None:
-        """End the life after its steps so far: teardown with `reason`."""
-        with self._lock:
-            if not self._ended:
-                self._orders.put(_Order("close", None, reason))
-
-    def next(self) -> _Order:
-        return self._orders.get()
-
-    def end(self, reason: str) -> None:
-        """The life ends: steps still waiting, and any asked for later, fail naming `reason`."""
-        with self._lock:
-            self._ended = reason
-            while not self._orders.empty():
-                order = self._orders.get_nowait()
-                if order.work is not None:
-                    order.done.set_exception(InfraError(f"machine {self.session.label}: no {order.step} step, "
-                                                        f"its life ended ({reason})"))
-
-
-@task(name="machine-step", task_run_name="{label}-{step}", cache_policy=NO_CACHE, persist_result=False,
-      log_prints=True)
-def machine_step(label: str, step: str, work: Callable[[], object]) -> None:
-    """One step of machine `label`'s life (bootstrap, golden, an engine job and its collection, teardown),
-    a child task run of `machine-LABEL`."""
-    work()
-
-
-@task(name="machine", task_run_name="machine-{label}", cache_policy=NO_CACHE, persist_result=False,
-      log_prints=True)
-def machine_life(label: str, life: MachineLife) -> None:
-    """A machine's whole life: the steps the fleet hands it, in order, until it is closed or a step fails
-    (the step's error goes to the fleet and fails this run); the teardown step always runs. Not retried:
-    the session already retries what can be retried, and the campaign decides about a failed machine."""
-    reason = "fleet closed"
-    try:
-        while (order := life.next()).work is not None:
-            try:
-                machine_step(label=label, step=order.step, work=order.work)
-            except BaseException as e:
-                order.done.set_exception(e)
-                reason = _failure(e)
-                raise
-            order.done.set_result(None)
-        reason = order.reason
-    finally:
-        life.end(reason)
-        try:
-            machine_step(label=label, step="teardown", work=partial(life.session.teardown, reason))
-        except JexError as e:
-            life.teardown_error = str(e)
-            raise
-
-
-def _failure(e: BaseException) -> str:
-    """A teardown reason naming a failure."""
-    return f"{type(e).__name__}: {str(e)[:160]}"
-
-
-def _machine(session: MachineSession) -> Machine:
-    """The session's machine, there once `start` has run (as for every session a fleet uses)."""
-    return cast(Machine, session.machine)
-
-
 GOLDEN_GENERATION = "generation.parquet"
 """The golden job's greedy generation (`tasks/capture/golden.py: golden_generation`)."""
-
-
-def _provenance(session: MachineSession) -> MachineProvenance | None:
-    """The machine's `provenance.json` as its bootstrap left it (None before one was collected)."""
-    return MachineProvenance.model_validate_json(session.provenance_file.read_text()) \
-        if session.provenance_file else None
-
-
-def machine_gpus(machine: MachineProvenance | None) -> list[str]:
-    """The machine's GPU models, sorted (from `nvidia-smi -L` in its provenance; [] on a CPU machine)."""
-    return sorted(re.findall(r"GPU \d+: ([^(;]+?) \(", machine.gpus if machine else ""))
 
 
 def compile_cache_path(store: LocalStore, engine: EngineSpec, machine: MachineProvenance | None) -> Path:
@@ -581,7 +475,7 @@ def compile_cache_path(store: LocalStore, engine: EngineSpec, machine: MachinePr
     kind: dict[str, JsonValue] = {"gpus": gpus, "vllm": machine.packages.get("vllm") if machine else None,
                                   "python": machine.python if machine else None}
     key = compile_cache_key(engine, kind)
-    return store.root / "compile_cache" / key / COMPILE_CACHE
+    return compile_cache_dir(store.root, key) / COMPILE_CACHE
 
 
 def _all_shards(plan: StagePlan) -> bool:

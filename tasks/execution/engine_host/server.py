@@ -1,5 +1,5 @@
 """An engine host: one process per engine slot of a machine, loading each engine once and serving the
-machine's jobs one request at a time (`python -m jex.tasks.capture.engine_host serve LAUNCH`).
+machine's jobs one request at a time (`python -m jex.tasks.execution.engine_host serve LAUNCH`).
 
 It listens on its slot's socket before it loads an engine, accepts connections on a thread, and
 rewrites `slot-S/progress.json` at each step so a waiting client can tell a slow host from a wedged
@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from jex.engine.compile_cache import pack_compile_cache, restore_compile_cache
 from jex.engine_spec import EngineSpec
 from jex.fileio import atomic_path
-from jex.tasks.capture.engine_host.protocol import (
+from jex.tasks.execution.engine_host.protocol import (
     IDLE_EXIT_S,
     PGID,
     PROGRESS,
@@ -72,7 +72,7 @@ class EngineHost:
     def warm(self, spec: EngineSpec) -> None:
         """Load `spec`'s engine if this host has not yet; an engine that profiles the GPU's memory
         waits for its turn on the machine (`EngineSpec.starts_alone`)."""
-        from jex.tasks.capture.engine_pool import get_engine, is_loaded, preload, release_engines
+        from jex.tasks.execution.engine_pool import get_engine, is_loaded, preload, release_engines
 
         if is_loaded(spec):
             return
@@ -211,8 +211,8 @@ class EngineHost:
 def execute(request: HostRequest, progress: Progress | None = None, engine_start_s: float = 0.0) -> JobSummary:
     """The engine work of one request, in this process (the host's, or a client's with no host);
     `engine_start_s`: what starting the engine for it took just before (recorded with the shards)."""
-    from jex.tasks.capture.engine_job import run_engine_job
     from jex.tasks.capture.stages import ShardShare
+    from jex.tasks.execution.engine_job import run_engine_job
 
     if request.job == "golden":
         from jex.tasks.capture.golden import golden_job
@@ -229,7 +229,7 @@ def execute(request: HostRequest, progress: Progress | None = None, engine_start
 def main(argv: list[str]) -> int:
     """`serve LAUNCH`: serve one slot as the `HostLaunch` (JSON) says, until it retires or idles out."""
     if argv[:1] != ["serve"] or len(argv) != 2:
-        print("usage: python -m jex.tasks.capture.engine_host serve LAUNCH_JSON", file=sys.stderr)
+        print("usage: python -m jex.tasks.execution.engine_host serve LAUNCH_JSON", file=sys.stderr)
         return 2
     launch = HostLaunch.model_validate_json(argv[1])
     home = Path(launch.home).resolve()

@@ -1,7 +1,0 @@
-"""`python -m jex.tasks.capture.engine_host serve LAUNCH`: one slot's engine host (`server.main`)."""
-
-import sys
-
-from jex.tasks.capture.engine_host.server import main
-
-sys.exit(main(sys.argv[1:]))
