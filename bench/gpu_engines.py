@@ -25,7 +25,7 @@ def bakeoff(args: argparse.Namespace) -> None:
                      reference_prompts=args.reference_prompts,
                      max_num_seqs=args.max_num_seqs, device=args.device)
     res = run_bakeoff(job, Path(args.out))
-    print(res["verdict"])
+    print(res.verdict)
     print((Path(args.out) / "bakeoff.md").read_text())
 
 
@@ -41,7 +41,7 @@ def parity(args: argparse.Namespace) -> None:
         rows = list(iter_rows(suite))
     t0 = time.perf_counter()
     hf = HFEngine(args.model, device="cuda", dtype=args.hf_dtype, batch_invariant=True)
-    vl = VLLMEngine(args.model, VLLMProfile(max_num_seqs=args.max_num_seqs), batch_size=args.batch)
+    vl = VLLMEngine(args.model, VLLMProfile.of(max_num_seqs=args.max_num_seqs), batch_size=args.batch)
     print(f"engines up in {time.perf_counter() - t0:.1f}s", flush=True)
     res = run_parity(hf, vl, rows, reason_rows=args.reason_rows, max_tokens=args.max_tokens)
     res["provenance"] = {"a": hf.provenance(), "b": vl.provenance()}

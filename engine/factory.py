@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jex.engine.base import TokenizedEngine
-from jex.engine_spec import ENGINE_KINDS, EngineKind, EngineSpec
+from jex.engine_spec import ENGINE_KINDS, EngineKind, EngineSpec, VLLMSettings
 
 if TYPE_CHECKING:
     from jex.engine.vllm_engine import VLLMProfile
@@ -46,11 +46,20 @@ def vllm_profile(spec: EngineSpec) -> VLLMProfile:
     by_dtype: dict[str, Any] = {"dtype": spec.dtype} if spec.dtype else {}
     by_profile: dict[str, Any] = {"name": spec.profile, "speculative_config": speculative} if speculative else {}
     by_kind: dict[str, Any] = {"name": "control", "batch_invariant": False} if spec.kind == "vllm-control" else {}
-    kv_bytes = int(spec.kv_cache_memory_gib * 2**30) if spec.kv_cache_memory_gib else None
-    return VLLMProfile(max_num_seqs=spec.scheduler_seqs(), gpu_memory_utilization=spec.gpu_memory_utilization,
-                       max_num_batched_tokens=spec.max_num_batched_tokens, kv_cache_memory_bytes=kv_bytes,
-                       max_model_len=spec.max_model_len, cudagraph_mode=spec.cudagraph_mode,
-                       **by_dtype, **by_profile, **by_kind)
+    return VLLMProfile(settings=spec.vllm, **by_dtype, **by_profile, **by_kind)
+
+
+def vllm_args(knobs: VLLMSettings) -> dict[str, Any]:
+    """vLLM's `LLM(...)` arguments of the vLLM knobs, one line each (an empty knob is left out: vLLM's own)."""
+    args: dict[str, Any] = {
+        "max_num_seqs": knobs.scheduler_seqs(),
+        "max_num_batched_tokens": knobs.max_num_batched_tokens,
+        "gpu_memory_utilization": knobs.gpu_memory_utilization,
+        "kv_cache_memory_bytes": int(knobs.kv_cache_memory_gib * 2**30) if knobs.kv_cache_memory_gib else None,
+        "max_model_len": knobs.max_model_len,
+        "compilation_config": {"cudagraph_mode": knobs.cudagraph_mode} if knobs.cudagraph_mode else None,
+    }
+    return {k: v for k, v in args.items() if v is not None}
 
 
 def preload(kind: EngineKind) -> None:

@@ -51,5 +51,4 @@ def engine_fingerprint(spec: EngineSpec) -> EngineFingerprint:
         device_type=spec.device.split(":")[0], renderer=RenderDigest(**spec.render.digest()), dtype=spec.dtype,
         profile=None if spec.profile == "audit" else spec.profile,
         batch_size=spec.requests_per_call() if spec.kind == "hf-batched" else None,
-        max_num_seqs=spec.scheduler_seqs() if vllm else None, max_model_len=spec.max_model_len if vllm else None,
-        cudagraph_mode=spec.cudagraph_mode if vllm else None)
+        **(spec.vllm.keyed() if vllm else {}))  # the vLLM knobs marked keyed (`VLLMSettings`), by their mark

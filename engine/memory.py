@@ -19,6 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jex.engine_spec import VLLMSettings
+
 GIB = 1 << 30
 MIN_REASON_BATCH = 64
 """Sequences the reason stage should fit at once; below it the invariant engine runs at ~2x its tax."""
@@ -94,10 +96,8 @@ class FitRequest(BaseModel):
     dtype: str | None = Field(None, description="The engine's weights dtype; None or 'auto': the config's")
     weights_bytes_on_disk: int | None = Field(None, ge=0, description="The safetensors index's total_size, if any")
     gpu: GpuKind
-    gpu_memory_utilization: float = Field(gt=0, le=1)
-    kv_cache_memory_gib: float | None = Field(None, gt=0, description="A fixed KV cache (vLLM skips profiling)")
-    max_num_batched_tokens: int = Field(8192, ge=1)
-    max_num_seqs: int = Field(256, ge=1)
+    vllm: VLLMSettings = Field(VLLMSettings(), description="The engine's vLLM knobs (their defaults: the spec's; "
+                                                          "an empty max_num_batched_tokens: VLLM_BATCHED_TOKENS)")
     reason_seq_tokens: int = Field(ge=1, description="Prompt + reason max tokens: the longest reason sequence")
 
 
@@ -131,20 +131,20 @@ def estimate_fit(req: FitRequest) -> FitEstimate:
         weights = req.weights_bytes_on_disk * nbytes / dtype_bytes(None, shape)
     else:
         weights = shape.parameters() * nbytes
-    tokens = req.max_num_batched_tokens  # one step's activations: hidden states, gated MLP, fp32 logits
+    tokens = req.vllm.scheduler_tokens()  # one step's activations: hidden states, gated MLP, fp32 logits
     activations = tokens * (4 * shape.hidden_size + 2 * shape.intermediate_size) * nbytes + \
-        min(req.max_num_seqs, tokens) * shape.vocab_size * 4
+        min(req.vllm.scheduler_seqs(), tokens) * shape.vocab_size * 4
     overhead = activations + CONTEXT_OVERHEAD_GIB * GIB
-    budget = req.gpu.memory_gib * req.gpu_memory_utilization * GIB
-    kv = req.kv_cache_memory_gib * GIB if req.kv_cache_memory_gib else max(budget - weights - overhead, 0.0)
+    budget = req.gpu.memory_gib * req.vllm.gpu_memory_utilization * GIB
+    kv = req.vllm.kv_cache_memory_gib * GIB if req.vllm.kv_cache_memory_gib else max(budget - weights - overhead, 0.0)
     per_token = shape.kv_bytes_per_token(nbytes)
     batch = int(kv // (per_token * req.reason_seq_tokens))
-    fits = weights + overhead + (kv if req.kv_cache_memory_gib else 0) <= budget and kv > 0
+    fits = weights + overhead + (kv if req.vllm.kv_cache_memory_gib else 0) <= budget and kv > 0
     g = [round(x / GIB, 1) for x in (budget, weights, overhead, kv)]
     refusal = None if fits else (
         f"the model does not fit: model weights {g[1]} GiB + overhead {g[2]} GiB"
-        f"{f' + KV cache {g[3]} GiB' if req.kv_cache_memory_gib else ''} > usable {g[0]} GiB on {req.gpu.name} "
-        f"({req.gpu.memory_gib:g} GiB x gpu_memory_utilization {req.gpu_memory_utilization:g}); raise "
+        f"{f' + KV cache {g[3]} GiB' if req.vllm.kv_cache_memory_gib else ''} > usable {g[0]} GiB on {req.gpu.name} "
+        f"({req.gpu.memory_gib:g} GiB x gpu_memory_utilization {req.vllm.gpu_memory_utilization:g}); raise "
         f"gpu_memory_utilization, pick a larger GPU kind (JEX_INFRA__GPU_KIND) or a smaller dtype")
     warning = None if not fits or batch >= MIN_REASON_BATCH else (
         f"the KV cache left ({g[3]} GiB on {req.gpu.name}) holds {batch} reason sequences of "

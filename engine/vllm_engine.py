@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from jex.engine.base import ContinuationPlan, TokenizedEngine, continuation_readout, package_version
+from jex.engine.factory import vllm_args
 from jex.engine.models import weights_sha256
 from jex.engine.types import (
     EngineDeadError,
@@ -34,7 +35,7 @@ from jex.engine.types import (
     cut_at_stop,
     renormalise,
 )
-from jex.engine_spec import AUDITED_CUDAGRAPH_MODES
+from jex.engine_spec import AUDITED_CUDAGRAPH_MODES, VLLMSettings
 from jex.provenance import ProvenanceBlock
 
 AUDIT = "audit"
@@ -52,7 +53,9 @@ run (every sampled rationale token-identical to the audited base engine's; tasks
 
 @dataclass(frozen=True)
 class VLLMProfile:
-    """Engine settings. `name="audit"` is validated; other names must be one of NON_AUDITED_NAMES."""
+    """Engine settings. `name="audit"` is validated; other names must be one of NON_AUDITED_NAMES. The vLLM
+    knobs a spec sets are `settings` (`jex.engine_spec.VLLMSettings`, their one declaration and defaults),
+    checked here; the rest is the profile's own: what the audit fixes."""
 
     name: str = AUDIT
     batch_invariant: bool = True
@@ -63,14 +66,15 @@ class VLLMProfile:
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "auto"  # = the model dtype (bf16)
     enforce_eager: bool = False
-    cudagraph_mode: str | None = None  # None: vLLM's default (AUDITED_CUDAGRAPH_MODES)
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None  # None: vLLM's default
-    gpu_memory_utilization: float = 0.30
-    kv_cache_memory_bytes: int | None = None  # None: sized by profiling the GPU's free memory
-    max_model_len: int | None = None
+    settings: VLLMSettings = field(default_factory=VLLMSettings)
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, **given: Any) -> VLLMProfile:
+        """The profile of `given` keywords, the vLLM knobs among them (`max_num_seqs=...`) into `settings`."""
+        knobs = {k: given.pop(k) for k in VLLMSettings.knobs() if k in given}
+        return cls(settings=VLLMSettings(**knobs), **given)
 
     def violations(self, model: Path) -> list[str]:
         out = []
@@ -90,8 +94,8 @@ class VLLMProfile:
         if self.enforce_eager:
             out.append("enforce_eager=True: eager mode is NOT batch invariant (measured: 1,889 of 3,072 greedy "
                        "tokens differed between batch 1 and 32 on the H200, vLLM 0.22.1)")
-        if self.cudagraph_mode not in AUDITED_CUDAGRAPH_MODES:
-            out.append(f"cudagraph_mode={self.cudagraph_mode}: only the default and FULL_DECODE_ONLY were "
+        if self.settings.cudagraph_mode not in AUDITED_CUDAGRAPH_MODES:
+            out.append(f"cudagraph_mode={self.settings.cudagraph_mode}: only the default and FULL_DECODE_ONLY were "
                        "measured invariant")
         if model.suffix == ".gguf" or (model.is_dir() and any(model.glob("*.gguf"))):
             out.append("a GGUF-quantised model: vLLM's GGUF kernels switch kernels by row count and are not "
@@ -117,6 +121,11 @@ class VLLMProfile:
         if self.name != AUDIT and self.name not in NON_AUDITED_NAMES:
             raise EngineDeadError(f"unknown profile name {self.name!r}: use '{AUDIT}', one of "
                                   f"{tuple(SPECULATIVE_PROFILES)} or one of {NON_AUDITED_NAMES}")
+
+    def record(self) -> dict[str, Any]:
+        """The profile as provenance records it: one flat table, the vLLM knobs beside the profile's own."""
+        own = {k: v for k, v in asdict(self).items() if k != "settings"}
+        return {**own, **self.settings.model_dump(mode="json")}
 
     def environment(self) -> dict[str, str]:
         return {"VLLM_BATCH_INVARIANT": "1" if self.batch_invariant else "0",
@@ -154,17 +163,8 @@ class VLLMEngine(TokenizedEngine):
         kwargs: dict[str, Any] = dict(
             model=str(self.path), dtype=self.profile.dtype, tensor_parallel_size=self.profile.tensor_parallel_size,
             enable_prefix_caching=self.profile.enable_prefix_caching, attention_backend=self.profile.attention_backend,
-            max_num_seqs=self.profile.max_num_seqs, seed=self.profile.seed, enforce_eager=self.profile.enforce_eager,
-            gpu_memory_utilization=self.profile.gpu_memory_utilization, kv_cache_dtype=self.profile.kv_cache_dtype,
-            **self.profile.extra)
-        if self.profile.max_model_len:
-            kwargs["max_model_len"] = self.profile.max_model_len
-        if self.profile.max_num_batched_tokens:
-            kwargs["max_num_batched_tokens"] = self.profile.max_num_batched_tokens
-        if self.profile.kv_cache_memory_bytes:
-            kwargs["kv_cache_memory_bytes"] = self.profile.kv_cache_memory_bytes
-        if self.profile.cudagraph_mode:
-            kwargs["compilation_config"] = {"cudagraph_mode": self.profile.cudagraph_mode}
+            seed=self.profile.seed, enforce_eager=self.profile.enforce_eager,
+            kv_cache_dtype=self.profile.kv_cache_dtype, **vllm_args(self.profile.settings), **self.profile.extra)
         if self.profile.speculative_config:
             kwargs["speculative_config"] = self.profile.speculative_config
         # the weights' sha256 (seconds per GB on a first start) is read beside the engine start, not after it:
@@ -305,7 +305,7 @@ class VLLMEngine(TokenizedEngine):
         import torch
 
         env_names = sorted(k for k in os.environ if k.startswith(("VLLM_", "CUBLAS", "CUDA_VISIBLE")))
-        return {"engine": "vllm", "weights_sha256": self.weights_sha256, "profile": asdict(self.profile),
+        return {"engine": "vllm", "weights_sha256": self.weights_sha256, "profile": self.profile.record(),
                 "vllm": package_version("vllm"), "torch": package_version("torch"), "model_path": str(self.path),
                 "audited": self.profile.name == AUDIT,
                 "environment": {k: os.environ[k] for k in env_names}, "transformers": package_version("transformers"),

@@ -176,7 +176,7 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[StageName] | None =
                                ).write(run_dir)
     if proof is not None:
         write_proof(run_dir, proof, fell_back=not proof.exact)
-    report_task(run_dir=str(run_dir), summaries=run.summaries, spec=spec.model_dump(mode="json"),
+    report_task(run_dir=str(run_dir), summaries=run.summaries, spec=spec,
                 timings=run.timings, machines=report_section(run.runner.report()))
     upload_to_s3(run.s3, run_dir, run.summaries, spec.store)
     s = run.summaries.finished()
@@ -404,7 +404,7 @@ def stored_run(spec: CampaignSpec, settings: JexSettings) -> Path | None:
         decision_stages(run)
     except NotStored:
         return None
-    if not rendered(run_dir, report_key(run_dir, run.summaries, spec.model_dump(mode="json"))):
+    if not rendered(run_dir, report_key(run_dir, run.summaries, spec)):
         return None
     enforce_audit(spec, run.summaries.finished())
     print(f"every stage stored: nothing to run (report: {run_dir / 'report.md'})")

@@ -74,15 +74,15 @@ def campaign_runs(limit: int = 50, *, model: str | None = None) -> list[RunRow]:
 
 def _identity(run_dir: Path) -> dict[str, str | None]:
     """The weights, Hub revision and bundle a run folder records (nothing for a run that did not get there)."""
-    from jex.fileio import read_json
+    from jex.provenance import read_provenance
     from jex.run_records import RunStages
 
     out: dict[str, str | None] = {}
     provenance = run_dir / "provenance.json"
     if provenance.exists():
-        engine = read_json(provenance).get("engine") or {}
-        out["weights_sha256"] = engine.get("weights_sha256")
-        out["revision"] = (engine.get("hub") or {}).get("commit") or None
+        engine = read_provenance(provenance).engine
+        out["weights_sha256"] = engine.weights_sha256 if engine else None
+        out["revision"] = (engine.hub.commit if engine and engine.hub else None) or None
     try:
         out["bundle"] = RunStages.read(run_dir).root["bundle"].key
     except (OSError, KeyError, ValueError):

@@ -33,7 +33,6 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jex.errors import FlowError, InputError
-from jex.fileio import write_json
 from jex.flows.campaign import campaign
 from jex.flows.machines.runners import run_lab
 from jex.infra.cost_ledger import CostLedger
@@ -46,8 +45,18 @@ from jex.lab.experiment_report import (
     register_experiment_test,
     register_with_base,
     twin_audit,
+    write_experiment,
 )
-from jex.lab.jobs import BakeoffJob, LabJob, LabSummary, ParityJob, ProbeJob
+from jex.lab.jobs import (
+    BakeoffJob,
+    BakeoffSummary,
+    LabJob,
+    LabSummary,
+    ParityJob,
+    ParitySummary,
+    ProbeJob,
+    ProbeSummary,
+)
 from jex.run_records import EngineCalls
 from jex.tasks.campaign_spec import CampaignSpec, MachinesSpec, sample_suite_dir
 from jex.tasks.decisions import append_decisions, ledger_path, model_facts
@@ -303,7 +312,7 @@ def experiment(spec: ExperimentSpec = ExperimentSpec()) -> str:  # noqa: B008 - 
                   settings=spec.model_dump(mode="json"), registered=registered)
     ledger = ledger_path(plan.base.store)
     added = len(append_decisions(ledger, experiment_decisions(doc, plan.arms, registered, source=out)))
-    write_json(out / "experiment.json", {**doc, "ledger": str(ledger.resolve())})
+    write_experiment(out, doc, ledger=ledger.resolve())
     report = inline_images((out / "report.md").read_text(), out)
     try:
         create_markdown_artifact(markdown=report, key="experiment-report", description=f"experiment {doc['name']}")
@@ -342,24 +351,28 @@ def _lab_job(spec: BakeoffJob | ParityJob | ProbeJob, out: str, machines: Machin
 
 @flow(name="bakeoff", log_prints=True)
 def bakeoff(job: BakeoffJob = BakeoffJob(), out: str = "runs/bakeoff",  # noqa: B008 - UI form default
-            machines: MachinesSpec | None = None) -> LabSummary:
+            machines: MachinesSpec | None = None) -> BakeoffSummary:
     """Each arm in its own process; the verdict and the table become a Prefect artifact."""
     summary, _ = _lab_job(job, out, machines, report="bakeoff.md", key="bakeoff-report")
-    print(summary["verdict"])
+    assert isinstance(summary, BakeoffSummary)  # a bake-off job's summary
+    print(summary.verdict)
     return summary
 
 
 @flow(name="parity", log_prints=True)
-def parity(job: ParityJob, out: str = "runs/parity", machines: MachinesSpec | None = None) -> LabSummary:
+def parity(job: ParityJob, out: str = "runs/parity", machines: MachinesSpec | None = None) -> ParitySummary:
     """Readout parity (and choice parity after a rationale) of two engines on the same rows: a stratified
     sample of `job.rows` (0: all); the mismatches after a rationale also go to parity-mismatches.parquet."""
     summary, _ = _lab_job(job, out, machines, report="parity.md", key="parity-report")
+    assert isinstance(summary, ParitySummary)  # a parity job's summary
     return summary
 
 
 @flow(name="early-exit-probe", log_prints=True)
-def early_exit_probe(job: ProbeJob, out: str = "runs/probe", machines: MachinesSpec | None = None) -> LabSummary:
+def early_exit_probe(job: ProbeJob, out: str = "runs/probe",
+                     machines: MachinesSpec | None = None) -> ProbeSummary:
     """Probe `job.rows` gated rows of a suite folder or bundle; writes probe.json, probe.md, probe.png."""
     summary, text = _lab_job(job, out, machines, report="probe.md", key="early-exit-probe")
     print(text.splitlines()[4] if len(text.splitlines()) > 4 else text)
+    assert isinstance(summary, ProbeSummary)  # a probe job's summary
     return summary

@@ -21,7 +21,7 @@ import shlex
 import tarfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -52,6 +52,7 @@ from jex.infra.records import (
 from jex.infra.s3 import S3Store
 from jex.infra.shell import Shell, ShellError
 from jex.infra.watchdog import MARKER, WatchdogConfig
+from jex.settings import InfraSettings, infra_default
 
 __all__ = ["JobFailed", "JobOutcome", "MachineSession", "Policy", "RemoteJob", "StartedMachine", "adopt_artifacts",
            "code_bundle", "self_terminated_marker", "stack_lock"]
@@ -70,28 +71,28 @@ STACK_PACKAGES = ("transformers", "gguf", "accelerate", "safetensors", "numpy", 
 
 @dataclass
 class Policy:
-    poll_s: float = 2.0
-    heartbeat_s: float = 5.0
-    heartbeat_timeout_s: float = 60.0
+    poll_s: float = infra_default("poll_s")
+    heartbeat_s: float = infra_default("heartbeat_s")
+    heartbeat_timeout_s: float = infra_default("heartbeat_timeout_s")
     budget_hours: float | None = None
     """The longest a machine may live (wall clock); with `budget_usd` and `price_per_hour`, one policy whose
     names are the settings' (`JEX_INFRA__BUDGET_HOURS`, ...) and the campaign's (`machines.budget_hours`)."""
-    budget_usd: float = 100.0
-    price_per_hour: float = 3.5
+    budget_usd: float = infra_default("budget_usd")
+    price_per_hour: float = infra_default("price_per_hour")
     teardown_attempts: int = 12
     upload_attempts: int = 5
     backoff_s: float = 0.5
     boot_timeout_s: float = 600.0
-    watchdog: bool = True
+    watchdog: bool = infra_default("watchdog")
     """Start the machine-side dead-man's switch (`jex.infra.watchdog`) at bootstrap."""
-    lease_s: float = 900.0
+    lease_s: float = infra_default("lease_s")
     """The machine stops itself after this long without a poll from the orchestrator."""
     ttl_s: float | None = None
     """Hard time to live of a machine; None: the wall budget, else the cost budget at the machine's price."""
-    finish_grace_s: float = 0.0
+    finish_grace_s: float = infra_default("finish_grace_s")
     """After a lease expiry, how long a running job may go on before the watchdog stops it."""
     watchdog_check_s: float = 5.0
-    poweroff_command: str = ""
+    poweroff_command: str = infra_default("poweroff_command")
     """How the watchdog of a cloud machine powers it off, run on the machine (`{id}`: the machine's id);
     empty: `shutdown -h now`. Also what the bootstrap's backstop runs at the hard time to live."""
 
@@ -102,7 +103,11 @@ class Policy:
         by_cost = self.budget_usd / self.price_per_hour * 3600 if self.price_per_hour else 0
         caps = [(self.budget_hours or 0) * 3600, by_cost]
         caps = [c for c in caps if c > 0]
-        return min(caps) if caps else 72 * 3600.0
+        return min(caps) if caps else infra_default("budget_hours") * 3600.0
+
+
+POLICY_SETTINGS = tuple(f.name for f in fields(Policy) if f.name in InfraSettings.model_fields)
+"""The Policy fields that are settings of the same name (`JEX_INFRA__*`): `policy_from_settings` reads them."""
 
 
 @dataclass

@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from jex.errors import InputError
 from jex.infra.cost_ledger import CostLedger
-from jex.infra.machine import JobFailed, MachineSession, Policy, RemoteJob, adopt_artifacts, self_terminated_marker
+from jex.infra.machine import (
+    POLICY_SETTINGS,
+    JobFailed,
+    MachineSession,
+    Policy,
+    RemoteJob,
+    adopt_artifacts,
+    self_terminated_marker,
+)
 from jex.infra.providers import (
     CommandProvider,
     CommandTemplates,
@@ -104,12 +112,10 @@ def check_results_survive(provider: str, *, keeps_disk: bool, bucket: str | None
 
 
 def policy_from_settings(infra: InfraSettings, **overrides: Any) -> Policy:
-    return Policy(**{"poll_s": infra.poll_s, "heartbeat_s": infra.heartbeat_s,
-                     "heartbeat_timeout_s": infra.heartbeat_timeout_s, "budget_usd": infra.budget_usd,
-                     "price_per_hour": infra.price_per_hour, "budget_hours": infra.budget_hours,
-                     "watchdog": infra.watchdog, "lease_s": infra.lease_s, "finish_grace_s": infra.finish_grace_s,
-                     "ttl_s": infra.ttl_hours * 3600 if infra.ttl_hours else None,
-                     "poweroff_command": infra.poweroff_command, **overrides})
+    """The machine policy of the settings: every Policy field that is a setting (`POLICY_SETTINGS`), by its
+    name, and the hard time to live of `ttl_hours`; `overrides` last."""
+    return Policy(**{**{name: getattr(infra, name) for name in POLICY_SETTINGS},
+                     "ttl_s": infra.ttl_hours * 3600 if infra.ttl_hours else None, **overrides})
 
 
 def _jobs_on(session: MachineSession) -> list[JobRecord]:

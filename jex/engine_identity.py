@@ -61,3 +61,48 @@ class EngineFingerprint(Record):
 
 
 __all__ = ["EngineFingerprint", "HubRevision", "RenderDigest"]
+
+
+class ArchitectureShape(Record):
+    """The shapes a model's kernels run at: what a batch-invariance audit depends on besides the GPU, the
+    stack and the engine settings, and not the weights' values (a fine-tune shares its base's shape, so one
+    audit covers both). Read from the model folder's `config.json` (`engine/models.py: architecture_shape`)."""
+
+    architecture: str = Field(description="The config's first `architectures` entry, or its `model_type`")
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int | None = None
+    vocab: int
+    tied_embeddings: bool = False
+
+
+class EffectiveSettings(Record):
+    """What a started engine runs with, read back from it (`engine/effective.py`), not what was asked: the
+    settings that decide its kernels and batching. A field the engine did not expose is None."""
+
+    engine: str = Field(description="hf or vllm")
+    attention_backend: str | None = None
+    cudagraph_mode: str | None = Field(None, description="The mode vLLM resolved (it may lower the one asked)")
+    enforce_eager: bool | None = None
+    prefix_caching: bool | None = None
+    batch_invariant: bool | None = None
+    dtype: str | None = None
+    kv_cache_dtype: str | None = None
+    quantization: str | None = Field(None, description="The checkpoint's quantization as the engine applied it")
+    chunked_prefill: bool | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    tensor_parallel_size: int | None = None
+
+    def kernel_doc(self) -> dict[str, JsonValue]:
+        """The settings an audit's verdict depends on (batching and kernels; not the scheduler's width, which
+        the audit's ladder covers, nor the context limit)."""
+        doc = self.model_dump(mode="json", exclude={"max_num_seqs", "max_model_len"})
+        return {k: v for k, v in doc.items() if v is not None}
+
+    def unread(self) -> list[str]:
+        return [name for name, value in self if value is None]

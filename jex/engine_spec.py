@@ -10,8 +10,9 @@ engine stage key. Both records refuse unknown keys, so a misspelt key in a `--sp
 from __future__ import annotations
 
 import string
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -99,10 +100,85 @@ HF_BATCH = 8
 VLLM_MAX_NUM_SEQS = 512
 """vLLM's sequences per scheduler step unless the spec says otherwise: enough to keep an H200 busy on
 one-token readouts (measured beside lm_eval at 512, 0 argmax differences over 13,000 rows)."""
+VLLM_BATCHED_TOKENS = 8192
+"""vLLM's own tokens per scheduler step when `max_num_batched_tokens` is empty: what the memory estimate
+(`engine/memory.py`) sizes one step's activations by."""
+BAKEOFF_MAX_NUM_SEQS = 32
+"""The bake-off's `max_num_seqs` unless its job says otherwise: the top rung of its default ladder."""
 
 
-class EngineSpec(BaseModel):
-    """Which engine a stage uses and how it runs. This is what the campaign form shows under 'engine'."""
+@dataclass(frozen=True)
+class Knob:
+    """A `VLLMSettings` field's mark: `keyed` when it changes the numbers vLLM computes, so belongs in the
+    engine fingerprint (`engine/fingerprint.py`, every engine stage key); the others change only speed or memory."""
+
+    keyed: bool
+
+
+KEYED, UNKEYED = Knob(keyed=True), Knob(keyed=False)
+
+
+class VLLMSettings(BaseModel):
+    """Every vLLM knob, declared once: its one default, its description (the `jex run` flag's help and the
+    campaign form's text) and its mark (`Knob`: keyed or not). `EngineSpec` carries them flat (its keys,
+    `JEX_ENGINE__*` variables and form unchanged; `EngineSpec.vllm` is this record), the vLLM profile checks
+    them, `engine/factory.py` (`vllm_args`) hands them to vLLM: a new knob is one field here and one line there."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    max_num_seqs: Annotated[int | None, KEYED] = Field(
+        None, ge=1, description=f"vLLM: sequences per scheduler step; empty = {VLLM_MAX_NUM_SEQS}")
+    max_num_batched_tokens: Annotated[int | None, UNKEYED] = Field(
+        None, ge=16, description="vLLM: tokens per scheduler step; empty = vLLM's default")
+    gpu_memory_utilization: Annotated[float, UNKEYED] = Field(0.30, gt=0, le=0.95,
+                                                              description="vLLM: share of GPU memory")
+    kv_cache_memory_gib: Annotated[float | None, UNKEYED] = Field(
+        None, gt=0, description="vLLM: KV cache size, fixed instead of profiled; engines with it start together "
+                                "on one GPU")
+    max_model_len: Annotated[int | None, KEYED] = Field(None, ge=16,
+                                                        description="vLLM: context limit; empty = the model's")
+    cudagraph_mode: Annotated[CudagraphMode | None, KEYED] = Field(
+        None, description="vLLM: CUDA-graph mode; empty = vLLM's default. The audit profile allows the default "
+                          "and FULL_DECODE_ONLY (the seeds' setting), both measured batch invariant")
+
+    @classmethod
+    def knobs(cls) -> tuple[str, ...]:
+        """The vLLM knobs' names, in declaration order."""
+        return tuple(VLLMSettings.model_fields)
+
+    @classmethod
+    def keyed_knobs(cls) -> tuple[str, ...]:
+        """The knobs that change the numbers (marked `KEYED`): the engine fingerprint's vLLM fields."""
+        return tuple(name for name, f in VLLMSettings.model_fields.items()
+                     if any(isinstance(m, Knob) and m.keyed for m in f.metadata))
+
+    def scheduler_seqs(self) -> int:
+        """vLLM's `max_num_seqs`: the field, else VLLM_MAX_NUM_SEQS."""
+        return self.max_num_seqs or VLLM_MAX_NUM_SEQS
+
+    def scheduler_tokens(self) -> int:
+        """vLLM's `max_num_batched_tokens`: the field, else vLLM's own (VLLM_BATCHED_TOKENS)."""
+        return self.max_num_batched_tokens or VLLM_BATCHED_TOKENS
+
+    def keyed(self) -> dict[str, Any]:
+        """The keyed knobs as the engine runs them (an empty `max_num_seqs`: VLLM_MAX_NUM_SEQS)."""
+        return {**{name: getattr(self, name) for name in self.keyed_knobs()}, "max_num_seqs": self.scheduler_seqs()}
+
+    @property
+    def vllm(self) -> VLLMSettings:
+        """The vLLM settings alone (on an `EngineSpec`: its vLLM knobs as their own record)."""
+        return VLLMSettings(**{name: getattr(self, name) for name in VLLMSettings.model_fields})
+
+
+def knob_field(name: str, default: Any) -> Any:
+    """The field of the vLLM knob `name` with a context's own default (a named constant: e.g. the
+    bake-off's BAKEOFF_MAX_NUM_SEQS): its constraints and description, less its 'empty = ...' clause."""
+    f = VLLMSettings.model_fields[name]
+    return Field(default, description=(f.description or "").split("; empty")[0],
+                 **{k: getattr(m, k) for m in f.metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)})
+
+
+class _EngineHead(BaseModel):
+    """The fields of `EngineSpec` before its vLLM knobs (the campaign form shows them in this order)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: EngineKind = Field("hf", description="Engine and profile")
@@ -114,19 +190,15 @@ class EngineSpec(BaseModel):
     batch_size: int | None = Field(None, ge=0, description="Requests per engine call; empty = the engine's: vLLM 0 "
                                                         "(all the stage hands over, a shard, in one call, scheduled "
                                                         f"by vLLM), HF {HF_BATCH}; 0 is for vLLM only")
-    max_num_seqs: int | None = Field(None, ge=1, description="vLLM: sequences per scheduler step; empty = "
-                                                             f"{VLLM_MAX_NUM_SEQS}")
-    max_num_batched_tokens: int | None = Field(None, ge=16, description="vLLM: tokens per scheduler step; "
-                                                                        "empty = vLLM's default")
     dtype: str | None = Field(None, description="Weights dtype; empty = the engine's (hf float32, vllm bfloat16 "
                                                 "under the audit profile)")
-    gpu_memory_utilization: float = Field(0.30, gt=0, le=0.95, description="vLLM: share of GPU memory")
-    kv_cache_memory_gib: float | None = Field(None, gt=0, description="vLLM: KV cache size, fixed instead of "
-                                              "profiled; engines with it start together on one GPU")
-    max_model_len: int | None = Field(None, ge=16, description="vLLM: context limit; empty = the model's")
-    cudagraph_mode: CudagraphMode | None = Field(
-        None, description="vLLM: CUDA-graph mode; empty = vLLM's default. The audit profile allows the default "
-                          "and FULL_DECODE_ONLY (the seeds' setting), both measured batch invariant")
+
+
+class EngineSpec(VLLMSettings, _EngineHead):
+    """Which engine a stage uses and how it runs. This is what the campaign form shows under 'engine'.
+    Its vLLM knobs are `VLLMSettings`'s fields, flat (`spec.max_num_seqs`; `spec.vllm` is that record)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
     cache_dir: str = Field(str(Path.home() / ".cache" / "jex"), description="Converted-model and Hub cache")
     render: RenderSpec = Field(RenderSpec(), description="Templates, system prompt, chat template, few-shot count")
 
@@ -153,10 +225,6 @@ class EngineSpec(BaseModel):
         if self.batch_size is not None:
             return self.batch_size
         return 0 if self.kind == "vllm" else HF_BATCH
-
-    def scheduler_seqs(self) -> int:
-        """vLLM's `max_num_seqs`: the field, else VLLM_MAX_NUM_SEQS."""
-        return self.max_num_seqs or VLLM_MAX_NUM_SEQS
 
     def on_gpu(self) -> bool:
         return self.device.startswith("cuda")

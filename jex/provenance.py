@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TypedDict
 
-from pydantic import JsonValue
+from pydantic import BaseModel, ConfigDict, JsonValue
 
 import jex
 
@@ -71,3 +71,37 @@ def provenance(*, inputs: dict[str, str] | None = None, settings: Mapping[str, J
     }
     block.update(extra)
     return block
+
+
+class _Section(BaseModel):
+    """A part of a provenance block read back: its other keys kept as they are (sections vary by writer)."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+
+class HubRevision(_Section):
+    commit: str | None = None
+
+
+class EngineProvenance(_Section):
+    """The engine section a run folder's `provenance.json` holds (the fast pass's engine fingerprint)."""
+
+    weights_sha256: str | None = None
+    hub: HubRevision | None = None
+
+
+class ProvenanceDoc(_Section):
+    """A provenance block read back from its file (`provenance.json` of a run folder): the fixed sections
+    typed, the `extra` ones a writer added kept as they are."""
+
+    jex: dict[str, JsonValue]
+    python: str
+    implementation: str
+    packages: dict[str, str | None]
+    inputs: dict[str, str]
+    settings: dict[str, JsonValue]
+    engine: EngineProvenance | None = None
+
+
+def read_provenance(path: str | Path) -> ProvenanceDoc:
+    return ProvenanceDoc.model_validate_json(Path(path).read_bytes())

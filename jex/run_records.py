@@ -18,7 +18,7 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from jex.engine_spec import EngineSpec
-from jex.fileio import read_json, write_json
+from jex.fileio import write_json
 from jex.record import Record
 
 StageName = Literal["bundle", "fast_pass", "gate", "reason", "generate", "fold", "calibrate", "overlay", "score"]
@@ -60,7 +60,7 @@ class RunStages(RootModel[dict[RecordedStage, StageRecord]]):
     def read(cls, run_dir: str | Path) -> RunStages:
         """The run folder's record; empty when the run recorded no stage yet."""
         path = Path(run_dir) / STAGES_FILE
-        return cls.model_validate(read_json(path)) if path.is_file() else cls()
+        return cls.model_validate_json(path.read_bytes()) if path.is_file() else cls()
 
     def write(self, run_dir: str | Path) -> None:
         write_json(Path(run_dir) / STAGES_FILE, self.model_dump(mode="json"))
@@ -82,7 +82,7 @@ class RecordedCampaign(BaseModel):
 
     @classmethod
     def read(cls, run_dir: str | Path) -> RecordedCampaign:
-        return cls.model_validate(read_json(Path(run_dir) / CAMPAIGN_FILE))
+        return cls.model_validate_json((Path(run_dir) / CAMPAIGN_FILE).read_bytes())
 
 
 class EngineCalls(Record):
@@ -96,7 +96,7 @@ class EngineCalls(Record):
 
     @classmethod
     def read(cls, run_dir: str | Path) -> EngineCalls:
-        return cls.model_validate(read_json(Path(run_dir) / ENGINE_CALLS_FILE))
+        return cls.model_validate_json((Path(run_dir) / ENGINE_CALLS_FILE).read_bytes())
 
     def write(self, run_dir: str | Path) -> None:
         write_json(Path(run_dir) / ENGINE_CALLS_FILE, self.model_dump(mode="json"))

@@ -104,6 +104,12 @@ class InfraSettings(BaseModel):
     aws_secret_access_key_block: str | None = Field(None, description="Prefect Secret block holding the AWS secret key")
 
 
+def infra_default(name: str) -> Any:
+    """The default of the infra setting `name` (`JEX_INFRA__*`): the machine policy's and the budget
+    projection's (`infra/machine.py: Policy`, `flows/budget.py: BudgetSpec`), declared once here."""
+    return InfraSettings.model_fields[name].default
+
+
 class PrefectSettings(BaseModel):
     api_url: str | None = Field(None, description="Prefect API the CLI's flows report to (PREFECT_API_URL "
                                                   "wins); None = a jex server's or Prefect's local API")

@@ -50,7 +50,7 @@ READOUT_FIELDS = ("readout", "prompt_format", "target_delimiter")
 GENERATIVE_FIELDS = ("kind", "generation", "filters", "match", "primary_filter")
 
 
-def _without_defaults(doc: dict[str, Any], names: tuple[str, ...], *, json: bool) -> dict[str, Any]:
+def without_defaults(doc: dict[str, Any], names: tuple[str, ...], *, json: bool) -> dict[str, Any]:
     """`doc` (a dumped `Catalog`, in JSON or Python mode) less the fields of `names` that hold their defaults."""
     for name in names:
         default = Catalog.model_fields[name].get_default()
@@ -103,13 +103,13 @@ class Catalog(BaseModel):
     def declared(self) -> dict[str, Any]:
         """The catalog as JSON, leaving out the readout and generative fields at their defaults, so a bundle
         of a suite that does not use them keeps the bytes (and so the identity) it had before they existed."""
-        return _without_defaults(self.model_dump(mode="json"), (*READOUT_FIELDS, *GENERATIVE_FIELDS), json=True)
+        return without_defaults(self.model_dump(mode="json"), (*READOUT_FIELDS, *GENERATIVE_FIELDS), json=True)
 
     def manifest_entry(self) -> dict[str, Any]:
         """The catalog as a `[[catalogs]]` table written back (a panel's suite.toml): every field that is set,
         the generative ones only where they are not their defaults (the bytes of a multiple-choice suite's
         table are those it had before generative catalogs existed)."""
-        return _without_defaults(self.model_dump(exclude_none=True), GENERATIVE_FIELDS, json=False)
+        return without_defaults(self.model_dump(exclude_none=True), GENERATIVE_FIELDS, json=False)
     secondary: tuple[Literal["abstain"], ...] = Field(
         (), description="Secondary prediction fields the scorer reads: 'abstain' (a row the predictor declined)")
 

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jex.engine_spec import EngineSpec, RenderSpec
+from jex.engine_spec import EngineSpec, RenderSpec, VLLMSettings
 from jex.errors import InputError
 from jex.fileio import sha256_bytes
 from jex.settings import BOOTSTRAP_SEED
@@ -41,9 +41,8 @@ ArmKind = Literal["arm", "placebo", "twin", "sweep"]
 CAMPAIGN_SETTINGS = ("coverage", "per_catalog_cap", "reason_max_tokens", "fold_rule", "fold_weight",
                      "calibration_folds", "overlays")
 """Campaign settings an arm may change (the decision stages, and the coverage gate's coverage)."""
-ENGINE_SETTINGS = ("kind", "device", "batch_size", "max_num_seqs", "dtype", "gpu_memory_utilization",
-                   "max_model_len")
-"""Engine profile settings an arm may change (`[arms.engine]`)."""
+ENGINE_SETTINGS = ("kind", "device", "batch_size", "dtype", *VLLMSettings.knobs())
+"""Engine profile settings an arm may change (`[arms.engine]`): every vLLM knob, read from its record."""
 RENDER_SETTINGS = tuple(RenderSpec.model_fields)
 PLACEBO_FIELDS = ("render.question_template", "render.reason_template", "render.option_order_seed")
 """What a placebo may change: the instruction's wording, or the order options are shown in (restored

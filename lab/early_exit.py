@@ -29,14 +29,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from jex.engine.render import DEFAULT_RENDER
 from jex.engine.types import NextTokenRequest, ReadoutMode, ReadoutRequest
 from jex.engine_spec import RenderSpec
 from jex.numerics import argmax, margin, named_rng
+from jex.record import Record, read_record
 from jex.settings import BOOTSTRAP_SEED
 from jex.tasks.capture.engine_calls import CaptureRow, as_row, reason, reason_prompts
 
@@ -46,10 +47,9 @@ DEFAULT_KS = (2, 3)
 """Consecutive checkpoints of the stable-margin grid."""
 
 
-class CheckpointStats(BaseModel):
+class CheckpointStats(Record):
     """A policy that cuts every rationale at `tokens` (rows that ended earlier keep their whole one)."""
 
-    model_config = ConfigDict(frozen=True)
     tokens: int
     mean_tokens_spent: float
     accuracy: float
@@ -60,10 +60,9 @@ class CheckpointStats(BaseModel):
     gate_fired: int = Field(description="Of those, rows where end-of-sequence is the top next token")
 
 
-class StableMarginStats(BaseModel):
+class StableMarginStats(Record):
     """The stable-margin rule (tau, k) over the probed rows (see the module docstring)."""
 
-    model_config = ConfigDict(frozen=True)
     tau: float = Field(description="Margin threshold (log-odds)")
     k: int = Field(description="Consecutive checkpoints the margin must stay above tau")
     exited: int = Field(description="Rows that exited before the end of their rationale")
@@ -74,8 +73,10 @@ class StableMarginStats(BaseModel):
     correct_lost: int = Field(description="Rows right after the full rationale, wrong after the exit")
 
 
-class ProbeResult(BaseModel):
-    model_config = ConfigDict(frozen=True)
+class ProbeResult(Record):
+    """`probe.json`, written by `write_record` and read back through `read_probe`."""
+
+    version: Literal[1] = Field(1, description="The record's version (absent before it: 1)")
     rows: int
     every: int
     max_tokens: int
@@ -92,6 +93,10 @@ class ProbeResult(BaseModel):
     first_matching_checkpoint: int | None = Field(description="First m whose accuracy >= the full rationale's")
     tokens_saved_at_first_match: int | None
     stable_margin: list[StableMarginStats] = Field(default_factory=list, description="The (tau, k) grid")
+
+
+def read_probe(path: str | Path) -> ProbeResult:
+    return read_record(ProbeResult, path)
 
 
 def end_of_thought_id(tokenizer: Any, end_of_thought: str | None) -> int:

@@ -10,16 +10,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 import polars as pl
 from pydantic import Field
 
 from jex.errors import InputError
-from jex.fileio import canonical_json, read_json, sha256_json, write_json, write_text
+from jex.fileio import canonical_json, sha256_json, write_json, write_text
 from jex.lab.arms import ArmsFile, ExperimentTestSettings
 from jex.lab.experiment_stats import ArmStats, Delta, DeltaJson, OofChoice, versus
-from jex.record import Record
+from jex.record import Record, read_record
 from jex.tasks.bundle.suite_table import SuiteTable
 from jex.tasks.decisions import Decision, now, read_decisions
 from jex.tasks.records import FinishedCampaign
@@ -124,6 +124,120 @@ class ExperimentDoc(TypedDict):
     sweeps: dict[str, SweepDoc]
     panel: NotRequired[PanelDoc]
     provenance: dict[str, Any]
+
+
+# --- experiment.json, as a record: every write goes through it, and every read -----------------------
+
+class DeltaRecord(Record):
+    delta: float
+    ci: list[float]
+
+
+class OofRecord(Record):
+    choice: Any
+    fold_choices: list[Any]
+    oof_delta: float
+    in_sample_best: Any
+    folds: int
+
+
+class DifferenceRecord(Record):
+    row: int | None
+    run_id: str | None
+    column: str | None
+    detail: str
+    artifact: str
+
+
+class TwinRecord(Record):
+    identical: bool
+    first_difference: DifferenceRecord | None
+    sha256: dict[str, list[str]]
+    folders: dict[str, list[str]]
+    store: str | None = None
+
+
+class ArmRecord(Record):
+    kind: str
+    delta: float
+    ci: list[float]
+    p: float
+    vs_placebo: DeltaRecord | None
+    verdict: str
+    checks: dict[str, bool]
+    index: float
+    full: DeltaRecord
+    wall_ratio: float
+    token_ratio: float
+    legs: dict[str, DeltaRecord]
+    catalogs: dict[str, DeltaRecord]
+    run: str
+    engine_calls: dict[str, int]
+    sub_run_wall_s: float
+    placebo_delta: float | None = None
+    retention: float | None = None
+    sweep: str | None = None
+    value: Any = None
+
+
+class SweepPointRecord(Record):
+    value: Any
+    name: str
+    delta: float
+    ci: list[float]
+    verdict: str
+
+
+class SweepRecord(Record):
+    parameter: str | None
+    points: list[SweepPointRecord]
+    oof: OofRecord
+    plot: str
+
+
+class PanelArmRecord(Record):
+    panel_delta: float
+    panel_ci: list[float]
+    projected: DeltaRecord
+
+
+class PanelRecord(Record):
+    catalogs: list[str]
+    share: float
+    asserted_share: float | None
+    shares: dict[str, float]
+    arms: dict[str, PanelArmRecord]
+
+
+EXPERIMENT_FILE = "experiment.json"
+
+
+class ExperimentRecord(Record):
+    """`experiment.json` (the output contract in docs/experiments.md), the record of an `ExperimentDoc`:
+    written through it (`write_experiment`: the keys the document holds, as before) and read back through
+    it (`read_experiment`). `ledger`: the store ledger the flow appended the decisions to."""
+
+    version: Literal[1] = Field(1, description="The record's version (absent in the file: 1)")
+    name: str
+    base: dict[str, Any] = Field(description="index, run, engine_calls, wall_s")
+    gate: dict[str, Any] = Field(description="The pre-registered test: settings_sha256 and its settings")
+    arms: dict[str, ArmRecord]
+    twin: dict[str, TwinRecord]
+    sweeps: dict[str, SweepRecord]
+    panel: PanelRecord | None = None
+    provenance: dict[str, Any]
+    ledger: str | None = Field(None, description="Absent in a file an older jex wrote")
+
+
+def write_experiment(out: Path, doc: ExperimentDoc, *, ledger: Path | None = None) -> str:
+    """`OUT/experiment.json`: `doc` validated as `ExperimentRecord`, with the keys it holds (floats as they
+    are: a NaN stays one); returns the sha256 written."""
+    record = ExperimentRecord.model_validate({**doc, **({"ledger": str(ledger)} if ledger is not None else {})})
+    return write_json(out / EXPERIMENT_FILE, record.model_dump(exclude_unset=True))
+
+
+def read_experiment(out: Path) -> ExperimentRecord:
+    return read_record(ExperimentRecord, out / EXPERIMENT_FILE)
 
 
 def register_experiment_test(arms: ArmsFile, out: Path) -> str:
@@ -390,7 +504,7 @@ def experiment_ledger(out: Path) -> tuple[Path, list[Decision]]:
     if not doc_path.exists():
         raise InputError("no experiment.json here (it names the store's ledger.toml): run `jex experiment run` "
                          "with -o this folder first", file=str(doc_path))
-    ledger = Path(read_json(doc_path).get("ledger") or "")
+    ledger = Path(read_experiment(out).ledger or "")
     if not ledger.name:
         raise InputError("experiment.json names no ledger (written by an older jex): run the experiment again",
                          file=str(doc_path))
@@ -453,7 +567,7 @@ def analyse(arms: ArmsFile, *, base: ArmRun, runs: list[ArmRun], test_sha256: st
                                    settings=dict(settings or {}), gate_sha256=test_sha256)
     placebo_entry = entries.get(test.placebo) if test.placebo else None
     forest_plot(entries, placebo_entry, out / "forest.png", test.metric)
-    write_json(out / "experiment.json", doc)
+    write_experiment(out, doc)
     write_text(out / "report.md", render_report(doc))
     return doc
 

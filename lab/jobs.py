@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, JsonValue, field_validator
+from pydantic import Field, field_validator
 
-from jex.engine_spec import EngineSpec
-from jex.fileio import read_json, write_json, write_text
-from jex.record import Record
+from jex.engine_spec import BAKEOFF_MAX_NUM_SEQS, EngineSpec, knob_field
+from jex.fileio import write_text
+from jex.record import Record, write_record
 from jex.settings import BOOTSTRAP_SEED
 
 
@@ -79,7 +79,7 @@ class BakeoffJob(Record):
                                                                   "a time) generates: a sample spread over the "
                                                                   "prompts' lengths, the longest among them "
                                                                   "(default: all); other rungs read every prompt")
-    max_num_seqs: int = Field(32, ge=1, description="vLLM: sequences per scheduler step")
+    max_num_seqs: int = knob_field("max_num_seqs", BAKEOFF_MAX_NUM_SEQS)  # the one knob, the bake-off's default
     device: str = Field("cpu", description="cpu, cuda, ...")
 
     @field_validator("ladder")
@@ -171,38 +171,88 @@ def _probe(spec: ProbeJob, out: Path) -> None:
     picked = pick_gated(eng, suite_rows(spec.suite, out), spec.rows, render=spec.engine.render, seed=spec.seed)
     result = probe_rows(eng, picked, every=spec.every, max_tokens=spec.max_tokens, render=spec.engine.render,
                         taus=spec.taus or DEFAULT_TAUS, ks=spec.ks or DEFAULT_KS, end_of_thought=spec.end_of_thought)
-    write_json(out / "probe.json", result.model_dump(mode="json"))
+    write_record(out / "probe.json", result)
     write_text(out / "probe.md", markdown(result))
     plot(result, out / "probe.png")
 
 
 def _parity(spec: ParityJob, out: Path) -> None:
-    from jex.lab.parity import markdown, parity_of_kinds, stratified_rows, write_mismatches
+    from jex.lab.parity import markdown, parity_of_kinds, stratified_rows, write_mismatches, write_parity
     from jex.suite import iter_rows
 
     picked = stratified_rows(list(iter_rows(spec.suite)), spec.rows)
     res = parity_of_kinds(spec.engine_a, spec.engine_b, picked, model=spec.model, device=spec.device,
                           batch_size=spec.batch_size, reason_rows=spec.reason_rows, max_tokens=spec.max_tokens)
-    write_json(out / "parity.json", res)
+    write_parity(out, res)
     write_text(out / "parity.md", markdown(res, (spec.engine_a, spec.engine_b)))
     write_mismatches(res, out)
 
 
-LabSummary = dict[str, JsonValue]
-"""What a lab job's flow returns: the headline of its `<kind>.json` (and where its outputs are)."""
+class ReadoutMetrics(Record):
+    """Readout parity's numbers (`lab/parity.py: compare_readouts`); with no common row only the counts."""
+
+    common: int = Field(description="Rows both sides read")
+    refused: int
+    argmax_agreement: float | None = None
+    agree: int | None = None
+    flips: int | None = None
+    mean_abs_dp: float | None = None
+    p95_abs_dp: float | None = None
+    max_abs_dp: float | None = None
+    flip_pre_margin_median: float | None = None
+    flip_pre_margin_max: float | None = None
 
 
-def lab_summary(job: LabJob) -> LabSummary:
-    """What the job's flow returns, read from its outputs in `job.out` (wherever it ran)."""
+class ProbeSummary(Record):
+    """What the early-exit probe's flow returns (from `probe.json`)."""
+
+    kind: Literal["probe"] = "probe"
+    full_accuracy: float
+    gate_fire_rate: float
+    first_matching_checkpoint: int | None
+    out: str
+
+
+class ParitySummary(ReadoutMetrics):
+    """What the parity flow returns: `parity.json`'s readout parity less its flip rows."""
+
+    kind: Literal["parity"] = "parity"
+    out: str
+
+
+class BakeoffSummary(Record):
+    """What the bake-off's flow returns (from `bakeoff.json`)."""
+
+    kind: Literal["bakeoff"] = "bakeoff"
+    verdict: str
+    tax: dict[str, float]
+    errors: dict[str, str]
+    out: str
+
+
+LabSummary = Annotated[ProbeSummary | ParitySummary | BakeoffSummary, Field(discriminator="kind")]
+"""What a lab job's flow returns: the headline of its `<kind>.json` (and where its outputs are), one record
+per kind."""
+
+
+def lab_summary(job: LabJob) -> ProbeSummary | ParitySummary | BakeoffSummary:
+    """What the job's flow returns, read from its outputs in `job.out` (wherever it ran) through their records."""
     out = Path(job.out)
     if job.kind == "probe":
-        probe = read_json(out / "probe.json")
-        return {k: probe[k] for k in ("full_accuracy", "gate_fire_rate", "first_matching_checkpoint")} | {
-            "out": str(out)}
+        from jex.lab.early_exit import read_probe
+
+        probe = read_probe(out / "probe.json")
+        return ProbeSummary(full_accuracy=probe.full_accuracy, gate_fire_rate=probe.gate_fire_rate,
+                            first_matching_checkpoint=probe.first_matching_checkpoint, out=str(out))
     if job.kind == "parity":
-        return {k: v for k, v in read_json(out / "parity.json")["readout"].items() if k != "flip_rows"}
-    bake = read_json(out / "bakeoff.json")
-    return {"verdict": bake["verdict"], "tax": bake["tax"], "errors": bake["errors"], "out": str(out)}
+        from jex.lab.parity import read_parity
+
+        readout = read_parity(out / "parity.json").readout
+        return ParitySummary(**readout.model_dump(include=set(ReadoutMetrics.model_fields)), out=str(out))
+    from jex.lab.bakeoff import read_bakeoff
+
+    bake = read_bakeoff(out / "bakeoff.json")
+    return BakeoffSummary(verdict=bake.verdict, tax=bake.tax, errors=bake.errors, out=str(out))
 
 
 def _main(args_file: str) -> None:

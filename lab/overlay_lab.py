@@ -20,7 +20,6 @@ Everything here reads a finished run folder (predictions + the bundle's rows) an
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypedDict, cast
@@ -29,7 +28,7 @@ import numpy as np
 import polars as pl
 
 from jex.errors import InputError
-from jex.fileio import toml_tables_text, write_json
+from jex.fileio import canonical_json, toml_tables_text, write_json
 from jex.lab.experiment_report import register_with_base, stage_summaries
 from jex.numerics import logit, named_rng, question_folds
 from jex.overlays.apply import apply_overlays, no_degrade_check, reversibility_check
@@ -247,7 +246,7 @@ class OverlayTestSettings:
     def register(self, path: Path) -> str:
         """Write the settings before any candidate is scored; returns their sha256. Write-once: a folder
         registered with other settings is refused (a new test goes to another folder)."""
-        if path.exists() and json.loads(path.read_text()) != asdict(self):
+        if path.exists() and path.read_text() != canonical_json(asdict(self)):  # as `write_json` wrote it
             raise InputError("this folder holds a pre-registered test with other settings; write the new test to "
                              "another folder (settings are written once)", file=str(path))
         return write_json(path, asdict(self))

@@ -24,18 +24,21 @@ import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import Any, Literal, TypedDict, cast
 
 import numpy as np
 import polars as pl
+from pydantic import Field
 
 from jex.engine.base import TokenizedEngine
 from jex.engine.render import DEFAULT_RENDER
 from jex.engine.types import FinishReason, Generation, Readout, ReadoutMode
 from jex.engine_spec import RenderSpec
 from jex.errors import InputError
-from jex.fileio import sha256_file
+from jex.fileio import sha256_file, write_json
+from jex.lab.jobs import ReadoutMetrics
 from jex.numerics import margin, named_rng
+from jex.record import Record, read_record
 from jex.suite import read_row_file
 from jex.tasks.capture.engine_calls import RowLike, fast_pass, reason, reread
 from jex.tasks.store import write_parquet
@@ -108,6 +111,67 @@ class ParityResult(_ParityCore, total=False):
 
     reasoned: ReasonedParity
     provenance: dict[str, Any]
+
+
+class FlipRowDoc(Record):
+    run_id: str
+    choice_a: int | None
+    choice_b: int | None
+    gold: int | None
+    margin_a: float | None
+    margin_b: float | None
+
+
+class ReadoutParityDoc(ReadoutMetrics):
+    flip_rows: list[FlipRowDoc] | None = Field(None, description="The first 200 (absent with no common row)")
+
+
+class ReasonedMismatchDoc(Record):
+    run_id: str
+    catalog: str | None
+    choice_a: int | None
+    choice_b: int | None
+    gold: int | None
+    pre_choice: int | None
+    pre_margin: float | None
+    post_margin_a: float | None
+    post_margin_b: float | None
+
+
+class ReasonedParityDoc(Record):
+    rows: int
+    choice_agreement: float | None
+    mismatches: list[ReasonedMismatchDoc]
+    identical_rationales: int
+
+
+PARITY_FILE = "parity.json"
+
+
+class ParityDoc(Record):
+    """`parity.json`, the record of a `ParityResult`: written through it (`write_parity`, the keys the
+    result holds) and read back through it (`read_parity`)."""
+
+    version: Literal[1] = Field(1, description="The record's version (absent before it: 1)")
+    readout: ReadoutParityDoc
+    timings: dict[str, float]
+    accuracy_a: float | None
+    accuracy_b: float | None
+    reasoned: ReasonedParityDoc | None = None
+    provenance: dict[str, Any] | None = None
+    settings: dict[str, Any] | None = Field(None, description="bench/gpu_engines.py's arguments, in its files")
+
+
+def write_parity(out: str | Path, result: ParityResult) -> str:
+    """`OUT/parity.json`: the result validated as `ParityDoc`, with the keys it holds; the sha256 written."""
+    doc = ParityDoc.model_validate(result)
+    return write_json(Path(out) / PARITY_FILE, doc.model_dump(mode="json", exclude_unset=True, fallback=str))
+
+
+def read_parity(path: str | Path) -> ParityDoc:
+    """`parity.json` (a folder: the file in it), validated as `ParityDoc`."""
+    path = Path(path)
+    return read_record(ParityDoc, path / PARITY_FILE if path.is_dir() else path)
 
 
 def compare_readouts(a: Sequence[Readout], b: Sequence[Readout],
@@ -282,13 +346,13 @@ def capture_parity_files(suite: str | Path, capture: str | Path, out: str | Path
                          device: str, batch_size: int, rows: int = 0,
                          seed: int = PARITY_SAMPLE_SEED) -> ParityResult:
     """`jex parity --reference CAPTURE`: engine `kind` live against the capture; parity.json + parity.md."""
-    from jex.fileio import write_json, write_text
+    from jex.fileio import write_text
     from jex.suite import iter_rows
 
     picked = stratified_rows(list(iter_rows(suite)), rows, seed=seed)
     capture_readouts(capture, [r.run_id for r in picked])  # a bad capture fails before the engine loads
     res = parity_with_capture(_engine(kind, model=model, device=device, batch_size=batch_size), capture, picked)
-    write_json(Path(out) / "parity.json", res)
+    write_parity(out, res)
     write_text(Path(out) / "parity.md", markdown(res, (kind, f"capture {Path(capture).name}")))
     return res
 
@@ -344,13 +408,13 @@ def run_parity_files(suite: str | Path, run_dir: str | Path, out: str | Path, *,
                      seed: int = PARITY_SAMPLE_SEED) -> ParityResult:
     """`jex parity --reference RUN`: engine `kind` live against the run; parity.json, parity.md and the
     mismatch record."""
-    from jex.fileio import write_json, write_text
+    from jex.fileio import write_text
     from jex.suite import iter_rows
 
     picked = stratified_rows(list(iter_rows(suite)), rows, seed=seed)
     res = parity_with_run(_engine(kind, model=model, device=device, batch_size=batch_size), run_dir, picked,
                           reason_rows=reason_rows, seed=seed)
-    write_json(Path(out) / "parity.json", res)
+    write_parity(out, res)
     write_text(Path(out) / "parity.md", markdown(res, (kind, f"run {Path(run_dir).name}")))
     write_mismatches(res, out)
     return res

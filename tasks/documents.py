@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import Field, model_serializer
 
-from jex.fileio import read_json, write_json
+from jex.fileio import write_json
 from jex.tasks.records import FailedRow, RationaleTokens, Record
 
 Interval = tuple[float, float]
@@ -33,7 +33,7 @@ D = TypeVar("D", bound=Document)
 
 def read_doc(kind: type[D], path: str | Path) -> D:
     """A document file, validated as `kind` (an unknown or missing field is refused by name)."""
-    return kind.model_validate(read_json(path))
+    return kind.model_validate_json(Path(path).read_bytes())
 
 
 def write_doc(path: str | Path, doc: Document) -> str:

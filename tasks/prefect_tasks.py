@@ -25,6 +25,7 @@ from prefect.states import State
 from jex.engine.types import EngineError
 from jex.progress import shard_progress
 from jex.tasks import decision_stages
+from jex.tasks.campaign_spec import CampaignSpec
 from jex.tasks.capture import stages
 from jex.tasks.capture.spec_proof import proof_sample_stage
 from jex.tasks.inputs import (
@@ -170,7 +171,7 @@ def score_task(inputs: ScoreInputs, store: str) -> ScoreSummary:
 
 
 @task(name="report", cache_policy=NO_CACHE)
-def report_task(run_dir: str, summaries: CampaignSummaries, spec: dict[str, Any], timings: dict[str, float],
+def report_task(run_dir: str, summaries: CampaignSummaries, spec: CampaignSpec, timings: dict[str, float],
                 machines: MachinesSection | None = None) -> str:
     from jex.tasks.outputs.run_folder import (
         REPORT_MARKER,

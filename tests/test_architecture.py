@@ -142,3 +142,46 @@ def test_no_private_name_is_imported_across_modules():
            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jex")
            for a in node.names if a.name.startswith("_") and not a.name.startswith("__")}
     assert not bad, sorted(bad)
+
+
+RAW_JSON_READERS = {
+    # the one reader, and the modules that read a record's file themselves before validating it
+    "jex/fileio.py": "defines read_json",
+    "tasks/bundle/bundle_file.py": "defines BundleManifest: checks the format and member sizes before validating",
+    # foreign formats, and JSON that is not a file the house writes
+    "jex/settings.py": "JSON values of environment variables",
+    "jex/suite.py": "suite row files (JSONL a user writes), each validated as a SuiteRow",
+    "jex/cli/preflight.py": "a user's flag file, and a model folder's safetensors index (Hugging Face)",
+    "engine/models.py": "a model folder's config.json and safetensors headers (Hugging Face), its size cache",
+    "tasks/outputs/interop/": "lm-eval and Inspect files, and rows' metadata column (JSON text)",
+}
+"""Where `read_json(` or `json.loads(` may appear among the rooms that write the house's documents (core,
+CLI, tasks, lab, flows, engine): every file the project writes is read back through its record
+(`jex.record.read_record`, `Model.model_validate_json`), so a renamed or missing key is a validation error
+naming the file. (infra/ and deployments/ parse their machine protocol and state files defensively, each
+validated at the call: not covered here.)"""
+
+
+def _raw_json_reads(path: Path) -> int:
+    calls = 0
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id == "read_json") or (
+                    isinstance(f, ast.Attribute) and f.attr in ("loads", "load") and isinstance(f.value, ast.Name)
+                    and f.value.id == "json"):
+                calls += 1
+    return calls
+
+
+def test_house_documents_are_read_through_their_records():
+    """A `read_json(`/`json.loads(` outside `RAW_JSON_READERS` reads a document by key: read it through its
+    record instead. Every entry is still needed (a stale one is an error too)."""
+    found = {str(p.relative_to(ROOT)) for room in ("core", "cli", "tasks", "lab", "flows", "engine")
+             for p in sources(room) if _raw_json_reads(p)}
+
+    def allowed(name: str) -> bool:
+        return any(name == k or (k.endswith("/") and name.startswith(k)) for k in RAW_JSON_READERS)
+
+    assert not {f for f in found if not allowed(f)}, "read these files through their records"
+    assert not {k for k in RAW_JSON_READERS if not any(f == k or f.startswith(k) for f in found)}, "stale entries"

@@ -36,10 +36,10 @@ def test_round_trip_keeps_rows_order_and_counts(sample_suite, tmp_path):
     rows = bundle.rows()
     assert len(bundle.row_shards()) == 8 and rows.height == 360 == result.rows
     assert rows["run_id"][0] == "arith-000000-0"
-    counts = {c["id"]: c["rows"] for c in bundle.catalogs()}
+    counts = {c.id: c.rows for c in bundle.catalogs()}
     assert sum(counts.values()) == 360
-    assert all(len(m["sha256"]) == 64 for m in bundle.manifest["members"].values())
-    assert "provenance" not in bundle.manifest
+    assert all(len(m.sha256) == 64 for m in bundle.manifest.members.values())
+    assert bundle.manifest.provenance is None and "provenance" not in bundle.manifest.model_dump()
 
 
 def test_provenance_lies_beside_the_bundle_not_in_its_bytes(sample_suite, tmp_path, monkeypatch):
@@ -60,7 +60,7 @@ def test_default_chance_is_mean_inverse_option_count(tmp_path):
     suite = write_suite(tmp_path / "s", {"a": [row("a1", "a", k=2), row("a2", "a", k=4), row("a3", "a", k=4)]})
     build_bundle(suite, tmp_path / "b.tar.gz")
     cat = open_bundle(tmp_path / "b.tar.gz", tmp_path / "x").catalogs()[0]
-    assert cat["chance"] == (1 / 2 + 1 / 4 + 1 / 4) / 3
+    assert cat.chance == (1 / 2 + 1 / 4 + 1 / 4) / 3
 
 
 def _rewrite(src, dst, mutate):
@@ -81,6 +81,22 @@ def test_tampered_member_fails_checksum(sample_suite, tmp_path):
 
     _rewrite(tmp_path / "a.tar.gz", tmp_path / "bad.tar.gz", flip)
     with pytest.raises(BundleError, match="checksum mismatch for 'rows/shard-00000.parquet'"):
+        open_bundle(tmp_path / "bad.tar.gz", tmp_path / "x")
+
+
+def test_a_manifest_with_a_renamed_key_is_refused_by_its_record(sample_suite, tmp_path):
+    build_bundle(sample_suite, tmp_path / "a.tar.gz")
+
+    def rename(m, data):
+        if m.name == "manifest.json":
+            doc = json.loads(data)
+            doc["row_count"] = doc.pop("rows")
+            data = json.dumps(doc).encode()
+            m.size = len(data)
+        return m, data
+
+    _rewrite(tmp_path / "a.tar.gz", tmp_path / "bad.tar.gz", rename)
+    with pytest.raises(BundleError, match=r"not a valid bundle manifest(.|\n)*row_count"):
         open_bundle(tmp_path / "bad.tar.gz", tmp_path / "x")
 
 

@@ -184,10 +184,10 @@ def test_bakeoff_and_parity_flows_publish_their_reports(harness, tiny_suite, tmp
     here = MachinesSpec(provider="inprocess")  # on a machine: test_lab_jobs.py
     b = bakeoff(BakeoffJob(arms=["hf-control", "hf-bi"], prompts=2, tokens=4, ladder=[1, 2], repeats=1),
                 out=str(tmp_path / "bk"), machines=here)
-    assert b["errors"] == {} and b["verdict"].split(":")[0] in ("UNDERPOWERED", "INVARIANT")
+    assert b.errors == {} and b.verdict.split(":")[0] in ("UNDERPOWERED", "INVARIANT")
     p = parity(ParityJob(suite=str(tiny_suite), engine_a="hf", engine_b="hf-batched", rows=9, reason_rows=2,
                          max_tokens=4), out=str(tmp_path / "par"), machines=here)
-    assert p["common"] == 9 and p["max_abs_dp"] < 1e-3  # batched padding moves probabilities by ~1e-6
+    assert p.common == 9 and (p.max_abs_dp or 0) < 1e-3  # batched padding moves probabilities by ~1e-6
     assert (tmp_path / "par" / "parity.md").exists() and not (tmp_path / "par" / "machines.json").exists()
     record = pl.read_parquet(tmp_path / "par" / "parity-mismatches.parquet")  # written even when empty
     assert {"run_id", "catalog", "pre_margin", "post_margin_a", "post_margin_b", "choice_a", "choice_b"} \

@@ -398,7 +398,8 @@ def test_one_ledger_per_store_keyed_by_test_suite_and_model_and_the_ledger_comma
     assert (system.kind, system.subject, system.status, system.reopen_when, system.gate_sha256) == (
         "experiment-arm", "system", "NO-GO", "a model of 1B parameters or more", small.sha256)
     assert system.reopen_if.model_params_at_least == 1e9 and system.ci == [-2.0, -1.0]
-    write_json(exp / "experiment.json", {"ledger": str(path)})
+    write_json(exp / "experiment.json", {"name": "e", "base": {}, "gate": {}, "arms": {}, "twin": {}, "sweeps": {},
+                                         "provenance": {}, "ledger": str(path)})  # the least experiment record
     out = CliRunner().invoke(app, ["experiment", "ledger", str(exp)])
     assert out.exit_code == 0 and "2 decision(s)" in out.output and "NO-GO" in out.output, out.output
     listed = CliRunner().invoke(app, ["ledger", "--store", str(tmp_path / "store"), "--reopened"])

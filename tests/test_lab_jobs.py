@@ -88,14 +88,15 @@ def test_parity_runs_on_a_local_machine_and_equals_in_process(lab_suite, tmp_pat
 def test_bakeoff_runs_on_a_local_machine_and_equals_in_process(tmp_path, prefect_harness, local_machines):
     """The arm's ladder computed here as its arm process computes it (`_arm_main`), without the process."""
     from jex.flows.lab import bakeoff
-    from jex.lab.bakeoff import arm_engine, compare, divergence_prompts, run_ladder
+    from jex.lab.bakeoff import arm_engine
     from jex.lab.jobs import BakeoffJob
     from jex.tasks.campaign_spec import MachinesSpec
+    from jex.tasks.capture.invariance import compare, divergence_prompts, run_ladder
 
     out = tmp_path / "local"
     res = bakeoff(BakeoffJob(arms=["hf-bi"], prompts=2, tokens=4, ladder=[1, 2], repeats=1), out=str(out),
                   machines=MachinesSpec(provider="local"))
-    assert res["errors"] == {}
+    assert res.errors == {}
     spec = _here(_ran_on_a_machine(out, "lab-bakeoff"), tmp_path / "here").spec
     assert isinstance(spec, BakeoffJob) and spec.arms == ["hf-bi"]
     arm = json.loads((out / "arm-hf-bi.json").read_text())
@@ -103,7 +104,7 @@ def test_bakeoff_runs_on_a_local_machine_and_equals_in_process(tmp_path, prefect
     engine = arm_engine("hf-bi", spec)
     rungs = compare(run_ladder(engine, divergence_prompts(spec.prompts), ladder=spec.ladder, repeats=spec.repeats,
                                tokens=spec.tokens))
-    assert there == {b: r["token_ids"] for b, r in rungs.items()} and set(there) == {"1", "2"}
+    assert there == {b: r.token_ids for b, r in rungs.items()} and set(there) == {"1", "2"}
 
 
 def test_calibrate_measures_its_sample_on_a_local_machine(lab_suite, tmp_path, prefect_harness, local_machines):

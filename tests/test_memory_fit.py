@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from jex.cli import app
 from jex.cli.preflight import model_fits
 from jex.engine.memory import GIB, GPU_KINDS, FitRequest, ModelShape, estimate_fit
-from jex.engine_spec import EngineSpec
+from jex.engine_spec import EngineSpec, VLLMSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_3_8B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -43,13 +43,13 @@ def test_the_weights_estimate_is_the_measured_h200_models_size(shape):
     measured = json.loads((ROOT / "bench/results/h200-real-size.json").read_text())[shape]["model"]
     dims = {"8b": LLAMA_3_8B, "14b": {**QWEN_2_5_14B, "model_type": "llama"}}[shape]
     fit = estimate_fit(FitRequest(shape=ModelShape.from_config({**dims, "vocab_size": 49152}), gpu=GPU_KINDS["H200"],
-                                  gpu_memory_utilization=0.85, reason_seq_tokens=150))
+                                  vllm=VLLMSettings(gpu_memory_utilization=0.85), reason_seq_tokens=150))
     assert abs(fit.weights_gib * GIB / measured["bytes"] - 1) < 0.01
 
 
 def test_llama_3_8b_and_qwen_2_5_14b_weigh_15_and_27_5_gib_in_bf16():
-    weights = [estimate_fit(FitRequest(shape=ModelShape.from_config(c), gpu=GPU_KINDS["H200"],
-                                       gpu_memory_utilization=0.85, reason_seq_tokens=150)).weights_gib
+    weights = [estimate_fit(FitRequest(shape=ModelShape.from_config(c), gpu=GPU_KINDS["H200"], reason_seq_tokens=150,
+                                       vllm=VLLMSettings(gpu_memory_utilization=0.85))).weights_gib
                for c in (LLAMA_3_8B, QWEN_2_5_14B)]
     assert [round(w, 1) for w in weights] == [15.0, 27.5]
 

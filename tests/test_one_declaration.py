@@ -80,3 +80,90 @@ def test_the_machine_stacks_are_the_projects_locks_written_from_its_constraints(
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
     assert extra == [f"vllm=={VLLM_PIN}"] and ENGINE_PINS["vllm"]["vllm"] == VLLM_PIN
     assert f"vllm=={VLLM_PIN}\n" in stack_lock("vllm") and "vllm==" not in stack_lock("hf")
+
+
+def test_a_vllm_knob_is_one_field_and_one_line_of_the_factory():
+    """Every vLLM knob is declared once (`VLLMSettings`: one default, one description, keyed or not); the
+    engine spec carries it, `jex run` has its flag with its description as help, the fingerprint holds it
+    iff it is keyed, an arm may change it, and `engine/factory.py` hands it to vLLM in one line."""
+    import inspect
+
+    from jex.cli.run import CAMPAIGN_FIELD_OF_FLAG, GENERATED_FLAGS, run, spec_help
+    from jex.engine.factory import vllm_args
+    from jex.engine_identity import EngineFingerprint
+    from jex.engine_spec import EngineSpec, VLLMSettings
+    from jex.lab.arms import ENGINE_SETTINGS
+
+    knobs = VLLMSettings.knobs()
+    assert {"max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_gib",
+            "max_model_len", "cudagraph_mode"} <= set(knobs)
+    assert set(VLLMSettings.keyed_knobs()) == {"max_num_seqs", "max_model_len", "cudagraph_mode"}
+    params = inspect.signature(run).parameters
+    factory = inspect.getsource(vllm_args)
+    for knob in knobs:
+        field = VLLMSettings.model_fields[knob]
+        assert field.description and EngineSpec.model_fields[knob].description == field.description
+        assert EngineSpec.model_fields[knob].default == field.default
+        assert CAMPAIGN_FIELD_OF_FLAG[knob] == GENERATED_FLAGS[knob] == f"engine.{knob}" and knob in params
+        assert spec_help(f"engine.{knob}").startswith(field.description)
+        assert knob in ENGINE_SETTINGS
+        assert factory.count(f"knobs.{knob}") + factory.count(f'"{knob}"') >= 1, knob
+    vllm_only = {n for n, f in EngineFingerprint.model_fields.items() if (f.description or "").startswith("vLLM only")}
+    assert vllm_only == set(VLLMSettings.keyed_knobs())
+
+
+def test_the_fingerprint_takes_the_keyed_knobs_by_their_mark(monkeypatch, tmp_path):
+    from jex.engine import fingerprint
+    from jex.engine_spec import VLLM_MAX_NUM_SEQS, EngineSpec, VLLMSettings
+
+    spec = EngineSpec(kind="vllm", max_num_seqs=None, max_model_len=2048, max_num_batched_tokens=4096,
+                      gpu_memory_utilization=0.5)
+    assert spec.vllm.keyed() == {"max_num_seqs": VLLM_MAX_NUM_SEQS, "max_model_len": 2048, "cudagraph_mode": None}
+    unkeyed = set(VLLMSettings.knobs()) - set(VLLMSettings.keyed_knobs())
+    assert unkeyed and not unkeyed & set(spec.vllm.keyed())
+    assert "spec.vllm.keyed()" in Path(fingerprint.__file__).read_text()
+
+
+def test_the_vllm_defaults_are_not_restated():
+    """One default per knob: the profile, the memory estimate and the bake-off take theirs from the record
+    (the bake-off's and the estimate's own by a named constant), and old flat keys still load."""
+    import dataclasses
+
+    from jex.engine.memory import FitRequest
+    from jex.engine.vllm_engine import VLLMProfile
+    from jex.engine_spec import BAKEOFF_MAX_NUM_SEQS, EngineSpec, VLLMSettings
+    from jex.lab.jobs import BakeoffJob
+
+    assert not {f.name for f in dataclasses.fields(VLLMProfile)} & set(VLLMSettings.knobs())
+    assert VLLMProfile().settings == VLLMSettings()
+    assert not set(FitRequest.model_fields) & set(VLLMSettings.knobs())
+    assert BakeoffJob().max_num_seqs == BAKEOFF_MAX_NUM_SEQS
+    assert EngineSpec.model_validate({"max_num_seqs": 64}).vllm.max_num_seqs == 64  # a --spec [engine] table
+    for literal in ("max_num_seqs: int = 32", "max_num_seqs: int = Field(", "max_num_seqs=256",
+                    "gpu_memory_utilization: float = 0.30", "gpu_memory_utilization: float = Field(0.30",
+                    "or 8192", "max_num_batched_tokens: int = Field(8192"):
+        assert files_saying(literal) == [], literal
+
+
+def test_the_machine_policy_and_the_budget_take_their_defaults_from_the_settings():
+    import dataclasses
+
+    from jex.flows.budget import BudgetSpec
+    from jex.infra.machine import POLICY_SETTINGS, Policy
+    from jex.infra.reaper import policy_from_settings
+    from jex.settings import InfraSettings
+
+    infra = InfraSettings()
+    for f in dataclasses.fields(Policy):
+        if f.name in InfraSettings.model_fields and f.name != "budget_hours":  # the policy's: no wall cap unless set
+            assert f.default == InfraSettings.model_fields[f.name].default, f.name
+    assert set(POLICY_SETTINGS) == {f.name for f in dataclasses.fields(Policy)} & set(InfraSettings.model_fields)
+    changed = InfraSettings(poll_s=7.0, lease_s=11.0, budget_hours=3.0, price_per_hour=1.0)
+    policy = policy_from_settings(changed)
+    assert all(getattr(policy, name) == getattr(changed, name) for name in POLICY_SETTINGS)
+    budget = BudgetSpec()
+    assert (budget.price_per_gpu_hour, budget.budget_hours, budget.budget_usd) == \
+        (infra.price_per_hour, infra.budget_hours, infra.budget_usd)
+    for literal in ("price_per_hour: float = 3.5", "budget_usd: float = 100.0", "Field(3.5", "Field(72.0",
+                    "72 * 3600", "lease_s: float = 900.0"):  # the machine's watchdog (no settings there) aside
+        assert set(files_saying(literal)) <= {"jex/settings.py", "infra/watchdog.py"}, literal

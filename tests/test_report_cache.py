@@ -3,6 +3,7 @@ folder, so an unchanged run renders nothing (tasks/outputs/run_folder.py, the re
 
 from __future__ import annotations
 
+from jex.tasks.campaign_spec import CampaignSpec
 from jex.tasks.outputs.run_folder import RUN_FILES, mark_rendered, rendered, report_key
 from jex.tasks.records import BundleSummary, CampaignSummaries, GateSummary
 
@@ -13,16 +14,16 @@ def _summaries(gate_sha: str = "12" * 32) -> CampaignSummaries:
 
 
 def test_report_key_follows_the_rendered_records_and_the_spec(tmp_path):
-    key = report_key(tmp_path, _summaries(), {"name": "c"})
-    assert key == report_key(tmp_path, _summaries(), {"name": "c"})
-    assert key != report_key(tmp_path, _summaries(gate_sha="34" * 32), {"name": "c"})  # other content
-    assert key != report_key(tmp_path, _summaries(), {"name": "c", "coverage": 0.2})
+    key = report_key(tmp_path, _summaries(), CampaignSpec(name="c"))
+    assert key == report_key(tmp_path, _summaries(), CampaignSpec(name="c"))
+    assert key != report_key(tmp_path, _summaries(gate_sha="34" * 32), CampaignSpec(name="c"))  # other content
+    assert key != report_key(tmp_path, _summaries(), CampaignSpec(name="c", coverage=0.2))
     (tmp_path / "spec_proof.json").write_text("{}")
-    assert key != report_key(tmp_path, _summaries(), {"name": "c"})  # a speculative proof beside it
+    assert key != report_key(tmp_path, _summaries(), CampaignSpec(name="c"))  # a speculative proof beside it
 
 
 def test_a_rendered_folder_is_found_only_whole_and_under_its_key(tmp_path):
-    key = report_key(tmp_path, _summaries(), {"name": "c"})
+    key = report_key(tmp_path, _summaries(), CampaignSpec(name="c"))
     for name in RUN_FILES:
         (tmp_path / name).write_text("x")
     assert not rendered(tmp_path, key)  # no marker: rendered by an older jex, or interrupted

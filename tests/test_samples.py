@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from jex.cli import app
+from jex.tasks.campaign_spec import CampaignSpec, load_spec
 from jex.tasks.outputs.samples import SAMPLES_SCHEMA, read_samples, resolve_prompt_ref, sha256_text, write_samples
 from jex.tasks.records import CampaignSummaries, FinishedCampaign
 
@@ -26,8 +27,8 @@ def summaries(run_dir: Path) -> FinishedCampaign:
         {k: json.loads((Path(v["folder"]) / "_SUCCESS.json").read_text()) for k, v in stages.items()}).finished()
 
 
-def spec_of(run_dir: Path) -> dict:
-    return json.loads((run_dir / "campaign.json").read_text())
+def spec_of(run_dir: Path) -> CampaignSpec:
+    return load_spec(run_dir)
 
 
 def by_id(frame: pl.DataFrame) -> dict[str, dict]:
@@ -35,7 +36,6 @@ def by_id(frame: pl.DataFrame) -> dict[str, dict]:
 
 
 def test_samples_record_equals_the_stage_artifacts_row_by_row(main_job_run):
-    from jex.engine_spec import EngineSpec
     from jex.tasks.bundle.reading import bundle_rows
     from jex.tasks.capture.engine_calls import CaptureRow, question_prompts, reason_prompts
     from jex.tasks.capture.stages import fewshot_pool
@@ -45,7 +45,7 @@ def test_samples_record_equals_the_stage_artifacts_row_by_row(main_job_run):
     s, spec = summaries(main_job_run), spec_of(main_job_run)
     samples = read_samples(main_job_run)
     assert dict(samples.schema) == SAMPLES_SCHEMA
-    store = LocalStore(spec["store"])
+    store = LocalStore(spec.store)
     bundle = bundle_rows(s.bundle, store)
     assert samples["run_id"].to_list() == bundle["run_id"].to_list()  # every suite row, in suite order
     capture = by_id(pl.read_parquet(s.fast_pass.capture))
@@ -54,7 +54,7 @@ def test_samples_record_equals_the_stage_artifacts_row_by_row(main_job_run):
     folded = by_id(pl.read_parquet(s.fold.folded))
     preds = by_id(pl.read_parquet(s.overlay.predictions))
     assert 0 < len(gated) < len(capture)
-    engine_spec = EngineSpec.model_validate(spec["engine"])
+    engine_spec = spec.engine
     engine = get_engine(engine_spec)  # the real engine the stages used: its renderer, its readout
     rows = [CaptureRow(r["run_id"], r["prompt"], tuple(r["labels"]), tuple(r["options"]), r["gold"], r["catalog"],
                       r["question_id"]) for r in bundle.iter_rows(named=True)]
@@ -113,7 +113,7 @@ def test_compact_samples_keep_the_hash_and_point_at_the_text(main_job_run, tmp_p
 
 def test_prompt_is_null_with_a_reason_when_the_tokenizer_is_not_here(main_job_run, tmp_path):
     spec = spec_of(main_job_run)
-    spec["engine"]["model"] = str(tmp_path / "no-such-model")
+    spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"model": str(tmp_path / "no-such-model")})})
     write_samples(tmp_path, summaries(main_job_run), spec)
     samples = read_samples(tmp_path)
     assert samples["prompt"].null_count() == samples.height and samples["prompt_sha256"].null_count() == samples.height

@@ -60,14 +60,17 @@ def test_the_proof_names_the_first_differing_row_and_token(tmp_path):
 
 def test_bakeoff_counts_speculative_tokens_identical_to_the_audited_arm_and_the_speed_up():
     from jex.lab.bakeoff import speculation
+    from jex.tasks.capture.invariance import ArmResult, RungComparison
 
     def arm(tokens, tok_s):
-        return {"rungs": {"1": {"token_ids": tokens, "tok_s": tok_s}}}
+        return ArmResult(rungs={"1": RungComparison(
+            mismatches=0, divergent_prompts=0, first_divergence=None, run_to_run_identical=True, tok_s=tok_s,
+            tokens=sum(map(len, tokens)), seconds=[1.0], token_ids=tokens)})
 
     out = speculation({"vllm-bi": arm([[1, 2, 3], [4, 5]], 100.0), "vllm-bi-ngram": arm([[1, 2, 3], [4, 6]], 50.0)})
-    r = out["vllm-bi-ngram"]["rungs"]["1"]
-    assert (r["tokens_identical"], r["tokens"], r["prompts_identical"], r["speedup"]) == (4, 5, 1, 0.5)
-    assert out["vllm-bi-ngram"]["exact"] is False
+    r = out["vllm-bi-ngram"].rungs["1"]
+    assert (r.tokens_identical, r.tokens, r.prompts_identical, r.speedup) == (4, 5, 1, 0.5)
+    assert out["vllm-bi-ngram"].exact is False
 
 
 def test_hf_next_token_rank_and_logprob_match_a_plain_forward(embedded_model_dir):

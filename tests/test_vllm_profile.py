@@ -26,7 +26,7 @@ def model(tmp_path):
 ])
 def test_audit_profile_refuses(model, settings, words):
     with pytest.raises(EngineDeadError, match="audit profile refuses") as e:
-        VLLMEngine(model, VLLMProfile(**settings))
+        VLLMEngine(model, VLLMProfile.of(**settings))
     assert words in str(e.value) and "non-audited profile by name" in str(e.value)
 
 
@@ -60,7 +60,7 @@ def test_a_campaigns_cudagraph_mode_reaches_vllm_and_the_engine_key(model):
     from jex.engine_spec import EngineSpec
 
     fdo = EngineSpec(kind="vllm", model=str(model), cudagraph_mode="FULL_DECODE_ONLY")
-    assert vllm_profile(fdo).cudagraph_mode == "FULL_DECODE_ONLY" and vllm_profile(fdo).violations(model) == []
+    assert vllm_profile(fdo).settings.cudagraph_mode == "FULL_DECODE_ONLY" and vllm_profile(fdo).violations(model) == []
     assert vllm_profile(fdo.model_copy(update={"cudagraph_mode": "PIECEWISE"})).violations(model) == [
         "cudagraph_mode=PIECEWISE: only the default and FULL_DECODE_ONLY were measured invariant"]
     (model / "model.safetensors").write_bytes(b"weights")

@@ -23,8 +23,8 @@ from pydantic import Field
 
 from jex.engine_spec import EngineSpec
 from jex.errors import FlowError
-from jex.fileio import read_json, sha256_bytes, sha256_json, write_json
-from jex.record import Record
+from jex.fileio import sha256_bytes, sha256_json
+from jex.record import Record, read_record, write_record
 from jex.store_layout import bakeoff_dir
 from jex.tasks.campaign_spec import AuditMode
 
@@ -104,22 +104,25 @@ def audit_folder(store_root: Path, key: str) -> Path:
 
 def stored_audit(store_root: Path, key: str) -> SettingsAudit | None:
     path = audit_folder(store_root, key) / AUDIT_FILE
-    return SettingsAudit.model_validate(read_json(path)) if path.exists() else None
+    return read_record(SettingsAudit, path) if path.exists() else None
 
 
 def judge(bakeoff_json: Path, *, key: str, arm: str, control: str, gpus: list[str], stack_lock: str,
           ladder: list[int]) -> SettingsAudit:
     """The audit of a finished bake-off (`bakeoff.json`): passed when the audited arm ran and showed no
     token differing from its reference (batch 1 where it read the prompt) at any rung and was identical run to
-    run."""
-    doc = read_json(bakeoff_json)
-    arms = doc.get("arms", {})
-    rungs = arms.get(arm, {}).get("rungs", {})
-    passed = bool(rungs) and "error" not in arms.get(arm, {}) and all(
-        r["mismatches"] == 0 and r["run_to_run_identical"] for r in rungs.values())
-    powered = any(r["mismatches"] for r in arms.get(control, {}).get("rungs", {}).values())
+    run. The file is read through its record (`read_bakeoff`): a missing or renamed key is an `InputError`
+    naming the file, never a verdict."""
+    from jex.lab.bakeoff import ArmResult, read_bakeoff  # here: the lab's engine modules load only to judge
+
+    doc = read_bakeoff(bakeoff_json)
+    audited_arm = doc.arms.get(arm, ArmResult())
+    rungs = audited_arm.rungs
+    passed = bool(rungs) and audited_arm.error is None and all(
+        r.mismatches == 0 and r.run_to_run_identical for r in rungs.values())
+    powered = doc.arms.get(control, ArmResult()).mismatches() > 0
     return SettingsAudit(key=key, arm=arm, control=control, gpus=gpus, stack_sha256=sha256_bytes(stack_lock.encode()),
-                         ladder=ladder, passed=passed, powered=powered, verdict=str(doc.get("verdict", "")),
+                         ladder=ladder, passed=passed, powered=powered, verdict=doc.verdict,
                          folder=str(bakeoff_json.parent))
 
 
@@ -146,7 +149,7 @@ def audit_settings(engine: EngineSpec, *, store_root: Path, gpus: list[str], sta
         run_bakeoff(job, folder)
         audit = judge(folder / "bakeoff.json", key=key, arm=arm, control=control, gpus=gpus, stack_lock=stack_lock,
                       ladder=ladder)
-        write_json(folder / AUDIT_FILE, audit.model_dump(mode="json"))
+        write_record(folder / AUDIT_FILE, audit)
     if not audit.passed:
         raise SettingsNotAudited(audit)
     return audit

@@ -12,7 +12,6 @@ from pathlib import Path
 from pydantic import Field
 
 from jex.engine_identity import EngineFingerprint
-from jex.fileio import read_json
 from jex.flows.machines.audit import SettingsAudit
 from jex.infra.records import CostLedgerReport, MachineReport, Record
 from jex.tasks.documents import GenerationVerdict, GoldenVerdict
@@ -71,7 +70,7 @@ class MachinesDoc(Record):
 
 
 def read_machines(path: str | Path) -> MachinesDoc:
-    return MachinesDoc.model_validate(read_json(path))
+    return MachinesDoc.model_validate_json(Path(path).read_bytes())
 
 
 def _f(x: float | None, nd: int) -> str:

@@ -3,15 +3,19 @@ a lab job), and the Prefect API a flow reports to."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from types import UnionType
+from typing import Annotated, Any, Literal, NoReturn, TypeVar, Union, get_args, get_origin
 
 import typer
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from jex.engine_spec import closest_name
 from jex.errors import InputError, JexError, ServerError, user_error
@@ -150,6 +154,71 @@ def field_option(record: type[BaseModel], name: str, *decls: str, more: str = ""
     """The typer option of the flag that sets `record`'s field `name`: its help is the field's description
     (what the Prefect form shows), then `more`, what only the flag needs (how to write a list)."""
     return typer.Option(*decls, help=f"{record.model_fields[name].description}{more}")
+
+
+BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+"""A pydantic field's range constraints, as a flag's check says them."""
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def field_flag_type(field: FieldInfo) -> tuple[type, tuple[str, ...]]:
+    """The type of the flag that sets `field` (its annotation less None; a Literal is a str) and its choices."""
+    arms: list[Any] = [a for a in get_args(field.annotation) if a is not type(None)] \
+        if get_origin(field.annotation) in (Union, UnionType) else [field.annotation]
+    if len(arms) == 1 and get_origin(arms[0]) is Literal:
+        return str, tuple(get_args(arms[0]))
+    flag_types: list[type] = [int, float, str, bool]
+    flag_type = next((t for t in flag_types if len(arms) == 1 and arms[0] is t), None)
+    if flag_type is None:
+        raise TypeError(f"no flag type for a field of type {field.annotation}")
+    return flag_type, ()
+
+
+def field_flags(fields: Mapping[str, tuple[FieldInfo, str]], *, defaults: bool = False,
+                before: str | None = None) -> Callable[[F], F]:
+    """A command with one more option per field, generated from the field (as vLLM builds its command line
+    from its config classes): `fields` maps the flag's name (`max_num_seqs` -> `--max-num-seqs`) to the
+    field and the flag's help. Each option's type is the field's (`field_flag_type`); its default None (a
+    flag left out changes nothing), or with `defaults` the field's. They come before the command's own
+    option `before` (else last); the command receives them as keywords (`**flags`) and checks them against
+    the field's constraints (`check_field_flags`)."""
+    def wrap(command: F) -> F:
+        sig = inspect.signature(command, eval_str=True)  # its own options as typer reads them
+        own = [p.replace(kind=p.KEYWORD_ONLY) for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        made = []
+        for flag, (field, text) in fields.items():
+            kind = field_flag_type(field)[0]
+            default = field.get_default(call_default_factory=True) if defaults else None
+            made.append(inspect.Parameter(flag, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[
+                kind if default is not None else kind | None, typer.Option(help=text)]))
+        at = [p.name for p in own].index(before) if before else len(own)
+        params = [*own[:at], *made, *own[at:]]
+
+        @functools.wraps(command)
+        def generated(*args: Any, **kwargs: Any) -> Any:
+            return command(*args, **kwargs)
+
+        generated.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+        generated.__annotations__ = {**{p.name: p.annotation for p in params}, "return": sig.return_annotation}
+        return generated  # type: ignore[return-value]
+    return wrap
+
+
+def check_field_flags(given: Mapping[str, Any], fields: Mapping[str, FieldInfo]) -> None:
+    """Pre-flight of the generated flags given: each within its field's range (ge, gt, le, lt) and choices."""
+    for flag, field in fields.items():
+        value, name = given.get(flag), "--" + flag.replace("_", "-")
+        if value is None:
+            continue
+        choices = field_flag_type(field)[1]
+        if choices and value not in choices:
+            raise InputError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+        for bound in field.metadata:
+            for key, says in BOUNDS.items():
+                limit = getattr(bound, key, None)
+                if limit is not None and not {"ge": value >= limit, "gt": value > limit, "le": value <= limit,
+                                              "lt": value < limit}[key]:
+                    raise InputError(f"{name}: expected a number {says} {limit:g}, got {value:g}")
 
 
 def field_default(record: type[BaseModel], name: str) -> Any:

@@ -16,7 +16,7 @@ def config_show() -> None:
     """Print the effective settings; secrets are masked. A malformed variable or `.env` is named (and left
     out of what is shown), and the command exits 1."""
     settings, problems = settings_and_problems()
-    typer.echo(json.dumps(json.loads(settings.model_dump_json()), indent=2))
+    typer.echo(json.dumps(settings.model_dump(mode="json"), indent=2))
     for problem in problems:
         typer.echo(f"error: {problem} (left out above)", err=True)
     if problems:

@@ -4,34 +4,31 @@ fields of its lab job (`BakeoffJob`, `ParityJob`): their help and defaults come 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from jex.cli import preflight
-from jex.cli.common import connect_prefect, fail, field_default, field_option, record_from_flags
+from jex.cli.common import connect_prefect, fail, field_default, field_flags, field_option, record_from_flags
 from jex.cli.run import Provider
 from jex.errors import InputError, JexError
 from jex.lab.bakeoff import ARMS
 from jex.lab.jobs import BakeoffJob, ParityJob
 from jex.settings import load_settings
 
+BAKEOFF_FLAGS = ("model", "prompts", "tokens", "repeats", "reference_prompts", "max_num_seqs", "device")
+"""The flags of `jex bakeoff` generated from `BakeoffJob`'s fields (the lists, `--arms` and `--ladder`, are
+written comma-separated)."""
 
+
+@field_flags({flag: (BakeoffJob.model_fields[flag], BakeoffJob.model_fields[flag].description or "")
+              for flag in BAKEOFF_FLAGS}, defaults=True, before="ladder")
 def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for bakeoff.json/.md/.png")],
             arms: Annotated[str, field_option(BakeoffJob, "arms", more=f"; comma-separated: {', '.join(ARMS)}")]
             = ",".join(field_default(BakeoffJob, "arms")),
-            model: Annotated[str | None, field_option(BakeoffJob, "model")] = field_default(BakeoffJob, "model"),
-            prompts: Annotated[int, field_option(BakeoffJob, "prompts")] = field_default(BakeoffJob, "prompts"),
-            tokens: Annotated[int, field_option(BakeoffJob, "tokens")] = field_default(BakeoffJob, "tokens"),
             ladder: Annotated[str, field_option(BakeoffJob, "ladder", more="; comma-separated")]
             = ",".join(map(str, field_default(BakeoffJob, "ladder"))),
-            repeats: Annotated[int, field_option(BakeoffJob, "repeats")] = field_default(BakeoffJob, "repeats"),
-            reference_prompts: Annotated[int | None, field_option(BakeoffJob, "reference_prompts")]
-            = field_default(BakeoffJob, "reference_prompts"),
-            max_num_seqs: Annotated[int, field_option(BakeoffJob, "max_num_seqs")]
-            = field_default(BakeoffJob, "max_num_seqs"),
-            device: Annotated[str, field_option(BakeoffJob, "device")] = field_default(BakeoffJob, "device"),
-            provider: Provider = None) -> None:
+            provider: Provider = None, **flags: Any) -> None:
     """Batch-invariance bake-off: the ladder for an invariant arm and a control arm, each in its own process."""
     chosen = [a.strip() for a in arms.split(",") if a.strip()]
     try:
@@ -39,11 +36,8 @@ def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for ba
         if unknown or not chosen:
             raise InputError(f"--arms: unknown arm {unknown[0] if unknown else arms!r}; expected some of "
                              f"{', '.join(ARMS)}")
-        job = record_from_flags(BakeoffJob, arms=chosen, model=model, prompts=prompts, tokens=tokens,
-                                ladder=preflight.int_list(ladder, "--ladder"), repeats=repeats,
-                                reference_prompts=reference_prompts,
-                                max_num_seqs=max_num_seqs, device=device)
-        preflight.model(model)
+        job = record_from_flags(BakeoffJob, arms=chosen, ladder=preflight.int_list(ladder, "--ladder"), **flags)
+        preflight.model(job.model)
         preflight.writable_dir(out, "--out")
         preflight.choice(provider, "--provider", preflight.PROVIDERS)
     except JexError as e:
@@ -56,9 +50,9 @@ def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for ba
         res = bakeoff_flow(job, out=str(out), machines=MachinesSpec(provider=provider) if provider else None)
     except JexError as e:
         fail(e)
-    typer.echo(res["verdict"])
-    if res["errors"]:
-        fail(JexError(f"arms failed: {res['errors']}"))
+    typer.echo(res.verdict)
+    if res.errors:
+        fail(JexError(f"arms failed: {res.errors}"))
 
 
 def parity(suite: Annotated[Path, field_option(ParityJob, "suite")],
@@ -116,7 +110,7 @@ def parity(suite: Annotated[Path, field_option(ParityJob, "suite")],
         r = parity_flow(job, out=str(out), machines=MachinesSpec(provider=provider) if provider else None)
     except (JexError, ValueError) as e:  # the engine's errors are JexErrors
         fail(e)
-    typer.echo(f"argmax agreement {r['agree']}/{r['common']}, max |dp| {r['max_abs_dp']:.3g} -> {out}")
+    typer.echo(f"argmax agreement {r.agree}/{r.common}, max |dp| {r.max_abs_dp or 0:.3g} -> {out}")
 
 
 def register(app: typer.Typer) -> None:

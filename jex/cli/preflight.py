@@ -144,7 +144,7 @@ def suite(path: Path | str, flag: str = "--suite", *, bundle_ok: bool = True) ->
 
         existing_file(path, flag)
         manifest_doc = bundle_manifest(path)
-        if manifest_doc["rows"] + manifest_doc.get("generate_rows", 0) < 1:  # multiple-choice and generative
+        if manifest_doc.rows + (manifest_doc.generate_rows or 0) < 1:  # multiple-choice and generative
             raise InputError(f"{flag}: the bundle has no rows", file=str(path))
         return path
     existing_dir(path, flag)
@@ -310,8 +310,7 @@ def model_fits(engine: EngineSpec, *, gpu_kind: str, gpu_kinds: dict[str, float]
     seq = prompt_tokens + reason_max_tokens
     fit = estimate_fit(FitRequest(
         shape=shape, dtype=engine.dtype, weights_bytes_on_disk=_index_total_size(folder), gpu=kinds[gpu_kind],
-        gpu_memory_utilization=engine.gpu_memory_utilization, kv_cache_memory_gib=engine.kv_cache_memory_gib,
-        max_num_batched_tokens=engine.max_num_batched_tokens or 8192, max_num_seqs=engine.scheduler_seqs(),
+        vllm=engine.vllm,
         reason_seq_tokens=min(seq, engine.max_model_len) if engine.max_model_len else seq))
     if fit.refusal:
         raise InputError(f"--model: {fit.refusal}", file=str(folder))

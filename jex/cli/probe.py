@@ -66,8 +66,7 @@ def early_exit(suite: Annotated[Path, field_option(ProbeJob, "suite")],
         res = early_exit_probe(job, out=str(out), machines=MachinesSpec(provider=provider) if provider else None)
     except (JexError, ValueError) as e:  # the engine's errors are JexErrors
         fail(e)
-    fired = float(res["gate_fire_rate"])  # type: ignore[arg-type]  # a number in probe.json
-    typer.echo(f"full accuracy {res['full_accuracy']:.3f}, free gate fired at {100 * fired:.2f} % of "
+    typer.echo(f"full accuracy {res.full_accuracy:.3f}, free gate fired at {100 * res.gate_fire_rate:.2f} % of "
                f"checkpoints -> {out}")
 
 

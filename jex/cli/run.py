@@ -15,10 +15,18 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, cast, get_args
 import typer
 
 from jex.cli import preflight
-from jex.cli.common import TEMPORARY_API_NOTICE, connect_prefect, fail, input_error, spec_fields
+from jex.cli.common import (
+    TEMPORARY_API_NOTICE,
+    check_field_flags,
+    connect_prefect,
+    fail,
+    field_flags,
+    input_error,
+    spec_fields,
+)
 from jex.cli.results import ResultsStyle, print_results
 from jex.cli.store import resume_from_s3
-from jex.engine_spec import CudagraphMode
+from jex.engine_spec import VLLMSettings
 from jex.errors import InputError, JexError
 from jex.run_records import CAMPAIGN_FILE, STAGE_NAMES, StageName
 from jex.settings import JexSettings, load_settings
@@ -35,16 +43,17 @@ CAMPAIGN_FIELD_OF_FLAG = {
     "reference_min_agreement": "reference_min_agreement", "require_zero_errors": "require_zero_errors",
     "unverified_overlays": "unverified_overlays",
     "engine": "engine.kind", "model": "engine.model", "device": "engine.device", "batch_size": "engine.batch_size",
-    "dtype": "engine.dtype", "gpu_memory_utilization": "engine.gpu_memory_utilization",
-    "max_model_len": "engine.max_model_len", "engine_profile": "engine.profile",
-    "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.max_num_batched_tokens",
-    "kv_cache_memory_gib": "engine.kv_cache_memory_gib", "cudagraph_mode": "engine.cudagraph_mode",
+    "dtype": "engine.dtype", "engine_profile": "engine.profile",
+    **{knob: f"engine.{knob}" for knob in VLLMSettings.knobs()},  # every vLLM knob, as it is named
     "host_stall_s": "machines.host_stall_s",
     "provider": "machines.provider", "host": "machines.hosts", "workers": "machines.workers",
     "budget_usd": "machines.budget_usd", "engine_hosts": "machines.engine_hosts",
     "gpus_per_machine": "machines.gpus_per_machine", "engines_per_gpu": "machines.engines_per_gpu",
 }
 """`jex run` flag -> the CampaignSpec field it sets (a dotted path into the `engine` and `machines` tables)."""
+GENERATED_FLAGS = {flag: path for flag, path in CAMPAIGN_FIELD_OF_FLAG.items()
+                   if path.startswith(("engine.", "machines.")) and flag not in ("model", "host")}
+"""The engine and machine flags of `jex run`, generated from their fields (`field_flags`): type, help, checks."""
 HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:]*:[0-9A-Fa-f:.]+|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?)$")
 """A host name, an IPv4 address or an IPv6 address (bracketed or not)."""
 
@@ -82,15 +91,12 @@ Out = Annotated[Path | None, spec_option("out")]
 Store = Annotated[Path | None, spec_option("store")]
 EngineKind = Annotated[str | None, spec_option("engine.kind")]
 Device = Annotated[str | None, spec_option("engine.device")]
-BatchSize = Annotated[int | None, spec_option("engine.batch_size")]
 Overlays = Annotated[Path | None, spec_option("overlays")]
 Name = Annotated[str | None, spec_option("name")]
 ShardRows = Annotated[int | None, spec_option("fast_shard_rows")]
 ReasonMaxTokens = Annotated[int | None, spec_option("reason_max_tokens")]
 Provider = Annotated[str | None, spec_option("machines.provider")]
 Hosts = Annotated[list[str] | None, spec_option("machines.hosts", more="; repeat the flag for each host")]
-Workers = Annotated[int | None, spec_option("machines.workers")]
-BudgetUsd = Annotated[float | None, spec_option("machines.budget_usd")]
 Resume = Annotated[Path | None, typer.Option(help="Continue the campaign of this run folder, from any folder "
                                                   "(its store: the recorded one, OUT/store, or --store)")]
 RetryFrom = Annotated[str | None, typer.Option("--retry", help="With --resume: compute STAGE and every later one "
@@ -110,10 +116,6 @@ PanelShare = Annotated[float | None, typer.Option(help="With --panel-catalogs: t
 NumFewshot = Annotated[int | None, spec_option("engine.render.num_fewshot")]
 Render = Annotated[Path | None, typer.Option(help="TOML with any RenderSpec field (question_template, "
                                                   "reason_template, option_format, answer_slot, ...)")]
-Dtype = Annotated[str | None, spec_option("engine.dtype")]
-GpuMemory = Annotated[float | None, spec_option("engine.gpu_memory_utilization")]
-MaxModelLen = Annotated[int | None, spec_option("engine.max_model_len")]
-EngineProfile = Annotated[str | None, spec_option("engine.profile")]
 SpecProofRows = Annotated[int | None, spec_option("spec_proof_rows")]
 Reference = Annotated[Path | None, spec_option("reference")]
 ReferenceMin = Annotated[float | None, spec_option("reference_min_agreement")]
@@ -122,40 +124,28 @@ Quiet = Annotated[bool, typer.Option("--quiet", help="Print only the run folder 
 AsJson = Annotated[bool, typer.Option("--json", help="Print the results as one JSON object")]
 UnverifiedOverlays = Annotated[bool | None, spec_option("unverified_overlays")]
 ReasonShardRows = Annotated[int | None, spec_option("reason_shard_rows")]
-MaxNumSeqs = Annotated[int | None, spec_option("engine.max_num_seqs")]
-MaxBatchedTokens = Annotated[int | None, spec_option("engine.max_num_batched_tokens")]
-KvCacheGib = Annotated[float | None, spec_option("engine.kv_cache_memory_gib")]
-CudagraphModeFlag = Annotated[str | None, spec_option("engine.cudagraph_mode")]
-HostStall = Annotated[float | None, spec_option("machines.host_stall_s")]
-EngineHosts = Annotated[bool | None, spec_option("machines.engine_hosts")]
-GpusPerMachine = Annotated[int | None, spec_option("machines.gpus_per_machine")]
-EnginesPerGpu = Annotated[int | None, spec_option("machines.engines_per_gpu")]
 
 
+@field_flags({flag: (spec_field(path), spec_help(path)) for flag, path in GENERATED_FLAGS.items()})
 def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out: Out = None, store: Store = None,
-        engine: EngineKind = None, device: Device = None, batch_size: BatchSize = None, overlays: Overlays = None,
-        name: Name = None, shard_rows: ShardRows = None, reason_max_tokens: ReasonMaxTokens = None,
-        provider: Provider = None, host: Hosts = None, workers: Workers = None, budget_usd: BudgetUsd = None,
+        overlays: Overlays = None, name: Name = None, shard_rows: ShardRows = None,
+        reason_max_tokens: ReasonMaxTokens = None, host: Hosts = None,
         resume: Resume = None, chat_template: ChatTemplate = None, system_prompt: SystemPrompt = None,
-        num_fewshot: NumFewshot = None, render: Render = None, dtype: Dtype = None,
-        gpu_memory_utilization: GpuMemory = None, max_model_len: MaxModelLen = None,
-        engine_profile: EngineProfile = None, spec_proof_rows: SpecProofRows = None, reference: Reference = None,
+        num_fewshot: NumFewshot = None, render: Render = None,
+        spec_proof_rows: SpecProofRows = None, reference: Reference = None,
         reference_min_agreement: ReferenceMin = None, require_zero_errors: ZeroErrors = None,
-        reason_shard_rows: ReasonShardRows = None, max_num_seqs: MaxNumSeqs = None,
-        max_num_batched_tokens: MaxBatchedTokens = None, engine_hosts: EngineHosts = None,
-        gpus_per_machine: GpusPerMachine = None, engines_per_gpu: EnginesPerGpu = None,
-        kv_cache_memory_gib: KvCacheGib = None, cudagraph_mode: CudagraphModeFlag = None,
-        host_stall_s: HostStall = None, spec: SpecFile = None,
+        reason_shard_rows: ReasonShardRows = None, spec: SpecFile = None,
         unverified_overlays: UnverifiedOverlays = None, panel_catalogs: PanelCatalogs = None,
         panel_share: PanelShare = None, quiet: Quiet = False,
-        as_json: AsJson = False, recompute: Recompute = False, retry: RetryFrom = None) -> None:
+        as_json: AsJson = False, recompute: Recompute = False, retry: RetryFrom = None, **generated: Any) -> None:
     """Run a whole campaign (embedded defaults: sample suite, SmolLM2, local Prefect, local store).
 
     Settings first, then --spec FILE, then the flags given. At the end, the results table (the full
     index, legs and catalogs with their intervals); its last line is the run folder (`--quiet`: only
     that line; `--json`: the results as JSON).
     """
-    flags = dict(locals())  # every option by name; one not given is None
+    # every option by name, the generated engine and machine flags too (`GENERATED_FLAGS`); one not given is None
+    flags = {**dict.fromkeys(GENERATED_FLAGS), **locals(), **generated}
     settings = load_settings()
     try:  # pre-flight: every input checked before Prefect starts or anything is written
         models = given_models(model, spec)
@@ -166,8 +156,8 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
         if len(models) > 1:
             check_models(campaign, models, resume=resume, panel_catalogs=panel_catalogs)
         else:
-            campaign = checked_campaign(campaign, resume=resume, store=store, keep_machines=provider is not None,
-                                        redo=redo, recompute=recompute)
+            campaign = checked_campaign(campaign, resume=resume, store=store, redo=redo, recompute=recompute,
+                                        keep_machines=flags["provider"] is not None)
     except JexError as e:
         fail(e)
     style: ResultsStyle = "json" if as_json else "quiet" if quiet else "table"
@@ -329,15 +319,11 @@ def check_flags(flags: dict[str, Any], settings: JexSettings) -> None:
     for flag in ("out", "store"):
         if flags[flag] is not None:
             preflight.writable_dir(flags[flag], f"--{flag}")
-    preflight.choice(flags["provider"], "--provider", preflight.PROVIDERS)
-    preflight.choice(flags["engine"], "--engine", preflight.ENGINE_KINDS)
-    preflight.choice(flags["cudagraph_mode"], "--cudagraph-mode", get_args(CudagraphMode))
+    check_field_flags(flags, {flag: spec_field(path) for flag, path in GENERATED_FLAGS.items()})  # ranges, choices
     check_hosts(flags["host"] or [])
     preflight.share(flags["coverage"], "--coverage")
-    for flag in ("shard_rows", "reason_shard_rows", "reason_max_tokens", "workers", "spec_proof_rows",
-                 "gpus_per_machine", "engines_per_gpu", "max_num_seqs"):
+    for flag in ("shard_rows", "reason_shard_rows", "reason_max_tokens", "spec_proof_rows"):
         preflight.at_least(flags[flag], "--" + flag.replace("_", "-"), 1)
-    preflight.at_least(flags["batch_size"], "--batch-size", 0)
 
 
 def check_campaign(campaign: CampaignSpec) -> None:

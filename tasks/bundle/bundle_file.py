@@ -25,15 +25,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict, cast
+from typing import Any, ClassVar, Literal
 
 import polars as pl
+from pydantic import Field, SerializationInfo, SerializerFunctionWrapHandler, ValidationError, model_serializer
 
 from jex.errors import InputError, JexError
 from jex.fileio import atomic_path, canonical_json, sha256_file, write_json, write_tar_gz
 from jex.provenance import provenance
+from jex.record import Record
 from jex.suite import (
+    GENERATIVE_FIELDS,
     MANIFEST_NAME,
+    READOUT_FIELDS,
+    Catalog,
     GenerationRow,
     SuiteManifest,
     SuiteRow,
@@ -41,6 +46,7 @@ from jex.suite import (
     iter_fewshot_rows,
     load_manifest,
     read_row_file,
+    without_defaults,
 )
 from jex.tasks.store import write_parquet
 
@@ -75,14 +81,14 @@ class BundleError(JexError):
     """A bundle that fails its checks: tampered, unsafe or inconsistent."""
 
 
-class MemberEntry(TypedDict):
+class MemberEntry(Record):
     """One bundle member as the manifest lists it."""
 
     sha256: str
-    bytes: int
+    bytes: int = Field(ge=0)
 
 
-class ReferenceInfo(TypedDict):
+class ReferenceInfo(Record):
     """The banked capture a bundle carries: its rows and shards, and the source file's sha256."""
 
     rows: int
@@ -90,26 +96,49 @@ class ReferenceInfo(TypedDict):
     source_sha256: str
 
 
-class SuiteSummary(TypedDict):
+class BundleCatalog(Catalog):
+    """A catalog as the bundle's manifest lists it: the core's `Catalog` as declared (`Catalog.declared`:
+    the readout and generative fields left out at their defaults), with its row counts and chance level."""
+
+    chance: float = Field(ge=0, lt=1, description="The manifest's chance, else the mean of 1/len(options)")
+    rows: int
+    scored_rows: int
+    chance_source: str = Field(description="manifest, or how the chance level was computed")
+
+    @model_serializer(mode="wrap")
+    def _as_declared(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        """The bytes `{**catalog.declared(), rows, scored_rows, chance, chance_source}` had."""
+        return without_defaults(handler(self), (*READOUT_FIELDS, *GENERATIVE_FIELDS), json=info.mode_is_json())
+
+
+class SuiteSummary(Record):
     name: str
     legs: dict[str, float]
-    catalogs: list[dict[str, Any]]  # each catalog as declared, plus rows, scored_rows, chance, chance_source
+    catalogs: list[BundleCatalog]
 
 
-class BundleManifest(TypedDict):
-    """`manifest.json`, the bundle's first member (written as canonical JSON). `rows` counts the
-    multiple-choice rows (`rows/`); `generate_rows` the generative ones (`generate/`), present only when
-    the suite has some (a multiple-choice suite's bundle keeps the bytes it had before they existed)."""
+class BundleManifest(Record):
+    """`manifest.json`, the bundle's first member (written as canonical JSON by `manifest_text`, the bytes
+    the bundle's identity covers). `rows` counts the multiple-choice rows (`rows/`); `generate_rows` the
+    generative ones (`generate/`), present only when the suite has some (a multiple-choice suite's bundle
+    keeps the bytes it had before they existed). Its version is `format` (`READABLE_FORMATS`)."""
 
-    format: str
+    format: Literal["jex-bundle/1", "jex-bundle/2"]
     suite: SuiteSummary
     rows: int
     shard_rows: int
     row_shards: int
-    generate_rows: NotRequired[int]
-    generate_shards: NotRequired[int]
+    generate_rows: int | None = None
+    generate_shards: int | None = None
     reference: ReferenceInfo | None
     members: dict[str, MemberEntry]
+    provenance: dict[str, Any] | None = Field(None, description="jex-bundle/1 only: provenance in the manifest")
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"generate_rows", "generate_shards", "provenance"})
+
+    def text(self) -> str:
+        """The manifest's bytes: canonical JSON, as the bundle holds them."""
+        return canonical_json(self.model_dump(mode="json"))
 
 
 @dataclass(frozen=True)
@@ -169,7 +198,7 @@ def _check_reference(path: Path, suite_ids: dict[str, int], stage: Path, shard_r
             shards = _flush(buffer, REFERENCE_SCHEMA, folder, shards)
     if buffer:
         shards = _flush(buffer, REFERENCE_SCHEMA, folder, shards)
-    return {"rows": len(seen), "shards": shards, "source_sha256": sha256_file(path)}
+    return ReferenceInfo(rows=len(seen), shards=shards, source_sha256=sha256_file(path))
 
 
 def _pack(stage: Path, out: Path) -> None:
@@ -259,7 +288,7 @@ def _write_fewshot(suite_dir: Path, manifest: SuiteManifest, stage: Path) -> Non
         _flush(fewshot, schema, stage / "fewshot", 0)
 
 
-def _catalog_entries(suite_dir: Path, manifest: SuiteManifest, census: _RowCensus) -> list[dict[str, Any]]:
+def _catalog_entries(suite_dir: Path, manifest: SuiteManifest, census: _RowCensus) -> list[BundleCatalog]:
     """Each catalog as declared, with its row counts and chance level; a catalog without (scored)
     rows is an InputError."""
     catalogs = []
@@ -273,9 +302,9 @@ def _catalog_entries(suite_dir: Path, manifest: SuiteManifest, census: _RowCensu
                              field="exclusions")
         computed = (0.0, "exact_match: no answer by chance") if generative else (
             catalog_chance(census.options_hist[c.id]), "mean 1/len(options)")
-        catalogs.append({**c.declared(), "rows": census.counts[c.id], "scored_rows": scored,
-                         "chance": c.chance if c.chance is not None else computed[0],
-                         "chance_source": "manifest" if c.chance is not None else computed[1]})
+        catalogs.append(BundleCatalog(**{**dict(c), "rows": census.counts[c.id], "scored_rows": scored,
+                                         "chance": c.chance if c.chance is not None else computed[0],
+                                         "chance_source": "manifest" if c.chance is not None else computed[1]}))
     return catalogs
 
 
@@ -304,21 +333,17 @@ def build_bundle(suite_dir: str | Path, out: str | Path, *, reference: str | Pat
         inputs = {f"suite/{p.relative_to(suite_dir).as_posix()}": sha256_file(p)
                   for p in [suite_dir / MANIFEST_NAME, *suite_files(suite_dir, manifest)]}
         if ref_info is not None:
-            inputs["reference"] = ref_info["source_sha256"]
-        members: dict[str, MemberEntry] = {
-            p.relative_to(stage).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-            for p in sorted(stage.rglob("*")) if p.is_file()}
-        doc: BundleManifest = {
-            "format": BUNDLE_FORMAT,
-            "suite": {"name": manifest.name, "legs": manifest.legs,
-                      "catalogs": _catalog_entries(suite_dir, manifest, census)},
-            "rows": len(census.suite_ids), "shard_rows": shard_rows, "row_shards": census.shards,
-            "reference": ref_info,
-            "members": members,
-        }
-        if census.generated:
-            doc |= {"generate_rows": census.generated, "generate_shards": census.generate_shards}
-        (stage / MANIFEST_MEMBER).write_text(canonical_json(doc), encoding="utf-8")
+            inputs["reference"] = ref_info.source_sha256
+        members = {p.relative_to(stage).as_posix(): MemberEntry(sha256=sha256_file(p), bytes=p.stat().st_size)
+                   for p in sorted(stage.rglob("*")) if p.is_file()}
+        doc = BundleManifest(
+            format=BUNDLE_FORMAT,
+            suite=SuiteSummary(name=manifest.name, legs=manifest.legs,
+                               catalogs=_catalog_entries(suite_dir, manifest, census)),
+            rows=len(census.suite_ids), shard_rows=shard_rows, row_shards=census.shards, reference=ref_info,
+            members=members, generate_rows=census.generated or None,
+            generate_shards=census.generate_shards if census.generated else None)
+        (stage / MANIFEST_MEMBER).write_text(doc.text(), encoding="utf-8")
         _pack(stage, out)
     if provenance_out is not None:
         write_json(provenance_out, provenance(inputs=inputs, settings=settings or {}))
@@ -376,8 +401,8 @@ class Bundle:
         shards = sorted((self.root / "reference").glob("shard-*.parquet"))
         return pl.read_parquet(shards) if shards else None
 
-    def catalogs(self) -> list[dict[str, Any]]:
-        return self.manifest["suite"]["catalogs"]
+    def catalogs(self) -> list[BundleCatalog]:
+        return self.manifest.suite.catalogs
 
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -402,20 +427,27 @@ def _read_manifest(tar: tarfile.TarFile, path: Path) -> tuple[tarfile.TarInfo, B
                           f"{manifest.get('format') if isinstance(manifest, dict) else None!r}")
     if not isinstance(manifest.get("members"), dict):
         raise BundleError(f"{path}: manifest.json lists no members")
-    return first, cast(BundleManifest, manifest)  # format and members checked above
+    for name, meta in manifest["members"].items():
+        size = meta.get("bytes") if isinstance(meta, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise BundleError(f"{path}: manifest.json: member '{name}' has no valid size (bytes: {size!r})")
+    try:
+        return first, BundleManifest.model_validate(manifest)
+    except ValidationError as e:
+        raise BundleError(f"{path}: manifest.json is not a valid bundle manifest: {e}") from None
 
 
 def _intact(folder: Path, listed: dict[str, MemberEntry]) -> bool:
-    return folder.is_dir() and all((folder / name).is_file() and sha256_file(folder / name) == meta["sha256"]
+    return folder.is_dir() and all((folder / name).is_file() and sha256_file(folder / name) == meta.sha256
                                    for name, meta in listed.items())
 
 
 def _verify(folder: Path, listed: dict[str, MemberEntry], path: Path) -> None:
     for name, meta in listed.items():
         actual = sha256_file(folder / name)
-        if actual != meta["sha256"]:
+        if actual != meta.sha256:
             shutil.rmtree(folder, ignore_errors=True)
-            raise BundleError(f"{path}: checksum mismatch for '{name}': manifest {meta['sha256'][:16]}…, "
+            raise BundleError(f"{path}: checksum mismatch for '{name}': manifest {meta.sha256[:16]}…, "
                               f"file {actual[:16]}… (the bundle was modified or corrupted)")
 
 
@@ -460,9 +492,7 @@ def _check_sizes(listed: dict[str, MemberEntry], path: Path, limits: BundleLimit
     """The manifest's sizes: each a whole number within the member cap, all within the total cap."""
     total = 0
     for name, meta in listed.items():
-        size = meta.get("bytes") if isinstance(meta, dict) else None
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise BundleError(f"{path}: manifest.json: member '{name}' has no valid size (bytes: {size!r})")
+        size = meta.bytes
         if size > limits.member_bytes:
             raise BundleError(f"{path}: member '{name}' is {size} bytes, over the limit of {limits.member_bytes} "
                               "per member (JEX_STORE__BUNDLE_MEMBER_MAX_BYTES)")
@@ -503,8 +533,8 @@ def _check_members(tar: tarfile.TarFile, path: Path, listed: dict[str, MemberEnt
             raise BundleError(f"{path}: members differ from the manifest: unlisted ['{m.name}'] ({m.size} bytes)")
         if m.name in seen:
             raise BundleError(f"{path}: member '{m.name}' appears twice")
-        if m.size != meta["bytes"]:
-            raise BundleError(f"{path}: member '{m.name}' is {m.size} bytes, the manifest says {meta['bytes']}")
+        if m.size != meta.bytes:
+            raise BundleError(f"{path}: member '{m.name}' is {m.size} bytes, the manifest says {meta.bytes}")
         seen.add(m.name)
         members.append(m)
     if seen != set(listed):
@@ -538,7 +568,7 @@ def take_bundle(source: str | Path, out: str | Path) -> BuildResult:
         shutil.copyfile(source, part)
     if sha256_file(out) != opened.sha256:
         raise BundleError(f"{source}: changed while it was copied")
-    return BuildResult(path=out, sha256=opened.sha256, rows=opened.manifest["rows"], manifest=opened.manifest)
+    return BuildResult(path=out, sha256=opened.sha256, rows=opened.manifest.rows, manifest=opened.manifest)
 
 
 def open_bundle(path: str | Path, dest: str | Path, *, limits: BundleLimits | None = None) -> Bundle:
@@ -551,7 +581,7 @@ def open_bundle(path: str | Path, dest: str | Path, *, limits: BundleLimits | No
     try:
         with tarfile.open(path, mode="r:gz") as tar:
             first, manifest = _read_manifest(tar, path)
-            listed = manifest["members"]
+            listed = manifest.members
             _check_sizes(listed, path, limits or BundleLimits.from_settings())
             if not _intact(dest, listed):
                 members = _check_members(tar, path, listed)

@@ -17,6 +17,7 @@ import polars as pl
 from pydantic import BaseModel, ConfigDict, Field
 
 from jex.fileio import sha256_file
+from jex.record import Record, read_record, write_record
 from jex.tasks.cached_stage import CachedStage
 from jex.tasks.inputs import ProofSampleInputs
 from jex.tasks.records import GateSummary, ReasonSummary
@@ -151,8 +152,34 @@ def proof_section(proof: ExactnessProof, *, fell_back: bool) -> list[str]:
     return lines + [""]
 
 
-def write_proof(run_dir: Path, proof: ExactnessProof, *, fell_back: bool) -> None:
-    from jex.fileio import write_json
+PROOF_FILE = "spec_proof.json"
 
-    write_json(run_dir / "spec_proof.json", {**proof.model_dump(mode="json"), "exact": proof.exact,
-                                              "speedup": proof.speedup, "fell_back": fell_back})
+
+class ProofDoc(Record):
+    """`spec_proof.json` in a run folder: the proof, what it decided (`exact`, `speedup`) and whether the run
+    fell back to the audited base profile. Written by `write_proof`, read back through `read_proof`."""
+
+    profile: str
+    rows_checked: int
+    tokens_compared: int
+    rows_differing: int
+    first_difference: FirstDifference | None
+    speculative_tokens_per_s: float | None = None
+    base_tokens_per_s: float | None = None
+    exact: bool
+    speedup: float | None
+    fell_back: bool
+
+    def proof(self) -> ExactnessProof:
+        return ExactnessProof.model_validate(self.model_dump(include=set(ExactnessProof.model_fields)))
+
+
+def write_proof(run_dir: Path, proof: ExactnessProof, *, fell_back: bool) -> None:
+    write_record(run_dir / PROOF_FILE, ProofDoc(**dict(proof), exact=proof.exact, speedup=proof.speedup,
+                                                fell_back=fell_back))
+
+
+def read_proof(run_dir: Path) -> ProofDoc | None:
+    """The run folder's `spec_proof.json`; None when the run used no speculative profile."""
+    path = run_dir / PROOF_FILE
+    return read_record(ProofDoc, path) if path.exists() else None

@@ -11,7 +11,6 @@ through `engine_job.run_engine_job`.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -118,7 +117,7 @@ def _bundle(out: StageDir, store: LocalStore, inputs: BundleInputs) -> BundleSum
     else:
         result = build_bundle(Path(inputs.suite), out.path / "bundle.tar.gz", reference=inputs.reference)
     return BundleSummary(key=out.key, bundle=str(result.path), sha256=result.sha256, rows=result.rows,
-                         generate_rows=result.manifest.get("generate_rows"))
+                         generate_rows=result.manifest.generate_rows)
 
 
 bundle_stage = CachedStage(BundleInputs, BundleSummary, body=_bundle)
@@ -279,7 +278,7 @@ def _shard_fields(stats: ShardStats, shards: Path) -> ShardFields:
             "compute_seconds": sum(w.compute_seconds for w in works),
             "computed_rows": sum(w.computed_rows for w in works),
             "engine_start_seconds": sum(w.engine_start_seconds for w in works),
-            "stacks": [json.loads(t) for t in dict.fromkeys(canonical_json(st) for w in works for st in w.stacks)]}
+            "stacks": list({canonical_json(st): st for w in works for st in w.stacks}.values())}  # each once
 
 
 def failed_rows(shards: Path, stats: ShardStats, frame: pl.DataFrame) -> list[FailedRow] | None:

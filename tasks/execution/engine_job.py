@@ -7,17 +7,24 @@ joint, is written down in docs/architecture.md ("The machine-side call chain") a
 
 from __future__ import annotations
 
-from jex.tasks.capture.stages import ALONE, ShardShare, fast_pass_stage, generate_stage, reason_stage
+from typing import TYPE_CHECKING
+
 from jex.tasks.inputs import EngineJob, FastPassInputs, GenerateInputs
 from jex.tasks.records import FastPassSummary, GenerateSummary, PartialSummary, ReasonSummary
 from jex.tasks.store import LocalStore
 
+if TYPE_CHECKING:  # the capture's stages import this package's engine pool: imported when a job runs
+    from jex.tasks.capture.stages import ShardShare
+
 EngineStageSummaries = FastPassSummary | ReasonSummary | GenerateSummary
 
 
-def run_engine_job(job: EngineJob, share: ShardShare = ALONE) -> EngineStageSummaries | PartialSummary:
-    """Compute (this process's `share` of) the job's engine stage into the job's store; a
-    `PartialSummary` when other processes of the share still compute some of its shards."""
+def run_engine_job(job: EngineJob, share: ShardShare | None = None) -> EngineStageSummaries | PartialSummary:
+    """Compute (this process's `share` of) the job's engine stage into the job's store (`share` None: all of
+    it, alone); a `PartialSummary` when other processes of the share still compute some of its shards."""
+    from jex.tasks.capture.stages import ALONE, fast_pass_stage, generate_stage, reason_stage
+
+    share = share or ALONE
     # The machine-side call chain, the record at each joint named (docs/architecture.md):
     # 1. `jex stage run --args JOB.json --worker W --workers N [--host-options H.json]` (jex/cli/stage.py,
     #    under `jex.infra.worker_protocol`): reads the `EngineJob` (its paths made absolute) and the

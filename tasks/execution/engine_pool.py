@@ -9,11 +9,13 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 
 from pydantic import JsonValue
 
 from jex.engine.base import TokenizedEngine
 from jex.engine.vllm_engine import VLLM_PIN  # noqa: F401 - the flows' worker stack pins it
+from jex.engine_identity import ArchitectureShape
 from jex.engine_spec import EngineSpec
 
 CALLS: Counter[str] = Counter()
@@ -75,3 +77,10 @@ def compile_cache_key(engine: EngineSpec, machine: Mapping[str, JsonValue]) -> s
     fp.pop("renderer")
     return stage_key("compile_cache", {"engine": fp, "max_num_batched_tokens": engine.max_num_batched_tokens,
                                        "machine": dict(machine)})
+
+
+def model_shape(engine: EngineSpec) -> ArchitectureShape:
+    """The kernel shapes of the engine's model (its `config.json`, resolved as the engine would load it)."""
+    from jex.engine.models import architecture_shape, resolve_model
+
+    return architecture_shape(resolve_model(engine.model, Path(engine.cache_dir)).path)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import polars as pl
 
-from jex.fileio import read_json, sha256_file, write_json, write_text
+from jex.fileio import sha256_file, write_json, write_text
 from jex.provenance import provenance
+from jex.record import Record, write_record
 from jex.tasks.documents import CalibrationDoc, FoldDoc, ScoreDoc, read_doc, write_doc
 from jex.tasks.keys import stage_key
 from jex.tasks.outputs.report import (
@@ -26,46 +27,57 @@ from jex.tasks.outputs.report import (
 from jex.tasks.outputs.samples import write_samples
 from jex.tasks.records import CampaignSummaries, FinishedCampaign
 
+if TYPE_CHECKING:
+    from jex.tasks.campaign_spec import CampaignSpec
+
 REPORT_MARKER = "_REPORT.json"
 """The report's key and files, written last in a run folder: a later run with the same key renders nothing."""
 RUN_FILES = ("predictions.parquet", "samples.parquet", "score.json", "fold.json", "provenance.json", "skill.png",
              "reliability.png", "report.md")
 
 
-def report_key(run_dir: Path, summaries: CampaignSummaries, spec: dict[str, Any]) -> str:
+class ReportMarker(Record):
+    """`REPORT_MARKER`: the key of the report the run folder holds, and the files it wrote."""
+
+    key: str
+    files: list[str]
+
+
+def report_key(run_dir: Path, summaries: CampaignSummaries, spec: CampaignSpec) -> str:
     """The report's cache key: the key and artifact sha256 of every stage summary it renders, the campaign's
     spec and the speculative proof beside it, if any. Not the timings nor the machines: those describe the
     run that rendered it (each run's own timings are in `stages.json`)."""
     proof = run_dir / "spec_proof.json"
-    return stage_key("report", {"stages": {k: [v.key, v.sha256] for k, v in summaries.done().items()}, "spec": spec,
+    return stage_key("report", {"stages": {k: [v.key, v.sha256] for k, v in summaries.done().items()},
+                                "spec": spec.model_dump(mode="json"),
                                 "spec_proof": sha256_file(proof) if proof.exists() else None})
 
 
 def rendered(run_dir: Path, key: str) -> bool:
     """The run folder holds the report of `key` and every file it wrote (then nothing is rendered again)."""
     marker = run_dir / REPORT_MARKER
-    if not marker.exists() or read_json(str(marker)).get("key") != key:
+    if not marker.exists() or ReportMarker.model_validate_json(marker.read_bytes()).key != key:
         return False
     return all((run_dir / name).exists() for name in RUN_FILES)
 
 
 def mark_rendered(run_dir: Path, key: str) -> None:
-    write_json(run_dir / REPORT_MARKER, {"key": key, "files": list(RUN_FILES)})
+    write_record(run_dir / REPORT_MARKER, ReportMarker(key=key, files=list(RUN_FILES)))
 
 
-def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: dict[str, Any], timings: dict[str, float],
+def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: CampaignSpec, timings: dict[str, float],
                      machines: MachinesSection | None = None) -> str:
     """predictions.parquet, samples.parquet, score.json, fold.json, report.md, plots and provenance.json.
-    `spec`: the campaign's spec as JSON (`campaign.json`); `machines`: its machines section, if any."""
+    `spec`: the campaign (`campaign.json`); `machines`: its machines section, if any."""
     s = summaries.finished()
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(s.score.predictions or s.overlay.predictions, run_dir / "predictions.parquet")
-    write_samples(run_dir, s, spec, prompts=spec.get("samples_prompts", "full"))
+    write_samples(run_dir, s, spec, prompts=spec.samples_prompts)
     docs = run_docs(summaries)
     generated = {"generate": s.generate.sha256} if s.generate is not None else {}
     prov = provenance(inputs={"bundle": s.bundle.sha256, "fast_pass": s.fast_pass.sha256,
                               "reason": s.reason.sha256, **generated, "predictions": s.overlay.sha256},
-                      settings=spec, engine=s.fast_pass.engine.model_dump(mode="json"),
+                      settings=spec.model_dump(mode="json"), engine=s.fast_pass.engine.model_dump(mode="json"),
                       stages={k: {"key": v.key, "folder": v.folder} for k, v in summaries.done().items()})
     write_doc(run_dir / "score.json", docs.policy.model_copy(update={"provenance": prov}))
     write_doc(run_dir / "fold.json", docs.fold)
@@ -74,19 +86,17 @@ def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: dict[str
     reliability_plot(docs.calibration, run_dir / "reliability.png")
     from jex.tasks.bundle.reading import scored_suite
 
-    report = render_report(spec["name"], docs, s, timings, machines, notes=_score_notes(run_dir, s, spec),
+    report = render_report(spec.name, docs, s, timings, machines, notes=_score_notes(run_dir, s, spec),
                            score_spec=scored_suite(s.bundle).spec)
-    if (run_dir / "spec_proof.json").exists():  # a speculative profile: its exactness proof on this run
-        from jex.tasks.capture.spec_proof import ExactnessProof, proof_section
+    from jex.tasks.capture.spec_proof import proof_section, read_proof
 
-        doc = read_json(str(run_dir / "spec_proof.json"))
-        proof = ExactnessProof.model_validate({k: v for k, v in doc.items() if k in ExactnessProof.model_fields})
-        report += "\n" + "\n".join(proof_section(proof, fell_back=doc["fell_back"]))
+    if (doc := read_proof(run_dir)) is not None:  # a speculative profile: its exactness proof on this run
+        report += "\n" + "\n".join(proof_section(doc.proof(), fell_back=doc.fell_back))
     write_text(run_dir / "report.md", report)
     return report
 
 
-def _score_notes(run_dir: Path, s: FinishedCampaign, spec: dict[str, Any]) -> list[str]:
+def _score_notes(run_dir: Path, s: FinishedCampaign, spec: CampaignSpec) -> list[str]:
     """The report's lines after the score: what verbatim catalogs read, and whether every row is its own
     bootstrap cluster."""
     from jex.tasks.bundle.reading import scored_suite
@@ -95,7 +105,7 @@ def _score_notes(run_dir: Path, s: FinishedCampaign, spec: dict[str, Any]) -> li
     samples = pl.read_parquet(run_dir / "samples.parquet")
     own = every_row_own_cluster(samples.select("catalog", "question_id", "scored"))
     generated = generation_section(samples, s.generate) if s.generate is not None else []
-    return prompt_notes(spec["engine"]["render"]["chat_template"], verbatim) + (OWN_CLUSTERS if own else []) \
+    return prompt_notes(spec.engine.render.chat_template, verbatim) + (OWN_CLUSTERS if own else []) \
         + generated
 
 

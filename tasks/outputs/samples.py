@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import polars as pl
 
@@ -59,6 +59,9 @@ from jex.errors import InputError
 from jex.fileio import sha256_bytes, sha256_json
 from jex.tasks.records import BundleSummary, FinishedCampaign, GenerateSummary
 from jex.tasks.store import LocalStore
+
+if TYPE_CHECKING:
+    from jex.tasks.campaign_spec import CampaignSpec
 
 SAMPLES_VERSION = "jex-samples/1"
 SAMPLES_FILE = "samples.parquet"
@@ -261,18 +264,17 @@ def campaign_prompts(art: StageArtifacts, engine_spec: Any, store: Any, rows: Se
                           gated=gated, reads=catalog_reads(art.bundle, store))
 
 
-def write_samples(run_dir: Path, summaries: FinishedCampaign, spec: dict[str, Any], *,
+def write_samples(run_dir: Path, summaries: FinishedCampaign, spec: CampaignSpec, *,
                   prompts: PromptMode = "full") -> Path:
     """`samples.parquet` of a finished campaign (`summaries`: the flow's stage summaries; `spec`: its
-    CampaignSpec as JSON). With `prompts="sha256"` the texts go to the store and the run keeps hashes."""
-    from jex.engine_spec import EngineSpec
+    campaign). With `prompts="sha256"` the texts go to the store and the run keeps hashes."""
     from jex.tasks.bundle.reading import bundle_rows, scored_suite
     from jex.tasks.capture.engine_calls import as_rows
     from jex.tasks.store import write_parquet
 
     art = StageArtifacts.from_summaries(summaries)
-    store = LocalStore(spec["store"])
-    engine_spec = EngineSpec.model_validate(spec["engine"])
+    store = LocalStore(spec.store)
+    engine_spec = spec.engine
     rows = bundle_rows(art.bundle, store)
     rows = rows.join(bundle_metadata(art.bundle, store), on="run_id", how="left", maintain_order="left")
     table = scored_suite(art.bundle)
