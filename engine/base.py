@@ -26,6 +26,7 @@ from jex.engine.types import (
     RefusalKind,
     renormalise,
 )
+from jex.engine_identity import EffectiveSettings
 from jex.engine_spec import RenderSpec
 from jex.provenance import ProvenanceBlock
 
@@ -120,6 +121,10 @@ class TokenizedEngine(ChatTokenizer, ABC):
 
     @abstractmethod
     def provenance(self) -> ProvenanceBlock: ...
+
+    def effective_settings(self) -> EffectiveSettings | None:
+        """What the started engine runs with, read back from it (`engine/effective.py`); None: not read."""
+        return None
 
     def tokenizer_copy(self) -> Any:
         """A tokenizer equal to this engine's but not shared with it (vLLM's does not survive a deep

@@ -13,7 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import JsonValue
+
 from jex.engine_identity import EffectiveSettings
+from jex.engine_spec import EngineSpec
 
 
 def _name(value: Any) -> str | None:
@@ -109,6 +112,34 @@ def asked_problems(asked: Mapping[str, Any], effective: EffectiveSettings) -> li
 
 
 def _same(want: Any, got: Any) -> bool:
+    """Equal, names compared without case or a `torch.` prefix; a backend reported with a version suffix
+    (`TRITON_ATTN_VLLM_V1`) is the one asked."""
     if isinstance(want, str) and isinstance(got, str):
-        return want.lower().replace("torch.", "") == got.lower().replace("torch.", "")
+        a, b = want.lower().replace("torch.", ""), got.lower().replace("torch.", "")
+        return all(part == a or part.startswith(a + "_") for part in b.split(","))
     return bool(want == got)
+
+
+def asked_kernel(spec: EngineSpec) -> dict[str, JsonValue]:
+    """The settings an engine of `spec` is asked to run with that change its batching or kernels: what a
+    settings audit covers (`flows/machines/audit.py: audit_key`); for vLLM the audit profile's fixed ones
+    (attention backend, prefix caching, eager mode, KV-cache dtype, tensor parallel) and the spec's."""
+    if spec.kind.startswith("vllm"):
+        from jex.engine.factory import vllm_profile
+
+        p = vllm_profile(spec)
+        return {"engine": "vllm", "attention_backend": p.attention_backend, "prefix_caching": p.enable_prefix_caching,
+                "enforce_eager": p.enforce_eager, "dtype": p.dtype, "kv_cache_dtype": p.kv_cache_dtype,
+                "tensor_parallel_size": p.tensor_parallel_size, "cudagraph_mode": p.settings.cudagraph_mode,
+                "max_num_batched_tokens": p.settings.max_num_batched_tokens}
+    return {"engine": "hf", "dtype": spec.dtype or "float32", "batch_invariant": spec.kind == "hf"}
+
+
+def vllm_asked(profile: Any) -> dict[str, Any]:
+    """What a `VLLMProfile` asks vLLM for, by `EffectiveSettings` field (None: left to vLLM)."""
+    return {"attention_backend": profile.attention_backend, "prefix_caching": profile.enable_prefix_caching,
+            "batch_invariant": profile.batch_invariant, "enforce_eager": profile.enforce_eager,
+            "dtype": profile.dtype, "cudagraph_mode": profile.settings.cudagraph_mode,
+            "max_num_seqs": profile.settings.scheduler_seqs(),
+            "max_num_batched_tokens": profile.settings.max_num_batched_tokens,
+            "max_model_len": profile.settings.max_model_len, "tensor_parallel_size": profile.tensor_parallel_size}

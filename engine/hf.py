@@ -35,6 +35,7 @@ from jex.engine.types import (
     renormalise,
 )
 from jex.engine.vllm_engine import SpeculativeConfig
+from jex.engine_identity import EffectiveSettings
 from jex.provenance import ProvenanceBlock
 
 DEFAULT_CACHE = Path.home() / ".cache" / "jex"
@@ -262,6 +263,11 @@ class HFEngine(TokenizedEngine):
         return bool(stop) and cut_at_stop(self.tokenizer.decode(tokens, skip_special_tokens=True), stop)[1]
 
     # --- provenance ------------------------------------------------------------------------------
+    def effective_settings(self) -> EffectiveSettings:
+        from jex.engine.effective import hf_effective
+
+        return hf_effective(self.model, batch_invariant=self.batch_invariant)
+
     def provenance(self) -> ProvenanceBlock:
         """What fixes the function this engine computes, and what describes the run (paths, hardware)."""
         from jex.engine.hf_decode import GEMM_ROWS

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from jex.engine.base import ContinuationPlan, TokenizedEngine, continuation_readout, package_version
+from jex.engine.effective import asked_problems, vllm_asked, vllm_effective
 from jex.engine.factory import vllm_args
 from jex.engine.models import weights_sha256
 from jex.engine.types import (
@@ -35,6 +36,7 @@ from jex.engine.types import (
     cut_at_stop,
     renormalise,
 )
+from jex.engine_identity import EffectiveSettings
 from jex.engine_spec import AUDITED_CUDAGRAPH_MODES, VLLMSettings
 from jex.provenance import ProvenanceBlock
 
@@ -176,6 +178,9 @@ class VLLMEngine(TokenizedEngine):
             except Exception as e:  # noqa: BLE001 - anything at start-up is fatal for this engine
                 raise EngineDeadError(f"vLLM could not start with {kwargs}: {e}") from e
             self.weights_sha256 = weights.result()
+        self.effective = vllm_effective(self.llm)
+        if self.profile.name == AUDIT and (problems := asked_problems(vllm_asked(self.profile), self.effective)):
+            raise EngineDeadError("vLLM did not apply the audit profile: " + "; ".join(problems))
         self.tokenizer = self.llm.get_tokenizer()
         config = getattr(self.llm.llm_engine, "vllm_config", None)
         model_config = getattr(config, "model_config", None) or getattr(self.llm.llm_engine, "model_config", None)
@@ -300,6 +305,9 @@ class VLLMEngine(TokenizedEngine):
                                       tuple(getattr(lp[t], "rank", None) if t in lp else None for t in r.watch)))
         return out
 
+    def effective_settings(self) -> EffectiveSettings:
+        return self.effective
+
     def provenance(self) -> ProvenanceBlock:
         """What fixes the function this engine computes, and what describes the run (paths, hardware)."""
         import torch
@@ -314,6 +322,7 @@ class VLLMEngine(TokenizedEngine):
                 "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                 "batch_size": self.batch_size, "jex": package_version("jex"),
                 "readout_api": "logprob_token_ids" if self.has_token_ids_api else "top-k logprobs (checked)",
+                "effective": self.effective.model_dump(mode="json"),
                 "vllm_config": str(getattr(self.llm.llm_engine, "vllm_config", ""))[:4000]}
 
 

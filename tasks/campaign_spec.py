@@ -57,10 +57,11 @@ class MachinesSpec(BaseModel):
                                                              "the reference of the same bundle, engine and GPU "
                                                              "models (0: none)")
     golden_generation_tokens: int = Field(32, ge=1, description="New tokens per golden generation row")
-    audit: AuditMode = Field("auto", description="Run only with engine settings a stored passing bake-off covers "
-                                                 "on this kind of machine and stack, running it once when none "
-                                                 "does (flows/machines/audit.py): auto = vLLM engines, always = any "
-                                                 "engine, off = none")
+    audit: AuditMode = Field("auto", description="Run only with engine settings a stored, powered, passing audit "
+                                                 "covers on this kind of machine, stack and model shape, probing them "
+                                                 "once on the first machine when none does (flows/machines/audit.py): "
+                                                 "auto = vLLM engines (an unproven audit is reported), always = any "
+                                                 "engine (an unproven audit refuses the campaign), off = none")
     audit_prompts: int = Field(64, ge=1, description="The audit bake-off's divergence-prone prompts (64: the "
                                                      "size whose control arm diverged on the H200; 32 did not "
                                                      "on an H100, so proved nothing)")

@@ -451,9 +451,10 @@ def test_golden_generation_is_token_identical_on_every_machine_or_the_machine_st
 
 @pytest.mark.slow
 def test_a_campaign_runs_only_with_settings_a_stored_passing_bake_off_covers(tmp_path, monkeypatch):
-    """The CPU twin of the vLLM audit (`machines.audit = "always"`: the HF engine's arms through the same
-    path): the first campaign runs the bake-off on its machine and stores it, the next one on the same
-    machine kind and stack reuses it, and a failed bake-off refuses the campaign before its golden replay."""
+    """The CPU twin of the vLLM audit (`machines.audit = "always"`: the HF engine through the same path): the
+    first campaign's golden job probes the campaign's own engine (one engine start for audit and campaign)
+    with the control arm beside it, and stores a proven audit; the next one on the same machine kind, stack
+    and model shape reuses it; a stored failed audit refuses the campaign before its golden replay."""
     from jex.engine_spec import EngineSpec
     from jex.flows.machines.audit import SettingsAudit, SettingsNotAudited
     from jex.flows.machines.fleet import GpuFleet
@@ -480,10 +481,13 @@ def test_a_campaign_runs_only_with_settings_a_stored_passing_bake_off_covers(tmp
         first.run_stage(job)
     audit = first.audit
     assert audit is not None and (audit.arm, audit.control, audit.ladder) == ("hf-bi", "hf-control", [1, 2])
-    assert audit.passed and not audit.reused and audit.gpus == []
+    assert audit.status == "proven" and audit.powered and not audit.reused and audit.gpus == []
+    assert audit.shape is not None and audit.shape.layers == 30 and audit.effective is not None
     assert (Path(audit.folder) / "bakeoff.json").exists() and (Path(audit.folder) / "audit.json").exists()
-    assert [j.job.split("-")[0] for j in first.sessions[0].outcomes][:2] == ["lab", "golden"]  # the bake-off first
-    assert first.report().audit == audit  # machines.json says which bake-off covers the settings
+    assert [j.job for j in first.sessions[0].outcomes][0] == "golden"  # the probe ran inside the golden job
+    assert not any(j.job.startswith("lab") for j in first.sessions[0].outcomes)
+    assert first.report().engine_starts == 1  # one engine start for the audit and the campaign
+    assert first.report().audit == audit  # machines.json says which audit covers the settings
     for f in (tmp_path / "store" / "fast_pass").rglob("shard-*.parquet"):
         f.unlink()
     with fleet("a2") as second:

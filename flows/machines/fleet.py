@@ -32,7 +32,14 @@ from jex.engine_identity import EngineFingerprint
 from jex.engine_spec import EngineSpec
 from jex.errors import FlowError, InfraError, JexError
 from jex.fileio import sha256_json, write_json
-from jex.flows.machines.audit import SettingsAudit, audit_settings, audited
+from jex.flows.machines.audit import (
+    AuditPlan,
+    SettingsAudit,
+    audited,
+    effective_mismatch,
+    judge_probe,
+    plan_audit,
+)
 from jex.flows.machines.machine_life import (
     MachineLife,
     failure_reason,
@@ -50,6 +57,7 @@ from jex.infra.reaper import check_results_survive, make_provider, policy_from_s
 from jex.infra.records import MachineProvenance
 from jex.infra.s3 import S3Store
 from jex.lab.jobs import MACHINE_OUT, OUTPUTS, LabJob
+from jex.record import write_record
 from jex.settings import JexSettings
 from jex.store_layout import compile_cache_dir, machine_inbox, shards_dir, stage_dir
 from jex.tasks.campaign_spec import MachinesSpec
@@ -61,9 +69,18 @@ from jex.tasks.capture.golden import (
     has_reference,
     store_reference,
 )
+from jex.tasks.capture.invariance import PROBE_FILE, InvarianceProbe
 from jex.tasks.capture.stages import WORK_RECORDS, stage_plan
 from jex.tasks.documents import GenerationVerdict, GoldenVerdict
-from jex.tasks.execution import COMPILE_CACHE, STARTS, EngineStart, compile_cache_key, parse_starts
+from jex.tasks.execution import (
+    COMPILE_CACHE,
+    STARTS,
+    EngineStart,
+    compile_cache_key,
+    kernel_settings,
+    model_shape,
+    parse_starts,
+)
 from jex.tasks.inputs import EngineJob, FastPassInputs, ReasonInputs
 from jex.tasks.prefect_tasks import progress_artifact
 from jex.tasks.records import BundleSummary, StagePlan
@@ -88,6 +105,18 @@ class GoldenMismatch(FlowError):
                     f"{verdict.problems[:3]}")
         super().__init__(f"golden replay on {machine}: {what}")
         self.verdict = verdict
+
+
+class EngineSettingsMismatch(FlowError):
+    """A machine's engine ran with settings its audit did not measure (read back from the engine)."""
+
+    def __init__(self, machine: str, problems: list[str]):
+        super().__init__(f"machine {machine}: its engine runs with settings the audit did not measure: "
+                         + "; ".join(problems))
+
+
+PROBE_OUT = "audit"
+"""The golden job's folder for the audit probe's arms and outcome."""
 
 
 class GpuFleet:
@@ -167,32 +196,47 @@ class GpuFleet:
         return self.settings.infra.worker_python or (sys.executable if self.spec.provider == "local" else "python3")
 
     def _start(self, job: EngineJob) -> None:
-        """Start the machines (once), each replaying the golden rows before it may run shards."""
+        """Start the machines (once), each replaying the golden rows before it may run shards; the first one's
+        golden job runs the settings audit's probe first when no stored audit covers the engine."""
         if self.sessions:
             return
         self.engine = job.inputs.engine
         golden = EngineJob(inputs=FastPassInputs(bundle=job.inputs.bundle, engine=job.inputs.engine, shard_rows=1),
                            store=job.store)
         self._start_machines(stack_lock(job.inputs.engine.kind), tools=required_tools(job.inputs.engine.kind))
-        if audited(self.spec.audit, job.inputs.engine):
-            self._audit(job)
-        self._each_machine("golden", lambda i, s: self._golden(s, golden))
+        plan = self._plan_audit(job) if audited(self.spec.audit, job.inputs.engine) else None
+        self._each_machine("golden", lambda i, s: self._golden(s, golden, plan if i == 0 else None))
+        self._check_effective()
 
-    def _audit(self, job: EngineJob) -> None:
-        """The engine's settings covered by a stored passing bake-off for these machines' GPUs and stack,
-        else the bake-off run on the first machine now (flows/machines/audit.py); `SettingsNotAudited` if it fails."""
-        from jex.lab.jobs import LabJob
-
+    def _plan_audit(self, job: EngineJob) -> AuditPlan | None:
+        """The stored audit that covers the engine's settings on these machines' GPUs, stack and model shape
+        (then `self.audit`, and None), else the plan whose probe the first golden job runs
+        (flows/machines/audit.py); a stored failed audit raises `SettingsNotAudited` here."""
         engine = job.inputs.engine
-        self.audit = audit_settings(
-            engine, store_root=self.store.root, gpus=machine_gpus(machine_provenance(self.sessions[0])),
-            stack_lock=stack_lock(engine.kind), weights_sha256=job.inputs.fingerprint().weights_sha256,
-            prompts=self.spec.audit_prompts, tokens=self.spec.audit_tokens,
-            run_bakeoff=lambda bakeoff, folder: self.run_lab(LabJob(spec=bakeoff, out=str(folder))))
-        a = self.audit
-        self.echo(f"engine settings {a.arm!r} audited on {a.gpus or ['CPU']}: batch invariant up to batch "
-                  f"{max(a.ladder)} ({'stored bake-off' if a.reused else 'bake-off run now'}: {a.folder})"
-                  + ("" if a.powered else "; the control arm did not diverge, so the test was underpowered"))
+        plan = plan_audit(engine, store_root=self.store.root, gpus=machine_gpus(machine_provenance(self.sessions[0])),
+                          stack_lock=stack_lock(engine.kind), shape=model_shape(engine), kernel=kernel_settings(engine),
+                          prompts=self.spec.audit_prompts, tokens=self.spec.audit_tokens)
+        if plan.probe is not None:
+            return plan
+        self.audit = plan.stored
+        assert self.audit is not None
+        self.echo(self.audit.line())
+        return None
+
+    def _judge_probe(self, plan: AuditPlan, inbox: Path) -> None:
+        self.audit = judge_probe(plan, inbox / PROBE_OUT, self.spec.audit)
+        self.echo(self.audit.line() + ("" if self.audit.status == "proven" else
+                                       ": the control arm never diverged, so this audit proves nothing"))
+
+    def _check_effective(self) -> None:
+        """Every machine's engines ran with the settings the audit measured (read back from each engine):
+        else `EngineSettingsMismatch`, naming the machine and the setting, before any shard."""
+        if self.audit is None or self.engine is None:
+            return
+        for machine, starts in self.engine_starts.items():
+            for start in starts:
+                if start.kind == self.engine.kind and (problems := effective_mismatch(self.audit, start.effective)):
+                    raise EngineSettingsMismatch(machine, problems)
 
     def _start_machines(self, stack: str, tools: tuple[str, ...] = ()) -> None:
         """Create and bootstrap the machines with `stack` installed and `tools` on PATH, each as its life task run."""
@@ -233,7 +277,7 @@ class GpuFleet:
         for order in orders:
             order.result()
 
-    def _golden(self, session: MachineSession, job: EngineJob) -> None:
+    def _golden(self, session: MachineSession, job: EngineJob, audit: AuditPlan | None = None) -> None:
         """Machine `session`'s golden replay, compared with the stored reference (or the head of this
         engine's fast-pass capture). With nothing a replay could meet (one machine, no reference of the
         bundle in the store) the machine only measures its fingerprint, and the fast pass it runs next
@@ -242,7 +286,9 @@ class GpuFleet:
         inputs = job.inputs
         rows = min(self.spec.golden_rows, inputs.bundle.rows)
         replay_rows = rows if len(self._lives) > 1 or has_reference(self.store, inputs.bundle) else 0
-        inbox = self._replay(session, job, "golden", replay_rows, first=True)
+        inbox = self._replay(session, job, "golden", replay_rows, first=True, probe=audit.probe if audit else None)
+        if audit is not None:
+            self._judge_probe(audit, inbox)
         fp = EngineFingerprint.model_validate_json((inbox / "fingerprint.json").read_text())
         generation = self._generation_verdict(session, inputs.bundle, fp, inbox)
         with self._lock:
@@ -304,7 +350,8 @@ class GpuFleet:
             return compare_generation(pl.read_parquet(ref), got, source=str(ref),
                                       tokens=self.spec.golden_generation_tokens)
 
-    def _replay(self, session: MachineSession, job: EngineJob, name: str, rows: int, *, first: bool) -> Path:
+    def _replay(self, session: MachineSession, job: EngineJob, name: str, rows: int, *, first: bool,
+                probe: InvarianceProbe | None = None) -> Path:
         """Run the golden job `name` (the bundle's first `rows` rows and the engine fingerprint) on the
         machine; its inbox. The `first` one brings the store's compile cache or takes the machine's."""
         host, inputs = machine_of(session), job.inputs
@@ -318,11 +365,17 @@ class GpuFleet:
         generation_argv = ["--generation-rows", str(min(generate, available)), "--generation-tokens",
                            str(self.spec.golden_generation_tokens), "--generation-out", GOLDEN_GENERATION] \
             if generate else []
+        probe_argv = []
+        if probe is not None:  # the settings audit, on this job's engine before its replay
+            write_record(inbox / "probe.json", probe)
+            files["probe.json"] = inbox / "probe.json"
+            probe_argv = ["--probe", "probe.json", "--probe-out", PROBE_OUT]
         remote = RemoteJob(name, ["-m", "jex", "stage", "golden", "--args", "args.json", "--rows", str(rows),
                                   "--out", "golden.parquet", "--fingerprint", "fingerprint.json",
                                   *self._host_options_argv(host, inputs.engine, inbox, files), *cache_argv,
-                                  *generation_argv],
-                           ["golden.parquet", "fingerprint.json", COMPILE_CACHE, GOLDEN_GENERATION], inbox, files=files)
+                                  *generation_argv, *probe_argv],
+                           ["golden.parquet", "fingerprint.json", COMPILE_CACHE, GOLDEN_GENERATION,
+                            f"{PROBE_OUT}/arm-*.json", f"{PROBE_OUT}/{PROBE_FILE}"], inbox, files=files)
         self._run(session, remote)
         if first and not brought and (inbox / COMPILE_CACHE).exists():  # the first machine of this engine compiled
             with self._lock:

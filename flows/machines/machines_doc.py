@@ -98,6 +98,12 @@ def machines_section(doc: MachinesDoc) -> list[str]:
         how = "reference established" if g.established else f"against {g.reference}"
         lines.append(f"\nGolden replay on {g.machine}: {g.rows} rows, max |dp| {g.max_abs_dp:.3g} "
                      f"(tolerance {g.tolerance:.0e}), {how}.")
+    if doc.audit is not None:
+        a = doc.audit
+        lines.append(f"\nSettings audit: {a.line()}. {a.verdict}."
+                     + (" Its control arm's power is the stored audit's." if a.control_reused else "")
+                     + (" Unproven: the control arm never diverged, so batch invariance is NOT shown for this run."
+                        if a.status == "unproven" else ""))
     lines.append(f"\nCampaign machine cost so far: ${doc.ledger.total_usd:.4f} over "
                  f"{doc.ledger.machine_seconds:.0f} machine-seconds.")
     return lines
@@ -105,7 +111,15 @@ def machines_section(doc: MachinesDoc) -> list[str]:
 
 def report_section(doc: MachinesDoc | None) -> MachinesSection | None:
     """What the campaign's report shows of its machines (None: the engine stages ran in-process)."""
-    return None if doc is None else MachinesSection(markdown=machines_section(doc), shards=doc.shards())
+    if doc is None:
+        return None
+    audit = None if doc.audit is None else {
+        "status": doc.audit.status, "key": doc.audit.key, "arm": doc.audit.arm, "powered": doc.audit.powered,
+        "control_reused": doc.audit.control_reused, "scale": doc.audit.scale, "ladder": list(doc.audit.ladder),
+        "gpus": list(doc.audit.gpus), "stack_sha256": doc.audit.stack_sha256,
+        "shape": doc.audit.shape.model_dump(mode="json") if doc.audit.shape else None, "kernel": doc.audit.kernel,
+        "reused": doc.audit.reused, "folder": doc.audit.folder}
+    return MachinesSection(markdown=machines_section(doc), shards=doc.shards(), audit=audit)
 
 
 __all__ = ["FingerprintMismatch", "FleetMachine", "GoldenReplay", "MachinesDoc", "machines_section", "read_machines",

@@ -49,6 +49,7 @@ CAMPAIGN_FIELD_OF_FLAG = {
     "provider": "machines.provider", "host": "machines.hosts", "workers": "machines.workers",
     "budget_usd": "machines.budget_usd", "engine_hosts": "machines.engine_hosts",
     "gpus_per_machine": "machines.gpus_per_machine", "engines_per_gpu": "machines.engines_per_gpu",
+    "audit": "machines.audit", "audit_prompts": "machines.audit_prompts", "audit_tokens": "machines.audit_tokens",
 }
 """`jex run` flag -> the CampaignSpec field it sets (a dotted path into the `engine` and `machines` tables)."""
 GENERATED_FLAGS = {flag: path for flag, path in CAMPAIGN_FIELD_OF_FLAG.items()

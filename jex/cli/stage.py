@@ -45,19 +45,27 @@ def stage_golden(args_file: JobOption,
                      help="With --host-options: an earlier machine's compile cache, unpacked before the first "
                           "engine start")] = None,
                  compile_cache_out: Annotated[Path | None, typer.Option(
-                     help="With --host-options: write this machine's packed compile cache here")] = None) -> None:
+                     help="With --host-options: write this machine's packed compile cache here")] = None,
+                 probe: Annotated[Path | None, typer.Option(
+                     help="The settings audit's probe (JSON), run first on the same engine")] = None,
+                 probe_out: Annotated[Path, typer.Option(help="Where the probe's arms and outcome go")] = Path("audit")
+                 ) -> None:
     """Pre-flight golden replay on a machine: read out the bundle's first `rows` rows (0: none), decode the
     first `generation_rows` greedily and record the engine fingerprint; with --host-options on slot 0's
     engine host. With hosts kept up for
     every job (`max_requests` 0), every other slot's engine is started too: beside the replay's when
     engines start together, else right after it."""
     from jex.engine.compile_cache import bring_compile_cache, take_compile_cache
+    from jex.tasks.capture.invariance import InvarianceProbe
     from jex.tasks.execution.engine_host import HostRequest, run_request
 
+    options = _host_options(host_options)
+    audit = _record(InvarianceProbe, probe, "--probe").model_copy(
+        update={"engine_home": options.home if options else None}) if probe else None
     request = HostRequest(job="golden", engine_job=_job(args_file), golden_rows=rows, golden_out=str(out.resolve()),
                           fingerprint_out=str(fingerprint_out.resolve()), generation_rows=generation_rows,
-                          generation_tokens=generation_tokens, generation_out=str(generation_out.resolve()))
-    options = _host_options(host_options)
+                          generation_tokens=generation_tokens, generation_out=str(generation_out.resolve()),
+                          probe=audit, probe_out=str(probe_out.resolve()))
     home = Path(options.home) if options else None
     serving = options if options and options.max_requests == 0 else None  # hosts kept up for every job
     together = not request.engine_job.inputs.engine.starts_alone()

@@ -29,9 +29,9 @@ from jex.tasks.execution.engine_host import (
 )
 from jex.tasks.execution.engine_host.protocol import EngineStart
 from jex.tasks.execution.engine_job import run_engine_job
-from jex.tasks.execution.engine_pool import CALLS, compile_cache_key, get_engine, model_shape
+from jex.tasks.execution.engine_pool import CALLS, compile_cache_key, get_engine, kernel_settings, model_shape
 from jex.tasks.execution.workers import WorkerReport, run_workers
 
 __all__ = ["CALLS", "COMPILE_CACHE", "STARTS", "EngineHostDied", "EngineStart", "HostOptions", "HostPolicy",
-           "HostRequest", "WorkerReport", "compile_cache_key", "get_engine", "model_shape", "parse_starts", "prestart",
-           "run_engine_job", "run_request", "run_workers"]
+           "HostRequest", "WorkerReport", "compile_cache_key", "get_engine", "kernel_settings", "model_shape",
+           "parse_starts", "prestart", "run_engine_job", "run_request", "run_workers"]

@@ -84,3 +84,10 @@ def model_shape(engine: EngineSpec) -> ArchitectureShape:
     from jex.engine.models import architecture_shape, resolve_model
 
     return architecture_shape(resolve_model(engine.model, Path(engine.cache_dir)).path)
+
+
+def kernel_settings(engine: EngineSpec) -> dict[str, JsonValue]:
+    """The settings the engine is asked to run with that change its batching or kernels (what an audit covers)."""
+    from jex.engine.effective import asked_kernel
+
+    return asked_kernel(engine)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
-from pydantic import Field
+from pydantic import Field, JsonValue
 
 from jex.engine_identity import EngineFingerprint
 from jex.tasks.bundle.suite_table import ScoreSpec
@@ -23,6 +23,9 @@ class MachinesSection(Record):
 
     markdown: list[str] = Field(description="The report's machines section, as Markdown lines")
     shards: dict[str, int] = Field(description="Shard artifacts the machines' jobs handed over, by job (stage)")
+    audit: dict[str, JsonValue] | None = Field(None, description="The settings audit that covers the engine: its "
+                                                                 "status (proven, unproven), power, size and what "
+                                                                 "it covers, for provenance.json")
 
 
 def skill_plot(baseline: ScoreDoc, policy: ScoreDoc, path: Path) -> None:

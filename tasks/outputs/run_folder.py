@@ -78,7 +78,8 @@ def write_run_folder(run_dir: Path, summaries: CampaignSummaries, spec: Campaign
     prov = provenance(inputs={"bundle": s.bundle.sha256, "fast_pass": s.fast_pass.sha256,
                               "reason": s.reason.sha256, **generated, "predictions": s.overlay.sha256},
                       settings=spec.model_dump(mode="json"), engine=s.fast_pass.engine.model_dump(mode="json"),
-                      stages={k: {"key": v.key, "folder": v.folder} for k, v in summaries.done().items()})
+                      stages={k: {"key": v.key, "folder": v.folder} for k, v in summaries.done().items()},
+                      **({"settings_audit": machines.audit} if machines is not None and machines.audit else {}))
     write_doc(run_dir / "score.json", docs.policy.model_copy(update={"provenance": prov}))
     write_doc(run_dir / "fold.json", docs.fold)
     write_json(run_dir / "provenance.json", prov)

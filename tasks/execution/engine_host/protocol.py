@@ -20,9 +20,11 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from jex.engine.compile_cache import slot_dir
+from jex.engine_identity import EffectiveSettings
 from jex.engine_spec import EngineSpec
 from jex.fileio import atomic_path
 from jex.record import Record
+from jex.tasks.capture.invariance import InvarianceProbe
 from jex.tasks.inputs import EngineJob
 from jex.tasks.records import FastPassSummary, GenerateSummary, PartialSummary, ReasonSummary
 
@@ -95,6 +97,9 @@ class HostRequest(Record):
     generation_rows: int = Field(0, description="golden: rows whose rationale prompts are decoded greedily")
     generation_tokens: int = 0
     generation_out: str = ""
+    probe: InvarianceProbe | None = Field(None, description="golden: the settings audit's probe, run first on the "
+                                                           "same engine (`tasks/capture/invariance.py`)")
+    probe_out: str = ""
 
 
 class GoldenDone(BaseModel):
@@ -141,6 +146,8 @@ class EngineStart(BaseModel):
     alone: bool = Field(True, description="Started under the start lock; False: alongside other engines")
     compile_cache: str = Field("cold", description="cold | warm (this machine compiled before) | restored "
                                                    "(from an earlier machine's compile-cache artifact)")
+    import_s: float = Field(0.0, description="Importing the engine's libraries before the start (vLLM, torch)")
+    effective: EffectiveSettings | None = Field(None, description="What the started engine runs with, read back")
 
 
 def parse_starts(text: str) -> list[EngineStart]:

@@ -78,7 +78,9 @@ class EngineHost:
             return
         release_engines()  # one engine per host (e.g. a speculative profile, then its audited base): one GPU share
         self.progress("starting", f"importing {spec.kind}")
+        t_import = time.perf_counter()
         preload(spec)
+        imported = time.perf_counter() - t_import
         alone = spec.starts_alone()
         t_queue = time.perf_counter()
         waiting = functools.partial(self.progress, "queued", "waiting for the machine's start lock")
@@ -87,9 +89,10 @@ class EngineHost:
             self.progress("starting", f"{spec.kind} engine")
             cache = restore_compile_cache(self.home, self.slot)
             t0 = time.perf_counter()
-            get_engine(spec)
+            engine = get_engine(spec)
             rec = EngineStart(slot=self.slot, pid=os.getpid(), kind=spec.kind, seconds=time.perf_counter() - t0,
-                              time=time.time(), compile_cache=cache, queued_s=queued, alone=alone)
+                              time=time.time(), compile_cache=cache, queued_s=queued, alone=alone,
+                              import_s=imported, effective=engine.effective_settings())
             if cache != "restored":  # this machine compiled (or found its own cache): offer it to the next starts
                 pack_compile_cache(self.home, self.slot)
         self.starts += 1
@@ -216,6 +219,12 @@ def execute(request: HostRequest, progress: Progress | None = None, engine_start
 
     if request.job == "golden":
         from jex.tasks.capture.golden import golden_job
+
+        if request.probe is not None:  # the settings audit, on the engine the campaign then uses
+            from jex.tasks.capture.invariance import probe_engine
+            from jex.tasks.execution.engine_pool import get_engine
+
+            probe_engine(get_engine(request.engine_job.inputs.engine), request.probe, Path(request.probe_out))
 
         golden_job(request.engine_job, request.golden_rows, Path(request.golden_out), Path(request.fingerprint_out),
                    (request.generation_rows, request.generation_tokens, Path(request.generation_out))

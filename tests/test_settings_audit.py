@@ -1,0 +1,182 @@
+"""The settings audit keyed by what it proves, never passing without power, and the engine's effective
+settings read back (issue 54). The whole path through a machine's golden job is in test_machines.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from jex.engine.effective import asked_problems
+from jex.engine_identity import ArchitectureShape, EffectiveSettings
+from jex.engine_spec import EngineSpec
+from jex.flows.machines.audit import (
+    AUDIT_FILE,
+    SettingsAudit,
+    SettingsNotAudited,
+    SettingsUnproven,
+    effective_mismatch,
+    judge_probe,
+    plan_audit,
+    stored_audit,
+)
+
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 30,
+                "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
+                "vocab_size": 49152, "tie_word_embeddings": True}
+
+
+def model_folder(root: Path, weights: bytes, **config) -> Path:
+    """A model folder as the audit reads it: its config.json (the shape) and a weights file (not read)."""
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps({**LLAMA_CONFIG, **config}))
+    (root / "model.safetensors").write_bytes(weights)
+    return root
+
+
+def shape_of(folder: Path) -> ArchitectureShape:
+    from jex.engine.models import architecture_shape
+
+    return architecture_shape(folder)
+
+
+def plan(tmp_path: Path, folder: Path, **engine):
+    spec = EngineSpec(model=str(folder), kind="vllm", device="cuda", **engine)
+    from jex.tasks.execution import kernel_settings
+
+    return plan_audit(spec, store_root=tmp_path / "store", gpus=["NVIDIA H100 80GB HBM3"], stack_lock="vllm==0.22.1\n",
+                      shape=shape_of(folder), kernel=kernel_settings(spec), prompts=64, tokens=256)
+
+
+def test_the_audit_key_is_the_architecture_shape_not_the_weights(tmp_path):
+    base = model_folder(tmp_path / "base", b"weights of the base")
+    tuned = model_folder(tmp_path / "tuned", b"the fine-tune's other weights")
+    deeper = model_folder(tmp_path / "deeper", b"weights of the base", num_hidden_layers=32)
+    assert shape_of(base) == shape_of(tuned) and shape_of(base).head_dim == 64
+    assert plan(tmp_path, base).key == plan(tmp_path, tuned).key
+    assert plan(tmp_path, base).key != plan(tmp_path, deeper).key
+
+
+def test_settings_that_change_batching_or_kernels_are_in_the_key_and_the_width_is_not(tmp_path):
+    base = model_folder(tmp_path / "base", b"w")
+    key = plan(tmp_path, base).key
+    assert plan(tmp_path, base, max_num_batched_tokens=4096).key != key
+    assert plan(tmp_path, base, cudagraph_mode="FULL_DECODE_ONLY").key != key
+    assert plan(tmp_path, base, dtype="float16").key != key
+    assert plan(tmp_path, base, max_num_seqs=64).key == key  # the ladder covers the width: a wider audit serves
+    assert plan(tmp_path, base, gpu_memory_utilization=0.5).key == key
+
+
+def stored(tmp_path: Path, folder: Path, **fields) -> SettingsAudit:
+    """A stored audit under the plan's key (what an earlier campaign's probe left)."""
+    p = plan(tmp_path, folder)
+    audit = SettingsAudit(**{"key": p.key, "arm": p.arm, "control": p.control, "gpus": p.gpus,
+                             "stack_sha256": p.stack_sha256, "ladder": [1, 8, 16, 32, 64, 128, 256, 512],
+                             "passed": True, "powered": True, "verdict": "INVARIANT", "folder": p.folder, **fields})
+    Path(p.folder).mkdir(parents=True)
+    (Path(p.folder) / AUDIT_FILE).write_text(audit.model_dump_json())
+    return audit
+
+
+def test_a_proven_audit_of_one_model_covers_another_of_its_shape(tmp_path):
+    base = model_folder(tmp_path / "base", b"w")
+    stored(tmp_path, base)
+    got = plan(tmp_path, model_folder(tmp_path / "tuned", b"other"))
+    assert got.probe is None and got.stored is not None and got.stored.reused and got.stored.status == "proven"
+
+
+def test_an_unproven_audit_covers_nothing_and_is_probed_again_with_its_control(tmp_path):
+    base = model_folder(tmp_path / "base", b"w")
+    stored(tmp_path, base, powered=False)
+    got = plan(tmp_path, base)
+    assert got.probe is not None and got.probe.control is not None and got.probe.control.kind == "vllm-control"
+    assert got.probe.scales == [1, 2, 4]
+
+
+def test_a_wider_campaign_reuses_the_stored_power_and_probes_only_its_engine(tmp_path):
+    base = model_folder(tmp_path / "base", b"w")
+    stored(tmp_path, base, scale=2)
+    got = plan(tmp_path, base, max_num_seqs=1024)
+    assert got.probe is not None and got.probe.control is None and got.probe.scales == [2]
+    assert max(got.probe.ladder) == 1024
+
+
+def test_a_stored_failed_audit_refuses_before_any_probe(tmp_path):
+    base = model_folder(tmp_path / "base", b"w")
+    stored(tmp_path, base, passed=False, verdict="NOT INVARIANT: vllm-bi differ")
+    with pytest.raises(SettingsNotAudited, match="not batch invariant"):
+        plan(tmp_path, base)
+
+
+@pytest.fixture(scope="module")
+def quiet_probe(tmp_path_factory):
+    """A probe on the CPU whose control cannot diverge (it is the invariant engine itself): run at every
+    scale, the campaign's engine in this process and the control in its own."""
+    from jex.tasks.capture.invariance import InvarianceProbe, probe_engine
+    from jex.tasks.execution import get_engine
+
+    out = tmp_path_factory.mktemp("probe")
+    probe = InvarianceProbe(arm="hf-bi", control_arm="hf-control", control=EngineSpec(kind="hf"), prompts=2,
+                            tokens=2, ladder=[1, 2], repeats=2, reference_prompts=1, scales=[1, 2])
+    outcome = probe_engine(get_engine(EngineSpec(kind="hf", batch_size=2)), probe, out)
+    return probe, outcome, out
+
+
+@pytest.mark.slow
+def test_a_quiet_control_lengthens_the_probe_to_its_last_scale(quiet_probe):
+    probe, outcome, out = quiet_probe
+    assert (outcome.scale, outcome.passed, outcome.powered) == (2, True, False)
+    assert {p.name for p in out.glob("arm-*.json")} == {"arm-hf-bi.json", "arm-hf-control.json"}
+
+
+def judged(tmp_path: Path, quiet_probe, mode: str):
+    from jex.flows.machines.audit import AuditPlan
+
+    probe, _, out = quiet_probe
+    folder = tmp_path / "store" / "bakeoff" / "k"
+    p = AuditPlan(key="k", folder=str(folder), arm="hf-bi", control="hf-control", gpus=[], stack_sha256="s",
+                  shape=ArchitectureShape(architecture="LlamaForCausalLM", layers=30, hidden=576, heads=9, kv_heads=3,
+                                          head_dim=64, vocab=49152), kernel={"engine": "hf"}, model=None, probe=probe)
+    shutil.copytree(out, tmp_path / "probe")
+    return judge_probe(p, tmp_path / "probe", mode)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_an_unproven_audit_is_refused_where_the_audit_is_always_required(tmp_path, quiet_probe):
+    with pytest.raises(SettingsUnproven, match="never diverged, even at 2x"):
+        judged(tmp_path, quiet_probe, "always")
+    kept = stored_audit(tmp_path / "store", "k")
+    assert kept is not None and kept.status == "unproven" and not kept.covers(1)  # stored, covering nothing
+
+
+@pytest.mark.slow
+def test_an_unproven_audit_lets_an_auto_campaign_run_and_says_so(tmp_path, quiet_probe):
+    audit = judged(tmp_path, quiet_probe, "auto")
+    assert audit.status == "unproven" and audit.scale == 2
+    assert audit.effective is not None  # read back from the campaign's engine
+    assert (audit.effective.engine, audit.effective.dtype, audit.effective.batch_invariant) == ("hf", "float32", True)
+    assert "UNPROVEN" in audit.line() and "UNDERPOWERED" in audit.verdict
+
+
+def test_the_effective_settings_are_compared_with_what_was_asked():
+    effective = EffectiveSettings(engine="vllm", attention_backend="TRITON_ATTN_VLLM_V1", cudagraph_mode="PIECEWISE",
+                                  prefix_caching=False, dtype="bfloat16", max_num_seqs=512)
+    asked = {"attention_backend": "TRITON_ATTN", "cudagraph_mode": "FULL_DECODE_ONLY", "prefix_caching": False,
+             "dtype": "bfloat16", "max_num_seqs": 512, "max_model_len": None, "enforce_eager": False}
+    assert asked_problems(asked, effective) == ["cudagraph_mode: asked 'FULL_DECODE_ONLY', the engine applied "
+                                                "'PIECEWISE'"]
+    assert asked_problems({**asked, "attention_backend": "FLASH_ATTN", "cudagraph_mode": None}, effective) == [
+        "attention_backend: asked 'FLASH_ATTN', the engine applied 'TRITON_ATTN_VLLM_V1'"]
+
+
+def test_a_machine_whose_engine_ran_otherwise_than_its_audit_is_named():
+    audited = EffectiveSettings(engine="vllm", attention_backend="TRITON_ATTN", cudagraph_mode="FULL_AND_PIECEWISE",
+                                dtype="bfloat16", max_num_seqs=512)
+    audit = SettingsAudit(key="k", arm="vllm-bi", control="vllm-control", gpus=[], stack_sha256="s", ladder=[1, 8],
+                          passed=True, powered=True, verdict="v", folder="f", effective=audited)
+    same_but_narrower = audited.model_copy(update={"max_num_seqs": 64})
+    assert effective_mismatch(audit, same_but_narrower) == []
+    lowered = audited.model_copy(update={"cudagraph_mode": "PIECEWISE"})
+    assert effective_mismatch(audit, lowered) == ["cudagraph_mode: 'PIECEWISE', audited 'FULL_AND_PIECEWISE'"]
