@@ -6,7 +6,8 @@ On the device, after the vLLM staging (../shared/device/README.md), the wheel fo
     source /tmp/stage/env.sh && source bench/device_jex.sh && export PYTHONPATH=$PYTHONPATH:/tmp/site4
     python3 bench/day_one.py --model /tmp/smollm2 --cell gsm8k:1319 --work /tmp/d1 --out $OUT/day-one.json
 
-Per cell (a task shape of `bench/gpu_peer.py` and its rows), each tool in its own process, timed from its start:
+Per cell (a task shape of `bench/gpu_peer.py` and its rows), each tool in its own process, timed from its start
+(in the order 2, 1, 3: a jex run that fails costs no lm_eval run):
 1. `lm_eval --model vllm` (vLLM's defaults, TRITON_ATTN, `batch_size auto`); with `--cold` first, vLLM's own
    compile cache on the machine (~/.cache/vllm) is emptied, so its first cell of a model starts cold;
 2. jex "first": `jex run` (default `local` provider, settings audit on by default for vLLM) on a fresh store:
@@ -84,19 +85,22 @@ def one_cell(kind: str, rows: int, a: argparse.Namespace, env: dict[str, str]) -
     work = a.work / f"{kind}-{rows}"
     task = make_tasks(kind, rows, work / "tasks", a.max_gen_toks) if kind == "gsm8k" else \
         make_tasks(kind, rows, work / "tasks")
-    if a.cold:  # lm_eval's first cell of the model on this machine: no vLLM compile cache of an earlier run
-        shutil.rmtree(Path.home() / ".cache" / "vllm", ignore_errors=True)
-    lm = run_lm_eval(task, a.model, work / "lm", env, a.cpu, reuse=a.reuse)
-    cell: dict = {"task": kind, "model": a.model_name or a.model, "rows": rows, "lm_eval_s": round(lm["wall_s"], 1),
-                  "lm_eval_cold_compile_cache": a.cold}
+    cell: dict = {"task": kind, "model": a.model_name or a.model, "rows": rows}
     cluster = None if kind == "gsm8k" else "topic"
+    first = None  # jex's own compile caches live in its store and machine folders, never in ~/.cache/vllm
     if not a.skip_first:
         first = run_jex(task, a.model, work / "jex-first", env, None, a.cpu, a.jex_args, cluster, a.reuse)
         cell |= {"jex_first_s": round(first["wall_s"], 1), "phases_first": phases(first), "audit_first":
-                 audit_of(first), "first_run_dir": first["run_dir"], "generations_or_argmax_differ":
-                 differences(kind, task.stem, work / "lm", Path(first["run_dir"]))}
-        print(json.dumps({"cell": f"{kind}:{rows}", "lm_eval_s": cell["lm_eval_s"], "jex_first_s": cell["jex_first_s"],
+                 audit_of(first), "first_run_dir": first["run_dir"]}
+        print(json.dumps({"cell": f"{kind}:{rows}", "jex_first_s": cell["jex_first_s"],
                           "phases": cell["phases_first"], "audit": cell["audit_first"]}), flush=True)
+    if a.cold:  # lm_eval's first cell of the model on this machine: no vLLM compile cache of an earlier run
+        shutil.rmtree(Path.home() / ".cache" / "vllm", ignore_errors=True)
+    lm = run_lm_eval(task, a.model, work / "lm", env, a.cpu, reuse=a.reuse)
+    cell |= {"lm_eval_s": round(lm["wall_s"], 1), "lm_eval_cold_compile_cache": a.cold}
+    print(json.dumps({"cell": f"{kind}:{rows}", "lm_eval_s": cell["lm_eval_s"]}), flush=True)
+    if first is not None:
+        cell["generations_or_argmax_differ"] = differences(kind, task.stem, work / "lm", Path(first["run_dir"]))
     later_store = a.later_store or (work / "jex-first" / "store" if not a.skip_first else None)
     if later_store is not None and not a.skip_later:
         later = run_jex(task, a.model, work / "jex-later", env, later_store, a.cpu, a.jex_args, cluster, a.reuse)

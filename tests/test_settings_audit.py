@@ -180,3 +180,17 @@ def test_a_machine_whose_engine_ran_otherwise_than_its_audit_is_named():
     assert effective_mismatch(audit, same_but_narrower) == []
     lowered = audited.model_copy(update={"cudagraph_mode": "PIECEWISE"})
     assert effective_mismatch(audit, lowered) == ["cudagraph_mode: 'PIECEWISE', audited 'FULL_AND_PIECEWISE'"]
+
+
+def test_a_campaign_that_changes_only_the_scheduler_width_restores_the_compile_cache(tmp_path):
+    from jex.tasks.execution import compile_cache_key
+
+    folder = model_folder(tmp_path / "m", b"w")
+    machine = {"gpus": ["NVIDIA H100 80GB HBM3"], "vllm": "0.22.1", "python": "3.12.3"}
+
+    def key(**engine):
+        return compile_cache_key(EngineSpec(model=str(folder), kind="vllm", device="cuda", **engine), machine)
+
+    assert key(max_num_seqs=512) == key(max_num_seqs=16)
+    assert key(max_num_batched_tokens=4096) != key()  # the token budget shapes the compiled graphs
+    assert key(cudagraph_mode="FULL_DECODE_ONLY") != key()
