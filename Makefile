@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.jex-setup
 
-.PHONY: setup run test lint bench clean-venv lock screenshots
+.PHONY: setup run test test-fast lint bench clean-venv lock screenshots
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(TYPECHECK)
 	bash .ci/services.sh $(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+
+# The inner loop: the same services and workers, without the tests marked `slow` (the embedded model, whole
+# campaigns, real servers; tests/conftest.py marks those by the fixtures they use too); `make test` runs them all
+test-fast: setup
+	bash .ci/services.sh $(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
 
 # The UI screenshots in docs/img, taken by the browser test against a real server (never by `make test`)
 screenshots: setup

@@ -24,9 +24,18 @@ FILE_SECONDS = Path(__file__).with_name("durations.json")
 """Seconds of the slowest test files in CI (`--durations`, a loaded 2-core run); a file not listed counts 0."""
 
 
+SLOW_FIXTURES = frozenset({"prefect_harness", "main_job_run", "embedded_model_dir"})
+"""Fixtures that start a Prefect test API, run a whole campaign or load the embedded model: a test using one
+(directly or through its own fixtures) is `slow` as pyproject's marker says, marked here if its file did not."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects (`make test-fast`: -m "not slow")
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The longest test files first (pytest-xdist hands files out in this order, `--no-loadscope-reorder`
     in the Makefile), so the run does not end with one worker alone on a long file that started late."""
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     seconds = json.loads(FILE_SECONDS.read_text())
     items.sort(key=lambda item: -seconds.get(item.path.name, 0))  # stable: each file's own order is kept
 

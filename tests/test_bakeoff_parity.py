@@ -64,14 +64,14 @@ def test_a_bakeoff_written_before_its_record_reads_and_a_renamed_key_is_refused_
     path.write_text(json.dumps(OLD_BAKEOFF, indent=1))
     old = read_bakeoff(tmp_path)
     assert (old.version, old.reference_prompts, old.arms["hf-bi"].rungs["1"].prompts) == (1, 2, [])
-    audit = judge(path, key="k", arm="hf-bi", control="hf-control", gpus=[], stack_lock="", ladder=[1, 2])
+    audit = judge(path, key="k", arm="hf-bi", control="hf-control", gpus=[], stack_sha256="", ladder=[1, 2])
     assert audit.passed and not audit.powered
     renamed = json.loads(path.read_text())
     rung = renamed["arms"]["hf-bi"]["rungs"]["1"]
     rung["mismatch_count"] = rung.pop("mismatches")
     path.write_text(json.dumps(renamed))
     with pytest.raises(InputError, match=r"bakeoff\.json.*BakeoffResult(.|\n)*mismatch"):
-        judge(path, key="k", arm="hf-bi", control="hf-control", gpus=[], stack_lock="", ladder=[1, 2])
+        judge(path, key="k", arm="hf-bi", control="hf-control", gpus=[], stack_sha256="", ladder=[1, 2])
 
 
 def test_batch_1_reads_a_sample_spread_over_the_prompts_lengths_the_longest_among_them():

@@ -4,7 +4,9 @@ folder D, never computes its capture again; a stage no store here holds is refus
 
 One campaign (module fixture) through the real CLI; every later step is its own process, as a user's
 next command would be. S3 is moto's server on 127.0.0.1, so every resume runs the flow (no stored-run
-shortcut) and records its engine calls.
+shortcut) and records its engine calls. The first run's flow reports to Prefect's temporary API (no server
+configured, as `make run`); the later places' flows report to the session's Prefect test API (a running
+server, as with `jex server start`): one temporary API server (the first run's), not one per flow.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ def home(root: Path) -> Path:
 
 
 class Place:
-    """A working folder with its own HOME and Prefect home, talking to one S3 bucket."""
+    """A working folder with its own HOME and Prefect home, talking to one S3 bucket; its flows report to
+    `api_url` (a running Prefect API), else to a temporary API each flow starts."""
 
-    def __init__(self, root: Path, s3: dict[str, str]):
+    def __init__(self, root: Path, s3: dict[str, str], api_url: str | None = None):
         root.mkdir(parents=True, exist_ok=True)
         self.root, self.s3 = root, s3
         self.env = {**os.environ, **s3, "HOME": str(home(root)), "PREFECT_HOME": str(root / "prefect"),
@@ -47,6 +50,8 @@ class Place:
         for name in [n for n in self.env if n.startswith("JEX_") and n not in s3]:
             del self.env[name]
         self.env.pop("PREFECT_API_URL", None)
+        if api_url:
+            self.env["PREFECT_API_URL"] = api_url
 
     def run(self, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
         p = subprocess.run(list(args), capture_output=True, text=True, env=self.env, cwd=self.root, timeout=400)
@@ -55,6 +60,14 @@ class Place:
 
     def jex(self, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
         return self.run(JEX, *args, ok=ok)
+
+
+@pytest.fixture(scope="module")
+def api_url(prefect_harness) -> str:
+    """The session's Prefect test API, for the places after the first."""
+    from prefect.settings import PREFECT_API_URL
+
+    return str(PREFECT_API_URL.value())
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +116,9 @@ def assert_nothing_recomputed(run_dir: Path, predictions: bytes) -> None:
 
 @pytest.mark.slow
 def test_a_run_is_resumed_retried_mined_moved_and_pulled_without_computing_its_capture_again(
-        first, tmp_path, s3_env):
+        first, tmp_path, s3_env, api_url):
     run_dir, predictions = first.run_dir, first.predictions
-    b = Place(tmp_path / "B", s3_env)
+    b = Place(tmp_path / "B", s3_env, api_url)
 
     # from another folder and HOME, through the default (local) provider: same run folder, no engine call
     p = b.jex("run", "--resume", str(run_dir), "--provider", "local", "--quiet")
@@ -137,15 +150,15 @@ def test_a_run_is_resumed_retried_mined_moved_and_pulled_without_computing_its_c
 
     # another machine: the local store is gone; `jex store pull` brings the run back into a fresh folder
     shutil.rmtree(c)
-    d = Place(tmp_path / "D", s3_env)
+    d = Place(tmp_path / "D", s3_env, api_url)
     pulled = Path(d.jex("store", "pull", "--campaign", run_dir.name, "--out", "runs").stdout.strip().splitlines()[-1])
     d.jex("run", "--resume", str(pulled), "--quiet")
     assert_nothing_recomputed(d.root / pulled, predictions)
 
 
 @pytest.mark.slow
-def test_a_bundle_file_gives_the_capture_of_the_suite_it_was_built_from(first, tmp_path):
-    e = Place(tmp_path / "E", {})
+def test_a_bundle_file_gives_the_capture_of_the_suite_it_was_built_from(first, tmp_path, api_url):
+    e = Place(tmp_path / "E", {}, api_url)
     e.jex("bundle", "build", str(first.suite), "-o", "suite.tar.gz")
     p = e.jex("run", "--suite", "suite.tar.gz", "--model", str(first.model), "--provider", "inprocess",
               "--coverage", "0", "--shard-rows", "4", "--name", "b", "--out", "runs", "--quiet")

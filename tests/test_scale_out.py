@@ -9,16 +9,48 @@ serves every job of its machine: two engines, two engine starts, whatever the nu
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 
 from jex.fileio import sha256_file
 
+SUITE = {"rows": 18, "seed": 4}
+FAST_SHARD_ROWS, COVERAGE, REASON_TOKENS, REASON_SHARD_ROWS = 4, 0.5, 4, 3
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Callable[[], tuple]:
+    """The stages in this process (no machine) on the same suite: the digests both layouts must give, computed
+    by the first test that asks (after its fleet, as each test did before) and kept for the other layout."""
+    from jex.engine_spec import EngineSpec
+    from jex.sample_suite import write_sample_suite
+    from jex.tasks.capture.stages import bundle_stage, fast_pass_stage, reason_stage
+    from jex.tasks.decision_stages import gate_stage
+    from jex.tasks.store import LocalStore
+
+    digests: list[tuple] = []
+
+    def compute() -> tuple:
+        if not digests:
+            root = tmp_path_factory.mktemp("one-process")
+            suite = write_sample_suite(root / "suite", **SUITE)
+            engine, store = EngineSpec(), LocalStore(root / "store-one")
+            bundle = bundle_stage(store, suite=suite)
+            fast = fast_pass_stage(store, bundle=bundle, engine=engine, shard_rows=FAST_SHARD_ROWS)
+            gate = gate_stage(store, bundle=bundle, fast=fast, coverage=COVERAGE)
+            reasoned = reason_stage(store, bundle=bundle, gate=gate, engine=engine, max_tokens=REASON_TOKENS,
+                                    shard_rows=REASON_SHARD_ROWS)
+            digests.append((fast.sha256, sha256_file(fast.capture), reasoned.sha256))
+        return digests[0]
+
+    return compute
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"workers": 2}, {"workers": 1, "engines_per_gpu": 2}],
                          ids=["two-machines", "two-engines-on-one-machine"])
-def test_merged_capture_of_two_engines_is_byte_identical_to_one_process(tmp_path, monkeypatch, layout):
+def test_merged_capture_of_two_engines_is_byte_identical_to_one_process(tmp_path, monkeypatch, layout, one_process):
     import sys
 
     from jex.engine_spec import EngineSpec
@@ -34,27 +66,20 @@ def test_merged_capture_of_two_engines_is_byte_identical_to_one_process(tmp_path
     monkeypatch.setenv("JEX_INFRA__STATE_DIR", str(tmp_path / "infra"))
     monkeypatch.setenv("JEX_INFRA__POLL_S", "0.3")
     monkeypatch.setenv("JEX_INFRA__WORKER_PYTHON", sys.executable)
-    suite = write_sample_suite(tmp_path / "suite", rows=18, seed=4)
+    suite = write_sample_suite(tmp_path / "suite", **SUITE)
     engine = EngineSpec()
-
-    def in_one_process(store: LocalStore) -> tuple:
-        bundle = bundle_stage(store, suite=suite)
-        fast = fast_pass_stage(store, bundle=bundle, engine=engine, shard_rows=4)
-        gate = gate_stage(store, bundle=bundle, fast=fast, coverage=0.5)
-        reasoned = reason_stage(store, bundle=bundle, gate=gate, engine=engine, max_tokens=4, shard_rows=3)
-        return fast.sha256, sha256_file(fast.capture), reasoned.sha256
-
     store = LocalStore(tmp_path / "store-fleet")
     bundle = bundle_stage(store, suite=suite)
     spec = MachinesSpec(provider="local", golden_rows=4, **layout)
     with GpuFleet(spec, campaign="scale-2", store=str(store.root), settings=load_settings(),
                   echo=lambda s: None) as fleet:
-        job = fleet.run_stage(EngineJob(inputs=FastPassInputs(bundle=bundle, engine=engine, shard_rows=4),
-                                        store=str(store.root)))
+        job = fleet.run_stage(EngineJob(inputs=FastPassInputs(bundle=bundle, engine=engine,
+                                                              shard_rows=FAST_SHARD_ROWS), store=str(store.root)))
         fast = fast_pass_stage(store, job.inputs)
-        gate = gate_stage(store, bundle=bundle, fast=fast, coverage=0.5)
-        job = fleet.run_stage(EngineJob(inputs=ReasonInputs(bundle=bundle, gate=gate, engine=engine, max_tokens=4,
-                                                            shard_rows=3), store=str(store.root)))
+        gate = gate_stage(store, bundle=bundle, fast=fast, coverage=COVERAGE)
+        job = fleet.run_stage(EngineJob(inputs=ReasonInputs(bundle=bundle, gate=gate, engine=engine,
+                                                            max_tokens=REASON_TOKENS, shard_rows=REASON_SHARD_ROWS),
+                                        store=str(store.root)))
         reasoned = reason_stage(store, job.inputs)
     report = fleet.report()
     assert len(report.machines) == layout["workers"] and fleet.provider.list_machines() == []
@@ -66,4 +91,4 @@ def test_merged_capture_of_two_engines_is_byte_identical_to_one_process(tmp_path
         assert sorted(sum(per_job, [])) == [0, 1, 2, 3, 4], "every shard computed exactly once"
     assert fast.computed_shards == [] and reasoned.computed_shards == []  # merged here, computed there
     fleet_digests = (fast.sha256, sha256_file(fast.capture), reasoned.sha256)
-    assert fleet_digests == in_one_process(LocalStore(tmp_path / "store-one"))
+    assert fleet_digests == one_process()
