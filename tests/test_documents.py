@@ -35,7 +35,7 @@ def test_a_document_refuses_a_field_it_does_not_know():
 
 def test_a_fingerprint_mismatch_is_its_own_golden_entry_not_a_verdict():
     from jex.engine_identity import EngineFingerprint, RenderDigest
-    from jex.flows.machines.fleet import GoldenMismatch
+    from jex.flows.machines.golden import GoldenMismatch
     from jex.flows.machines.machines_doc import FingerprintMismatch, GoldenReplay, MachinesDoc, machines_section
 
     replay = GoldenReplay(machine="m0", reference="ref.parquet", established=False, ok=True, rows=6, max_abs_dp=2e-6,

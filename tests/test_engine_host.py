@@ -213,7 +213,8 @@ def test_the_first_machine_s_compile_cache_is_restored_on_the_next_machine_of_th
     import tarfile
 
     from jex.engine_spec import EngineSpec
-    from jex.flows.machines.fleet import GpuFleet, compile_cache_path
+    from jex.flows.machines.fleet import GpuFleet
+    from jex.flows.machines.golden import compile_cache_path
     from jex.settings import load_settings
     from jex.tasks.campaign_spec import MachinesSpec
     from jex.tasks.capture.stages import bundle_stage

@@ -18,7 +18,7 @@ JEX = str(Path(sys.executable).with_name("jex"))
 
 def test_infra_flow_and_server_errors_share_the_one_root():
     from jex.deployments.server import ServerError as StartError
-    from jex.flows.machines.fleet import GoldenMismatch
+    from jex.flows.machines.golden import GoldenMismatch
     from jex.infra.cost_ledger import BudgetExceeded
     from jex.infra.machine import JobFailed
     from jex.infra.providers import ProviderError

@@ -365,7 +365,8 @@ def test_golden_replay_mismatch_stops_the_machine_before_its_shards(tmp_path, mo
     import polars as pl
 
     from jex.engine_spec import EngineSpec
-    from jex.flows.machines.fleet import GoldenMismatch, GpuFleet
+    from jex.flows.machines.fleet import GpuFleet
+    from jex.flows.machines.golden import GoldenMismatch
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
     from jex.tasks.campaign_spec import MachinesSpec
@@ -408,7 +409,8 @@ def test_golden_generation_is_token_identical_on_every_machine_or_the_machine_st
     import polars as pl
 
     from jex.engine_spec import EngineSpec
-    from jex.flows.machines.fleet import GoldenMismatch, GpuFleet
+    from jex.flows.machines.fleet import GpuFleet
+    from jex.flows.machines.golden import GoldenMismatch
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
     from jex.tasks.campaign_spec import MachinesSpec
