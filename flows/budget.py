@@ -21,14 +21,13 @@ import time
 from typing import TypeVar, cast
 
 from prefect import flow
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from jex.fileio import write_json, write_text
 from jex.flows.campaign import publish_machines
 from jex.flows.machines.runners import StageRunner, make_runner
 from jex.record import Record
-from jex.settings import infra_default
-from jex.tasks.campaign_spec import CampaignSpec, sample_suite_dir
+from jex.tasks.campaign_spec import BudgetSpec, sample_suite_dir
 from jex.tasks.decision_stages import gate_stage
 from jex.tasks.documents import FoldDoc, read_doc
 from jex.tasks.inputs import BundleInputs, EngineJob, FastPassInputs, FoldInputs, ReasonInputs
@@ -36,18 +35,6 @@ from jex.tasks.prefect_tasks import bundle_task, fast_pass_task, fold_task, reas
 from jex.tasks.store import LocalStore
 
 EngineInputsT = TypeVar("EngineInputsT", FastPassInputs, ReasonInputs)
-
-
-class BudgetSpec(BaseModel):
-    campaign: CampaignSpec = CampaignSpec()
-    coverage: float = Field(0.30, gt=0, le=1, description="Coverage gated within the sample")
-    sample_every: int = Field(4, ge=1, description="Sample ~1/k of the questions of every catalog")
-    coverages: list[float] = Field([0.05, 0.10, 0.15, 0.25, 0.30], description="Coverages to project")
-    target_rows: int | None = Field(None, ge=1, description="Rows of the suite to project for (default: this one)")
-    price_per_gpu_hour: float = Field(infra_default("price_per_hour"), ge=0)
-    gpus: int = Field(1, ge=1, description="GPU workers of the projected run (data parallel)")
-    budget_hours: float = Field(infra_default("budget_hours"), gt=0)
-    budget_usd: float = Field(infra_default("budget_usd"), gt=0)
 
 
 class ProjectedCoverage(Record):

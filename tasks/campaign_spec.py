@@ -15,7 +15,15 @@ from pydantic.fields import FieldInfo
 from jex.engine_spec import VLLM_MAX_NUM_SEQS, EngineSpec
 from jex.fileio import sha256_json
 from jex.run_records import CAMPAIGN_FILE
-from jex.settings import BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, GOLDEN_ROWS, PROOF_ROWS, JexSettings, ProviderName
+from jex.settings import (
+    BOOTSTRAP_DRAWS,
+    BOOTSTRAP_SEED,
+    GOLDEN_ROWS,
+    PROOF_ROWS,
+    JexSettings,
+    ProviderName,
+    infra_default,
+)
 from jex.tasks.execution.engine_host import HostOptions
 from jex.tasks.inputs import (
     FAST_SHARD_ROWS,
@@ -300,3 +308,21 @@ def sample_suite_dir(spec: CampaignSpec) -> str:
 def load_spec(run_dir: str | Path) -> CampaignSpec:
     """The campaign as its run folder recorded it (`campaign.json`)."""
     return CampaignSpec.model_validate_json((Path(run_dir) / CAMPAIGN_FILE).read_text())
+
+
+class BudgetSpec(BaseModel):
+    """The budget projection (`jex calibrate`, the budget deployment's form): what it measures, on which campaign,
+    and the budget it projects against. Its flags are generated from these fields."""
+
+    campaign: CampaignSpec = CampaignSpec()
+    coverage: float = Field(0.30, gt=0, le=1, description="Coverage gated within the sample")
+    sample_every: int = Field(4, ge=1, description="Sample ~1/k of every catalog's questions")
+    coverages: list[float] = Field([0.05, 0.10, 0.15, 0.25, 0.30], description="Coverages to project")
+    target_rows: int | None = Field(None, ge=1, description="Rows to project for (default: this suite's)")
+    price_per_gpu_hour: float = Field(infra_default("price_per_hour"), ge=0,
+                                      description="$ per GPU-hour (default: the settings' price per hour)")
+    gpus: int = Field(1, ge=1, description="GPU workers of the projected run (data parallel)")
+    budget_hours: float = Field(infra_default("budget_hours"), gt=0,
+                                description="Wall hours the campaign may take (default: the settings')")
+    budget_usd: float = Field(infra_default("budget_usd"), gt=0,
+                              description="Dollars the campaign may spend (default: the settings')")

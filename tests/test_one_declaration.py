@@ -167,3 +167,20 @@ def test_the_machine_policy_and_the_budget_take_their_defaults_from_the_settings
     for literal in ("price_per_hour: float = 3.5", "budget_usd: float = 100.0", "Field(3.5", "Field(72.0",
                     "72 * 3600", "lease_s: float = 900.0"):  # the machine's watchdog (no settings there) aside
         assert set(files_saying(literal)) <= {"jex/settings.py", "infra/watchdog.py"}, literal
+
+
+def test_the_budget_projection_flags_are_its_records_fields():
+    """`jex calibrate`'s flags are generated from `BudgetSpec`: the field's description is the help, its default
+    the flag's, its range the check."""
+    from typer.testing import CliRunner
+
+    from jex.cli import app
+    from jex.cli.run import CALIBRATE_FIELD_OF_FLAG
+    from jex.tasks.campaign_spec import BudgetSpec
+
+    shown = CliRunner().invoke(app, ["calibrate", "--help"], env={"COLUMNS": "400"}).output
+    for flag, name in CALIBRATE_FIELD_OF_FLAG.items():
+        field = BudgetSpec.model_fields[name]
+        assert f"--{flag.replace('_', '-')}" in shown and str(field.description) in shown
+    refused = CliRunner().invoke(app, ["calibrate", "--coverage", "1.5"])
+    assert refused.exit_code == 1 and "--coverage" in refused.output

@@ -13,6 +13,7 @@ from types import UnionType
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, cast, get_args, get_origin
 
 import typer
+from pydantic.fields import FieldInfo
 
 from jex.cli import preflight
 from jex.cli.common import (
@@ -30,7 +31,7 @@ from jex.engine_spec import VLLMSettings
 from jex.errors import InputError, JexError
 from jex.run_records import CAMPAIGN_FILE, STAGE_NAMES, StageName
 from jex.settings import JexSettings, load_settings
-from jex.tasks.campaign_spec import CampaignSpec, settings_variable, spec_field
+from jex.tasks.campaign_spec import BudgetSpec, CampaignSpec, settings_variable, spec_field
 
 if TYPE_CHECKING:
     from jex.engine_spec import RenderSpec
@@ -454,13 +455,18 @@ def check_hub_model(model: str | None) -> None:
         resolve_hub(model)  # EngineDeadError, a JexError, when it is not in the cache
 
 
-def calibrate(coverage: Annotated[float, typer.Option(help="Coverage gated within the sample")] = 0.30,
-              sample_every: Annotated[int, typer.Option(help="Sample ~1/k of every catalog's questions")] = 4,
-              target_rows: Annotated[int | None, typer.Option(help="Rows to project for")] = None,
-              price: Annotated[float | None, typer.Option(help="$ per GPU-hour (default: settings)")] = None,
-              budget_hours: Annotated[float | None, typer.Option(help="default: settings")] = None,
-              budget_usd: Annotated[float | None, typer.Option(help="default: settings")] = None,
-              suite: Suite = None, out: Out = None, provider: Provider = None) -> None:
+CALIBRATE_FIELD_OF_FLAG = {"coverage": "coverage", "sample_every": "sample_every", "target_rows": "target_rows",
+                           "price": "price_per_gpu_hour", "budget_hours": "budget_hours", "budget_usd": "budget_usd"}
+"""`jex calibrate` flag -> the BudgetSpec field it sets (its type, help and checks generated from the field)."""
+
+
+def budget_field(flag: str) -> FieldInfo:
+    return BudgetSpec.model_fields[CALIBRATE_FIELD_OF_FLAG[flag]]
+
+
+@field_flags({flag: (budget_field(flag), str(budget_field(flag).description)) for flag in CALIBRATE_FIELD_OF_FLAG},
+             defaults=True, before="suite")
+def calibrate(suite: Suite = None, out: Out = None, provider: Provider = None, **generated: Any) -> None:
     """Project a campaign's time and cost per coverage, and recommend a coverage that fits the budget.
 
     Measured on a stratified sample (the budget projection; not the campaign's calibrate stage), its
@@ -472,25 +478,18 @@ def calibrate(coverage: Annotated[float, typer.Option(help="Coverage gated withi
             preflight.suite(suite)
         if out is not None:
             preflight.writable_dir(out, "--out")
-        preflight.share(coverage, "--coverage")
-        preflight.at_least(sample_every, "--sample-every", 1)
-        preflight.at_least(target_rows, "--target-rows", 1)
         preflight.choice(provider, "--provider", preflight.PROVIDERS)
-        for flag, value in (("--price", price), ("--budget-hours", budget_hours), ("--budget-usd", budget_usd)):
-            preflight.at_least(value, flag, 0)
+        check_field_flags(generated, {flag: budget_field(flag) for flag in CALIBRATE_FIELD_OF_FLAG})
     except JexError as e:
         fail(e)
     connect_prefect(settings)
-    from jex.flows.budget import BudgetSpec, budget_projection
+    from jex.flows.budget import budget_projection
     from jex.tasks.campaign_spec import campaign_spec
 
-    infra = settings.infra
-    spec = BudgetSpec(campaign=campaign_spec(settings, spec_fields({"suite": suite, "out": out, "provider": provider},
-                                                                   CAMPAIGN_FIELD_OF_FLAG)),
-                      coverage=coverage, sample_every=sample_every, target_rows=target_rows,
-                      price_per_gpu_hour=infra.price_per_hour if price is None else price,
-                      budget_hours=infra.budget_hours if budget_hours is None else budget_hours,
-                      budget_usd=infra.budget_usd if budget_usd is None else budget_usd)
+    campaign = campaign_spec(settings, spec_fields({"suite": suite, "out": out, "provider": provider},
+                                                   CAMPAIGN_FIELD_OF_FLAG))
+    spec = BudgetSpec(campaign=campaign, **{CALIBRATE_FIELD_OF_FLAG[flag]: value for flag, value in generated.items()
+                                            if value is not None})
     doc = budget_projection(spec)
     typer.echo(f"recommended coverage: {doc.projection.recommended_coverage}")
     if doc.row_budget is not None:
