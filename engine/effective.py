@@ -64,18 +64,23 @@ def vllm_effective(llm: Any) -> EffectiveSettings:
     config = _get(llm, "llm_engine.vllm_config")
     runner = _model_runner(llm)
     backends = _attention_backends(runner) if runner is not None else []
+    invariant: bool | None
     try:
         from vllm.model_executor.layers import batch_invariant
 
-        invariant: bool | None = bool(batch_invariant.vllm_is_batch_invariant())
+        invariant = bool(batch_invariant.vllm_is_batch_invariant())
     except (ImportError, AttributeError):
-        invariant = None
+        try:
+            import vllm.envs
+
+            invariant = bool(vllm.envs.VLLM_BATCH_INVARIANT)
+        except (ImportError, AttributeError):
+            invariant = None
     graph_mode = _get(runner, "compilation_config.cudagraph_mode") if runner is not None else None
     if graph_mode is None:
         graph_mode = _get(config, "compilation_config.cudagraph_mode")
-    asked_backend = _get(config, "attention_config.backend", "model_config.attention_backend")
-    return EffectiveSettings(
-        engine="vllm", attention_backend=",".join(backends) or _name(asked_backend), cudagraph_mode=_name(graph_mode),
+    return EffectiveSettings(  # the backend from the layers only: the config holds what was asked, not what ran
+        engine="vllm", attention_backend=",".join(backends) or None, cudagraph_mode=_name(graph_mode),
         enforce_eager=_get(config, "model_config.enforce_eager"),
         prefix_caching=_get(config, "cache_config.enable_prefix_caching"),
         batch_invariant=invariant,
@@ -111,12 +116,16 @@ def asked_problems(asked: Mapping[str, Any], effective: EffectiveSettings) -> li
     return out
 
 
+BACKEND_VERSION_SUFFIX = "_vllm_v1"
+"""A backend's name as some vLLM versions report it (`TRITON_ATTN_VLLM_V1` is TRITON_ATTN)."""
+
+
 def _same(want: Any, got: Any) -> bool:
     """Equal, names compared without case or a `torch.` prefix; a backend reported with a version suffix
     (`TRITON_ATTN_VLLM_V1`) is the one asked."""
     if isinstance(want, str) and isinstance(got, str):
         a, b = want.lower().replace("torch.", ""), got.lower().replace("torch.", "")
-        return all(part == a or part.startswith(a + "_") for part in b.split(","))
+        return all(part in (a, a + BACKEND_VERSION_SUFFIX) for part in b.split(","))
     return bool(want == got)
 
 
@@ -128,11 +137,13 @@ def asked_kernel(spec: EngineSpec) -> dict[str, JsonValue]:
         from jex.engine.factory import vllm_profile
 
         p = vllm_profile(spec)
-        return {"engine": "vllm", "attention_backend": p.attention_backend, "prefix_caching": p.enable_prefix_caching,
+        return {"engine": "vllm", "profile": spec.profile, "attention_backend": p.attention_backend,
+                "prefix_caching": p.enable_prefix_caching,
                 "enforce_eager": p.enforce_eager, "dtype": p.dtype, "kv_cache_dtype": p.kv_cache_dtype,
                 "tensor_parallel_size": p.tensor_parallel_size, "cudagraph_mode": p.settings.cudagraph_mode,
                 "max_num_batched_tokens": p.settings.max_num_batched_tokens}
-    return {"engine": "hf", "dtype": spec.dtype or "float32", "batch_invariant": spec.kind == "hf"}
+    return {"engine": "hf", "profile": spec.profile, "dtype": spec.dtype or "float32",
+            "batch_invariant": spec.kind == "hf"}
 
 
 def vllm_asked(profile: Any) -> dict[str, Any]:

@@ -99,14 +99,15 @@ def read_bakeoff(path: str | Path) -> BakeoffResult:
 
 
 def verdict(arms: dict[str, ArmResult], invariant_arms: list[str], control_arms: list[str]) -> str:
-    """The bake-off's one-line conclusion; a quiet control arm makes it UNDERPOWERED, never INVARIANT."""
-    if control_arms and all(arms[a].mismatches() == 0 for a in control_arms if a in arms):
-        return ("UNDERPOWERED: the control arm showed no divergence, so this run cannot show that the invariant "
-                "arm is invariant (use longer generations or more, longer prompts)")
+    """The bake-off's one-line conclusion: an invariant arm that differs is NOT INVARIANT whatever the control
+    did; otherwise a quiet control makes it UNDERPOWERED, never INVARIANT."""
     broken = [a for a in invariant_arms if a in arms and (arms[a].mismatches() or not all(
         r.run_to_run_identical for r in arms[a].rungs.values()))]
     if broken:
         return f"NOT INVARIANT: {', '.join(broken)} differ from their reference run or run to run"
+    if control_arms and all(arms[a].mismatches() == 0 for a in control_arms if a in arms):
+        return ("UNDERPOWERED: the control arm showed no divergence, so this run cannot show that the invariant "
+                "arm is invariant (use longer generations or more, longer prompts)")
     if not any(a in arms for a in control_arms):
         return ("INVARIANT at every rung and run to run (no control arm ran, so this run does not show the test "
                 "could detect divergence)")

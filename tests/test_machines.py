@@ -495,7 +495,8 @@ def test_a_campaign_runs_only_with_settings_a_stored_passing_bake_off_covers(tmp
     with fleet("a2") as second:
         second.run_stage(job)
     assert second.audit is not None and second.audit.reused and second.audit.key == audit.key
-    assert not any(j.job.startswith("lab") for j in second.sessions[0].outcomes)  # no bake-off ran again
+    probed = tmp_path / "store" / ".machines" / second.sessions[0].machine.id / "golden" / "audit" / "probe.json"
+    assert not probed.exists()  # no probe ran again: its golden job only replayed
     failed = SettingsAudit.model_validate({**audit.model_dump(), "passed": False,
                                            "verdict": "NOT INVARIANT: hf-bi differ from their reference run"})
     (Path(audit.folder) / "audit.json").write_text(failed.model_dump_json())

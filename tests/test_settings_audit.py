@@ -194,3 +194,35 @@ def test_a_campaign_that_changes_only_the_scheduler_width_restores_the_compile_c
     assert key(max_num_seqs=512) == key(max_num_seqs=16)
     assert key(max_num_batched_tokens=4096) != key()  # the token budget shapes the compiled graphs
     assert key(cudagraph_mode="FULL_DECODE_ONLY") != key()
+
+
+@pytest.mark.slow
+def test_a_control_that_fails_leaves_the_audit_unproven_and_says_why(tmp_path):
+    from jex.tasks.capture.invariance import InvarianceProbe, probe_engine
+    from jex.tasks.execution import get_engine
+
+    broken = EngineSpec(kind="hf-batched", model=str(tmp_path / "no-such-model"))
+    probe = InvarianceProbe(arm="hf-bi", control_arm="hf-control", control=broken, prompts=1, tokens=1, ladder=[1, 2],
+                            reference_prompts=1, scales=[1, 2])
+    outcome = probe_engine(get_engine(EngineSpec(kind="hf", batch_size=2)), probe, tmp_path / "probe")
+    assert outcome.passed and outcome.powered is None and outcome.scale == 1  # nothing to lengthen for
+    assert outcome.control_error is not None and "exited" in outcome.control_error
+
+
+def test_an_invariant_arm_that_differs_is_not_invariant_even_with_a_quiet_control():
+    from jex.lab.bakeoff import verdict
+    from jex.tasks.capture.invariance import ArmResult, RungComparison
+
+    def arm(mismatches: int) -> ArmResult:
+        return ArmResult(rungs={"8": RungComparison(mismatches=mismatches, divergent_prompts=int(mismatches > 0),
+                                                    first_divergence=None, run_to_run_identical=True, tok_s=1.0,
+                                                    tokens=8, seconds=[1.0])})
+
+    assert verdict({"hf-bi": arm(3), "hf-control": arm(0)}, ["hf-bi"], ["hf-control"]).startswith("NOT INVARIANT")
+    assert verdict({"hf-bi": arm(0), "hf-control": arm(0)}, ["hf-bi"], ["hf-control"]).startswith("UNDERPOWERED")
+
+
+def test_a_speculative_engine_is_audited_apart_from_its_base(tmp_path):
+    base = model_folder(tmp_path / "base", b"w")
+    plain, speculative = plan(tmp_path, base), plan(tmp_path, base, profile="audit-ngram")
+    assert speculative.key != plain.key and speculative.arm == "vllm-bi-ngram"

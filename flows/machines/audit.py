@@ -84,6 +84,7 @@ class SettingsAudit(Record):
     model: str | None = Field(None, description="The model it ran on (any model of the same shape is covered)")
     control_reused: bool = Field(False, description="The control did not run: a stored audit of this shape, "
                                                     "machine kind and stack had shown the test's power")
+    control_error: str | None = Field(None, description="Why the control arm gave no result (then unproven)")
 
     @property
     def status(self) -> AuditStatus:
@@ -113,9 +114,10 @@ class SettingsUnproven(FlowError):
     """`machines.audit = "always"` and the audit could not show its power: the control arm never diverged."""
 
     def __init__(self, audit: SettingsAudit):
-        super().__init__(f"engine settings {audit.arm!r} on {audit.gpus or ['CPU']}: the audit is unproven (the "
-                         f"control arm {audit.control!r} never diverged, even at {audit.scale}x the prompts and "
-                         f"tokens), and machines.audit is 'always' (bake-off in {audit.folder})")
+        why = (f"the control arm {audit.control!r} failed: {audit.control_error}" if audit.control_error else
+               f"the control arm {audit.control!r} never diverged, even at {audit.scale}x the prompts and tokens")
+        super().__init__(f"engine settings {audit.arm!r} on {audit.gpus or ['CPU']}: the audit is unproven ({why}), "
+                         f"and machines.audit is 'always' (bake-off in {audit.folder})")
         self.audit = audit
 
 
@@ -125,6 +127,8 @@ def audited(mode: AuditMode, engine: EngineSpec) -> bool:
 
 def audit_arms(engine: EngineSpec) -> tuple[str, str]:
     """(audited arm, control arm) of the bake-off that stands for the engine's settings."""
+    if engine.profile == "audit-ngram":  # a speculative engine is its own arm (and its own key)
+        return ("vllm-bi-ngram", "vllm-control") if engine.kind.startswith("vllm") else ("hf-bi-ngram", "hf-control")
     if engine.kind.startswith("vllm"):
         return ("vllm-bi-fdo" if engine.cudagraph_mode == "FULL_DECODE_ONLY" else "vllm-bi"), "vllm-control"
     return "hf-bi", "hf-control"
@@ -227,6 +231,8 @@ def judge_probe(plan: AuditPlan, probe_dir: Path, mode: AuditMode) -> SettingsAu
         arms[probe.control_arm] = ArmResult(arm=probe.control_arm, error=outcome.control_error)
     arms[probe.arm] = read_record(ArmResult, probe_dir / f"arm-{probe.arm}.json")
     folder = Path(plan.folder)
+    if plan.stored is not None and plan.stored.status == "proven":  # a wider ladder: the narrower audit stays
+        folder = folder / f"ladder-{max(probe.ladder)}"
     for name, arm in arms.items():
         write_record(folder / f"arm-{name}.json", arm)
     scale = outcome.scale
@@ -240,8 +246,11 @@ def judge_probe(plan: AuditPlan, probe_dir: Path, mode: AuditMode) -> SettingsAu
     reused_power = probe.control is None and plan.stored is not None and plan.stored.powered
     audit = audit.model_copy(update={
         "powered": audit.powered or reused_power, "control_reused": reused_power, "shape": plan.shape,
-        "kernel": plan.kernel, "scale": scale, "model": plan.model, "effective": arms[probe.arm].effective})
+        "kernel": plan.kernel, "scale": scale, "model": plan.model, "effective": arms[probe.arm].effective,
+        "control_error": outcome.control_error})
     write_record(folder / AUDIT_FILE, audit)
+    if folder != Path(plan.folder) and audit.status == "proven":  # the wider audit now covers every width
+        write_record(Path(plan.folder) / AUDIT_FILE, audit)
     if audit.status == "failed":
         raise SettingsNotAudited(audit)
     if audit.status == "unproven" and mode == "always":

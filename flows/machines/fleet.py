@@ -295,6 +295,7 @@ class GpuFleet(GoldenReplays):
     def _compute(self, job: EngineJob, plan: StagePlan) -> None:
         """Worker i of N on each machine; the verified shards land in this store's stage folder (the
         stage's progress artifact counts them as each machine's job is collected)."""
+        self._check_effective()  # engines started since the golden jobs (other slots, replaced hosts) too
         n, stage, name = len(self.sessions), job.inputs.stage, self._job_name(job.inputs.stage, plan.key)
         shards = shards_dir(stage_dir("store", stage, plan.key), job.inputs.shard_rows).as_posix()
         progress = progress_artifact(stage)

@@ -8,9 +8,11 @@ control PROBE OUT`), which stops at its first divergence: it only has to show th
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, TypedDict
 
@@ -114,11 +116,13 @@ def reference_sample(prompts: list[str], k: int | None) -> list[int]:
 
 
 def run_ladder(engine: Any, prompts: list[str], *, ladder: list[int], repeats: int, tokens: int,
-               reference: list[int] | None = None, stop_at_divergence: bool = False) -> dict[str, LadderRung]:
+               reference: list[int] | None = None, stop_at_divergence: bool = False,
+               on_rung: Callable[[int], None] | None = None) -> dict[str, LadderRung]:
     """Generate at every rung (batch 1 on the `reference` prompts only, if given); returns token ids per
     repeat and throughput per rung. With `stop_at_divergence` (a control arm, which only has to show the
     test's power) the ladder ends at the first rung that differs from the reference. The engine's own
-    batch size is restored after (an engine host's engine serves the campaign next)."""
+    batch size is restored after (an engine host's engine serves the campaign next). `on_rung(batch)` after
+    each rung: an engine host's progress, so its client does not take a long probe for a stalled host."""
     requests = [GenerateRequest(f"p{i:03d}", engine.chat_prompt(p), tokens, ignore_eos=True)
                 for i, p in enumerate(prompts)]
     engine.generate(requests[:1])  # warm-up outside the timings
@@ -129,6 +133,8 @@ def run_ladder(engine: Any, prompts: list[str], *, ladder: list[int], repeats: i
         for batch in ladder:
             rungs[str(batch)] = _rung(engine, requests, batch, repeats,
                                       reference if batch == 1 and reference is not None else None)
+            if on_rung is not None:
+                on_rung(batch)
             if stop_at_divergence and any(r.mismatches for r in compare(rungs).values()):
                 break
     finally:
@@ -212,13 +218,14 @@ class ProbeOutcome(Record):
     seconds: float
 
 
-def arm_result(engine: Any, probe: InvarianceProbe, scale: int, *, invariant: bool) -> ArmResult:
+def arm_result(engine: Any, probe: InvarianceProbe, scale: int, *, invariant: bool,
+               on_rung: Callable[[int], None] | None = None) -> ArmResult:
     """One arm of the probe at `scale` on `engine` (a control stops at its first divergence)."""
     prompts = divergence_prompts(probe.prompts * scale)
     t0 = time.perf_counter()
     rungs = run_ladder(engine, prompts, ladder=probe.ladder, repeats=probe.repeats if invariant else 1,
                        tokens=probe.tokens * scale, reference=reference_sample(prompts, probe.reference_prompts),
-                       stop_at_divergence=not invariant)
+                       stop_at_divergence=not invariant, on_rung=on_rung)
     effective = engine.effective_settings() if hasattr(engine, "effective_settings") else None
     return ArmResult(arm=probe.arm if invariant else probe.control_arm, rungs=compare(rungs),
                      provenance=engine.provenance(), prompt_tokens=[len(engine.encode(engine.chat_prompt(p)))
@@ -231,42 +238,96 @@ def invariant(arm: ArmResult) -> bool:
                                                          for r in arm.rungs.values())
 
 
-def probe_engine(engine: Any, probe: InvarianceProbe, out: Path) -> ProbeOutcome:
+CONTROL_WAIT_S = 1800.0
+"""How long the probe waits for the control arm's result at one scale (its engine start, a cold compile among
+it, and its ladder) before it records the control as failed."""
+CONTROL_ENV_DROPPED = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "VLLM_USE_AOT_COMPILE")
+"""What vLLM's batch-invariant mode set in the host's environment: the control runs vLLM's defaults."""
+
+Progress = Callable[[str, int, int], None]
+
+
+def probe_engine(engine: Any, probe: InvarianceProbe, out: Path, progress: Progress | None = None) -> ProbeOutcome:
     """The audit on a machine: `engine` (the campaign's, already started: no second start) through the
     ladder, the control arm in its own process beside it (batch invariance is process-wide), scale after
-    scale while the control stays quiet and the invariant arm holds. Writes the arms' files and `probe.json`."""
-    import subprocess
-
+    scale while the control stays quiet and the invariant arm holds. Writes the arms' files and `probe.json`;
+    `progress(what, done, total)` as each rung ends and while it waits for the control."""
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("control-s*.json"), *out.glob("arm-*.json"), out / PROBE_FILE]:
+        stale.unlink(missing_ok=True)  # an earlier attempt's (a host replaced mid-probe): never read as this one's
     write_record(out / "probe-request.json", probe)
-    control = subprocess.Popen([sys.executable, "-m", "jex.tasks.capture.invariance", "control",
-                                str(out / "probe-request.json"), str(out)]) if probe.control else None
+    control = _start_control(probe, out) if probe.control else None
     t0, powered, error, scale = time.perf_counter(), None, None, probe.scales[0]
+    def tick(what: str, done: int) -> None:
+        if progress is not None:
+            progress(what, done, len(probe.ladder))
+
     try:
         for scale in probe.scales:
-            arm = arm_result(engine, probe, scale, invariant=True)
+            arm = arm_result(engine, probe, scale, invariant=True,
+                             on_rung=functools.partial(_rung_done, tick, f"audit x{scale}", probe.ladder))
             write_record(out / f"arm-{probe.arm}.json", arm)
             if control is not None:
-                quiet, error = _control_at(control, out, scale)
+                quiet, error = _control_at(control, out, scale, functools.partial(tick, f"audit x{scale} control", 0))
                 powered = None if quiet is None else not quiet
             if not invariant(arm) or powered is not False:
                 break
     finally:
-        if control is not None and control.poll() is None:
-            control.terminate()
-            control.wait(timeout=60)
+        if control is not None:
+            _stop(control)
     outcome = ProbeOutcome(scale=scale, passed=invariant(arm), powered=powered, control_error=error,
                            seconds=time.perf_counter() - t0)
     write_record(out / PROBE_FILE, outcome)
     return outcome
 
 
-def _control_at(control: Any, out: Path, scale: int) -> tuple[bool | None, str | None]:
-    """(quiet, error) of the control arm at `scale`: waits for its file, or its process's end."""
+def _rung_done(tick: Callable[[str, int], None], what: str, ladder: list[int], batch: int) -> None:
+    tick(f"{what} rung", ladder.index(batch) + 1)
+
+
+def _start_control(probe: InvarianceProbe, out: Path) -> Any:
+    """The control arm's process, in a session of its own (its compile workers stop with it), with vLLM's
+    default environment and a compile cache of its own."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in CONTROL_ENV_DROPPED}
+    env["VLLM_CACHE_ROOT"] = str(out / "control-cache")
+    return subprocess.Popen([sys.executable, "-m", "jex.tasks.capture.invariance", "control",
+                             str(out / "probe-request.json"), str(out)], env=env, start_new_session=True)
+
+
+def _stop(control: Any) -> None:
+    import os
+    import signal
+    import subprocess
+
+    if control.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(control.pid, sig)
+            control.wait(timeout=wait_s)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _control_at(control: Any, out: Path, scale: int, waiting: Callable[[], None],
+                timeout_s: float = CONTROL_WAIT_S) -> tuple[bool | None, str | None]:
+    """(quiet, error) of the control arm at `scale`: its file, else its process's end or the deadline."""
     target = out / f"control-s{scale}.json"
+    deadline, last_tick = time.monotonic() + timeout_s, 0.0
     while not target.exists():
         if control.poll() is not None and not target.exists():
             return None, f"the control arm's process exited {control.returncode} before scale {scale}"
+        if time.monotonic() > deadline:
+            return None, f"the control arm gave no result at scale {scale} within {timeout_s:.0f} s"
+        if time.monotonic() - last_tick > 5:
+            waiting()
+            last_tick = time.monotonic()
         time.sleep(0.2)
     arm = read_record(ArmResult, target)
     (out / f"arm-{arm.arm}.json").write_bytes(target.read_bytes())

@@ -224,7 +224,8 @@ def execute(request: HostRequest, progress: Progress | None = None, engine_start
             from jex.tasks.capture.invariance import probe_engine
             from jex.tasks.execution.engine_pool import get_engine
 
-            probe_engine(get_engine(request.engine_job.inputs.engine), request.probe, Path(request.probe_out))
+            probe_engine(get_engine(request.engine_job.inputs.engine), request.probe, Path(request.probe_out),
+                         progress)
 
         golden_job(request.engine_job, request.golden_rows, Path(request.golden_out), Path(request.fingerprint_out),
                    (request.generation_rows, request.generation_tokens, Path(request.generation_out))
