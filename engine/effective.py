@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import JsonValue
+from pydantic import JsonValue, ValidationError
 
 from jex.engine_identity import EffectiveSettings
-from jex.engine_spec import EngineSpec
+from jex.engine_spec import EngineSpec, VLLMSettings
 
 
 def _name(value: Any) -> str | None:
@@ -76,11 +76,8 @@ def vllm_effective(llm: Any) -> EffectiveSettings:
             invariant = bool(vllm.envs.VLLM_BATCH_INVARIANT)
         except (ImportError, AttributeError):
             invariant = None
-    graph_mode = _get(runner, "compilation_config.cudagraph_mode") if runner is not None else None
-    if graph_mode is None:
-        graph_mode = _get(config, "compilation_config.cudagraph_mode")
     return EffectiveSettings(  # the backend from the layers only: the config holds what was asked, not what ran
-        engine="vllm", attention_backend=",".join(backends) or None, cudagraph_mode=_name(graph_mode),
+        engine="vllm", attention_backend=",".join(backends) or None, vllm=_applied_knobs(config, runner),
         enforce_eager=_get(config, "model_config.enforce_eager"),
         prefix_caching=_get(config, "cache_config.enable_prefix_caching"),
         batch_invariant=invariant,
@@ -88,10 +85,27 @@ def vllm_effective(llm: Any) -> EffectiveSettings:
         kv_cache_dtype=_name(_get(config, "cache_config.cache_dtype")),
         quantization=_name(_get(config, "model_config.quantization")),
         chunked_prefill=_get(config, "scheduler_config.enable_chunked_prefill"),
-        max_num_seqs=_get(config, "scheduler_config.max_num_seqs"),
-        max_num_batched_tokens=_get(config, "scheduler_config.max_num_batched_tokens"),
-        max_model_len=_get(config, "model_config.max_model_len"),
         tensor_parallel_size=_get(config, "parallel_config.tensor_parallel_size"))
+
+
+def _applied_knobs(config: Any, runner: Any) -> VLLMSettings | None:
+    """vLLM's knobs as the started engine holds them (the CUDA-graph mode as its model runner resolved it);
+    None when one that vLLM always sets could not be read, or a value falls outside the knob's declaration."""
+    graph_mode = _get(runner, "compilation_config.cudagraph_mode") if runner is not None else None
+    kv_bytes = _get(config, "cache_config.kv_cache_memory_bytes")
+    read = {"max_num_seqs": _get(config, "scheduler_config.max_num_seqs"),
+            "max_num_batched_tokens": _get(config, "scheduler_config.max_num_batched_tokens"),
+            "gpu_memory_utilization": _get(config, "cache_config.gpu_memory_utilization"),
+            "kv_cache_memory_gib": kv_bytes / 2**30 if kv_bytes else None,
+            "max_model_len": _get(config, "model_config.max_model_len"),
+            "cudagraph_mode": _name(graph_mode if graph_mode is not None else
+                                    _get(config, "compilation_config.cudagraph_mode"))}
+    if None in (read["max_num_seqs"], read["gpu_memory_utilization"], read["cudagraph_mode"]):
+        return None
+    try:
+        return VLLMSettings(**read)
+    except ValidationError:
+        return None
 
 
 def hf_effective(model: Any, *, batch_invariant: bool) -> EffectiveSettings:
@@ -110,7 +124,7 @@ def asked_problems(asked: Mapping[str, Any], effective: EffectiveSettings) -> li
     for name, want in asked.items():
         if want is None:
             continue
-        got = getattr(effective, name)
+        got = effective.value(name)
         if got is not None and _same(want, got) is False:
             out.append(f"{name}: asked {want!r}, the engine applied {got!r}")
     return out
@@ -147,10 +161,9 @@ def asked_kernel(spec: EngineSpec) -> dict[str, JsonValue]:
 
 
 def vllm_asked(profile: Any) -> dict[str, Any]:
-    """What a `VLLMProfile` asks vLLM for, by `EffectiveSettings` field (None: left to vLLM)."""
+    """What a `VLLMProfile` asks vLLM for, by `EffectiveSettings.value` name (None: left to vLLM): the profile's
+    own settings, and every knob as the spec set it (the scheduler width at its default when unset)."""
+    knobs = profile.settings.model_dump() | {"max_num_seqs": profile.settings.scheduler_seqs()}
     return {"attention_backend": profile.attention_backend, "prefix_caching": profile.enable_prefix_caching,
             "batch_invariant": profile.batch_invariant, "enforce_eager": profile.enforce_eager,
-            "dtype": profile.dtype, "cudagraph_mode": profile.settings.cudagraph_mode,
-            "max_num_seqs": profile.settings.scheduler_seqs(),
-            "max_num_batched_tokens": profile.settings.max_num_batched_tokens,
-            "max_model_len": profile.settings.max_model_len, "tensor_parallel_size": profile.tensor_parallel_size}
+            "dtype": profile.dtype, "tensor_parallel_size": profile.tensor_parallel_size, **knobs}

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 from pydantic import Field, JsonValue
 
-from jex.engine_spec import EngineKind
+from jex.engine_spec import EngineKind, VLLMSettings
 from jex.record import Record
+
+KERNEL_KNOBS = ("cudagraph_mode", "max_num_batched_tokens")
+"""The vLLM knobs that change which kernels run at which shapes: what an audit's verdict depends on."""
 
 
 class HubRevision(Record):
@@ -85,7 +88,6 @@ class EffectiveSettings(Record):
 
     engine: str = Field(description="hf or vllm")
     attention_backend: str | None = None
-    cudagraph_mode: str | None = Field(None, description="The mode vLLM resolved (it may lower the one asked)")
     enforce_eager: bool | None = None
     prefix_caching: bool | None = None
     batch_invariant: bool | None = None
@@ -93,15 +95,21 @@ class EffectiveSettings(Record):
     kv_cache_dtype: str | None = None
     quantization: str | None = Field(None, description="The checkpoint's quantization as the engine applied it")
     chunked_prefill: bool | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
     tensor_parallel_size: int | None = None
+    vllm: VLLMSettings | None = Field(None, description="vLLM's knobs as it applied them (the CUDA-graph mode it "
+                                                        "resolved among them); None: not all could be read")
+
+    def value(self, name: str) -> JsonValue:
+        """A setting by name: one of this record's, or one of vLLM's knobs (None: not read)."""
+        if name in VLLMSettings.knobs():
+            return None if self.vllm is None else getattr(self.vllm, name)
+        return getattr(self, name)
 
     def kernel_doc(self) -> dict[str, JsonValue]:
-        """The settings an audit's verdict depends on (batching and kernels; not the scheduler's width, which
-        the audit's ladder covers, nor the context limit)."""
-        doc = self.model_dump(mode="json", exclude={"max_num_seqs", "max_model_len"})
+        """The settings an audit's verdict depends on: batching and kernels (of vLLM's knobs `KERNEL_KNOBS`;
+        not the scheduler's width, which the audit's ladder covers, nor memory or the context limit)."""
+        doc = self.model_dump(mode="json", exclude={"vllm"})
+        doc |= {k: self.value(k) for k in KERNEL_KNOBS}
         return {k: v for k, v in doc.items() if v is not None}
 
     def unread(self) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 
 from jex.engine.effective import asked_problems
 from jex.engine_identity import ArchitectureShape, EffectiveSettings
-from jex.engine_spec import EngineSpec
+from jex.engine_spec import EngineSpec, VLLMSettings
 from jex.flows.machines.audit import (
     AUDIT_FILE,
     SettingsAudit,
@@ -161,8 +161,8 @@ def test_an_unproven_audit_lets_an_auto_campaign_run_and_says_so(tmp_path, quiet
 
 
 def test_the_effective_settings_are_compared_with_what_was_asked():
-    effective = EffectiveSettings(engine="vllm", attention_backend="TRITON_ATTN_VLLM_V1", cudagraph_mode="PIECEWISE",
-                                  prefix_caching=False, dtype="bfloat16", max_num_seqs=512)
+    effective = EffectiveSettings(engine="vllm", attention_backend="TRITON_ATTN_VLLM_V1", prefix_caching=False,
+                                  dtype="bfloat16", vllm=VLLMSettings(cudagraph_mode="PIECEWISE", max_num_seqs=512))
     asked = {"attention_backend": "TRITON_ATTN", "cudagraph_mode": "FULL_DECODE_ONLY", "prefix_caching": False,
              "dtype": "bfloat16", "max_num_seqs": 512, "max_model_len": None, "enforce_eager": False}
     assert asked_problems(asked, effective) == ["cudagraph_mode: asked 'FULL_DECODE_ONLY', the engine applied "
@@ -172,13 +172,14 @@ def test_the_effective_settings_are_compared_with_what_was_asked():
 
 
 def test_a_machine_whose_engine_ran_otherwise_than_its_audit_is_named():
-    audited = EffectiveSettings(engine="vllm", attention_backend="TRITON_ATTN", cudagraph_mode="FULL_AND_PIECEWISE",
-                                dtype="bfloat16", max_num_seqs=512)
+    audited = EffectiveSettings(engine="vllm", attention_backend="TRITON_ATTN", dtype="bfloat16",
+                                vllm=VLLMSettings(cudagraph_mode="FULL_AND_PIECEWISE", max_num_seqs=512))
     audit = SettingsAudit(key="k", arm="vllm-bi", control="vllm-control", gpus=[], stack_sha256="s", ladder=[1, 8],
                           passed=True, powered=True, verdict="v", folder="f", effective=audited)
-    same_but_narrower = audited.model_copy(update={"max_num_seqs": 64})
+    same_but_narrower = audited.model_copy(update={"vllm": VLLMSettings(cudagraph_mode="FULL_AND_PIECEWISE",
+                                                                      max_num_seqs=64)})
     assert effective_mismatch(audit, same_but_narrower) == []
-    lowered = audited.model_copy(update={"cudagraph_mode": "PIECEWISE"})
+    lowered = audited.model_copy(update={"vllm": VLLMSettings(cudagraph_mode="PIECEWISE", max_num_seqs=512)})
     assert effective_mismatch(audit, lowered) == ["cudagraph_mode: 'PIECEWISE', audited 'FULL_AND_PIECEWISE'"]
 
 
