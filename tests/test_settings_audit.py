@@ -14,9 +14,11 @@ from jex.engine_identity import ArchitectureShape, EffectiveSettings
 from jex.engine_spec import EngineSpec, VLLMSettings
 from jex.flows.machines.audit import (
     AUDIT_FILE,
+    CONTROL_KV_CACHE_GIB,
     SettingsAudit,
     SettingsNotAudited,
     SettingsUnproven,
+    control_engine,
     effective_mismatch,
     judge_probe,
     plan_audit,
@@ -227,3 +229,11 @@ def test_a_speculative_engine_is_audited_apart_from_its_base(tmp_path):
     base = model_folder(tmp_path / "base", b"w")
     plain, speculative = plan(tmp_path, base), plan(tmp_path, base, profile="audit-ngram")
     assert speculative.key != plain.key and speculative.arm == "vllm-bi-ngram"
+
+
+def test_the_vllm_control_fixes_its_kv_cache_so_it_starts_beside_a_campaign_engine_holding_most_of_the_gpu():
+    campaign = EngineSpec(kind="vllm", model="m", device="cuda", gpu_memory_utilization=0.9)
+    control = control_engine(campaign)
+    assert control.kind == "vllm-control" and control.kv_cache_memory_gib == CONTROL_KV_CACHE_GIB
+    assert control.gpu_memory_utilization + campaign.gpu_memory_utilization <= 1.0
+    assert not control.starts_alone()

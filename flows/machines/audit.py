@@ -167,11 +167,23 @@ def stored_audit(store_root: Path, key: str) -> SettingsAudit | None:
     return read_record(SettingsAudit, path) if path.exists() else None
 
 
+CONTROL_KV_CACHE_GIB = 4.0
+"""The vLLM control's KV cache, fixed: it starts beside the campaign's engine on one GPU, where a profiled
+share of the GPU's memory would not fit (the campaign's engine holds its own share), and it holds the probe's
+widest rung (32 prompts x 2k tokens of an 8B shape's ~128 KiB per token) with room to spare."""
+CONTROL_GPU_MEMORY_SHARE = 0.1
+"""With its KV cache fixed, vLLM only checks that this share of the GPU is free when the control starts
+(`request_memory` in vLLM's GPU worker), whatever share the campaign's engine already holds."""
+
+
 def control_engine(engine: EngineSpec) -> EngineSpec:
-    """The control arm's engine: the campaign's model and settings without batch invariance (vLLM), or padded
-    batches in bfloat16 (HF on a CPU, where fp32 padding rarely flips a greedy token)."""
+    """The control arm's engine: the campaign's model and settings without batch invariance, its KV cache fixed
+    (vLLM), or padded batches in bfloat16 (HF on a CPU, where fp32 padding rarely flips a greedy token)."""
     if engine.kind.startswith("vllm"):
-        return engine.model_copy(update={"kind": "vllm-control", "profile": "audit"})
+        return engine.model_copy(update={
+            "kind": "vllm-control", "profile": "audit",
+            "kv_cache_memory_gib": engine.kv_cache_memory_gib or CONTROL_KV_CACHE_GIB,
+            "gpu_memory_utilization": min(engine.gpu_memory_utilization, CONTROL_GPU_MEMORY_SHARE)})
     return engine.model_copy(update={"kind": "hf-batched", "profile": "audit", "dtype": "bfloat16",
                                      "batch_size": None})
 
