@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from jex.engine.render import ChatFn, Message, Renderer
@@ -124,6 +125,17 @@ class TokenizedEngine(ChatTokenizer, ABC):
 
     def effective_settings(self) -> EffectiveSettings | None:
         """What the started engine runs with, read back from it (`engine/effective.py`); None: not read."""
+        return None
+
+    def keep_answers(self, folder: Path | None) -> None:
+        """Where an engine that pays per request keeps each answer as it arrives, answering from there what it
+        already holds (a served model: a stage computed again sends only the requests not yet answered);
+        the local engines keep none."""
+        return None
+
+    def readout_refusal(self) -> str | None:
+        """Why this engine cannot read multiple-choice rows at all (a server without prompt log-probabilities);
+        None: it can."""
         return None
 
     def tokenizer_copy(self) -> Any:

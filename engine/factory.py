@@ -20,6 +20,10 @@ def make_engine(spec: EngineSpec, **engine_options: Any) -> TokenizedEngine:
     from jex.engine.vllm_engine import SPECULATIVE_PROFILES
 
     speculative = SPECULATIVE_PROFILES.get(spec.profile)
+    if spec.kind == "openai":
+        from jex.engine.openai_engine import OpenAIEngine
+
+        return OpenAIEngine(spec, **engine_options)
     if spec.kind in ("hf", "hf-batched"):
         from jex.engine.hf import HFEngine
 
@@ -69,6 +73,8 @@ def preload(kind: EngineKind) -> None:
         from jex.engine.vllm_engine import VLLMProfile, import_vllm
 
         import_vllm(VLLMProfile(batch_invariant=kind == "vllm"))
+    elif kind == "openai":
+        import openai  # noqa: F401
     elif kind in ENGINE_KINDS:
         import torch  # noqa: F401
         import transformers  # noqa: F401

@@ -19,7 +19,7 @@ from pathlib import Path
 from jex.engine_identity import EngineFingerprint, HubRevision, RenderDigest
 from jex.engine_spec import EngineKind, EngineSpec
 
-ENGINE_VERSIONS: dict[EngineKind, int] = {"hf": 2, "hf-batched": 1, "vllm": 1, "vllm-control": 1}
+ENGINE_VERSIONS: dict[EngineKind, int] = {"hf": 2, "hf-batched": 1, "vllm": 1, "vllm-control": 1, "openai": 1}
 """Bump an engine's version by hand when its numerics change (its code, or a pinned library).
 hf 2: CPU generation's linear layers in fixed 8-row products (`engine/hf_decode.py`), was batch-1 (M = 1)."""
 
@@ -42,6 +42,10 @@ def engine_fingerprint(spec: EngineSpec) -> EngineFingerprint:
     """The fingerprint of the engine `spec` names, from its files, without loading the model."""
     from jex.engine.models import resolve_model, weights_sha256
 
+    if spec.is_served():  # no weights here: the server's identity as it reports it (one request, once per process)
+        from jex.engine.openai_engine import served_fingerprint
+
+        return served_fingerprint(spec)
     resolved = resolve_model(spec.model, Path(spec.cache_dir))
     vllm = spec.kind.startswith("vllm")
     return EngineFingerprint(

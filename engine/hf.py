@@ -1,4 +1,4 @@
-"""The reference engine: transformers on CPU or GPU, greedy, deterministic.
+"""The reference engine: transformers on CPU or GPU, greedy or sampled by each request's seed, deterministic.
 
 Batched calls left-pad and pass `position_ids = cumsum(attention_mask) - 1`, which keeps results
 within ~1e-6 of batch 1 but not bit-identical (padding changes the reduction shapes). With
@@ -7,7 +7,9 @@ result cannot depend on batch size, request order or shard count. On CPU, last-p
 (the label slot) pack several rows into one forward instead, a prefix they share packed once, each
 row's log-probs bit-identical to its own forward (`engine/hf_packed.py`).
 Generation on CPU decodes the requests in lock-step with every linear layer at one fixed matrix shape
-(`engine/hf_decode.py`): each row's tokens are the same at every batch size and order.
+(`engine/hf_decode.py`): each row's tokens are the same at every batch size and order. A sampled request
+draws each token from its own row's float32 logits with its own seeded generator (`engine/sampling.py`), on
+either path.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from jex.engine.types import (
     ReadoutMode,
     ReadoutRequest,
     RefusalKind,
+    Sampling,
     cut_at_stop,
     renormalise,
 )
@@ -154,9 +157,9 @@ class HFEngine(TokenizedEngine):
 
     # --- generation ------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Generation]:
-        """Greedy generations. Batch-invariant on CPU: requests decode together in lock-step, each row's
-        numbers independent of the others (`engine/hf_decode.py`); elsewhere one `model.generate` per
-        batch (of one request when batch-invariant)."""
+        """Greedy or sampled generations (`GenerateRequest.sampling`). Batch-invariant on CPU: requests decode
+        together in lock-step, each row's numbers independent of the others (`engine/hf_decode.py`); elsewhere
+        one `model.generate` per batch (of one request when batch-invariant)."""
         self.calls["generate"] += 1
         out: dict[int, Generation] = {}
         todo: list[tuple[int, list[int]]] = []
@@ -166,10 +169,10 @@ class HFEngine(TokenizedEngine):
             else:
                 todo.append((i, ids))
         if self.decodes_in_lockstep:
-            from jex.engine.hf_decode import DecodeRow, greedy_rows
+            from jex.engine.hf_decode import DecodeRow, decode_rows
 
-            news = greedy_rows(self.model, [DecodeRow(ids, requests[i].max_tokens, requests[i].ignore_eos)
-                                            for i, ids in todo],
+            news = decode_rows(self.model, [DecodeRow(ids, requests[i].max_tokens, requests[i].ignore_eos,
+                                                      requests[i].sampling) for i, ids in todo],
                                self.generation_eos,
                                partial(self._row_stopped, [requests[i].stop for i, _ in todo]))
             out.update({i: self._generation(requests[i], ids, new) for (i, ids), new in zip(todo, news, strict=True)})
@@ -210,11 +213,13 @@ class HFEngine(TokenizedEngine):
             mask[k, width - len(ids):] = 1
         max_new = max(requests[i].max_tokens for i, _ in batch)
         stops = sorted({s for i, _ in batch for s in requests[i].stop})
+        sampled = _sampled_rows([requests[i].sampling for i, _ in batch])
         with torch.inference_mode():
             gen = self.model.generate(
                 input_ids=ids_t.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=max_new,
                 min_new_tokens=max_new if all(requests[i].ignore_eos for i, _ in batch) else None,
-                **self._generate_kw(stops), **(self.speculative if len(batch) == 1 else {}))
+                **self._generate_kw(stops), **(self.speculative if len(batch) == 1 and not sampled else {}),
+                **({"logits_processor": sampled} if sampled else {}))
         return {i: self._generation(requests[i], ids, gen[k, width:].tolist())
                 for k, (i, ids) in enumerate(batch)}
 
@@ -288,6 +293,29 @@ class HFEngine(TokenizedEngine):
                 "requested_batch_size": self.requested_batch_size, "max_context": self.max_context,
                 "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "gpu": gpu,
                 "machine": platform.machine(), "jex": package_version("jex")}
+
+
+def _sampled_rows(samplings: Sequence[Sampling | None]) -> Any:
+    """`model.generate`'s logits processors for a batch with sampled rows (None when every row is greedy): each
+    sampled row's token drawn by its own `RowSampler` and made the only one left, so the greedy step takes it."""
+    if all(s is None for s in samplings):
+        return None
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from jex.engine.sampling import RowSampler
+
+    samplers = [RowSampler(s) if s is not None else None for s in samplings]
+
+    class DrawnPerRow(LogitsProcessor):
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            for b, sampler in enumerate(samplers):
+                if sampler is not None:
+                    token = sampler.pick(scores[b])
+                    scores[b] = float("-inf")
+                    scores[b, token] = 0.0
+            return scores
+
+    return LogitsProcessorList([DrawnPerRow()])
 
 
 def _prompt_lookup(speculative: SpeculativeConfig | None) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""Greedy decoding of several requests at once, each row's numbers independent of the others (the HF
+"""Decoding several requests at once, greedy or sampled, each row's numbers independent of the others (the HF
 engine's batch-invariant generation on CPU).
 
 A decode step reads one token per row. Done row by row (`model.generate` on one request: every linear
@@ -22,7 +22,9 @@ model on 2 cores. Here the rows advance in lock-step through the model, layer by
 Everything else in the forward is element-wise or reduces within a row (RMS norm, rotary embedding,
 the MLP's gate), so each row's tokens are the same at every batch size and in any order;
 `tests/test_hf_engine.py` checks the token ids across batch sizes and orders, and a chunk's rows
-against the same rows among others. Models outside these assumptions (a linear layer with a bias,
+against the same rows among others. A sampled request draws each token from its own row's float32 logits
+with its own seeded generator (`engine/sampling.py`), so its samples are as independent of the batch
+(`tests/test_sampled_generation.py`). Models outside these assumptions (a linear layer with a bias,
 attention other than SDPA) keep the batch-1 path (`row_exact_supported`).
 """
 
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
 from torch.nn import functional as F
 
 from jex.engine.hf_packed import RowStates, forward_rows, head_logits
+from jex.engine.sampling import RowSampler
+from jex.engine.types import Sampling
 
 ROWS_ATTENTION = "jex_rows"
 GEMM_ROWS = 8
@@ -124,22 +128,24 @@ def _joined(model: PreTrainedModel, rows: Sequence[RowStates], lengths: Sequence
 
 @dataclass(frozen=True)
 class DecodeRow:
-    """One request to decode: its prompt's token ids, its budget of new tokens, and whether end-of-sequence
-    tokens are barred (`generate`'s `min_new_tokens` over the whole budget)."""
+    """One request to decode: its prompt's token ids, its budget of new tokens, whether end-of-sequence
+    tokens are barred (`generate`'s `min_new_tokens` over the whole budget), and how it samples (None:
+    greedy)."""
 
     prompt: list[int]
     max_tokens: int
     ignore_eos: bool = False
+    sampling: Sampling | None = None
 
 
-def greedy_rows(model: PreTrainedModel, rows: Sequence[DecodeRow], eos: set[int],
+def decode_rows(model: PreTrainedModel, rows: Sequence[DecodeRow], eos: set[int],
                 stopped: Callable[[int, list[int]], bool] = lambda row, new: False) -> list[list[int]]:
-    """The new tokens of each row, greedy, up to its end-of-sequence token (kept), `max_tokens`, or the
-    token after which `stopped(row index, new tokens)` holds (a stop string); the rows decode in lock-step,
-    in consecutive groups of at most `GROUP_CACHE_BYTES` of key/value cache."""
+    """The new tokens of each row, greedy or sampled by its own generator, up to its end-of-sequence token
+    (kept), `max_tokens`, or the token after which `stopped(row index, new tokens)` holds (a stop string); the
+    rows decode in lock-step, in consecutive groups of at most `GROUP_CACHE_BYTES` of key/value cache."""
     out: list[list[int]] = []
     for group in _groups(model, rows):
-        out += _greedy_group(model, rows[group.start:group.stop], eos,
+        out += _decode_group(model, rows[group.start:group.stop], eos,
                              partial(_shifted, stopped, group.start))
     return out
 
@@ -171,13 +177,15 @@ def _groups(model: PreTrainedModel, rows: Sequence[DecodeRow]) -> list[range]:
     return [*groups, range(start, len(rows))] if rows else []
 
 
-def _greedy_group(model: PreTrainedModel, rows: Sequence[DecodeRow], eos: set[int],
+def _decode_group(model: PreTrainedModel, rows: Sequence[DecodeRow], eos: set[int],
                   stopped: Callable[[int, list[int]], bool]) -> list[list[int]]:
-    """`greedy_rows` for one group, all its rows in lock-step."""
+    """`decode_rows` for one group, all its rows in lock-step."""
     barred = torch.tensor(sorted(eos), dtype=torch.long)
+    samplers = [RowSampler(r.sampling) if r.sampling is not None else None for r in rows]
     with torch.inference_mode():
         prompts = forward_rows(model, [r.prompt for r in rows], keep_cache=True)
-        new = [[_first_token(model, p, barred if r.ignore_eos else None)] for p, r in zip(prompts, rows, strict=True)]
+        new = [[_first_token(model, p, barred if r.ignore_eos else None, sampler)]
+               for p, r, sampler in zip(prompts, rows, samplers, strict=True)]
         lengths = [len(r.prompt) for r in rows]
         cache = _joined(model, prompts, lengths)
 
@@ -203,7 +211,8 @@ def _greedy_group(model: PreTrainedModel, rows: Sequence[DecodeRow], eos: set[in
                         logits[j, barred] = float("-inf")
                 keep = []
                 for j, (b, t) in enumerate(zip(live, logits.argmax(-1).tolist(), strict=True)):
-                    new[b].append(t)
+                    sampler = samplers[b]
+                    new[b].append(t if sampler is None else sampler.pick(logits[j]))
                     if going(b):
                         keep.append(j)
                 if len(keep) < len(live):
@@ -212,13 +221,14 @@ def _greedy_group(model: PreTrainedModel, rows: Sequence[DecodeRow], eos: set[in
     return new
 
 
-def _first_token(model: PreTrainedModel, prompt: RowStates, barred: torch.Tensor | None) -> int:
-    """The greedy token after a prompt, as `generate`'s first step picks it (float32 logits; the
-    end-of-sequence tokens barred when `min_new_tokens` asks for more)."""
+def _first_token(model: PreTrainedModel, prompt: RowStates, barred: torch.Tensor | None,
+                 sampler: RowSampler | None = None) -> int:
+    """The token after a prompt, as `generate`'s first step picks it (float32 logits; the end-of-sequence tokens
+    barred when `min_new_tokens` asks for more): greedy, or drawn by the row's sampler."""
     logits = head_logits(model, prompt.last_hidden).float()
     if barred is not None and len(barred):
         logits[barred] = float("-inf")
-    return int(logits.argmax())
+    return int(logits.argmax()) if sampler is None else sampler.pick(logits.reshape(-1))
 
 
 def _select(cache: DynamicCache, rows: Sequence[int]) -> None:

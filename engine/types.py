@@ -109,6 +109,19 @@ class Readout:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """How one request samples instead of decoding greedily: each token drawn from the softmax of its float32
+    logits / `temperature`, kept to the `top_k` most likely (0: all), then to the smallest set of `top_p`
+    probability (vLLM's and transformers' order), by a generator of the request's own seeded with `seed`; so a
+    request's tokens depend on its logits and its seed alone, never on the batch around it."""
+
+    temperature: float
+    seed: int
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     run_id: str
     prompt: str
@@ -119,6 +132,8 @@ class GenerateRequest:
     prompt_ids: tuple[int, ...] | None = None
     """The prompt's token ids under this engine's tokenizer, when already tokenised; None: the engine
     tokenises `prompt`."""
+    sampling: Sampling | None = None
+    """None: greedy; else sampled with this request's own seed."""
 
 
 @dataclass(frozen=True)
@@ -149,13 +164,14 @@ class Generation:
     text: str
     """Generated text, cut before the first stop string."""
     token_ids: tuple[int, ...]
-    """Every generated token id, as the engine produced them (greedy)."""
+    """Every generated token id, as the engine produced them (greedy, or sampled as the request asked)."""
     finish_reason: FinishReason
     prompt_tokens: int = 0
 
 
 class Engine(Protocol):
-    """What the stages need from an inference engine. Greedy and deterministic."""
+    """What the stages need from an inference engine. Deterministic: greedy, or sampled by each request's own
+    seed."""
 
     name: str
 

@@ -198,12 +198,14 @@ class VLLMEngine(TokenizedEngine):
     def _run(self, prompts: list[list[int]], params: Any) -> list[Any]:
         """Submit in chunks of `batch_size` (the batch shape the caller asked for), or all in one
         `generate` when it is 0: vLLM then batches under max_num_seqs / max_num_batched_tokens, and
-        the audit profile makes every result independent of that batching."""
+        the audit profile makes every result independent of that batching. `params`: one `SamplingParams`
+        for every prompt, or a list of one per prompt."""
         out: list[Any] = []
         step = self.batch_size or max(1, len(prompts))
         for start in range(0, len(prompts), step):
             chunk = [{"prompt_token_ids": ids} for ids in prompts[start:start + step]]
-            out += self.llm.generate(chunk, params, use_tqdm=False)
+            out += self.llm.generate(chunk, params[start:start + step] if isinstance(params, list) else params,
+                                     use_tqdm=False)
         return out
 
     def readout(self, requests: Sequence[ReadoutRequest], mode: ReadoutMode = ReadoutMode.LABEL_SLOT) -> list[Readout]:
@@ -272,20 +274,38 @@ class VLLMEngine(TokenizedEngine):
         self.calls["generate"] += 1
         out: dict[int, Generation] = {}
         by_params: dict[tuple, list[tuple[int, list[int]]]] = {}
+        sampled: list[tuple[int, list[int]]] = []
         for i, (r, ids) in enumerate(zip(requests, self.encode_prompts(requests), strict=True)):
             if len(ids) + r.max_tokens > self.max_context:
                 out[i] = Generation(r.run_id, "", (), FinishReason.REFUSED, len(ids))
+            elif r.sampling is not None:
+                sampled.append((i, ids))
             else:
                 by_params.setdefault((r.max_tokens, r.stop, r.ignore_eos), []).append((i, ids))
         for (max_tokens, stop, ignore_eos), items in by_params.items():
             params = self.SamplingParams(temperature=0, max_tokens=max_tokens, stop=list(stop) or None,
                                          ignore_eos=ignore_eos)
             for (i, ids), res in zip(items, self._run([ids for _, ids in items], params), strict=True):
-                o = res.outputs[0]
-                text, _ = cut_at_stop(o.text, stop)
-                reason = FinishReason.LENGTH if o.finish_reason == "length" else FinishReason.STOP
-                out[i] = Generation(requests[i].run_id, text, tuple(int(t) for t in o.token_ids), reason, len(ids))
+                out[i] = self._generation(requests[i], ids, res)
+        if sampled:  # one call, each request with its own seed (vLLM's per-request generator: RANDOM_SEED)
+            per_request = [self._sampling_params(requests[i]) for i, _ in sampled]
+            for (i, ids), res in zip(sampled, self._run([ids for _, ids in sampled], per_request), strict=True):
+                out[i] = self._generation(requests[i], ids, res)
         return [out[i] for i in range(len(requests))]
+
+    def _sampling_params(self, r: GenerateRequest) -> Any:
+        """vLLM's `SamplingParams` of a sampled request: its temperature, top_p, top_k (0: all) and seed."""
+        s = r.sampling
+        assert s is not None
+        return self.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                                   max_tokens=r.max_tokens, stop=list(r.stop) or None, ignore_eos=r.ignore_eos)
+
+    @staticmethod
+    def _generation(r: GenerateRequest, ids: list[int], res: Any) -> Generation:
+        o = res.outputs[0]
+        text, _ = cut_at_stop(o.text, r.stop)
+        reason = FinishReason.LENGTH if o.finish_reason == "length" else FinishReason.STOP
+        return Generation(r.run_id, text, tuple(int(t) for t in o.token_ids), reason, len(ids))
 
     def next_token(self, requests: Sequence[NextTokenRequest]) -> list[NextTokenStats]:
         """Log-prob and vocabulary rank of each watched token when it is among the top 20 next tokens;

@@ -18,7 +18,8 @@ coverages above it are infeasible at the measured latency.
 from __future__ import annotations
 
 import time
-from typing import TypeVar, cast
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from prefect import flow
 from pydantic import Field
@@ -26,6 +27,8 @@ from pydantic import Field
 from jex.fileio import write_json, write_text
 from jex.flows.campaign import publish_machines
 from jex.flows.machines.runners import StageRunner, make_runner
+from jex.infra.cost_ledger import CostLedger, ProjectedSpend
+from jex.infra.instance_catalogue import gpus_of, machine_price
 from jex.record import Record
 from jex.tasks.campaign_spec import BudgetSpec, sample_suite_dir
 from jex.tasks.decision_stages import gate_stage
@@ -33,6 +36,9 @@ from jex.tasks.documents import FoldDoc, read_doc
 from jex.tasks.inputs import BundleInputs, EngineJob, FastPassInputs, FoldInputs, ReasonInputs
 from jex.tasks.prefect_tasks import bundle_task, fast_pass_task, fold_task, reason_task
 from jex.tasks.store import LocalStore
+
+if TYPE_CHECKING:
+    from jex.settings import InfraSettings
 
 EngineInputsT = TypeVar("EngineInputsT", FastPassInputs, ReasonInputs)
 
@@ -128,8 +134,9 @@ def render_row_budget(budget: RowBudgetTable) -> list[str]:
         cut = "none" if t.cut_needed == 0 else f"-{100 * t.cut_needed:.0f}%"
         lines.append(f"| {100 * t.coverage:g}% | {t.reasoned_rows:,} | {t.allowed_s_per_row:.2f} s | {cut} | "
                      f"{'yes' if t.feasible else 'no (above the cliff)'} |")
+    feasible = "none, every one is above the cliff" if budget.feasible_coverage is None else budget.feasible_coverage
     lines += ["", f"**Coverage cliff: {100 * budget.cliff_coverage:.1f}%** (the highest coverage whose heavy path "
-              f"fits the deadline; highest listed feasible: {budget.feasible_coverage})."]
+              f"fits the deadline; highest listed feasible: {feasible})."]
     return lines
 
 
@@ -146,6 +153,27 @@ def project(*, rows: int, fast_s_per_row: float, reason_s_per_row: float, covera
     return Projection(table=table, recommended_coverage=max(fitting) if fitting else None)
 
 
+def recommendation(doc: BudgetRun) -> str:
+    """The recommended coverage in one line; when none fits, what is missing: the smallest projected
+    coverage's hours and cost against the budget each exceeds, and the flag that moves it."""
+    spec, table = doc.spec, doc.projection.table
+    if doc.projection.recommended_coverage is not None:
+        return f"Recommended coverage: {doc.projection.recommended_coverage:g}"
+    if not table:
+        return "No coverage to recommend: no coverages were projected"
+    low = table[0]
+    over = ([f"~{low.hours:.1f} h, over --budget-hours {spec.budget_hours:g}"] * (low.hours > spec.budget_hours)
+            + [f"~${low.usd:.2f}, over --budget-usd {spec.budget_usd:g}"] * (low.usd > spec.budget_usd))
+    return (f"No coverage fits the budget: the smallest projected, {low.coverage:g} of {doc.projection_rows} rows, "
+            f"needs {' and '.join(over)}; raise the budget or lower --target-rows")
+
+
+def budget_dir(spec: BudgetSpec) -> Path:
+    """`OUT/<run>-budget`: the folder of `budget.json` and `budget.md` (and `machines.json` on machines)."""
+    run = spec.campaign.run_dir()
+    return run.with_name(run.name + "-budget")
+
+
 def render(doc: BudgetRun) -> str:
     m, spec = doc.measured, doc.spec
     lines = ["# Budget projection", "", f"Sample: {m.sample_rows} panel rows, {m.gated} gated at coverage "
@@ -158,10 +186,32 @@ def render(doc: BudgetRun) -> str:
     for t in doc.projection.table:
         lines.append(f"| {t.coverage:.2f} | {t.reasoned_rows} | ~{t.hours:.1f} h | ~${t.usd:.0f} | "
                      f"{'yes' if t.fits else 'no'} |")
-    lines += ["", f"**Recommended coverage: {doc.projection.recommended_coverage}**"]
+    lines += ["", f"**{recommendation(doc)}**"]
     if doc.row_budget is not None:
         lines += ["", *render_row_budget(doc.row_budget)]
     return "\n".join(lines) + "\n"
+
+
+def gpu_hour_price(spec: BudgetSpec, infra: InfraSettings) -> float:
+    """$ per GPU-hour of the projection: the spec's, else one of the campaign's machines' price (its
+    `machines.price_per_hour`, the settings', or its provider's: the instance catalogue's for EC2, 0 for
+    hosts) over that machine's GPUs."""
+    if spec.price_per_gpu_hour is not None:  # None while neither the spec nor JEX_INFRA__PRICE_PER_HOUR sets it
+        return spec.price_per_gpu_hour
+    machines = spec.campaign.machines
+    return (machine_price(infra, machines.provider, machines.price_per_hour)
+            / gpus_of(infra, machines.provider))
+
+
+def projected_spend(doc: BudgetRun, *, source: Path) -> ProjectedSpend:
+    """The campaign's machine-hours at its own coverage, from the seconds per row measured on the sample: every
+    row's fast pass and its share of reasoned rows, on machines that each carry `gpus_per_machine` engines'
+    GPUs (a machine is paid whole, whichever of its GPUs the campaign uses)."""
+    c, m, rows = doc.spec.campaign, doc.measured, doc.projection_rows
+    gpu_hours = rows * (m.fast_s_per_row + c.coverage * m.reason_s_per_row) / 3600
+    return ProjectedSpend(campaign=c.run_dir().name, coverage=c.coverage,
+                          machine_hours=gpu_hours / c.machines.gpus_per_machine, measured_at=time.time(),
+                          source=str(source.absolute()))
 
 
 def computed(runner: StageRunner, inputs: EngineInputsT, store: str) -> EngineInputsT:
@@ -172,10 +222,17 @@ def computed(runner: StageRunner, inputs: EngineInputsT, store: str) -> EngineIn
 @flow(name="budget-projection", log_prints=True)
 def budget_projection(spec: BudgetSpec = BudgetSpec()) -> BudgetRun:  # noqa: B008
     """Measure the sample, its engine stages where the campaign's `machines` say (`make_runner`, as the
-    campaign: on machines they leave `machines.json` beside `budget.json`), and project."""
+    campaign: on machines they leave `machines.json` beside `budget.json`), and project. The campaign's
+    projected machine-hours are kept beside the cost ledger (`ProjectedSpend`): its machines are refused
+    before any starts if they cost more than its budget at their price."""
+    from jex.settings import load_settings
+
+    infra = load_settings().infra
+    price = gpu_hour_price(spec, infra)
+    spec = spec.model_copy(update={"price_per_gpu_hour": price})
     c = spec.campaign
     store = LocalStore(c.store)
-    out = c.run_dir().with_name(c.run_dir().name + "-budget")
+    out = budget_dir(spec)
     runner = make_runner(c.machines, campaign=out.name, store=c.store)
     try:
         with runner:
@@ -199,13 +256,15 @@ def budget_projection(spec: BudgetSpec = BudgetSpec()) -> BudgetRun:  # noqa: B0
                         reason_s_per_row=reason_rate, fix_rate=counters.fix_rate, fixed=counters.fixed,
                         flipped=counters.flipped)
     rows = spec.target_rows or fast.rows
-    terms = {"price": spec.price_per_gpu_hour, "budget_hours": spec.budget_hours, "budget_usd": spec.budget_usd}
+    terms = {"price": price, "budget_hours": spec.budget_hours, "budget_usd": spec.budget_usd}
     doc = BudgetRun(spec=spec, measured=measured, projection_rows=rows,
                     projection=project(rows=rows, fast_s_per_row=fast_rate, reason_s_per_row=reason_rate,
                                        coverages=spec.coverages, gpus=spec.gpus, **terms),
                     row_budget=row_budget(rows=rows, fast_s_per_row=fast_rate, reason_s_per_row=reason_rate,
                                           coverages=spec.coverages, gpus=spec.gpus, **terms))
     write_json(out / "budget.json", doc.model_dump(mode="json"))
+    CostLedger(Path(infra.state_dir) / "ledger.json").record_projection(projected_spend(doc,
+                                                                                   source=out / "budget.json"))
     write_text(out / "budget.md", render(doc))
     try:
         from prefect.artifacts import create_markdown_artifact

@@ -16,10 +16,10 @@ from typing import TypeVar, cast
 
 from prefect import Task, flow
 
-from jex.errors import FlowError
+from jex.errors import FlowError, JexError
 from jex.fileio import sha256_json, write_json, write_text
 from jex.flows.machines.fleet import s3_store
-from jex.flows.machines.machines_doc import MachinesDoc, machines_section, report_section
+from jex.flows.machines.machines_doc import MachinesDoc, machines_section
 from jex.flows.machines.runners import StageRunner, make_runner
 from jex.infra.s3 import S3Store, checkpoint
 from jex.run_records import (
@@ -163,8 +163,9 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[StageName] | None =
         print(f"retry: set aside {len(retired)} stage folder(s) for {redo}: {retired}")
     if spec.reference_min_agreement is not None and not spec.reference:
         raise FlowError("reference_min_agreement is set but no reference rows are given (set `reference`)")
-    run = CampaignRun(spec, run_dir, make_runner(spec.machines, campaign=run_dir.name, store=spec.store), redo,
-                      s3_store(aws_credentials_block=spec.machines.aws_credentials_block))
+    runner = make_runner(spec.machines, campaign=run_dir.name, store=spec.store,
+                         served_run=run_dir if spec.engine.is_served() else None)
+    run = CampaignRun(spec, run_dir, runner, redo, s3_store(aws_credentials_block=spec.machines.aws_credentials_block))
     calls_before = dict(CALLS)
     proof = capture_stages(run)
     decision_stages(run)
@@ -177,8 +178,9 @@ def campaign(spec: CampaignSpec = CampaignSpec(), redo: list[StageName] | None =
     if proof is not None:
         write_proof(run_dir, proof, fell_back=not proof.exact)
     report_task(run_dir=str(run_dir), summaries=run.summaries, spec=spec,
-                timings=run.timings, machines=report_section(run.runner.report()))
+                timings=run.timings, machines=run.runner.section())
     upload_to_s3(run.s3, run_dir, run.summaries, spec.store)
+    log_to_mlflow(spec, run_dir)
     s = run.summaries.finished()
     if any(run_errors(s).values()):
         print(f"WARNING: error counters are not all zero: {run_errors(s)}")
@@ -276,10 +278,28 @@ def record_campaign(spec: CampaignSpec, run_dir: Path, s: FinishedCampaign, *, u
     name, params = model_facts(spec.engine)
     decision = Decision(kind="campaign", subject=run_dir.name, status="UNVERIFIED" if unverified else "DONE",
                         source=str(run_dir.resolve()), date=now(), suite_sha256=s.bundle.sha256,
-                        model=sha256_json({"weights": fp.weights_sha256, "tokenizer": fp.tokenizer_sha256}),
+                        model=sha256_json({"weights": fp.weights_sha256, "tokenizer": fp.tokenizer_sha256}
+                                          if fp.weights_sha256 else {"served": [fp.endpoint, fp.served_model,
+                                                                                fp.served_revision]}),
                         model_name=name, model_params=params, coverage=spec.coverage, index=s.score.full)
     if append_decisions(ledger_path(spec.store), [decision]):
         print(f"ledger: campaign recorded in {ledger_path(spec.store)}")
+
+
+def log_to_mlflow(spec: CampaignSpec, run_dir: Path) -> None:
+    """The campaign's `mlflow` option: its finished run logged to MLflow after the report (`jex export mlflow`,
+    idempotent). A refusal is a warning: the run folder is complete, and `jex export mlflow` logs it later."""
+    if spec.mlflow.tracking_uri is None:
+        return
+    from jex.tasks.outputs.interop.mlflow_run import export_mlflow
+
+    try:
+        run_id = export_mlflow([run_dir], spec.mlflow)[0]
+    except JexError as e:
+        print(f"WARNING: the run is not logged to MLflow: {e} (later: jex export mlflow {run_dir} --tracking-uri "
+              f"{spec.mlflow.tracking_uri} --experiment {spec.mlflow.experiment})")
+        return
+    print(f"logged to MLflow ({spec.mlflow.tracking_uri}, experiment {spec.mlflow.experiment}): run {run_id}")
 
 
 def run_errors(s: FinishedCampaign) -> dict[str, int]:
@@ -408,6 +428,7 @@ def stored_run(spec: CampaignSpec, settings: JexSettings) -> Path | None:
         return None
     enforce_audit(spec, run.summaries.finished())
     print(f"every stage stored: nothing to run (report: {run_dir / 'report.md'})")
+    log_to_mlflow(spec, run_dir)
     return run_dir
 
 

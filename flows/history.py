@@ -6,7 +6,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jex.engine_spec import EMBEDDED_MODEL
 from jex.errors import JexError
 
 
@@ -22,10 +21,14 @@ class RunRow(BaseModel):
     index: float | None = Field(None, description="The full index (score.json), rounded to 3 places")
     coverage: float | None = None
     cost_usd: float | None = Field(None, description="The campaign's machine cost (machines.json)")
+    prices_per_hour: list[float] | None = Field(None, description="The prices its machines were billed at, USD/hour, "
+                                                                 "each once (machines.json)")
     model: str | None = Field(None, description="The model as the campaign named it (the embedded one: 'embedded')")
     revision: str | None = Field(None, description="The Hub commit the model resolved to (provenance.json)")
     weights_sha256: str | None = Field(None, description="The weights the run read (provenance.json)")
     bundle: str | None = Field(None, description="The bundle key (stages.json): runs of one bundle compare row by row")
+    note: str | None = Field(None, description="What the run cannot prove (a served model: 'served: batch "
+                                               "invariance not proven')")
     run_dir: str | None = Field(None, description="Absent when the run's spec does not validate")
 
     def to_json(self) -> dict[str, object]:
@@ -42,6 +45,7 @@ def campaign_runs(limit: int = 50, *, model: str | None = None) -> list[RunRow]:
 
     from jex.flows.machines.machines_doc import read_machines
     from jex.tasks.campaign_spec import CampaignSpec
+    from jex.tasks.capture.served import NOT_PROVEN, read_served
     from jex.tasks.documents import ScoreDoc, read_doc
 
     with get_client(sync_client=True) as client:
@@ -62,11 +66,15 @@ def campaign_runs(limit: int = 50, *, model: str | None = None) -> list[RunRow]:
             rows.append(row)
             continue
         score, machines = run_dir / "score.json", run_dir / "machines.json"
+        ledger = read_machines(machines).ledger if machines.exists() else None
+        served = read_served(run_dir)
         rows.append(row.model_copy(update={
             "campaign": run_dir.name, "coverage": spec.coverage, "run_dir": str(run_dir),
             "index": round(read_doc(ScoreDoc, score).full, 3) if score.exists() else None,
-            "cost_usd": read_machines(machines).ledger.total_usd if machines.exists() else None,
-            "model": spec.engine.model or EMBEDDED_MODEL, **_identity(run_dir)}))
+            "cost_usd": ledger.total_usd if ledger else served.cost_usd if served else None,
+            "note": NOT_PROVEN if spec.engine.is_served() else None,
+            "prices_per_hour": sorted({m.price_per_hour for m in ledger.machines}) if ledger else None,
+            "model": spec.engine.model_name(), **_identity(run_dir)}))
     if model is not None:
         rows = [r for r in rows if r.model == model or (r.weights_sha256 or "").startswith(model)]
     return rows
@@ -92,13 +100,15 @@ def _identity(run_dir: Path) -> dict[str, str | None]:
 
 def format_runs(rows: list[RunRow]) -> str:
     head = (f"{'flow run':<24} {'state':<10} {'started':<20} {'campaign':<26} {'index':>7} {'cov':>5} {'cost $':>8} "
-            f"{'model':<24} {'weights':<8} {'bundle':<8}")
+            f"{'$/hour':>8} {'model':<24} {'weights':<8} {'bundle':<8}")
     lines = [head, "-" * len(head)]
     for r in rows:
+        prices = "/".join(f"{p:g}" for p in r.prices_per_hour or []) or "-"
         lines.append(f"{r.flow_run:<24} {r.state or '-':<10} {(r.start or '-')[:19]:<20} "
                      f"{r.campaign or '-':<26} {_n(r.index, 2):>7} {_n(r.coverage, 2):>5} "
-                     f"{_n(r.cost_usd, 4):>8} {(r.model or '-')[-24:]:<24} {(r.weights_sha256 or '-')[:8]:<8} "
-                     f"{(r.bundle or '-')[:8]:<8}")
+                     f"{_n(r.cost_usd, 4):>8} {prices:>8} {(r.model or '-')[-24:]:<24} "
+                     f"{(r.weights_sha256 or '-')[:8]:<8} {(r.bundle or '-')[:8]:<8}"
+                     + (f"  {r.note}" if r.note else ""))
     return "\n".join(lines)
 
 

@@ -8,23 +8,45 @@ server'). Migrating the database once, before the first flow, avoids it.
 Migrating takes ~13 s on 2 cores, the same work for every new PREFECT_HOME of one Prefect version, so
 it is done once per machine and Prefect version into a template (`<cache>/prefect-db/<version>/`), and
 each new database is a copy of it.
+
+The temporary server is a child process that outlives an orchestrator killed with SIGKILL (a uvicorn
+process with parent 1, holding its port). Each one this process starts is recorded in the state folder
+(`jex.infra.processes`) and forgotten when Prefect stops it; whatever a killed orchestrator left running is
+stopped here, before the next flow, and by `jex infra reconcile`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
+from jex.infra.processes import forget_process, orphans_line, record_process, stop_orphans
+
+log = logging.getLogger(__name__)
 TEMPLATE_DIR = Path.home() / ".cache" / "jex" / "prefect-db"
+SERVER_MODULE = "prefect.server.api.server"
+"""Where Prefect's temporary server (`SubprocessASGIServer`) lives."""
+SERVER_KIND = "prefect-server"
 
 
-def ensure_local_api() -> bool:
-    """Prepare the ephemeral API's database if no API URL is configured and none exists yet; returns
-    whether flows will use the ephemeral API (no URL configured, in the environment or Prefect's profile)."""
+def ensure_local_api(state_dir: Path | None = None) -> bool:
+    """Stop the processes a killed jex left running (one line on stderr when there were any), then prepare
+    the ephemeral API's database if no API URL is configured and none exists yet, and have its server
+    recorded in `state_dir` (default: the settings') when it starts; returns whether flows will use the
+    ephemeral API (no URL configured, in the environment or Prefect's profile)."""
+    if state_dir is None:
+        from jex.settings import load_settings
+
+        state_dir = Path(load_settings().infra.state_dir)
+    if stopped := stop_orphans(state_dir):
+        print(orphans_line(stopped), file=sys.stderr)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     if os.environ.get("PREFECT_API_URL"):
@@ -34,6 +56,7 @@ def ensure_local_api() -> bool:
     settings = get_current_settings()
     if settings.api.url:
         return False
+    record_temporary_servers(state_dir)
     url = settings.server.database.connection_url
     url_text = url.get_secret_value() if url is not None else ""
     if url_text and not url_text.startswith("sqlite"):
@@ -65,3 +88,50 @@ def migrated_template() -> Path:
             raise RuntimeError(f"the migrated Prefect database {made} was left with an open journal")
         os.replace(made, template)  # another process may have made it meanwhile: the same bytes
     return template
+
+
+def record_temporary_servers(state_dir: Path) -> None:
+    """Have every temporary server Prefect starts in this process recorded in `state_dir` (the last one
+    named) as it is spawned (an owner killed during the server's start-up leaves it running too) and
+    forgotten when Prefect stops it: its server class replaced by a recording one. Called only where flows
+    will use the ephemeral API, which imports Prefect's server module (~2 s) anyway."""
+    import importlib
+
+    RECORD_IN[:] = [Path(state_dir)]
+    _record_servers_of(importlib.import_module(SERVER_MODULE))
+
+
+RECORD_IN: list[Path] = []
+"""The state folder this process records its temporary servers in (set by `record_temporary_servers`)."""
+
+
+def _record_servers_of(module: ModuleType) -> None:
+    base = module.SubprocessASGIServer
+    if getattr(base, "jex_records", False):
+        return
+
+    class RecordedServer(base):  # type: ignore[misc, valid-type]
+        """Prefect's temporary server, each process it spawns recorded (`jex.infra.processes`)."""
+
+        jex_records = True
+
+        def _run_uvicorn_command(self) -> subprocess.Popen[Any]:  # Prefect's one place that spawns it
+            process = super()._run_uvicorn_command()
+            args = process.args
+            command = [str(a) for a in args] if isinstance(args, list | tuple) else [str(args)]
+            self.jex_state_dir = RECORD_IN[-1]
+            try:
+                record_process(self.jex_state_dir, kind=SERVER_KIND, pid=process.pid, port=self.port,
+                               command=command)
+            except OSError as e:  # an unwritable state folder must not stop the flow; only the record is lost
+                log.warning("could not record Prefect's temporary server (pid %s) in %s: %s", process.pid,
+                            self.jex_state_dir, e)
+            return process
+
+        def stop(self) -> None:
+            process = self.server_process
+            super().stop()
+            if process is not None and hasattr(self, "jex_state_dir"):
+                forget_process(self.jex_state_dir, process.pid)
+
+    setattr(module, "SubprocessASGIServer", RecordedServer)  # noqa: B010 - a module attribute mypy does not know

@@ -4,8 +4,9 @@ Not the store's decision ledger (`jex.tasks.decisions`, `<store>/ledger.toml`, `
 the orchestrator's `<state_dir>/ledger.json` (`jex infra ledger`).
 
 One JSON file, rewritten atomically under a file lock (supervisors in threads, a scheduled
-reconcile and the CLI may share it). The budget guard refuses new machines at the limit; the
-supervisor tears running ones down when the running total reaches it.
+reconcile and the CLI may share it). The budget guard refuses new machines at the limit, and every
+machine of a campaign whose budget projection (`jex calibrate`) costs more than its budget at the
+machine's price; the supervisor tears running ones down when the running total reaches it.
 """
 
 from __future__ import annotations
@@ -19,13 +20,32 @@ from pathlib import Path
 
 from jex.errors import InfraError
 from jex.fileio import write_json
-from jex.infra.records import CostLedgerEntry, CostLedgerReport, CostLedgerRow
+from jex.infra.records import CostLedgerEntry, CostLedgerReport, CostLedgerRow, ProjectedSpend
+from jex.record import read_record, write_record
 
-__all__ = ["BudgetExceeded", "CostLedger", "CostLedgerEntry"]
+__all__ = ["BudgetExceeded", "CostLedger", "CostLedgerEntry", "ProjectedSpend", "over_projected_budget"]
 
 
 class BudgetExceeded(InfraError):
     """The campaign's cost (or wall-clock) budget is spent."""
+
+
+PROJECTIONS = "projections"
+"""Beside the ledger: one `ProjectedSpend` per campaign the budget projection measured."""
+
+
+def over_projected_budget(projected: ProjectedSpend | None, *, price_per_hour: float, budget_usd: float) -> None:
+    """Refuse (BudgetExceeded, one line) a campaign whose projected machine-hours at this machine price
+    cost more than its budget: before any of its machines starts, not once the money is spent."""
+    if projected is None:
+        return
+    cost = projected.machine_hours * price_per_hour
+    if cost > budget_usd:
+        raise BudgetExceeded(
+            f"campaign {projected.campaign}: the budget projection ({projected.source}) needs "
+            f"{projected.machine_hours:.1f} machine-hours at coverage {projected.coverage:g}, ${cost:.2f} at "
+            f"${price_per_hour:g}/hour, over its ${budget_usd:g} budget; no machine started: raise budget_usd, "
+            "lower --coverage or pick a cheaper machine")
 
 
 class CostLedger:
@@ -79,12 +99,29 @@ class CostLedger:
     def total(self, campaign: str | None, now: float | None = None) -> float:
         return sum(e.cost(now) for e in self.entries(campaign))
 
-    def guard(self, campaign: str | None, budget_usd: float) -> None:
-        """Refuse a new machine when the campaign already spent its budget."""
+    def guard(self, campaign: str | None, budget_usd: float, price_per_hour: float = 0.0) -> None:
+        """Refuse a new machine when the campaign already spent its budget, or when the budget projection
+        says it will need more than it (`over_projected_budget`)."""
         spent = self.total(campaign)
         if spent >= budget_usd:
             raise BudgetExceeded(f"campaign {campaign}: ${spent:.4f} spent of a ${budget_usd:.4f} budget; "
                                  "no new machine")
+        if campaign is not None:
+            over_projected_budget(self.projection(campaign), price_per_hour=price_per_hour, budget_usd=budget_usd)
+
+    def projection_path(self, campaign: str) -> Path:
+        return self.path.parent / PROJECTIONS / f"{campaign}.json"
+
+    def record_projection(self, projected: ProjectedSpend) -> Path:
+        """Keep what the budget projection measured for a campaign (the last one counts)."""
+        path = self.projection_path(projected.campaign)
+        write_record(path, projected)
+        return path
+
+    def projection(self, campaign: str) -> ProjectedSpend | None:
+        """The campaign's budget projection, if one was made (`record_projection`)."""
+        path = self.projection_path(campaign)
+        return read_record(ProjectedSpend, path) if path.exists() else None
 
     def usage(self, campaign: str | None, now: float | None = None) -> CostLedgerReport:
         """Every machine of `campaign` (None: all) with its seconds and cost so far, and the totals."""

@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from jex.errors import InfraError
+from jex.errors import InfraError, InputError
 from jex.fileio import atomic_open, sha256_bytes, sha256_file, write_json
 from jex.infra.backoff import MACHINE_CALL, VERIFY_DOWNLOAD, Backoff, retry
 from jex.infra.cost_ledger import CostLedger
@@ -55,7 +55,7 @@ from jex.infra.watchdog import MARKER, WatchdogConfig
 from jex.settings import InfraSettings, infra_default
 
 __all__ = ["JobFailed", "JobOutcome", "MachineSession", "Policy", "RemoteJob", "StartedMachine", "adopt_artifacts",
-           "code_bundle", "self_terminated_marker", "stack_lock"]
+           "code_bundle", "priced", "self_terminated_marker", "stack_lock"]
 
 log = logging.getLogger(__name__)
 CODE_PACKAGES = {"jex": "jex", "jex.engine": "jex/engine", "jex.tasks": "jex/tasks", "jex.lab": "jex/lab",
@@ -78,7 +78,8 @@ class Policy:
     """The longest a machine may live (wall clock); with `budget_usd` and `price_per_hour`, one policy whose
     names are the settings' (`JEX_INFRA__BUDGET_HOURS`, ...) and the campaign's (`machines.budget_hours`)."""
     budget_usd: float = infra_default("budget_usd")
-    price_per_hour: float = infra_default("price_per_hour")
+    price_per_hour: float | None = infra_default("price_per_hour")
+    """USD/hour of one machine; None: its provider's (`Provider.hourly_price`), which a session fills in (`priced`)."""
     teardown_attempts: int = 12
     upload_attempts: int = 5
     backoff_s: float = 0.5
@@ -104,6 +105,20 @@ class Policy:
         caps = [(self.budget_hours or 0) * 3600, by_cost]
         caps = [c for c in caps if c > 0]
         return min(caps) if caps else infra_default("budget_hours") * 3600.0
+
+
+def priced(policy: Policy, provider: Provider, *, adopting: bool = False) -> Policy:
+    """`policy` with a price: its own, else the provider's (`Provider.hourly_price`: an EC2 instance type the
+    catalogue does not price is an InputError, before any machine starts). A machine being adopted (a
+    reconcile) is never refused: billed at 0 then, as its ledger entry keeps the price it started at."""
+    if policy.price_per_hour is not None:
+        return policy
+    try:
+        return replace(policy, price_per_hour=provider.hourly_price())
+    except InputError:
+        if adopting:
+            return replace(policy, price_per_hour=0.0)
+        raise
 
 
 POLICY_SETTINGS = tuple(f.name for f in fields(Policy) if f.name in InfraSettings.model_fields)
@@ -261,7 +276,7 @@ class MachineSession:
         self.provider, self.campaign, self.ledger = provider, campaign, ledger
         self.tools = tuple(tools)
         """Executables the bootstrap checks on PATH (`required_tools`); a missing one fails it in one line."""
-        self.policy = policy or Policy()
+        self.policy = priced(policy or Policy(), provider, adopting=machine is not None)
         self.label, self.python_hint = label, python
         self.state_dir = Path(state_dir or ledger.path.parent)
         self.stack = stack if stack is not None else stack_lock("hf")
@@ -288,6 +303,11 @@ class MachineSession:
         return self._started
 
     @property
+    def price_per_hour(self) -> float:
+        """USD/hour this session's machine is billed at (`priced`)."""
+        return self.policy.price_per_hour or 0.0
+
+    @property
     def machine(self) -> Machine | None:
         """The machine, None before `start`."""
         return self._started.machine if self._started is not None else None
@@ -303,10 +323,10 @@ class MachineSession:
         self.teardown(reason)
 
     def start(self) -> Machine:
-        self.ledger.guard(self.campaign, self.policy.budget_usd)
+        self.ledger.guard(self.campaign, self.policy.budget_usd, self.price_per_hour)
         machine = self.provider.create(self.campaign, self.label)
         self._started = StartedMachine(machine, self.provider.shell(machine))
-        self.ledger.open(machine.id, self.campaign, self.provider.name, self.policy.price_per_hour,
+        self.ledger.open(machine.id, self.campaign, self.provider.name, self.price_per_hour,
                          machine.created_at, host=machine.host)
         try:
             self._wait_reachable()

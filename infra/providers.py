@@ -38,7 +38,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jex.errors import InfraError
+from jex.errors import InfraError, InputError
 from jex.fileio import atomic_open
 from jex.infra.shell import LocalShell, Shell, ShellError, SSHShell
 from jex.infra.worker_protocol import DETACHED_PGIDS, PGID, POWEROFF_PID
@@ -110,6 +110,11 @@ class Provider(ABC):
     """Whether a machine's disk, and the results on it, outlive the machine powering itself off. Where it
     does not, a campaign needs a bucket (`jex.infra.reaper.check_results_survive`) and the watchdog never
     powers off with results only on the disk before its hard time to live."""
+
+    def hourly_price(self) -> float:
+        """USD/hour of one machine when nobody set a price (`Policy.price_per_hour`): 0 here (a host you have,
+        a `command` VM whose price jex cannot know); EC2's from the instance catalogue."""
+        return 0.0
 
     def create(self, campaign: str | None, label: str = "gpu") -> Machine:
         log.info("provider %s: create campaign=%s label=%s", self.name, campaign, label)
@@ -283,16 +288,41 @@ class SSHProvider(HostProvider):
 
 
 class EC2Provider(Provider):
-    """EC2 instances tagged `jex:managed`, `jex:campaign`, `jex:machine`; reached over SSH."""
+    """EC2 instances tagged `jex:managed`, `jex:campaign`, `jex:machine`; reached over SSH. The instance type's
+    price comes from the instance catalogue (`jex.infra.instance_catalogue`); the image, unless given, is the
+    newest one named like `image_name` owned by `image_owner` (`find_image`, looked up at the first create)."""
 
     name = "ec2"
     GONE = ("shutting-down", "terminated")
     keeps_disk = False  # created with InstanceInitiatedShutdownBehavior=terminate: a poweroff ends it, disk and all
 
-    def __init__(self, client: Any, *, image_id: str, instance_type: str, key_name: str | None = None,
-                 workdir: str = "/opt/jex/work", user: str = "ubuntu", ssh: SSHAuth | None = None):
+    def __init__(self, client: Any, *, instance_type: str, image_id: str | None = None, image_name: str = "",
+                 image_owner: str = "amazon", key_name: str | None = None, workdir: str = "/opt/jex/work",
+                 user: str = "ubuntu", ssh: SSHAuth | None = None):
         self.client, self.image_id, self.instance_type, self.key_name = client, image_id, instance_type, key_name
+        self.image_name, self.image_owner = image_name, image_owner
         self.workdir, self.user, self._ssh = workdir, user, ssh or SSHAuth()
+
+    def hourly_price(self) -> float:
+        """The instance catalogue's on-demand price of the instance type in the client's region (an InputError
+        naming what to set when it has none)."""
+        from jex.infra.instance_catalogue import ec2_price
+
+        return ec2_price(self.instance_type, self.client.meta.region_name)
+
+    def find_image(self) -> str:
+        """The id of the newest available image named like `image_name` (EC2's `*`/`?` pattern) that
+        `image_owner` owns; an InputError naming the settings when there is none."""
+        images = self.client.describe_images(
+            Owners=[self.image_owner], Filters=[{"Name": "name", "Values": [self.image_name]},
+                                                {"Name": "state", "Values": ["available"]}])["Images"]
+        if not images:
+            raise InputError(f"no EC2 image named like {self.image_name!r} owned by {self.image_owner} in "
+                             f"{self.client.meta.region_name}: set JEX_INFRA__EC2_IMAGE_ID, or "
+                             "JEX_INFRA__EC2_IMAGE_NAME and JEX_INFRA__EC2_IMAGE_OWNER")
+        newest = max(images, key=lambda i: (i.get("CreationDate", ""), i.get("Name", "")))
+        log.info("provider ec2: image %s (%s) for %r", newest["ImageId"], newest.get("Name"), self.image_name)
+        return str(newest["ImageId"])
 
     def _as_machine(self, inst: dict[str, Any]) -> Machine:
         """A machine from one instance of boto3's `describe_instances` / `run_instances` response."""
@@ -308,6 +338,8 @@ class EC2Provider(Provider):
         tags = [{"Key": TAG_MANAGED, "Value": "1"}, {"Key": TAG_MACHINE, "Value": new_machine_id(label)}]
         if campaign:
             tags.append({"Key": TAG_CAMPAIGN, "Value": campaign})
+        if self.image_id is None:
+            self.image_id = self.find_image()
         kw: dict[str, Any] = {"ImageId": self.image_id, "InstanceType": self.instance_type, "MinCount": 1,
                               "MaxCount": 1, "TagSpecifications": [{"ResourceType": "instance", "Tags": tags}],
                               "InstanceInitiatedShutdownBehavior": "terminate"}  # the watchdog's poweroff ends it

@@ -69,7 +69,8 @@ def make_provider(infra: InfraSettings, *, name: str | None = None, hosts: list[
         from jex.infra.aws import aws_client
 
         client = aws_client("ec2", region=infra.ec2_region, endpoint_url=infra.ec2_endpoint_url, infra=infra)
-        return EC2Provider(client, image_id=infra.ec2_image_id, instance_type=infra.ec2_instance_type,
+        return EC2Provider(client, instance_type=infra.ec2_instance_type, image_id=infra.ec2_image_id,
+                           image_name=infra.ec2_image_name, image_owner=infra.ec2_image_owner,
                            key_name=infra.ec2_key_name, user=infra.ssh_user, ssh=ssh)
     if name == "command":
         templates = CommandTemplates(infra.command_create, infra.command_describe, infra.command_list,
@@ -149,7 +150,7 @@ def _reconcile_machine(provider: Provider, ledger: CostLedger, machine: Machine,
     """Collect a campaign's machine (or call it an orphan), then delete it; errors are added to `errors`."""
     session = MachineSession(provider, campaign=machine.campaign or "orphans", ledger=ledger, policy=policy,
                              s3=s3, echo=echo, machine=machine)
-    ledger.open(machine.id, machine.campaign, provider.name, session.policy.price_per_hour, machine.created_at)
+    ledger.open(machine.id, machine.campaign, provider.name, session.price_per_hour, machine.created_at)
     action: Literal["collected", "orphan"] = "collected" if machine.campaign else "orphan"
     jobs: list[ReconciledJob] = []
     try:
@@ -214,7 +215,7 @@ def _delete_powered_off(provider: Provider, ledger: CostLedger, powered_off: lis
             continue
         session = MachineSession(provider, campaign=machine.campaign or "orphans", ledger=ledger, policy=policy,
                                  echo=echo, machine=machine)
-        ledger.open(machine.id, machine.campaign, provider.name, session.policy.price_per_hour, machine.created_at)
+        ledger.open(machine.id, machine.campaign, provider.name, session.price_per_hour, machine.created_at)
         teardown = session.teardown(f"reconcile: powered off ({machine.state})")
         if accounted:
             found = adopted.get(machine.id) or ReconciledMachine(machine=machine.id, campaign=machine.campaign,
@@ -305,7 +306,7 @@ def adopt_self_terminated(s3: S3Store, ledger: CostLedger, *, campaign: str | No
         if doc is None:
             continue
         jobs = _adopt_jobs(s3, machine_id, doc)
-        ledger.open(machine_id, camp, provider, policy.price_per_hour, doc.created_at or doc.time)
+        ledger.open(machine_id, camp, provider, policy.price_per_hour or 0.0, doc.created_at or doc.time)
         ledger.close(machine_id, f"self-terminated: {doc.reason}", doc.time)
         entries.append(ReconciledMachine(machine=machine_id, campaign=camp, action="adopted", jobs=jobs))
         echo(f"reconcile: {machine_id} ({camp}) stopped itself ({doc.reason}); adopted "

@@ -227,6 +227,7 @@ class CostLedgerEntry(Record):
     campaign: str | None
     provider: str
     price_per_hour: float
+    """USD/hour the machine is billed at (`jex.infra.machine.priced`: the one set, else its provider's)."""
     created_at: float
     deleted_at: float | None = None
     end_reason: str | None = None
@@ -255,6 +256,33 @@ class CostLedgerReport(Record):
     machines: list[CostLedgerRow]
     total_usd: float
     machine_seconds: float
+
+
+class ProjectedSpend(Record):
+    """What the budget projection (`jex calibrate`, `flows/budget.py`) measured a campaign will need:
+    `<state_dir>/projections/<campaign>.json`, read by the budget guard before each of its machines starts."""
+
+    campaign: str = Field(description="The campaign's run folder name (the fleet's campaign)")
+    coverage: float = Field(description="The campaign's coverage, which the machine-hours are projected at")
+    machine_hours: float = Field(ge=0, description="Machine-hours of its engine stages, all machines together")
+    measured_at: float = Field(description="When the projection was made (seconds since the epoch)")
+    source: str = Field(description="The projection's budget.json")
+
+
+# -- processes jex starts on this host ------------------------------------------------------------------
+
+class OwnedProcess(Record):
+    """A server or worker process a jex process started on this host (`<state_dir>/processes/<pid>.json`):
+    stopped by `jex infra reconcile` (and the next run) once its owner is gone. Start times tell a process
+    from a later one that reuses its PID."""
+
+    kind: str = Field(description="What it is, e.g. 'prefect-server' (Prefect's temporary API server)")
+    pid: int
+    started_at: float = Field(description="Its start time as the OS reports it (psutil create_time)")
+    port: int | None = Field(description="The port it listens on, if any")
+    command: list[str]
+    owner_pid: int = Field(description="The jex process that started it and stops it when it ends")
+    owner_started_at: float = Field(description="The owner's start time (psutil create_time)")
 
 
 # -- reconcile ----------------------------------------------------------------------------------------

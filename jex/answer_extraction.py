@@ -1,17 +1,20 @@
 """A generated answer's extraction and verdict, as lm-evaluation-harness computes them for its generative
 (`generate_until`) tasks: the text cut at the first stop sequence, each named filter pipeline of its
 `filter_list` (regex with group select and fallback, take_first, remove_whitespace, lowercase, uppercase,
-map), and `exact_match` with its normalisations (regexes to ignore, ignore case, ignore punctuation, ignore
-numbers). Each step reproduces lm-eval 0.4.13's own class or function on one greedy response
-(`repeats: 1`), to the byte (`tests/test_answer_extraction.py` runs both on the same strings). The filters
-that need several responses (majority_vote, take_first_k) or the document (multi_choice_regex, custom
-functions) are refused by name where a task is read (`UnsupportedFilter`).
+map, and over a row's several responses (`repeats`) take_first_k and majority_vote), and `exact_match` with
+its normalisations (regexes to ignore, ignore case, ignore punctuation, ignore numbers). Each step reproduces
+lm-eval 0.4.13's own class or function, to the byte (`tests/test_answer_extraction.py` and
+`tests/test_sampled_generation.py` run both on the same strings). A reasoning model's thought is stripped
+before any filter reads the response, as lm-eval's `think_end_token` does (`response_after_thinking`). The
+filters that need the document (multi_choice_regex, custom functions) are refused by name where a task is
+read (`UnsupportedFilter`).
 """
 
 from __future__ import annotations
 
 import re
 import string
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
@@ -35,9 +38,23 @@ class RegexStep(Record):
 
 
 class TakeFirstStep(Record):
-    """lm-eval's `take_first`: the first of a document's responses (jex generates one per row)."""
+    """lm-eval's `take_first`: the first of a document's responses."""
 
     function: Literal["take_first"] = "take_first"
+
+
+class TakeFirstKStep(Record):
+    """lm-eval's `take_first_k`: the first `k` of a document's responses (its `repeats`)."""
+
+    function: Literal["take_first_k"] = "take_first_k"
+    k: int = Field(ge=1)
+
+
+class MajorityVoteStep(Record):
+    """lm-eval's `majority_vote`: the response that occurs most often (`Counter.most_common(1)`: of a tie, the
+    one seen first)."""
+
+    function: Literal["majority_vote"] = "majority_vote"
 
 
 class RemoveWhitespaceStep(Record):
@@ -62,12 +79,11 @@ class MapStep(Record):
     default_value: str | None = None
 
 
-FilterStep = Annotated[RegexStep | TakeFirstStep | RemoveWhitespaceStep | LowercaseStep | UppercaseStep | MapStep,
-                       Field(discriminator="function")]
-SUPPORTED_FILTERS = ("regex", "take_first", "remove_whitespace", "lowercase", "uppercase", "map")
-REFUSED_FILTERS = {"majority_vote": "needs several responses per row (repeats > 1)",
-                   "take_first_k": "needs several responses per row (repeats > 1)",
-                   "multi_choice_regex": "reads the document's choices",
+FilterStep = Annotated[RegexStep | TakeFirstStep | TakeFirstKStep | MajorityVoteStep | RemoveWhitespaceStep
+                       | LowercaseStep | UppercaseStep | MapStep, Field(discriminator="function")]
+SUPPORTED_FILTERS = ("regex", "take_first", "take_first_k", "majority_vote", "remove_whitespace", "lowercase",
+                     "uppercase", "map")
+REFUSED_FILTERS = {"multi_choice_regex": "reads the document's choices",
                    "regex_pos": "extracts part-of-speech tag lists, not one answer",
                    "custom": "runs a task's own Python function", "decontaminate": "is not an answer extraction",
                    "format_span": "reads the document's span format"}
@@ -127,19 +143,35 @@ def apply_step(step: FilterStep, response: str | None) -> str | None:
         return _regex(step, response if isinstance(response, str) else "")
     if isinstance(step, MapStep):
         return step.mapping_dict.get(response, step.default_value) if response is not None else step.default_value
-    if response is None or isinstance(step, TakeFirstStep):
+    if response is None or isinstance(step, TakeFirstStep | TakeFirstKStep | MajorityVoteStep):
         return response
     if isinstance(step, RemoveWhitespaceStep):
         return response.strip()
     return response.lower() if isinstance(step, LowercaseStep) else response.upper()
 
 
-def extract(answer_filter: AnswerFilter, response: str) -> str | None:
-    """The answer `answer_filter` extracts from one generated response."""
-    out: str | None = response
+def extract(answer_filter: AnswerFilter, response: str | Sequence[str]) -> str | None:
+    """The answer `answer_filter` extracts from one generated response, or from a row's responses (lm-eval's
+    `resps` of a task with `repeats`, in order): each step maps every response, take_first and take_first_k
+    keep the first (k), majority_vote the most frequent; the answer is the first left."""
+    values: list[str | None] = [response] if isinstance(response, str) else list(response)
     for step in answer_filter.steps:
-        out = apply_step(step, out)
-    return out
+        if isinstance(step, TakeFirstStep | TakeFirstKStep):
+            values = values[:step.k if isinstance(step, TakeFirstKStep) else 1]
+        elif isinstance(step, MajorityVoteStep):
+            values = [Counter(values).most_common(1)[0][0]] if values else values
+        else:
+            values = [apply_step(step, v) for v in values]
+    return values[0] if values else None
+
+
+def response_after_thinking(generation: str, think_end: str | None, until: Sequence[str]) -> str:
+    """The response a reasoning model's generation gives (lm-eval's `postprocess_generated_text`): the text after
+    the last `think_end`, its leading whitespace stripped, cut at the first stop sequence; with no `think_end`,
+    the generation as it is (already cut at its stop sequences)."""
+    if not think_end:
+        return generation
+    return cut_at_stop(generation.split(think_end)[-1].lstrip(), until)
 
 
 def normalised(text: str, match: MatchSettings) -> str:

@@ -41,8 +41,9 @@ class EngineFingerprint(Record):
 
     kind: EngineKind
     engine_version: int = Field(description="jex's numerics version of this engine kind (ENGINE_VERSIONS)")
-    weights_sha256: str
-    tokenizer_sha256: str = Field(description="sha256 over the tokenizer files (TOKENIZER_FILES) present")
+    weights_sha256: str | None = Field(None, description="None: a served model (its weights are the server's)")
+    tokenizer_sha256: str | None = Field(None, description="sha256 over the tokenizer files (TOKENIZER_FILES) "
+                                                           "present; None: a served model")
     hub: HubRevision | None = None
     device_type: str
     renderer: RenderDigest
@@ -52,6 +53,11 @@ class EngineFingerprint(Record):
     max_num_seqs: int | None = Field(None, description="vLLM only")
     max_model_len: int | None = Field(None, description="vLLM only")
     cudagraph_mode: str | None = Field(None, description="vLLM only; None = vLLM's default")
+    endpoint: str | None = Field(None, description="openai only: the server's scheme://host:port")
+    served_model: str | None = Field(None, description="openai only: the model id as the server's /v1/models "
+                                                       "reports it")
+    served_revision: str | None = Field(None, description="openai only: the revision (or root) the server reports "
+                                                          "for it, if any")
 
     def audited(self) -> EngineFingerprint:
         """The same engine under the plain audit profile. It keys every readout (fast pass, golden

@@ -18,10 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from jex.fileio import sha256_json
 
-EngineKind = Literal["hf", "hf-batched", "vllm", "vllm-control"]
+EngineKind = Literal["hf", "hf-batched", "vllm", "vllm-control", "openai"]
 """`hf`: the batch-invariant reference; `hf-batched`: padded batches; `vllm`: batch-invariant vLLM (the
-audit profile); `vllm-control`: vLLM without batch invariance (a bake-off's control arm)."""
-ENGINE_KINDS: tuple[EngineKind, ...] = ("hf", "hf-batched", "vllm", "vllm-control")
+audit profile); `vllm-control`: vLLM without batch invariance (a bake-off's control arm); `openai`: a model
+served behind an OpenAI-compatible API (`engine/openai_engine.py`), whose batch invariance cannot be proven."""
+ENGINE_KINDS: tuple[EngineKind, ...] = ("hf", "hf-batched", "vllm", "vllm-control", "openai")
+SERVED_PREFIX = "openai:"
+"""`--model openai:NAME[@BASE_URL]`: the model NAME served at BASE_URL (else the engine's `base_url`)."""
 EngineProfile = Literal["audit", "audit-ngram"]
 CudagraphMode = Literal["FULL_DECODE_ONLY", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE", "NONE"]
 """vLLM's CUDA-graph modes (`compilation_config.cudagraph_mode`)."""
@@ -169,6 +172,61 @@ class VLLMSettings(BaseModel):
         return VLLMSettings(**{name: getattr(self, name) for name in VLLMSettings.model_fields})
 
 
+class ServedSettings(BaseModel):
+    """How jex talks to a served model (`kind = "openai"`), declared once as the vLLM knobs are: each field's
+    default, description (flag help, form text) and mark (`KEYED`: part of the engine's identity, as its
+    `scheme://host:port`). The API key is never here: it is a secret of the settings (`JEX_ENGINE__API_KEY`,
+    or the variable `api_key_env` names), never logged or written."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    base_url: Annotated[str | None, KEYED] = Field(
+        None, description="openai: the server's OpenAI-compatible base URL (http://HOST:PORT/v1); its "
+                          "scheme://host:port is part of the engine's identity")
+    api_key_env: Annotated[str | None, UNKEYED] = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="openai: the environment variable holding the API key; empty = JEX_ENGINE__API_KEY")
+    max_concurrency: Annotated[int, UNKEYED] = Field(8, ge=1, le=1024,
+                                                     description="openai: requests in flight at once")
+    max_retries: Annotated[int, UNKEYED] = Field(
+        4, ge=0, le=20, description="openai: retries of a request on 429, 5xx, a timeout or a lost connection "
+                                    "(the openai client's own, with exponential backoff)")
+    request_timeout_s: Annotated[float, UNKEYED] = Field(600.0, gt=0, description="openai: seconds one request "
+                                                                                    "may take")
+    price_input_per_mtok: Annotated[float | None, UNKEYED] = Field(
+        None, ge=0, description="openai: $ per million prompt tokens; with it the report shows the cost")
+    price_output_per_mtok: Annotated[float | None, UNKEYED] = Field(
+        None, ge=0, description="openai: $ per million completion tokens")
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        from urllib.parse import urlsplit
+
+        if not url:
+            return None
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("expected an http:// or https:// URL, e.g. http://127.0.0.1:8000/v1")
+        if parts.username or parts.password:
+            raise ValueError("the URL holds credentials: give the key in JEX_ENGINE__API_KEY (or the variable "
+                             "api_key_env names), never in the URL")
+        return url.rstrip("/")
+
+    @property
+    def served(self) -> ServedSettings:
+        """The served-model settings alone (on an `EngineSpec`: its own as their record)."""
+        return ServedSettings(**{name: getattr(self, name) for name in ServedSettings.model_fields})
+
+    def endpoint(self) -> str | None:
+        """`scheme://host:port` of the base URL (the port spelt out): the server's part of the engine identity."""
+        from urllib.parse import urlsplit
+
+        if not self.base_url:
+            return None
+        parts = urlsplit(self.base_url)
+        return f"{parts.scheme}://{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
 def knob_field(name: str, default: Any) -> Any:
     """The field of the vLLM knob `name` with a context's own default (a named constant: e.g. the
     bake-off's BAKEOFF_MAX_NUM_SEQS): its constraints and description, less its 'empty = ...' clause."""
@@ -194,13 +252,24 @@ class _EngineHead(BaseModel):
                                                 "under the audit profile)")
 
 
-class EngineSpec(VLLMSettings, _EngineHead):
+class EngineSpec(ServedSettings, VLLMSettings, _EngineHead):
     """Which engine a stage uses and how it runs. This is what the campaign form shows under 'engine'.
-    Its vLLM knobs are `VLLMSettings`'s fields, flat (`spec.max_num_seqs`; `spec.vllm` is that record)."""
+    Its vLLM knobs are `VLLMSettings`'s fields, flat (`spec.max_num_seqs`; `spec.vllm` is that record), and so
+    are a served model's settings (`ServedSettings`, `spec.served`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     cache_dir: str = Field(str(Path.home() / ".cache" / "jex"), description="Converted-model and Hub cache")
     render: RenderSpec = Field(RenderSpec(), description="Templates, system prompt, chat template, few-shot count")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served_model_name(cls, data: Any) -> Any:
+        """`model = "openai:NAME[@BASE_URL]"` names a served model: kind openai, its name, its base URL."""
+        model = data.get("model") if isinstance(data, dict) else None
+        if isinstance(model, str) and model.startswith(SERVED_PREFIX):
+            name, at, url = model.removeprefix(SERVED_PREFIX).partition("@")
+            data = {**data, "kind": "openai", "model": name, **({"base_url": url} if at else {})}
+        return data
 
     @field_validator("model")
     @classmethod
@@ -217,7 +286,21 @@ class EngineSpec(VLLMSettings, _EngineHead):
             raise ValueError(f"profile {self.profile!r} needs an audited engine kind (hf or vllm), not {self.kind!r}")
         if self.cudagraph_mode is not None and not self.kind.startswith("vllm"):
             raise ValueError(f"cudagraph_mode is a vLLM setting; engine {self.kind!r} has no CUDA graphs")
+        if self.kind == "openai" and not self.base_url:
+            raise ValueError("the openai engine needs base_url (--base-url http://HOST:PORT/v1, or "
+                             "--model openai:NAME@URL)")
+        if self.kind == "openai" and self.render.chat_template not in ("auto", "none", "model"):
+            raise ValueError("a served model's chat template is the server's: chat_template model (its "
+                             "/v1/chat/completions), auto or none (plain text through /v1/completions)")
         return self
+
+    def is_served(self) -> bool:
+        """A model behind an OpenAI-compatible server: no weights here, no batch invariance to prove."""
+        return self.kind == "openai"
+
+    def model_name(self) -> str:
+        """The model as `jex runs`, the ledger and comparisons name it (`openai:NAME` for a served one)."""
+        return f"{SERVED_PREFIX}{self.model or 'served'}" if self.is_served() else self.model or EMBEDDED_MODEL
 
     def requests_per_call(self) -> int:
         """Requests the engine hands its backend per call: `batch_size`, else the engine's own (the audited
@@ -227,7 +310,7 @@ class EngineSpec(VLLMSettings, _EngineHead):
         return 0 if self.kind == "vllm" else HF_BATCH
 
     def on_gpu(self) -> bool:
-        return self.device.startswith("cuda")
+        return self.device.startswith("cuda") and not self.is_served()
 
     def starts_alone(self) -> bool:
         """Whether this engine's start must not overlap another's on the machine: vLLM sizes its KV

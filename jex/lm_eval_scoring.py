@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jex.answer_extraction import AnswerFilter, MatchSettings, UnsupportedFilter, filter_from_config
+from jex.answer_extraction import AnswerFilter, MatchSettings, TakeFirstKStep, UnsupportedFilter, filter_from_config
 from jex.suite import ScoringKind
 
 METRIC_AGGREGATIONS: dict[str, str] = {
@@ -167,9 +167,10 @@ def task_config(task: Any) -> dict[str, Any]:
     return config
 
 
-GENERATION_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature")
-"""The `generation_kwargs` jex reads: greedy decoding (do_sample false, temperature 0) up to max_gen_toks,
-cut at the `until` sequences. Any other key would reach the model's generate call and is refused."""
+GENERATION_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k")
+"""The `generation_kwargs` jex reads: greedy decoding (do_sample false, or unset at temperature 0) or sampling
+(do_sample true, or unset at a positive temperature; with top_p and top_k) up to max_gen_toks, cut at the `until`
+sequences. Any other key would reach the model's generate call and is refused."""
 MATCH_KWARGS = ("regexes_to_ignore", "ignore_case", "ignore_punctuation", "ignore_numbers")
 """`exact_match`'s keyword arguments (lm-eval's `exact_match_hf_evaluate`)."""
 MAX_GEN_TOKS = 256
@@ -178,19 +179,24 @@ MAX_GEN_TOKS = 256
 
 @dataclass(frozen=True)
 class GenerativeScoring:
-    """How jex runs and scores a `generate_until` task it reproduces: greedy generation settings, the
-    task's filter pipelines and exact_match's settings."""
+    """How jex runs and scores a `generate_until` task it reproduces: its generation settings (greedy, or
+    sampled `samples` times per document: lm-eval's `repeats`), the task's filter pipelines and exact_match's
+    settings."""
 
     until: tuple[str, ...]
     max_tokens: int
     filters: tuple[AnswerFilter, ...]
     match: MatchSettings
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    samples: int = 1
 
 
 def generative_scoring(task: str, config: Mapping[str, Any], generation_kwargs: Mapping[str, Any] | None
                        ) -> GenerativeScoring | ScoringRefusal:
     """A `generate_until` task's generation and scoring when every field is one jex reproduces (exact_match
-    of each filter's answer, greedy decoding), else the first field it does not."""
+    of each filter's answer; greedy or sampled decoding, `repeats` times), else the first field it does not."""
     if config.get("process_results") is not None:
         return ScoringRefusal(task, "process_results", f"is the task's own function "
                                                        f"({_name(config['process_results'])}), which jex does not run")
@@ -207,18 +213,21 @@ def generative_scoring(task: str, config: Mapping[str, Any], generation_kwargs: 
     if unknown := sorted(set(kwargs) - set(MATCH_KWARGS)):
         return ScoringRefusal(task, f"metric_list[0].{unknown[0]}", f"is not one of exact_match's settings jex "
                                                                     f"reproduces ({', '.join(MATCH_KWARGS)})")
-    if (config.get("repeats") or 1) != 1:
-        return ScoringRefusal(task, "repeats", f"is {config['repeats']}; jex generates once per document (greedy)")
+    samples = config.get("repeats") or 1
+    if not isinstance(samples, int) or samples < 1:
+        return ScoringRefusal(task, "repeats", f"is {samples!r}; jex generates a whole number of samples per document")
     gen = dict(generation_kwargs or {})
     if unknown := sorted(set(gen) - set(GENERATION_KWARGS)):
-        return ScoringRefusal(task, f"generation_kwargs.{unknown[0]}", "is set; jex generates greedily with until "
-                                                                       "and max_gen_toks alone")
-    # lm-eval decodes greedily when do_sample is false whatever the temperature, and when it is unset at
-    # temperature 0; unset at a positive temperature leaves it to the model's generation config
-    sampling = gen.get("do_sample") or (gen.get("do_sample") is None and float(gen.get("temperature") or 0) != 0)
-    if sampling:
-        return ScoringRefusal(task, "generation_kwargs", "asks for sampling; jex generates greedily (do_sample false, "
-                                                         "or unset at temperature 0)")
+        return ScoringRefusal(task, f"generation_kwargs.{unknown[0]}", "is set; jex generates with until, "
+                                                                       "max_gen_toks, temperature, top_p and top_k "
+                                                                       "alone")
+    # lm-eval 0.4.13 (`normalize_gen_kwargs`) samples when do_sample is true, or unset at a positive temperature;
+    # do_sample true at temperature 0 is refused by HF's generate and greedy in vLLM
+    temperature = float(gen.get("temperature") or 0)
+    sampling = gen.get("do_sample") is True or (gen.get("do_sample") is None and temperature > 0)
+    if sampling and temperature <= 0:
+        return ScoringRefusal(task, "generation_kwargs", "asks for sampling at temperature 0 (greedy in vLLM, refused "
+                                                         "by HF's generate): set a temperature above 0")
     until = gen.get("until") or ()
     filters = []
     for i, f in enumerate(config.get("filter_list") or ()):
@@ -230,6 +239,13 @@ def generative_scoring(task: str, config: Mapping[str, Any], generation_kwargs: 
         match = MatchSettings.model_validate(kwargs)
     except ValueError as e:
         return ScoringRefusal(task, "metric_list[0]", f"has exact_match settings jex cannot read: {e}")
+    steps = [step for f in filters for step in f.steps]
+    wide = max((step.k for step in steps if isinstance(step, TakeFirstKStep)), default=1)
+    if wide > samples:
+        return ScoringRefusal(task, "filter_list", f"takes the first {wide} responses of a document; repeats is "
+                                                   f"{samples}")
     return GenerativeScoring(until=(until,) if isinstance(until, str) else tuple(until),
                              max_tokens=int(gen.get("max_gen_toks") or MAX_GEN_TOKS), filters=tuple(filters),
-                             match=match)
+                             match=match, temperature=temperature if sampling else 0.0,
+                             top_p=float(gen.get("top_p") or 1.0) if sampling else 1.0,
+                             top_k=int(gen.get("top_k") or 0) if sampling else 0, samples=samples)

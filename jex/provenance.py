@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TypedDict
 
-from pydantic import BaseModel, ConfigDict, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 import jex
 
@@ -90,17 +90,34 @@ class EngineProvenance(_Section):
     hub: HubRevision | None = None
 
 
+class JexProvenance(_Section):
+    """The jex that wrote the block: its version and commit, and whether tracked files differed from it."""
+
+    version: str
+    commit: str
+    dirty: bool | None = None
+
+
+class AuditProvenance(_Section):
+    """The settings audit that covered a run's engine (`MachinesSection.audit`): its status, proven, unproven or
+    failed (batch invariance shown, not shown for want of power, or broken)."""
+
+    status: str
+
+
 class ProvenanceDoc(_Section):
     """A provenance block read back from its file (`provenance.json` of a run folder): the fixed sections
     typed, the `extra` ones a writer added kept as they are."""
 
-    jex: dict[str, JsonValue]
+    jex: JexProvenance
     python: str
     implementation: str
     packages: dict[str, str | None]
     inputs: dict[str, str]
     settings: dict[str, JsonValue]
     engine: EngineProvenance | None = None
+    settings_audit: AuditProvenance | None = Field(None, description="None: no audit covered the run (in-process "
+                                                                     "engine stages, or audits off)")
 
 
 def read_provenance(path: str | Path) -> ProvenanceDoc:

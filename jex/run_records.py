@@ -70,15 +70,24 @@ class RunStages(RootModel[dict[RecordedStage, StageRecord]]):
         return math.fsum(s.seconds for s in self.root.values())
 
 
+class RecordedMachines(BaseModel):
+    """What the exports read of the campaign's `machines` table: where its engine stages ran."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    provider: str
+
+
 class RecordedCampaign(BaseModel):
     """What the rooms below the flows read of a run's `campaign.json` (the exports: the engine, the
-    bootstrap draws; parity against a run: its rationale length); the spec's other fields are the flows
-    room's (`CampaignSpec`)."""
+    bootstrap draws, the coverage and where the engine ran; parity against a run: its rationale length); the
+    spec's other fields are the flows room's (`CampaignSpec`)."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
     engine: EngineSpec
     bootstrap_draws: int
     reason_max_tokens: int
+    coverage: float
+    machines: RecordedMachines
 
     @classmethod
     def read(cls, run_dir: str | Path) -> RecordedCampaign:

@@ -51,7 +51,9 @@ PROVIDER_NAMES: tuple[ProviderName, ...] = get_args(ProviderName)
 class InfraSettings(BaseModel):
     provider: ProviderName = "local"
     state_dir: Path = Field(Path("runs/infra"), description="Ledger, code bundles, job records of the orchestrator")
-    price_per_hour: float = Field(3.5, ge=0, description="GPU machine price, $/hour")
+    price_per_hour: float | None = Field(None, ge=0, description="Price of one machine, $/hour; None: the provider's "
+                                         "(ec2: the instance catalogue's on-demand price of ec2_instance_type in "
+                                         "ec2_region, infra/instance_catalogue.toml; local, ssh, command: 0)")
     budget_usd: float = Field(100.0, ge=0)
     budget_hours: float = Field(72.0, ge=0)
     heartbeat_s: float = Field(5.0, gt=0)
@@ -82,11 +84,17 @@ class InfraSettings(BaseModel):
     accept_new_host_keys: bool = Field(False, description="Trust a host key on first sight (explicit opt-in)")
     ec2_region: str = "us-east-1"
     ec2_endpoint_url: str | None = None
-    ec2_image_id: str = "ami-12c6146b"
-    ec2_instance_type: str = "p5.48xlarge"
+    ec2_image_id: str | None = Field(None, description="AMI of the machines; None: the newest image named like "
+                                                       "ec2_image_name owned by ec2_image_owner")
+    ec2_image_name: str = Field("Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) *",
+                                description="Name pattern (* and ?) of the AMI looked up when no ec2_image_id is set")
+    ec2_image_owner: str = Field("amazon", description="Owner of that AMI: an account id, 'amazon' or 'self'")
+    ec2_instance_type: str = Field("p5.48xlarge", description="EC2 instance type; its GPUs and price come from the "
+                                                              "instance catalogue (infra/instance_catalogue.toml)")
     ec2_key_name: str | None = None
-    gpu_kind: str = Field("H200", description="GPU of the rented machines: the pre-flight's memory estimate "
-                                              "(engine/memory.py) refuses a model that cannot fit it")
+    gpu_kind: str | None = Field(None, description="GPU of the rented machines: the pre-flight's memory estimate "
+                                                   "(engine/memory.py) refuses a model that cannot fit it; None: the "
+                                                   "instance catalogue's GPU of ec2_instance_type (ec2), else H200")
     gpu_kinds: dict[str, float] = Field(default_factory=dict, description="More GPU kinds, name -> memory in GiB "
                                                                           "(as torch.cuda.mem_get_info reports it)")
     command_create: str = ""
@@ -126,11 +134,23 @@ class PrefectSettings(BaseModel):
                                                        "'custom-webhook/jex-alerts') told of every failed campaign")
 
 
+class EngineSettings(EngineSpec):
+    """The campaign's engine defaults (`JEX_ENGINE__*`), and the one secret an engine reads: a served model's
+    API key (`JEX_ENGINE__API_KEY`), which no campaign spec, record or log holds (`engine_spec()` leaves it out)."""
+
+    api_key: SecretStr | None = Field(None, description="openai: the served model's API key (or name the variable "
+                                                        "that holds it in JEX_ENGINE__API_KEY_ENV)")
+
+    def engine_spec(self) -> dict[str, Any]:
+        """The engine spec's fields, without the key."""
+        return self.model_dump(exclude={"api_key"})
+
+
 class JexSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="JEX_", env_nested_delimiter="__", env_file=".env",
                                       env_file_encoding="utf-8", extra="ignore")
 
-    engine: EngineSpec = Field(EngineSpec(), description="The campaign's engine defaults (`JEX_ENGINE__*`); "
+    engine: EngineSettings = Field(EngineSettings(), description="The campaign's engine defaults (`JEX_ENGINE__*`); "
                                "the --spec file, flags and the form override them field by field")
     store: StoreSettings = StoreSettings()
     infra: InfraSettings = InfraSettings()

@@ -9,6 +9,7 @@ the field.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tomllib
 from collections.abc import Iterator
@@ -16,14 +17,27 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from jex.answer_extraction import NO_FILTER, AnswerFilter, MatchSettings
+from jex.answer_extraction import NO_FILTER, AnswerFilter, MatchSettings, TakeFirstKStep
 from jex.errors import InputError
 
 MANIFEST_NAME = "suite.toml"
-ScoringKind = Literal["accuracy", "acc_norm", "brier", "log_loss", "calibrated_accuracy", "true_mass", "exact_match"]
+ScoringKind = Literal["accuracy", "acc_norm", "brier", "log_loss", "calibrated_accuracy", "true_mass", "exact_match",
+                      "pass_at_k", "maj_at_k"]
 """What a catalog's skill is computed from (`tasks/scoring/index.py` defines each)."""
+GENERATIVE_KINDS: tuple[ScoringKind, ...] = ("exact_match", "pass_at_k", "maj_at_k")
+"""The scoring kinds of generative catalogs: the primary filter's verdict, pass@k over a row's samples (the
+unbiased estimator) and maj@k (the verdict of the first k samples' majority answer)."""
 ReadoutKind = Literal["label_slot", "loglikelihood", "partial_loglikelihood"]
 """How the fast pass reads a catalog's rows (`Catalog.readout`)."""
 LOGLIKELIHOOD_READOUTS: tuple[ReadoutKind, ...] = ("loglikelihood", "partial_loglikelihood")
@@ -37,17 +51,68 @@ CatalogKind = Literal["multiple_choice", "generate"]
 continues and a reference answer its extracted answer must match, as lm-eval's `generate_until` tasks)."""
 
 
+class Thinking(BaseModel):
+    """A reasoning model's thought, by the delimiter that closes it (the one that opens it, `<think>`, is the
+    thought's own text or the chat template's). The answer is the text after the last `end`, its leading
+    whitespace stripped, then cut at the stop sequences (lm-eval's `think_end_token`); a generation without
+    `end` never closed its thought and is read whole, as lm-eval reads it (counted and shown)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    end: str = Field(min_length=1, description="What closes the thought, e.g. </think>")
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "samples", "seed", "thinking")
+"""`GenerationSettings`' fields left out of its dump at their defaults, so a greedy catalog keeps its bytes."""
+
+
+def sample_seed(seed: int, run_id: str, index: int) -> int:
+    """The seed of sample `index` of row `run_id`: a hash of the three (never of where the row is computed, so a
+    row's samples are the same in any batch, shard or machine), 63 bits (vLLM and torch take it as an int64)."""
+    digest = hashlib.sha256(json.dumps([seed, run_id, index]).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
 class GenerationSettings(BaseModel):
-    """How a generative catalog's rows are generated: greedy, up to `max_tokens` new tokens, the text cut
-    at the first of the stop sequences (lm-eval's `until` and `max_gen_toks`)."""
+    """How a generative catalog's rows are generated: up to `max_tokens` new tokens (the thought included), the
+    text cut at the first of the stop sequences (lm-eval's `until` and `max_gen_toks`); greedy unless a
+    temperature is set, `samples` generations per row (lm-eval's `repeats`), each seeded by `sample_seed`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     until: tuple[str, ...] = Field((), description="Stop sequences: the text is cut before the first one")
-    max_tokens: int = Field(256, ge=1, description="Most new tokens per row (lm-eval's max_gen_toks)")
+    max_tokens: int = Field(256, ge=1, description="Most new tokens per row, thought and answer together "
+                                                   "(lm-eval's max_gen_toks)")
+    temperature: float = Field(0.0, ge=0, description="0: greedy; above: sampled at this temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="Sampling: the smallest set of tokens of this much "
+                                                      "probability (1: all)")
+    top_k: int = Field(0, ge=0, description="Sampling: the k most likely tokens only (0: all)")
+    samples: int = Field(1, ge=1, le=4096, description="Generations per row (lm-eval's repeats)")
+    seed: int = Field(0, ge=0, description="Sampling: with the row's run_id and the sample's index, the seed of "
+                                           "each sample")
+    thinking: Thinking | None = Field(None, description="A reasoning model's thought delimiters; the answer is "
+                                                        "read after the thought")
+
+    @model_serializer(mode="wrap")
+    def _without_sampling_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        doc: dict[str, Any] = handler(self)
+        for name in SAMPLING_FIELDS:
+            if name in doc and getattr(self, name) == GenerationSettings.model_fields[name].get_default():
+                del doc[name]
+        return doc
+
+    @model_validator(mode="after")
+    def _sampling_needs_a_temperature(self) -> GenerationSettings:
+        if self.temperature == 0 and (self.top_p != 1 or self.top_k != 0):
+            raise ValueError("top_p and top_k shape sampling: set a temperature above 0 (0 is greedy)")
+        return self
+
+    @property
+    def sampled(self) -> bool:
+        """Generated by sampling (a temperature above 0), each sample with its own seed."""
+        return self.temperature > 0
 
 
 READOUT_FIELDS = ("readout", "prompt_format", "target_delimiter")
-GENERATIVE_FIELDS = ("kind", "generation", "filters", "match", "primary_filter")
+GENERATIVE_FIELDS = ("kind", "generation", "filters", "match", "primary_filter", "k")
 
 
 def without_defaults(doc: dict[str, Any], names: tuple[str, ...], *, json: bool) -> dict[str, Any]:
@@ -99,6 +164,8 @@ class Catalog(BaseModel):
     match: MatchSettings = Field(MatchSettings(), description="generate: exact_match's normalisations")
     primary_filter: str | None = Field(None, description="generate: the filter whose exact_match the index "
                                                          "reads; empty = the first")
+    k: int | None = Field(None, ge=1, description="pass_at_k, maj_at_k: the k of pass@k or maj@k (empty: the "
+                                                  "generation's samples)")
 
     def declared(self) -> dict[str, Any]:
         """The catalog as JSON, leaving out the readout and generative fields at their defaults, so a bundle
@@ -122,9 +189,9 @@ class Catalog(BaseModel):
     @model_validator(mode="after")
     def _kind_fits(self) -> Catalog:
         generative = self.kind == "generate"
-        if generative != (self.scoring == "exact_match"):
+        if generative != (self.scoring in GENERATIVE_KINDS):
             raise ValueError(f"catalog '{self.id}': exact_match scores generative catalogs (kind = \"generate\"), "
-                             "and only them")
+                             "and only them (or pass_at_k, maj_at_k)")
         if generative and self.generation is None:
             raise ValueError(f"catalog '{self.id}' is generative: it needs a [catalogs.generation] table "
                              "(until, max_tokens)")
@@ -137,6 +204,7 @@ class Catalog(BaseModel):
         if not generative and (self.generation or self.filters or self.primary_filter):
             raise ValueError(f"catalog '{self.id}': generation, filters and primary_filter are for generative "
                              "catalogs (kind = \"generate\")")
+        self._k_fits()
         names = [f.name for f in self.filters]
         if len(set(names)) != len(names):
             raise ValueError(f"catalog '{self.id}': filter names must be distinct, got {names}")
@@ -144,6 +212,26 @@ class Catalog(BaseModel):
             raise ValueError(f"catalog '{self.id}': primary_filter {self.primary_filter!r} is none of its filters "
                              f"{names}")
         return self
+
+
+    def _k_fits(self) -> None:
+        """pass@k and maj@k read k of the row's samples; every take_first_k of a filter as many."""
+        samples = self.generation.samples if self.generation is not None else 1
+        if self.k is not None and self.scoring not in ("pass_at_k", "maj_at_k"):
+            raise ValueError(f"catalog '{self.id}': k is the k of pass_at_k and maj_at_k, not of {self.scoring}")
+        if self.k is not None and self.k > samples:
+            raise ValueError(f"catalog '{self.id}': k = {self.k}, but the generation has {samples} sample(s) per row "
+                             "(raise [catalogs.generation] samples)")
+        for f in self.filters:
+            for step in f.steps:
+                if isinstance(step, TakeFirstKStep) and step.k > samples:
+                    raise ValueError(f"catalog '{self.id}': filter '{f.name}' takes the first {step.k} responses, but "
+                                     f"the generation has {samples} sample(s) per row")
+
+    @property
+    def estimator_k(self) -> int:
+        """The k of pass@k or maj@k: the catalog's `k`, else its generation's samples."""
+        return self.k or (self.generation.samples if self.generation is not None else 1)
 
 
 class SuiteManifest(BaseModel):

@@ -14,7 +14,8 @@ import os
 import re
 import shutil
 import string
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from pathlib import Path
@@ -30,7 +31,7 @@ from jex.lm_eval_scoring import (
     task_config,
     task_scoring,
 )
-from jex.suite import MANIFEST_NAME, load_manifest
+from jex.suite import MANIFEST_NAME, GenerationSettings, load_manifest
 
 LETTERS = string.ascii_uppercase
 LOCAL_FORMATS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
@@ -232,12 +233,73 @@ def _write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
 
 # --- Hugging Face datasets ---------------------------------------------------------------------------
 
+def looks_local(dataset: str) -> bool:
+    """`dataset` names a local file or folder, not a Hub id (`org/name`): a data file's suffix, a path
+    from `/`, `.` or `~`, or more than one `/`."""
+    return Path(dataset).suffix in LOCAL_FORMATS or dataset.startswith(("/", ".", "~")) or dataset.count("/") > 1
+
+
+def hub_offline() -> bool:
+    """No Hub to ask: `HF_HUB_OFFLINE` / `HF_DATASETS_OFFLINE` set (now, or when huggingface_hub was
+    imported), or the Hub's host does not resolve (a machine without a network)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or any(os.environ.get(v, "").upper() in constants.ENV_VARS_TRUE_VALUES
+                                       for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return True
+    try:
+        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname or "huggingface.co", 443)
+    except OSError:
+        return True
+    return False
+
+
+OFFLINE_WHY = "is offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, or no network)"
+
+
+@contextmanager
+def hub_access(*, local: bool) -> Iterator[bool]:
+    """Around a `datasets` / lm-eval load: the libraries' logging (retry notices, reader errors) silenced, and
+    their own offline switches on when the input is `local` or `hub_offline()`, so nothing is retried
+    against a Hub that cannot answer. Yields whether the Hub is offline; restores both on exit."""
+    import datasets
+    from huggingface_hub import constants
+    from huggingface_hub.utils import logging as hub_logging
+
+    offline = local or hub_offline()
+    levels, switches = (datasets.logging.get_verbosity(), hub_logging.get_verbosity()), (
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE)
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its reader errors, raised to us as well
+    hub_logging.set_verbosity_error()
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = offline
+    try:
+        yield offline
+    finally:
+        datasets.logging.set_verbosity(levels[0])
+        hub_logging.set_verbosity(levels[1])
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = switches
+
+
 def _load_dataset(dataset: str, *, config: str | None, split: str, revision: str | None) -> tuple[Any, dict]:
-    """A `datasets.Dataset` and where it came from (local files with their sha256, or the Hub id)."""
+    """A `datasets.Dataset` and where it came from (local files with their sha256, or the Hub id); a
+    local path that does not exist is refused as one, never looked up on the Hub."""
+    local = Path(dataset)
+    if not local.exists() and looks_local(dataset):
+        raise InputError(f"--dataset: no such file: {dataset} (expected a local Parquet/JSON/CSV file or folder, "
+                         "or a Hub id org/name)")
+    with hub_access(local=local.exists()) as offline:
+        return _read_dataset(dataset, config=config, split=split, revision=revision, offline=offline)
+
+
+def _read_dataset(dataset: str, *, config: str | None, split: str, revision: str | None,
+                  offline: bool) -> tuple[Any, dict]:
     import datasets
 
     local = Path(dataset)
-    datasets.disable_progress_bars()
     if local.exists():
         files = sorted(p for p in local.rglob("*") if p.suffix in LOCAL_FORMATS) if local.is_dir() else [local]
         kinds = {LOCAL_FORMATS.get(p.suffix) for p in files}
@@ -246,11 +308,17 @@ def _load_dataset(dataset: str, *, config: str | None, split: str, revision: str
         try:
             ds = datasets.load_dataset(kinds.pop(), data_files={split: [str(p) for p in files]}, split=split)
         except Exception as e:  # noqa: BLE001 - any reader failure is a bad input file
-            raise InputError(f"cannot read the dataset: {type(e).__name__}: {e}", file=dataset) from None
+            cause = e.__cause__ or e  # datasets' DatasetGenerationError wraps the reader's own error
+            raise InputError(f"cannot read the dataset: {type(cause).__name__}: {one_line(cause)}",
+                             file=dataset) from None
         return ds, {"kind": "local files", "files": {p.name: sha256_file(p) for p in files},
                     "fingerprint": ds._fingerprint}
     try:
         ds = datasets.load_dataset(dataset, config, split=split, revision=revision)
+    except ConnectionError:  # offline (OfflineModeIsEnabled) or the Hub unreachable, and not in the cache
+        raise InputError(f"--dataset {dataset}: not in the local Hugging Face cache, and the Hub "
+                         f"{OFFLINE_WHY if offline else 'cannot be reached'}: download it where the Hub answers, "
+                         "or give a local Parquet/JSON/CSV file") from None
     except Exception as e:  # noqa: BLE001 - not cached, not reachable, no such split or config
         raise InputError(f"dataset {dataset!r} (config {config!r}, split {split!r}) cannot be loaded from the "
                          f"local cache or the Hub: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
@@ -347,24 +415,25 @@ def _lm_eval_spec(task: str, data_files: dict[str, str] | None, *, defaults: boo
     if is_yaml and not path.is_file():
         raise InputError("no such task YAML", file=task)
     from lm_eval.tasks._index import TaskIndex
-    from lm_eval.tasks._yaml_loader import load_yaml
 
     manager = TaskManager(include_path=str(path.resolve().parent) if is_yaml else None,
                           include_defaults=defaults or not is_yaml)
     if not data_files:
         if not is_yaml:
             return manager, task, task
-        try:  # by its registered name: a group file loaded by path is read as a task
-            head = load_yaml(path.resolve(), resolve_func=False, recursive=False)
-        except Exception as e:  # noqa: BLE001 - any YAML failure is a bad input file
-            raise InputError(f"cannot read the task YAML: {e}", file=task) from None
+        head = task_yaml(path, file=task, resolve_func=False, recursive=False)
+        check_local_data(task_yaml(path, file=task, resolve_func=False) if "include" in head else head, None,
+                         file=task)
+        # by its registered name: a group file loaded by path is read as a task
         name = head.get("group") if isinstance(head.get("group"), str) and "task" in head else head.get("task")
         return manager, name if isinstance(name, str) else str(path.resolve()), task
 
+    if is_yaml:
+        task_yaml(path, file=task, resolve_func=False)  # a broken file named here, before lm-eval's index reads it
     entry = TaskIndex.entry_from_path(path.resolve()) if is_yaml else manager._entry(task)
     if entry is None or entry.yaml_path is None:
         raise InputError(f"no lm-eval task named {task!r} (and it is not a YAML file)", file=task)
-    cfg = load_yaml(entry.yaml_path, resolve_func=True)
+    cfg = task_yaml(Path(entry.yaml_path), file=task)
     if "task" not in cfg or not isinstance(cfg["task"], str):
         raise InputError("--data-files applies to one task, not a group", file=task)
     kinds = {LOCAL_FORMATS.get(Path(f).suffix) for f in data_files.values()}
@@ -373,10 +442,58 @@ def _lm_eval_spec(task: str, data_files: dict[str, str] | None, *, defaults: boo
     for f in data_files.values():
         if not Path(f).is_file():
             raise InputError("data file does not exist", file=f)
+    check_local_data({**cfg, "dataset_path": next(iter(kinds))}, data_files, file=task)
     cfg.pop("dataset_name", None)
     cfg.update(dataset_path=kinds.pop(), dataset_kwargs={"data_files": {k: str(Path(v).resolve())
                                                                          for k, v in data_files.items()}})
     return manager, cfg, task
+
+
+def task_yaml(path: Path, *, file: str, resolve_func: bool = True, recursive: bool = True) -> dict[str, Any]:
+    """A task YAML as lm-eval reads it (`load_yaml`: includes merged unless not `recursive`, `!function`
+    resolved when `resolve_func`); any failure is one line naming `file`."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    try:
+        return load_yaml(path.resolve(), resolve_func=resolve_func, recursive=recursive)
+    except Exception as e:  # noqa: BLE001 - any YAML, include or !function failure is a bad input file
+        raise InputError(f"cannot read the task YAML: {' '.join(str(e).split())}", file=file) from None
+
+
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
+"""`datasets` builders that read local files: with no data files they read the current folder."""
+
+
+def read_splits(cfg: dict[str, Any]) -> dict[str, str]:
+    """The splits lm-eval reads when it builds a task, each with the config field naming it: the
+    evaluation docs (`test_split`, else `validation_split`) and the few-shot docs (`fewshot_split`, else
+    the training, validation or test split, as `Task.fewshot_docs` falls back)."""
+    fields = [next((f for f in ("test_split", "validation_split") if cfg.get(f)), None),
+              next((f for f in ("fewshot_split", "training_split", "validation_split", "test_split") if cfg.get(f)),
+                   None)]
+    return {str(cfg[f]): f for f in reversed(fields) if f}
+
+
+def check_local_data(cfg: dict[str, Any], data_files: Collection[str] | None, *, file: str) -> None:
+    """A task that reads local files (`dataset_path: json`, ...) has data for every split lm-eval reads
+    (`data_files`: the splits `--data-files` gives, else the YAML's `dataset_kwargs.data_files`); else
+    `datasets` would read the current folder, or lm-eval fail on the split's KeyError."""
+    task = cfg.get("task")
+    if not isinstance(task, str) or cfg.get("dataset_path") not in LOCAL_BUILDERS:
+        return
+    if data_files is None:
+        declared = (cfg.get("dataset_kwargs") or {}).get("data_files")
+        data_files = list(declared) if isinstance(declared, dict) else ["train"] * bool(declared)
+    missing = {split: f for split, f in read_splits(cfg).items() if split not in data_files}
+    if not missing:
+        return
+    add = "add " + " ".join(f"--data-files {split}=FILE" for split in missing)
+    if not data_files:
+        raise InputError(f"task '{task}' reads dataset_path: {cfg['dataset_path']} from local files, and none are "
+                         f"given: {add}", file=file, field="dataset_kwargs.data_files")
+    split, field_name = next(iter(missing.items()))
+    raise InputError(f"task '{task}' reads split '{split}' ({field_name}), and no data file is given for it "
+                     f"(given: {', '.join(sorted(data_files))}): {add}", file=file, field=field_name)
 
 
 def _leaf_tasks(loaded: dict[str, Any]) -> list[tuple[str, Any, bool]]:
@@ -604,13 +721,18 @@ def _generative_catalog(name: str, task: Any, *, shown: str, leg: str, cluster: 
         rows.append(ImportedGenerationRow(run_id, cluster_of(doc, cluster, catalog=name, default=run_id, where=where),
                                           contexts[0], str(target), {"task": name, "doc_id": doc_id}))
     generative = {"kind": "generate", "scoring": "exact_match", "prompt_format": "verbatim",
-                  "generation": {"until": list(scoring.until), "max_tokens": scoring.max_tokens},
+                  "generation": GenerationSettings(until=scoring.until, max_tokens=scoring.max_tokens,
+                                                   temperature=scoring.temperature, top_p=scoring.top_p,
+                                                   top_k=scoring.top_k, samples=scoring.samples
+                                                   ).model_dump(mode="json"),
                   "filters": [f.model_dump(mode="json", exclude_none=True) for f in scoring.filters],
                   "match": scoring.match.model_dump(mode="json")}
     settings = {"num_fewshot": task.config.num_fewshot, "fewshot_split": task.config.fewshot_split,
                 "fewshot_delimiter": task.config.fewshot_delimiter, "description": task.config.description or None,
                 "version": (task.config.metadata or {}).get("version"), "metrics": ["exact_match"],
                 "filters": [f.name for f in scoring.filters] or ["none"]}
+    if scoring.temperature > 0 and "top_k" not in (task.config.generation_kwargs or {}):
+        settings["top_k"] = "unset: all tokens, as vLLM samples (lm-eval's HF backend: the model's generation config)"
     return ImportedCatalog(_slug(name), rows, leg=leg, name=name, generative=generative), settings
 
 
@@ -619,17 +741,30 @@ def _load_lm_eval(task: str, data_files: dict[str, str] | None) -> tuple[dict[st
     and the name to report errors under."""
     import logging
 
-    import datasets
+    from datasets.exceptions import DatasetGenerationError
 
-    datasets.disable_progress_bars()
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notes about default metric settings
     for defaults in (False, True):  # a task YAML rarely needs the ~10,000 built-in tasks indexed (slow)
         manager, spec, shown = _lm_eval_spec(task, data_files, defaults=defaults)
-        try:
-            return manager.load([spec]), shown
-        except KeyError as e:  # a name only the built-in index knows (a group of built-in tasks)
-            error: Exception = e
-        except (ValueError, FileNotFoundError, OSError) as e:
-            error = e
-            break
-    raise InputError(f"lm-eval cannot load task {shown!r}: {type(error).__name__}: {error}", file=shown) from None
+        with hub_access(local=bool(data_files)) as offline:
+            try:
+                return manager.load([spec]), shown
+            except KeyError as e:  # a name only the built-in index knows (a group of built-in tasks)
+                error: Exception = e
+            except ConnectionError:  # OfflineModeIsEnabled, or the Hub unreachable: a Hub dataset not cached
+                raise InputError(f"task {shown!r} reads a Hub dataset that is not in the local Hugging Face cache, "
+                                 f"and the Hub {OFFLINE_WHY if offline else 'cannot be reached'}: add --data-files "
+                                 "SPLIT=FILE, or download it where the Hub answers", file=shown) from None
+            except DatasetGenerationError as e:  # the task's data files do not parse as its dataset_path says
+                error = e.__cause__ or e
+                break
+            except (ValueError, FileNotFoundError, OSError) as e:
+                error = e
+                break
+    raise InputError(f"lm-eval cannot load task {shown!r}: {type(error).__name__}: {one_line(error)}",
+                     file=shown) from None
+
+
+def one_line(error: BaseException) -> str:
+    """An exception's message on one line: its first line (a library's message may run over many)."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from jex.engine_spec import EMBEDDED_MODEL
+from jex.engine_spec import SERVED_PREFIX
 from jex.errors import InputError
 from jex.fileio import sha256_json, write_json, write_text
 from jex.provenance import ProvenanceBlock, provenance
@@ -99,11 +99,12 @@ def _labels(run_dirs: list[Path]) -> tuple[list[str], list[str]]:
     models = []
     for run_dir in run_dirs:
         try:
-            models.append(load_spec(run_dir).engine.model or EMBEDDED_MODEL)
+            models.append(load_spec(run_dir).engine.model_name())  # a served one: openai:NAME
         except (OSError, ValueError) as e:
             raise InputError(f"campaign.json unreadable ({type(e).__name__}): not a run folder",
                              file=str(run_dir)) from None
-    short = [Path(m).name if Path(m).exists() else m for m in models]
+    short = [m.partition(":")[0] + ":" + Path(m.partition(":")[2]).name if m.startswith(SERVED_PREFIX) else
+             Path(m).name if Path(m).exists() else m for m in models]
     labels = [s if short.count(s) == 1 else f"{s}@{d.name}" for s, d in zip(short, run_dirs, strict=True)]
     return models, labels
 

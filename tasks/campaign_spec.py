@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, cast
+from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from jex.engine_spec import VLLM_MAX_NUM_SEQS, EngineSpec
@@ -113,6 +114,27 @@ class MachinesSpec(BaseModel):
                            max_requests=0 if self.engine_hosts else 1, stall_s=self.host_stall_s)
 
 
+class MlflowTarget(BaseModel):
+    """Where a finished run is logged in MLflow (`jex export mlflow`); the campaign form's 'mlflow' section, which
+    logs the run at the end of the flow. Credentials come from MLflow's own variables (MLFLOW_TRACKING_TOKEN,
+    MLFLOW_TRACKING_USERNAME and _PASSWORD), never from the URI, which campaign.json records."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    tracking_uri: str | None = Field(None, description="MLflow tracking URI (http(s)://HOST, sqlite:///FILE.db, "
+                                                       "databricks): the campaign logs its run there after the "
+                                                       "report; empty = not logged (jex export mlflow: MLflow's "
+                                                       "default, MLFLOW_TRACKING_URI)")
+    experiment: str = Field("jex", min_length=1, description="MLflow experiment the run is logged in (made if missing)")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_password(cls, uri: str | None) -> str | None:
+        if uri and urlsplit(uri).password:
+            raise ValueError("the URI holds a password: give it in MLFLOW_TRACKING_PASSWORD (or a token in "
+                             "MLFLOW_TRACKING_TOKEN), never in the URI")
+        return uri or None
+
+
 GPU_MIN_BATCH = 64
 """Below this many requests per call, sequences per step or rows per shard, a GPU engine waits on jex."""
 AUDIT_SETTINGS = {"require_zero_errors", "reference_min_agreement"}
@@ -161,6 +183,7 @@ class CampaignSpec(BaseModel):
         "agree with them on fewer than this share of rows")
     unverified_overlays: bool = Field(False, description="Apply the overlay rules even without a passed gate record "
                                                          "for each (the report and samples mark them); off: refused")
+    mlflow: MlflowTarget = Field(MlflowTarget(), description="Log the finished run to MLflow after its report")
 
     def identity(self) -> str:
         """Hash of what defines the results, from content only: the suite's files (or the bundle's bytes),
@@ -168,7 +191,8 @@ class CampaignSpec(BaseModel):
         the reference and rule files' bytes, and the campaign's own settings. Not where anything lies (no
         path, store, cache folder or device index), nor on which machines: the same campaign from another
         folder, home or machine has the same run folder name."""
-        where = ("store", "out", "fast_shard_rows", "reason_shard_rows", "machines", "samples_prompts", *AUDIT_SETTINGS,
+        where = ("store", "out", "fast_shard_rows", "reason_shard_rows", "machines", "samples_prompts", "mlflow",
+                 *AUDIT_SETTINGS,
                  *(() if self.unverified_overlays else ("unverified_overlays",)))  # set: its own run folder
         files = ("suite", "reference", "overlays")
         doc = self.model_dump(mode="json", exclude={*where, *files, "engine"})
@@ -190,7 +214,8 @@ class CampaignSpec(BaseModel):
         def here(path: str | None) -> str | None:
             return str(Path(path).expanduser().absolute()) if path else path
 
-        on_disk = self.engine.model and Path(self.engine.model).exists()  # else the embedded one or a Hub id
+        served = self.engine.is_served()  # a served model's name is the server's, never a path here
+        on_disk = not served and self.engine.model and Path(self.engine.model).exists()  # else embedded or a Hub id
         engine = self.engine.model_copy(update={"model": here(self.engine.model)}) if on_disk else self.engine
         return self.model_copy(update={"out": here(self.out), "store": here(self.store), "suite": here(self.suite),
                                        "reference": here(self.reference), "overlays": here(self.overlays),
@@ -268,7 +293,7 @@ def settings_fields(settings: JexSettings) -> dict[str, Any]:
     (`JEX_STORE__ROOT`: run folders in ROOT, the store in ROOT/store), the bootstrap (`JEX_BOOTSTRAP_*`)
     and where engine stages run (`JEX_INFRA__PROVIDER`)."""
     root = Path(settings.store.root)
-    return {"engine": settings.engine.model_dump(), "out": str(root), "store": str(root / "store"),
+    return {"engine": settings.engine.engine_spec(), "out": str(root), "store": str(root / "store"),
             "bootstrap_draws": settings.bootstrap_draws, "bootstrap_seed": settings.bootstrap_seed,
             "machines": {"provider": settings.infra.provider}}
 
@@ -319,8 +344,9 @@ class BudgetSpec(BaseModel):
     sample_every: int = Field(4, ge=1, description="Sample ~1/k of every catalog's questions")
     coverages: list[float] = Field([0.05, 0.10, 0.15, 0.25, 0.30], description="Coverages to project")
     target_rows: int | None = Field(None, ge=1, description="Rows to project for (default: this suite's)")
-    price_per_gpu_hour: float = Field(infra_default("price_per_hour"), ge=0,
-                                      description="$ per GPU-hour (default: the settings' price per hour)")
+    price_per_gpu_hour: float | None = Field(infra_default("price_per_hour"), ge=0,
+                                             description="$ per GPU-hour (default: the settings' price per hour, "
+                                                         "else the machine's: the catalogue's for EC2, 0 local)")
     gpus: int = Field(1, ge=1, description="GPU workers of the projected run (data parallel)")
     budget_hours: float = Field(infra_default("budget_hours"), gt=0,
                                 description="Wall hours the campaign may take (default: the settings')")

@@ -147,10 +147,14 @@ def fast_pass_predictions(folded: pl.DataFrame) -> pl.DataFrame:
 
 
 def generative_predictions(bundle: BundleSummary, generated: GenerateSummary, store: LocalStore) -> pl.DataFrame:
-    """The generative rows' predictions: run_id, their primary filter's `exact_match` verdict, stage `generate`
-    (`tasks/scoring/verdicts.py`)."""
+    """The generative rows' predictions: run_id, their `exact_match` verdict (`tasks/scoring/verdicts.py`), stage
+    `generate`, and their `pass_at_k` when a catalog is scored by it."""
+    from jex.tasks.bundle.bundle_file import open_bundle
+
     verdicts = bundle_verdicts(bundle, generated, store)
-    return verdicts.select("run_id", "exact_match", stage=pl.lit("generate"))
+    catalogs = open_bundle(bundle.bundle, store.extracted_bundle(bundle.key)).suite_manifest().catalogs
+    passes = ["pass_at_k"] if any(c.scoring == "pass_at_k" for c in catalogs) else []
+    return verdicts.select("run_id", "exact_match", *passes, stage=pl.lit("generate"))
 
 
 def bundle_verdicts(bundle: BundleSummary, generated: GenerateSummary, store: LocalStore) -> pl.DataFrame:
@@ -167,7 +171,7 @@ def _with_generated(predictions: pl.DataFrame, generative: pl.DataFrame | None) 
     if generative is None:
         return predictions
     return pl.concat([predictions, generative.select(pl.col(c) for c in generative.columns
-                                                     if c in predictions.columns or c == "exact_match")],
+                                                     if c in predictions.columns or c in ("exact_match", "pass_at_k"))],
                      how="diagonal_relaxed")
 
 

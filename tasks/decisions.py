@@ -107,10 +107,12 @@ def model_facts(engine: EngineSpec) -> tuple[str, float | None]:
     from jex.engine.models import parameter_count, resolve_model
 
     try:
+        if engine.is_served():  # its weights are the server's
+            return engine.model_name(), None
         params = parameter_count(resolve_model(engine.model, Path(engine.cache_dir)).path)
     except Exception:  # noqa: BLE001 - a count the ledger can do without (e.g. a model only the machines have)
         params = None
-    return engine.model or "embedded", params
+    return engine.model_name(), params
 
 
 def now() -> str:

@@ -117,7 +117,7 @@ def engine_content(engine: EngineSpec) -> JsonValue:
     try:
         return engine_fingerprint(engine).key_doc()
     except EngineDeadError as e:
-        if not (engine.model and HUB_ID.match(engine.model) and not Path(engine.model).exists()):
+        if engine.is_served() or not (engine.model and HUB_ID.match(engine.model) and not Path(engine.model).exists()):
             raise InputError(str(e), field="engine.model") from None
         return {"hub": engine.model, "spec": engine.model_dump(mode="json", exclude={"model", "cache_dir", "device"})}
 

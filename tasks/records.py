@@ -152,12 +152,28 @@ class GenerateErrors(TypedDict):
     batch_errors: int
 
 
+class ThoughtCounts(Record):
+    """The thoughts of a reasoning catalog's generations (thought and answer share its max_tokens)."""
+
+    generations: int = Field(description="Generations of the reasoning catalogs")
+    mean: float = Field(description="Mean tokens of a thought (a thought never closed: every token)")
+    max: int
+    unclosed: int = Field(description="Generations that never closed their thought (read whole, as lm-eval reads "
+                                      "them)")
+    unclosed_at_max_tokens: int = Field(description="Of those, the ones that reached the token limit")
+
+
 class GenerateSummary(EngineStageSummary):
-    """Every generative row's greedy continuation (the answers and verdicts are the score stage's)."""
+    """Every generative row's continuations (the answers and verdicts are the score stage's)."""
 
     stage: Literal["generate"] = "generate"
-    generated: str = Field(description="generated.parquet: run_id, generation, token ids, finish reason, refusal")
+    generated: str = Field(description="generated.parquet: run_id, generation, token ids, finish reason, refusal "
+                                       "[, sample][, thought_tokens]")
     generated_tokens: RationaleTokens
+    samples: int | None = Field(None, description="Generations in all, when a catalog samples (`rows` counts rows)")
+    thinking: ThoughtCounts | None = Field(None, description="When a catalog thinks: its thoughts")
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"failed_rows", "samples", "thinking"})
 
     def errors(self) -> GenerateErrors:
         return GenerateErrors(context_refusals=self.context_refusals, batch_errors=self.batch_errors)

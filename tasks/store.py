@@ -293,10 +293,12 @@ def _record_failed(folder: Path, shard: int, rows: list[FailedRow]) -> None:
 
 
 def _spliced(shard: pl.DataFrame, redone: pl.DataFrame) -> pl.DataFrame:
-    """`shard` with the rows of `redone`'s run_ids replaced by `redone`'s, in the shard's order."""
+    """`shard` with the rows of `redone`'s run_ids replaced by `redone`'s, in the shard's order (a row's
+    samples, when the frame has several per row, each in its place)."""
     kept = shard.with_row_index("_at").filter(~pl.col("run_id").is_in(redone["run_id"].to_list()))
-    at = shard.select("run_id").with_row_index("_at")
-    fresh = redone.join(at, on="run_id", how="left").select(kept.columns).cast(kept.schema)
+    keys = ["run_id", "sample"] if "sample" in shard.columns else ["run_id"]
+    at = shard.select(keys).with_row_index("_at")
+    fresh = redone.join(at, on=keys, how="left").select(kept.columns).cast(kept.schema)
     return pl.concat([kept, fresh]).sort("_at").drop("_at").rechunk()
 
 

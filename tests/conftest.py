@@ -267,3 +267,29 @@ def gsm_task(folder: Path, **overrides: str) -> Path:
     text += "".join(v for k, v in overrides.items() if k != "generation")
     (folder / "fid_gsm.yaml").write_text(text)
     return folder / "fid_gsm.yaml"
+
+
+def sc_task(folder: Path, *, repeats: int = 3, docs: int = 3, max_tokens: int = 32,
+            sampling: str = "  do_sample: false\n") -> Path:
+    """lm-eval's `gsm8k_cot_self_consistency` shape on `GSM`'s first `docs` documents (2-shot, as `gsm_task`):
+    `repeats` responses per document, scored on the first (`score-first`), by majority over all (`maj@N`) and over
+    the first two (`maj@2`, take_first_k); `sampling`: the generation_kwargs besides until and max_gen_toks."""
+    import lm_eval.tasks
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, rows in (("test", GSM[:docs]), ("train", SHOTS)):  # beside gsm_task's files, if in its folder
+        (folder / f"sc_{split}.jsonl").write_text("".join(json.dumps({"question": q, "answer": a}) + "\n"
+                                                          for q, a in rows))
+    shipped = Path(lm_eval.tasks.__file__).parent / "gsm8k" / "gsm8k.yaml"
+    strict = '      - function: regex\n        regex_pattern: "#### (\\\\-?[0-9\\\\.\\\\,]+)"\n'
+    (folder / "sc_gsm.yaml").write_text(
+        f"include: {shipped}\ntask: sc_gsm\ntag: []\ndataset_path: json\ndataset_name: null\n"
+        f"dataset_kwargs:\n  data_files:\n    train: {folder / 'sc_train.jsonl'}\n"
+        f"    test: {folder / 'sc_test.jsonl'}\n"
+        f"num_fewshot: 2\nrepeats: {repeats}\ngeneration_kwargs:\n  until: [\"Question:\", \"</s>\", \"<|im_end|>\"]\n"
+        f"  max_gen_toks: {max_tokens}\n{sampling}filter_list:\n"
+        f"  - name: score-first\n    filter:\n{strict}      - function: take_first\n"
+        f"  - name: maj@{repeats}\n    filter:\n{strict}      - function: majority_vote\n      - function: take_first\n"
+        f"  - name: maj@2\n    filter:\n      - function: take_first_k\n        k: 2\n{strict}"
+        "      - function: majority_vote\n      - function: take_first\n")
+    return folder / "sc_gsm.yaml"

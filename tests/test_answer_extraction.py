@@ -94,7 +94,7 @@ def test_a_task_without_filters_takes_the_response_as_it_is():
     assert extract(NO_FILTER, " 42\n") == " 42\n"
 
 
-@pytest.mark.parametrize(("function", "why"), [("majority_vote", "several responses"),
+@pytest.mark.parametrize(("function", "why"), [("regex_pos", "part-of-speech"),
                                                ("multi_choice_regex", "choices"), ("mystery", "unknown")])
 def test_a_filter_jex_does_not_reproduce_is_refused_by_name(function, why):
     with pytest.raises(UnsupportedFilter, match=why):

@@ -127,19 +127,228 @@ def test_stage_args_with_an_unknown_record_is_one_line(tmp_path):
     assert result.stderr.startswith("error: file args.json, field 'inputs'")
 
 
-@pytest.mark.parametrize(("argv", "needle"), [
-    (["score", "--suite", "s", "--predictions", "p.jsonl", "-o", "out", "--bootstrap", "0"], "--bootstrap"),
-    (["score", "--suite", "s", "--predictions", "p.jsonl", "-o", "out", "--seed", "-1"], "--seed"),
-    (["bundle", "build", "s", "-o", "b.tar.gz", "--shard-rows", "0"], "--shard-rows"),
-    (["bakeoff", "-o", "out", "--ladder", "1,x"], "--ladder"),
-    (["bakeoff", "-o", "out", "--arms", "hf-bi,nope"], "unknown arm 'nope'"),
-], ids=["bootstrap-0", "seed-negative", "shard-rows-0", "ladder-not-numbers", "unknown-arm"])
-def test_numbers_out_of_range_and_unknown_names_are_refused(argv, needle, tmp_path):
-    write_suite(tmp_path / "s", {"a": [row("a1", "a")]})
-    (tmp_path / "p.jsonl").write_text('{"run_id": "a1", "choice": 0}\n')
-    result = CliRunner().invoke(app, argv)
-    assert result.exit_code == 1 and needle in result.stderr, result.stderr
-    assert not (tmp_path / "out").exists() and not (tmp_path / "b.tar.gz").exists()
+def bad(name: str, needle: str, *argv: str, usage: bool = False) -> object:
+    """One row of the table: `jex ARGV` is refused, its one error line naming `needle` (exit 2: a usage error)."""
+    return pytest.param(list(argv), needle, 2 if usage else 1, id=name)
+
+
+HF = ("--split", "test", "--question", "question", "--choices", "choices", "--answer", "answer")
+
+def local_task(folder: Path, name: str, extra: str = "") -> None:
+    """An lm-eval multiple_choice task YAML reading local JSON rows, with no data files of its own."""
+    (folder / f"{name}.yaml").write_text(
+        f"task: {name}\ndataset_path: json\noutput_type: multiple_choice\ntest_split: test\n{extra}"
+        'doc_to_text: "Q: {{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: answer\n')
+
+
+BAD_INPUTS = [
+    # numbers out of range and unknown names
+    bad("bootstrap-0", "--bootstrap", "score", "--suite", "s", "--predictions", "p.jsonl", "-o", "out",
+        "--bootstrap", "0"),
+    bad("seed-negative", "--seed", "score", "--suite", "s", "--predictions", "p.jsonl", "-o", "out", "--seed", "-1"),
+    bad("shard-rows-0", "--shard-rows", "bundle", "build", "s", "-o", "b.tar.gz", "--shard-rows", "0"),
+    bad("ladder-not-numbers", "--ladder", "bakeoff", "-o", "out", "--ladder", "1,x"),
+    bad("unknown-arm", "unknown arm 'nope'", "bakeoff", "-o", "out", "--arms", "hf-bi,nope"),
+    # jex run: paths, files, numbers and names (README: run, --resume, what the model reads, machines, throughput)
+    bad("run-suite-missing", "file missing: --suite: no such folder", "run", "--suite", "missing", "--out", "runs"),
+    bad("run-suite-a-file", "file text.txt: --suite: expected a suite folder", "run", "--suite", "text.txt"),
+    bad("run-model-missing", "file /nonexistent: --model", "run", "--model", "/nonexistent", "--out", "runs"),
+    bad("run-coverage-over-1", "--coverage", "run", "--coverage", "1.5", "--out", "runs"),
+    bad("run-coverage-not-a-number", "'--coverage'", "run", "--coverage", "x", usage=True),
+    bad("run-spec-missing", "file missing.toml", "run", "--spec", "missing.toml"),
+    bad("run-spec-not-toml", "file bad.toml", "run", "--spec", "bad.toml"),
+    bad("run-resume-missing", "file missing: --resume: no such folder", "run", "--resume", "missing"),
+    bad("run-resume-a-suite", "file s: --resume: expected a folder holding campaign.json", "run", "--resume", "s"),
+    bad("run-chat-template-missing", "--chat-template", "run", "--chat-template", "/nonexistent.jinja"),
+    bad("run-render-not-toml", "--render", "run", "--render", "bad.toml", "--out", "runs"),
+    bad("run-num-fewshot-negative", "num_fewshot", "run", "--num-fewshot", "-1", "--out", "runs"),
+    bad("run-gpu-memory-over", "--gpu-memory-utilization", "run", "--gpu-memory-utilization", "1.5"),
+    bad("run-max-model-len-0", "--max-model-len", "run", "--max-model-len", "0", "--out", "runs"),
+    bad("run-provider-unknown", "--provider", "run", "--provider", "nope", "--out", "runs"),
+    bad("run-workers-0", "--workers", "run", "--workers", "0", "--out", "runs"),
+    bad("run-budget-negative", "--budget-usd", "run", "--budget-usd", "-1", "--out", "runs"),
+    bad("run-engines-per-gpu-0", "--engines-per-gpu", "run", "--engines-per-gpu", "0", "--out", "runs"),
+    bad("run-gpus-per-machine-0", "--gpus-per-machine", "run", "--gpus-per-machine", "0", "--out", "runs"),
+    bad("run-batch-size-negative", "--batch-size", "run", "--batch-size", "-1", "--out", "runs"),
+    bad("run-max-num-seqs-0", "--max-num-seqs", "run", "--max-num-seqs", "0", "--out", "runs"),
+    bad("run-audit-unknown", "--audit", "run", "--audit", "nope", "--out", "runs"),
+    bad("run-audit-prompts-0", "--audit-prompts", "run", "--audit-prompts", "0", "--out", "runs"),
+    bad("run-out-a-file", "file text.txt: --out", "run", "--out", "text.txt"),
+    bad("run-store-under-a-file", "file text.txt/x: --store", "run", "--store", "text.txt/x", "--out", "runs"),
+    bad("run-unknown-flag", "--no-such-flag", "run", "--no-such-flag", "1", usage=True),
+    bad("run-flag-without-value", "--system-prompt", "run", "--system-prompt", usage=True),
+    # jex suite import hf
+    bad("hf-mistyped-local-file", "--dataset: no such file: nosuch.jsonl", "suite", "import", "hf", "--dataset",
+        "nosuch.jsonl", *HF, "-o", "out"),
+    bad("hf-unknown-hub-id-offline", "--dataset someorg/nosuchdata: not in the local Hugging Face cache", "suite",
+        "import", "hf", "--dataset", "someorg/nosuchdata", *HF, "-o", "out"),
+    bad("hf-no-such-column", "field '--question nope'", "suite", "import", "hf", "--dataset", "rows.jsonl",
+        *HF[:2], "--question", "nope", *HF[4:], "-o", "out"),
+    bad("hf-no-such-cluster-column", "field '--cluster nope'", "suite", "import", "hf", "--dataset", "rows.jsonl",
+        *HF, "--cluster", "nope", "-o", "out"),
+    bad("hf-not-a-data-file", "file text.txt: expected Parquet", "suite", "import", "hf", "--dataset", "text.txt",
+        *HF, "-o", "out"),
+    bad("hf-not-json", "file bad.jsonl: cannot read the dataset", "suite", "import", "hf", "--dataset", "bad.jsonl",
+        *HF, "-o", "out"),
+    bad("hf-output-not-empty", "file full: output folder exists and is not empty", "suite", "import", "hf",
+        "--dataset", "rows.jsonl", *HF, "-o", "full"),
+    bad("hf-split-missing", "'--split'", "suite", "import", "hf", "--dataset", "rows.jsonl", *HF[2:], "-o", "out",
+        usage=True),
+    # jex suite import lm-eval
+    bad("lm-eval-local-json-without-data-files", "file nodata.yaml, field 'dataset_kwargs.data_files': task 'nodata' "
+        "reads dataset_path: json from local files, and none are given: add --data-files test=FILE", "suite",
+        "import", "lm-eval", "--task", "nodata.yaml", "-o", "out"),
+    bad("lm-eval-fewshot-split-without-data", "file shots.yaml, field 'fewshot_split': task 'shots' reads split "
+        "'train'", "suite", "import", "lm-eval", "--task", "shots.yaml", "--data-files", "test=rows.jsonl", "-o",
+        "out"),
+    bad("lm-eval-yaml-missing", "file nosuch.yaml: no such task YAML", "suite", "import", "lm-eval", "--task",
+        "nosuch.yaml", "-o", "out"),
+    bad("lm-eval-yaml-broken", "file broken.yaml: cannot read the task YAML", "suite", "import", "lm-eval",
+        "--task", "broken.yaml", "-o", "out"),
+    bad("lm-eval-yaml-broken-with-data-files", "file broken.yaml: cannot read the task YAML", "suite", "import",
+        "lm-eval", "--task", "broken.yaml", "--data-files", "test=rows.jsonl", "-o", "out"),
+    bad("lm-eval-data-files-without-split", "--data-files 'test': expected SPLIT=FILE", "suite", "import",
+        "lm-eval", "--task", "nodata.yaml", "--data-files", "test", "-o", "out"),
+    bad("lm-eval-data-file-missing", "file nosuch.jsonl: data file does not exist", "suite", "import", "lm-eval",
+        "--task", "nodata.yaml", "--data-files", "test=nosuch.jsonl", "-o", "out"),
+    bad("lm-eval-data-file-not-data", "--data-files must be Parquet", "suite", "import", "lm-eval", "--task",
+        "nodata.yaml", "--data-files", "test=text.txt", "-o", "out"),
+    bad("lm-eval-no-such-cluster-field", "field '--cluster nope'", "suite", "import", "lm-eval", "--task",
+        "nodata.yaml", "--data-files", "test=rows.jsonl", "--cluster", "nope", "-o", "out"),
+    bad("lm-eval-output-not-empty", "file full: output folder exists", "suite", "import", "lm-eval", "--task",
+        "nodata.yaml", "--data-files", "test=rows.jsonl", "-o", "full"),
+    # jex suite validate | ls | sample, jex bundle build, jex score
+    bad("validate-missing", "file missing: SUITE: no such folder", "suite", "validate", "missing"),
+    bad("validate-limit-0", "--limit", "suite", "validate", "s", "--limit", "0"),
+    bad("ls-a-file", "file text.txt: SUITE: expected a folder", "suite", "ls", "text.txt"),
+    bad("sample-rows-0", "--rows", "suite", "sample", "-o", "out", "--rows", "0"),
+    bad("sample-seed-negative", "--seed", "suite", "sample", "-o", "out", "--seed", "-1"),
+    bad("sample-out-a-file", "file text.txt: --out", "suite", "sample", "-o", "text.txt"),
+    bad("bundle-suite-missing", "file missing: SUITE: no such folder", "bundle", "build", "missing", "-o", "b.tar.gz"),
+    bad("bundle-reference-missing", "file missing.parquet: --reference", "bundle", "build", "s", "-o", "b.tar.gz",
+        "--reference", "missing.parquet"),
+    bad("bundle-out-a-folder", "file s: --out: expected a file", "bundle", "build", "s", "-o", "s"),
+    bad("score-predictions-missing", "file missing.jsonl: --predictions", "score", "--suite", "s", "--predictions",
+        "missing.jsonl", "-o", "out"),
+    bad("score-predictions-without-run-id", "file noid.jsonl, row 1, field 'run_id'", "score", "--suite", "s",
+        "--predictions", "noid.jsonl", "-o", "out"),
+    bad("score-from-source-missing", "SOURCE missing", "score", "--from", "lm-eval", "missing", "-o", "out"),
+    # jex calibrate, bakeoff, parity
+    bad("calibrate-coverage-over-1", "--coverage", "calibrate", "--coverage", "1.5"),
+    bad("calibrate-target-rows-0", "--target-rows", "calibrate", "--target-rows", "0"),
+    bad("calibrate-price-negative", "--price", "calibrate", "--price", "-1"),
+    bad("calibrate-suite-missing", "file missing: --suite", "calibrate", "--suite", "missing"),
+    bad("bakeoff-prompts-0", "--prompts", "bakeoff", "-o", "out", "--prompts", "0"),
+    bad("bakeoff-out-a-file", "file text.txt: --out", "bakeoff", "-o", "text.txt"),
+    bad("parity-suite-missing", "file missing: --suite", "parity", "--suite", "missing", "-o", "out"),
+    bad("parity-engine-unknown", "--engine-a", "parity", "--suite", "s", "-o", "out", "--engine-a", "nope"),
+    bad("parity-reference-missing", "file missing.parquet: --reference", "parity", "--suite", "s", "-o", "out",
+        "--reference", "missing.parquet"),
+    # a run folder's readers: jex show, export, diff, compare, overlays
+    bad("show-a-suite-folder", "file s: a suite folder (holds suite.toml), not a run folder: jex run --suite s",
+        "show", "s"),
+    bad("show-missing", "file missing: RUN: no such folder", "show", "missing"),
+    bad("export-a-suite-folder", "file s: a suite folder", "export", "lm-eval", "s", "-o", "out"),
+    bad("export-inspect-missing", "file missing", "export", "inspect", "missing", "-o", "out"),
+    bad("diff-missing", "file missing: RUN_A", "diff", "missing", "s"),
+    bad("compare-missing", "file missing: RUN", "compare", "missing"),
+    bad("overlays-mine-missing", "file missing: expected a finished run folder", "overlays", "mine", "missing",
+        "-o", "out"),
+    bad("overlays-gate-rules-missing", "file missing.toml: --rules", "overlays", "gate", "s", "--rules",
+        "missing.toml", "-o", "out"),
+    bad("overlays-ladder-rules-not-toml", "file bad.toml", "overlays", "ladder", "s", "--rules", "bad.toml", "-o",
+        "out"),
+    # jex experiment, stage, server, runs, ledger
+    bad("experiment-arms-missing", "file missing.toml: --arms", "experiment", "run", "--arms", "missing.toml", "-o",
+        "out"),
+    bad("experiment-arms-not-toml", "file text.txt: --arms", "experiment", "run", "--arms", "text.txt", "-o", "out"),
+    bad("stage-args-missing", "file missing.json: --args", "stage", "run", "--args", "missing.json"),
+    bad("stage-args-not-json", "file bad.json: --args: not valid JSON", "stage", "run", "--args", "bad.json"),
+    bad("server-defaults-not-json", "file bad.json: --defaults", "server", "start", "--defaults", "bad.json",
+        "--no-worker"),
+    bad("runs-limit-0", "--limit", "runs", "--limit", "0"),
+    bad("ledger-extra-argument", "(missing)", "ledger", "missing", usage=True),
+]
+"""Bad inputs to the README's commands, each refused in one line naming it, before anything is written."""
+
+
+@pytest.fixture(scope="module")
+def bad_world(tmp_path_factory) -> Path:
+    """The files the table's rows name: a suite, predictions, data rows, lm-eval tasks, and bad files."""
+    w = tmp_path_factory.mktemp("bad-inputs")
+    write_suite(w / "s", {"a": [row("a1", "a")]})
+    (w / "p.jsonl").write_text('{"run_id": "a1", "choice": 0}\n')
+    (w / "noid.jsonl").write_text('{"choice": 0}\n')
+    (w / "rows.jsonl").write_text('{"question": "1 + 1?", "choices": ["2", "3"], "answer": 0}\n')
+    (w / "bad.jsonl").write_bytes(b"\xff\xfe not json\n")
+    (w / "text.txt").write_text("hello\n")
+    (w / "bad.toml").write_text("a = = 1\n")
+    (w / "bad.json").write_text('{"x": ')
+    (w / "full").mkdir()
+    (w / "full" / "x").write_text("x")
+    local_task(w, "nodata")
+    local_task(w, "shots", "fewshot_split: train\nnum_fewshot: 1\n")
+    (w / "broken.yaml").write_text("task: [\n")
+    return w
+
+
+@pytest.fixture(scope="module")
+def jex_command():
+    """The click command of the app, built once (typer builds it again on every `invoke(app)`)."""
+    import typer
+
+    return typer.main.get_command(app)
+
+
+def _listing(root: Path) -> set[tuple[str, int]]:
+    return {(str(p.relative_to(root)), p.stat().st_size if p.is_file() else -1) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize(("argv", "needle", "code"), BAD_INPUTS)
+def test_a_bad_input_is_one_line_naming_it(argv, needle, code, bad_world, jex_command, no_prefect, monkeypatch):
+    """Exit 1 with one `error:` line naming the input (2 and one line naming the flag for a usage error),
+    no traceback, nothing written; offline, so no Hub is asked."""
+    import datasets
+    from click.testing import CliRunner as ClickRunner
+    from huggingface_hub import constants
+
+    monkeypatch.chdir(bad_world)
+    for module in (constants, datasets.config):  # read from the variables at import: imported first, kept as they are
+        monkeypatch.setattr(module, "HF_HUB_OFFLINE", module.HF_HUB_OFFLINE)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    before = _listing(bad_world)
+    result = ClickRunner().invoke(jex_command, argv, env={"COLUMNS": "200"})
+    err = result.stderr
+    assert result.exit_code == code and "Traceback" not in err + result.stdout, (result.exit_code, err,
+                                                                                   result.exception)
+    if code == 1:
+        assert err.startswith("error: ") and len(err.splitlines()) == 1 and needle in err, err
+    else:
+        assert sum(needle in line for line in err.splitlines()) == 1, err
+    assert _listing(bad_world) == before
+
+
+def test_a_hub_dataset_on_a_machine_without_a_network_is_refused_at_once_never_retried(tmp_path, monkeypatch,
+                                                                                       caplog):
+    """No HF_HUB_OFFLINE, but the Hub's host does not resolve: the libraries' own offline switch is on for the
+    load, so no request is made, none retried (`huggingface_hub` retries 5 times over ~25 s) and none logged."""
+    import socket
+
+    from jex.suite_import import import_hf
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_network(*args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    t0 = time.monotonic()
+    with pytest.raises(InputError, match="^--dataset someorg/nosuchdata: not in the local Hugging Face cache, and "
+                                         "the Hub is offline"):
+        import_hf("someorg/nosuchdata", tmp_path / "out", split="test", question="q", choices="c", answer="a")
+    assert time.monotonic() - t0 < 10 and "Retrying" not in caplog.text and not (tmp_path / "out").exists()
 
 
 def test_an_ssh_host_without_an_ssh_server_is_refused_before_any_flow(tmp_path, no_prefect, monkeypatch):

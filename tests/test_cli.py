@@ -25,11 +25,13 @@ EVERY_FIELD = {
     "calibration_folds": 3, "overlays": "rules.toml", "bootstrap_draws": 50, "bootstrap_seed": 1,
     "fast_shard_rows": 16, "reason_shard_rows": 4, "store": "s", "out": "o", "reference": "ref.parquet",
     "require_zero_errors": True, "samples_prompts": "sha256", "reference_min_agreement": 0.9,
-    "unverified_overlays": True,
+    "unverified_overlays": True, "mlflow": {"tracking_uri": "sqlite:///runs/mlflow.db", "experiment": "evals"},
     "engine": {"kind": "vllm", "profile": "audit-ngram", "model": "org/name", "device": "cuda", "batch_size": 0,
                "max_num_seqs": 4, "max_num_batched_tokens": 512, "dtype": "bfloat16", "gpu_memory_utilization": 0.5,
                "kv_cache_memory_gib": 6.0, "max_model_len": 1024, "cache_dir": "cache",
-               "cudagraph_mode": "FULL_DECODE_ONLY",
+               "cudagraph_mode": "FULL_DECODE_ONLY", "base_url": "http://h:1/v1", "api_key_env": "MY_KEY",
+               "max_concurrency": 3, "max_retries": 1, "request_timeout_s": 30.0, "price_input_per_mtok": 0.5,
+               "price_output_per_mtok": 1.5,
                "render": {"system_prompt": "Be brief.", "chat_template": "none", "num_fewshot": 2}},
     "machines": {"provider": "ssh", "hosts": ["h1", "h2"], "workers": 2, "budget_usd": 5.0, "price_per_hour": 1.5,
                  "budget_hours": 2.0, "heartbeat_timeout_s": 30.0, "golden_rows": 8, "golden_tolerance": 0.001,
@@ -79,8 +81,10 @@ def test_calibrate_is_the_budget_projection_and_says_so():
 
 
 def test_importing_the_cli_imports_no_flow_and_no_prefect():
-    """`python -m jex stage run` on a machine: no Prefect, no flows at import time."""
-    code = "import sys, jex.cli; print([m for m in sys.modules if m.startswith(('prefect', 'jex.flows'))])"
+    """`python -m jex stage run` on a machine: no Prefect, no flows at import time (nor the trackers' SDKs, which
+    only their `jex export` commands import)."""
+    code = ("import sys, jex.cli; print([m for m in sys.modules if m.startswith(('prefect', 'jex.flows', 'mlflow', "
+            "'wandb'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -213,3 +217,70 @@ def test_a_misspelt_engine_key_in_a_spec_file_is_refused_with_the_closest_name(r
     result = CliRunner().invoke(app, ["run", "--spec", "campaign.toml"])
     assert result.exit_code == 1 and "field 'engine.batch_sise'" in result.stderr, result.stderr
     assert "did you mean 'batch_size'?" in result.stderr and not ran
+
+
+# --- what a command prints: its output's path last -------------------------------------------------------------
+
+def projected(spec):
+    """The budget projection of a measured sample (1 s per fast-pass row, 4 s per reasoned row, 1,000 rows) under
+    `spec`'s price and budget: what `budget_projection` returns, without the campaign that measures it."""
+    from jex.flows.budget import BudgetRun, Measured, project, row_budget
+
+    terms = {"rows": 1000, "fast_s_per_row": 1.0, "reason_s_per_row": 4.0, "coverages": spec.coverages,
+             "price": spec.price_per_gpu_hour, "gpus": spec.gpus, "budget_hours": spec.budget_hours,
+             "budget_usd": spec.budget_usd}
+    return BudgetRun(spec=spec, measured=Measured(sample_rows=100, gated=30, fast_s_per_row=1.0, reason_s_per_row=4.0,
+                                                  fix_rate=0.5, fixed=3, flipped=1),
+                     projection_rows=1000, projection=project(**terms), row_budget=row_budget(**terms))
+
+
+@pytest.mark.parametrize(("budget_usd", "recommendation"), [
+    ("1000", "**Recommended coverage: 0.3**"),
+    ("0.01", "**No coverage fits the budget: the smallest projected, 0.05 of 1000 rows, needs ~$0.67, over "
+             "--budget-usd 0.01; raise the budget or lower --target-rows**"),
+], ids=["fits", "none-fits"])
+def test_calibrate_prints_its_table_and_recommendation_then_its_folder(budget_usd, recommendation, monkeypatch,
+                                                                        tmp_path):
+    monkeypatch.setattr("jex.cli.run.connect_prefect", lambda settings, notice=True: False)
+    monkeypatch.setattr("jex.flows.budget.budget_projection", projected)
+    result = CliRunner().invoke(app, ["calibrate", "--out", "runs", "--price", "2", "--budget-usd", budget_usd])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    assert "| coverage | reasoned rows | wall | cost | fits |" in lines and "| 0.05 | 50 | ~0.3 h | ~$1 | " \
+        f"{'yes' if budget_usd == '1000' else 'no'} |" in lines
+    assert recommendation in lines and "None" not in result.stdout
+    assert Path(lines[-1]).parent == tmp_path / "runs" and lines[-1].endswith("-budget")
+
+
+@pytest.fixture
+def outputs(tmp_path, monkeypatch):
+    """A suite, its predictions, local rows and an lm-eval task reading them; the bake-off flow replaced by its
+    summary (no engine runs here)."""
+    from jex.lab.jobs import BakeoffSummary
+    from tests.conftest import row, write_suite
+
+    write_suite(tmp_path / "s", {"a": [row("a1", "a")]})
+    (tmp_path / "p.jsonl").write_text('{"run_id": "a1", "choice": 0}\n')
+    (tmp_path / "rows.jsonl").write_text('{"question": "1 + 1?", "choices": ["2", "3"], "answer": 0}\n')
+    (tmp_path / "t.yaml").write_text('task: t\ndataset_path: json\noutput_type: multiple_choice\ntest_split: test\n'
+                                     'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
+                                     'doc_to_target: answer\n')
+    monkeypatch.setattr("jex.cli.engines.connect_prefect", lambda settings, notice=True: False)
+    monkeypatch.setattr("jex.flows.lab.bakeoff", lambda job, out, machines: BakeoffSummary(
+        verdict="invariant", tax={}, errors={}, out=out))
+
+
+@pytest.mark.parametrize(("argv", "written"), [
+    (["suite", "sample", "-o", "out"], "out"),
+    (["suite", "import", "hf", "--dataset", "rows.jsonl", "--split", "test", "--question", "question", "--choices",
+      "choices", "--answer", "answer", "-o", "out"], "out"),
+    (["suite", "import", "lm-eval", "--task", "t.yaml", "--data-files", "test=rows.jsonl", "-o", "out"], "out"),
+    (["bundle", "build", "s", "-o", "b.tar.gz"], "b.tar.gz"),
+    (["score", "--suite", "s", "--predictions", "p.jsonl", "-o", "out", "--bootstrap", "20"], "out"),
+    (["bakeoff", "-o", "out"], "out"),
+], ids=["suite-sample", "suite-import-hf", "suite-import-lm-eval", "bundle-build", "score", "bakeoff"])
+def test_a_command_that_writes_prints_its_path_last(argv, written, outputs, tmp_path):
+    """As `jex run` ends with its run folder: the absolute path of what was written, on the last line."""
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip().splitlines()[-1] == str(tmp_path / written)

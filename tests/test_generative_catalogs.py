@@ -142,9 +142,10 @@ def test_greedy_settings_lm_eval_reads_as_greedy_import_and_a_map_without_defaul
 @pytest.mark.parametrize(("override", "field"), [
     ({"metric": "metric_list:\n  - metric: bleu\n"}, "metric_list"),
     ({"generation": "generation_kwargs:\n  until: [\"\\n\"]\n  do_sample: true\n"}, "generation_kwargs"),
-    ({"generation": "generation_kwargs:\n  until: [\"\\n\"]\n  top_k: 5\n"}, "generation_kwargs.top_k"),
+    ({"generation": "generation_kwargs:\n  until: [\"\\n\"]\n  min_p: 0.1\n"}, "generation_kwargs.min_p"),
     ({"filters": "filter_list:\n  - name: vote\n    filter:\n      - function: majority_vote\n"}, "filter_list[0]"),
-    ({"repeats": "repeats: 4\n"}, "repeats"),
+    ({"filters": "filter_list:\n  - name: vote\n    filter:\n      - function: take_first_k\n        k: 4\n"
+                 "      - function: majority_vote\n      - function: take_first\n"}, "filter_list"),
 ])
 def test_what_jex_does_not_reproduce_of_a_generative_task_is_refused_in_one_line(tmp_path, override, field):
     out = cli("suite", "import", "lm-eval", "--task", gsm_task(tmp_path / "task", **override), "-o", tmp_path / "s")

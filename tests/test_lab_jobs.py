@@ -53,13 +53,17 @@ def _here(args: Path, out: Path, suite: Path | None = None):
     return LabJob(spec=spec, out=str(out))
 
 
-def _cli(*argv: str) -> None:
+def _cli(*argv: str) -> Path:
+    """`jex ARGV` in this process; the folder it printed last (where its output went, absolute)."""
     from typer.testing import CliRunner
 
     from jex.cli import app
 
     result = CliRunner().invoke(app, list(argv))
     assert result.exit_code == 0, result.output
+    last = Path(result.stdout.strip().splitlines()[-1])
+    assert last.is_absolute() and last.is_dir(), result.stdout
+    return last
 
 
 def test_probe_runs_on_a_local_machine_and_equals_in_process(lab_suite, tmp_path, prefect_harness, local_machines):
@@ -111,9 +115,9 @@ def test_calibrate_measures_its_sample_on_a_local_machine(lab_suite, tmp_path, p
     from jex.flows.budget import BudgetSpec, budget_projection
     from jex.tasks.campaign_spec import MachinesSpec
 
-    _cli("calibrate", "--suite", str(lab_suite), "--coverage", "0.25", "--sample-every", "3", "--provider",
-         "local", "--out", str(tmp_path / "local"))
-    budget = next((tmp_path / "local").glob("*-budget"))
+    budget = _cli("calibrate", "--suite", str(lab_suite), "--coverage", "0.25", "--sample-every", "3", "--provider",
+                  "local", "--out", str(tmp_path / "local"))
+    assert [budget] == list((tmp_path / "local").glob("*-budget"))
     machines = json.loads((budget / "machines.json").read_text())
     assert machines["provider"] == "local"
     assert [o["job"] for o in machines["machines"][0]["jobs"]] == ["golden", "fast_pass", "reason"]

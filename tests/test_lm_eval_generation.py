@@ -4,7 +4,13 @@ batches of 3) and by jex: the suite `jex suite import lm-eval` writes, each row 
 (lock-step decoding, each row's numbers its own) with the catalog's stop sequences and max tokens, then each
 filter's answer and exact_match from `jex.answer_extraction`. Row for row: the same prompt, the same generated
 text, the same extracted answer per filter and the same exact_match, and the same score per filter.
-(Until the campaign's generation stage exists, the test calls the engine as that stage will.)"""
+(Until the campaign's generation stage exists, the test calls the engine as that stage will.)
+
+Beside it, in the same `lm_eval` run (issue 57, item 5): a `gsm8k_cot_self_consistency`-shaped task (3 documents, 3
+repeats, `score-first`, `maj@3` and `maj@2` by take_first_k), greedy since lm-eval's sampling (torch's global
+generator across a padded batch) cannot be matched: each document's repeats, each filter's answer, exact_match and
+score are lm-eval's; and lm-eval's own filter pipelines and exact_match on jex's sampled generations (temperature
+0.7) give jex's answers and verdicts."""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import GSM, gsm_task
+from tests.conftest import GSM, gsm_task, sc_task
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_user_settings")]
 
@@ -35,12 +41,13 @@ def both(tmp_path_factory, embedded_model_dir):
 
     root = tmp_path_factory.mktemp("gen-fid")
     task = gsm_task(root / "task")
+    sc_task(root / "task")  # run in the same lm_eval call
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_CACHE": str(root / "hf-datasets")}
     done = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
-                           f"pretrained={embedded_model_dir},dtype=float32", "--tasks", "fid_gsm", "--include_path",
-                           str(task.parent), "--device", "cpu", "--batch_size", "3", "--log_samples", "--output_path",
-                           str(root / "lm")], env=env, capture_output=True, text=True, timeout=600)
+                           f"pretrained={embedded_model_dir},dtype=float32", "--tasks", "fid_gsm,sc_gsm",
+                           "--include_path", str(task.parent), "--device", "cpu", "--batch_size", "3", "--log_samples",
+                           "--output_path", str(root / "lm")], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (path,) = glob.glob(str(root / "lm" / "*" / "samples_fid_gsm_*.jsonl"))
     samples = {(s["doc_id"], s["filter"]): s for s in map(json.loads, Path(path).read_text().splitlines())}
@@ -53,8 +60,12 @@ def both(tmp_path_factory, embedded_model_dir):
     engine = make_engine(EngineSpec(kind="hf", device="cpu", model=str(embedded_model_dir)))
     generations = engine.generate([GenerateRequest(r.run_id, r.prompt, catalog.generation.max_tokens,
                                                    stop=catalog.generation.until) for r in rows])
+    (sc_path,) = glob.glob(str(root / "lm" / "*" / "samples_sc_gsm_*.jsonl"))
+    sc_samples = {(s["doc_id"], s["filter"]): s for s in map(json.loads, Path(sc_path).read_text().splitlines())}
     return {"samples": samples, "results": json.loads(Path(results).read_text())["results"]["fid_gsm"],
-            "catalog": catalog, "rows": rows, "generations": generations}
+            "catalog": catalog, "rows": rows, "generations": generations, "engine": engine, "root": root,
+            "sc_samples": sc_samples,
+            "sc_results": json.loads(Path(results).read_text())["results"]["sc_gsm"]}
 
 
 def test_every_prompt_is_lm_evals_context_byte_for_byte(both):
@@ -81,3 +92,77 @@ def test_every_filters_answer_and_verdict_are_lm_evals(both):
             verdicts.append(exact_match(answer, r.answer, both["catalog"].match))
             assert answer == sample["filtered_resps"][0] and verdicts[-1] == bool(sample["exact_match"]), r.run_id
         assert sum(verdicts) / len(verdicts) == both["results"][f"exact_match,{f.name}"]
+
+
+# --- a self-consistency task: repeats, take_first_k, majority_vote (issue 57) ------------------------------
+
+def jex_samples(engine, suite: Path) -> tuple[list, object, object]:
+    """The suite's rows, its catalog, and their verdicts as the generate and score stages compute them."""
+    import polars as pl
+
+    from jex.suite import GenerationRow, iter_all_rows, load_manifest
+    from jex.tasks.capture.engine_calls import GenerationSpec, prepared_samples
+    from jex.tasks.capture.stages import GeneratedColumns, generated_frame
+    from jex.tasks.scoring.verdicts import generation_verdicts
+
+    catalog = load_manifest(suite).catalog("sc_gsm")
+    rows = [r for r in iter_all_rows(suite) if isinstance(r, GenerationRow)]
+    settings = {"sc_gsm": GenerationSpec.of(catalog.generation)}
+    calls = prepared_samples(engine, rows, settings=settings)
+    generated = generated_frame(engine.generate([c.request for c in calls]), calls,
+                                GeneratedColumns.of(settings))
+    frame = pl.DataFrame([{"run_id": r.run_id, "catalog": r.catalog, "answer": r.answer} for r in rows])
+    return rows, catalog, generation_verdicts(frame, generated, [catalog])
+
+
+@pytest.fixture(scope="module")
+def greedy_repeats(both):
+    from typer.testing import CliRunner
+
+    from jex.cli import app
+
+    suite = both["root"] / "sc-suite"
+    out = CliRunner().invoke(app, ["suite", "import", "lm-eval", "--task", str(both["root"] / "task" / "sc_gsm.yaml"),
+                                   "-o", str(suite)])
+    assert out.exit_code == 0, out.output
+    return jex_samples(both["engine"], suite)
+
+
+def test_every_repeat_and_every_filters_answer_verdict_and_score_are_lm_evals(both, greedy_repeats):
+    rows, catalog, verdicts = greedy_repeats
+    assert catalog.generation.samples == 3 and not catalog.generation.sampled
+    for f_index, f in enumerate(catalog.answer_filters()):
+        for r, v in zip(rows, verdicts.iter_rows(named=True), strict=True):
+            sample = both["sc_samples"][r.metadata["doc_id"], f.name]
+            assert sample["resps"] == [v["sample_generations"]], r.run_id
+            assert sample["filtered_resps"] == [v["answers"][f_index]], (r.run_id, f.name)
+            assert bool(sample["exact_match"]) == v["verdicts"][f_index], (r.run_id, f.name)
+        hits = sum(v[f_index] for v in verdicts["verdicts"].to_list())
+        assert hits / len(rows) == both["sc_results"][f"exact_match,{f.name}"], f.name
+
+
+def test_lm_evals_own_filters_and_metric_on_jexs_sampled_generations_give_jexs_answers(both, tmp_path):
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.metrics import exact_match_hf_evaluate
+    from lm_eval.filters import build_filter_ensemble
+    from typer.testing import CliRunner
+
+    from jex.cli import app
+
+    task = sc_task(tmp_path / "task", sampling="  do_sample: true\n  temperature: 0.7\n")
+    out = CliRunner().invoke(app, ["suite", "import", "lm-eval", "--task", str(task), "-o", str(tmp_path / "suite")])
+    assert out.exit_code == 0, out.output
+    rows, catalog, verdicts = jex_samples(both["engine"], tmp_path / "suite")
+    assert catalog.generation.sampled and any(len(set(g)) > 1 for g in verdicts["sample_generations"].to_list())
+    for f_index, f in enumerate(catalog.answer_filters()):
+        ensemble = build_filter_ensemble(f.name, [(s.function, s.model_dump(exclude={"function"})) for s in f.steps])
+        instances = [Instance("generate_until", {}, ("", {}), idx=0) for _ in rows]
+        for inst, generations in zip(instances, verdicts["sample_generations"].to_list(), strict=True):
+            inst.resps = list(generations)
+        ensemble.apply(instances)
+        for r, inst, v in zip(rows, instances, verdicts.iter_rows(named=True), strict=True):
+            answer = inst.filtered_resps[f.name]
+            assert answer == v["answers"][f_index], (r.run_id, f.name)
+            want = exact_match_hf_evaluate(predictions=[answer], references=[r.answer],
+                                           **catalog.match.model_dump())["exact_match"]
+            assert bool(want) == v["verdicts"][f_index], (r.run_id, f.name)

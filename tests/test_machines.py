@@ -332,14 +332,16 @@ def test_jex_run_over_ssh_runs_the_gpu_stages_through_the_full_lifecycle(sshd, t
     suite = write_sample_suite(tmp_path / "suite", rows=36, seed=3)
     out = subprocess.run([sys.executable, "-m", "jex", "run", "--provider", "ssh", "--host", "127.0.0.1", "--suite",
                           str(suite), "--out", str(tmp_path / "runs"), "--shard-rows", "9", "--reason-max-tokens", "6",
-                          "--name", "ssh"], env=_env(tmp_path, sshd, s3_server, s3_bucket), cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)
+                          "--name", "ssh"], env=_env(tmp_path, sshd, s3_server, s3_bucket) |
+                         {"JEX_INFRA__PRICE_PER_HOUR": "2.5"},  # a host of one's own is billed at the price set
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run_dir = Path(out.stdout.strip().splitlines()[-1])
     machines = json.loads((run_dir / "machines.json").read_text())
     (m,) = machines["machines"]
     assert m["machine"]["provider"] == "ssh" and m["teardown"]["reason"] == "campaign stages done"
-    assert [j["status"] for j in m["jobs"]] == ["success"] * 3 and m["life_s"] > 0 and m["cost_usd"] > 0
+    assert [j["status"] for j in m["jobs"]] == ["success"] * 3 and m["life_s"] > 0
+    assert 0 < m["cost_usd"] <= 2.5 * (m["life_s"] + 60) / 3600, "billed at the price set, for its life"
     first = machines["golden"][0]  # a fresh store, one machine: no replay, the fast pass becomes the reference
     assert (first["rows"], first["ok"], first["established"]) == (0, True, True)
     assert m["engine_starts"] == 1, "one engine process served the golden replay, fast pass and reason jobs"

@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 NOT_DEFAULT = {"kind": "vllm", "profile": "audit-ngram", "model": "org/name@abc", "device": "cuda:1", "batch_size": 3,
                "max_num_seqs": 7, "max_num_batched_tokens": 4096, "dtype": "bfloat16", "gpu_memory_utilization": 0.5,
                "kv_cache_memory_gib": 6.0, "max_model_len": 2048, "cache_dir": "/tmp/jex-cache",
-               "cudagraph_mode": "FULL_DECODE_ONLY"}
+               "cudagraph_mode": "FULL_DECODE_ONLY", "base_url": "http://h:1/v1", "api_key_env": "MY_KEY",
+               "max_concurrency": 3, "max_retries": 1, "request_timeout_s": 30.0, "price_input_per_mtok": 0.5,
+               "price_output_per_mtok": 1.5}
 """A value other than the default for every plain field of the engine spec (its render is a table)."""
 
 
@@ -30,7 +32,10 @@ def test_default_settings_give_the_default_campaign():
 
 
 def test_the_engine_settings_are_the_one_engine_spec():
-    assert JexSettings.model_fields["engine"].annotation is EngineSpec
+    """The engine settings are the engine spec, and one secret no spec holds: a served model's API key."""
+    engine = JexSettings.model_fields["engine"].annotation
+    assert isinstance(engine, type) and issubclass(engine, EngineSpec)
+    assert set(engine.model_fields) - set(EngineSpec.model_fields) == {"api_key"}
     assert set(NOT_DEFAULT) == set(EngineSpec.model_fields) - {"render"}
     assert all(NOT_DEFAULT[k] != f.default for k, f in EngineSpec.model_fields.items() if k != "render")
 

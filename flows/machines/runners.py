@@ -1,9 +1,10 @@
-"""Where a campaign's engine stages compute their shards: one interface, three places, one factory.
+"""Where a campaign's engine stages compute their shards: one interface, four places, one factory.
 
 - `InProcessRunner`: the stage task computes in the flow's own process (nothing to do beforehand);
 - `WorkerProcessesRunner`: fresh local processes, one engine each (`tasks/execution/workers.py`): data
   parallelism on one host, or a twin audit's "same stage, another process";
 - `FleetRunner`: rented machines (`flows/machines/fleet.py`): golden replay, detached shard jobs, collection.
+- `ServedRunner`: a served model's stages, in this process (the server computes): its golden check, its usage.
 
 In every case the stage task then runs in the flow's process and finds the shards in the store: it
 merges them (or finds the stage complete) without loading an engine. `make_runner` is the only place
@@ -20,12 +21,24 @@ from pathlib import Path
 from typing import Any
 
 from jex.flows.machines.fleet import GpuFleet
-from jex.flows.machines.machines_doc import MachinesDoc
+from jex.flows.machines.machines_doc import MachinesDoc, report_section
 from jex.lab.jobs import LabJob, LabSummary, lab_summary, run_lab_job
+from jex.record import write_record
 from jex.run_records import ENGINE_STAGES
 from jex.tasks.campaign_spec import MachinesSpec
+from jex.tasks.capture.served import (
+    SERVED_FILE,
+    ServedCheck,
+    served_check,
+    served_doc,
+    served_section,
+    served_usage,
+    stored_check,
+)
+from jex.tasks.capture.stages import stage_plan
 from jex.tasks.execution import WorkerReport, run_workers
 from jex.tasks.inputs import EngineJob
+from jex.tasks.outputs.report import MachinesSection
 
 
 class StageRunner(ABC):
@@ -52,6 +65,10 @@ class StageRunner(ABC):
         """The machines report (`machines.json`), for runners that rent machines."""
         return None
 
+    def section(self) -> MachinesSection | None:
+        """What the run's report shows of where its engine stages ran (None: in this process)."""
+        return report_section(self.report())
+
     def run_lab(self, job: LabJob) -> None:
         """Run a lab job (probe, parity, bake-off); its outputs land in `job.out`. Here: in this process."""
         run_lab_job(job)
@@ -60,6 +77,43 @@ class StageRunner(ABC):
 class InProcessRunner(StageRunner):
     def compute(self, job: EngineJob) -> EngineJob:
         return job
+
+
+class ServedRunner(InProcessRunner):
+    """A served model's engine stages (`engine.kind = "openai"`): in this process, each request to its server
+    (the server computes: no machine is rented, whatever the provider). Before the first stage that sends rows,
+    the golden check (`tasks/capture/served.py`: rows sent twice, at concurrency 1 and at the engine's); at the
+    end `served.json` and the report's section (identity, check, usage, cost). No settings audit: a served
+    model's batch invariance cannot be proven."""
+
+    def __init__(self, spec: MachinesSpec, run_dir: Path):
+        self.spec, self.run_dir = spec, run_dir
+        self.jobs: list[EngineJob] = []
+        self.check: ServedCheck | None = None
+
+    def __enter__(self) -> ServedRunner:
+        if self.spec.provider not in ("inprocess", "local"):
+            print(f"a served model needs no machine: its engine stages run in this process (provider "
+                  f"{self.spec.provider} unused)")
+        return self
+
+    def compute(self, job: EngineJob) -> EngineJob:
+        self.jobs.append(job)
+        rows, tokens = self.spec.golden_generation_rows, self.spec.golden_generation_tokens
+        if self.check is None and rows and (job.inputs.bundle.rows or job.inputs.bundle.generate_rows):
+            stored = stage_plan(job.inputs, job.store).complete  # nothing to send: only a stored check is read
+            self.check = stored_check(job, rows, tokens) if stored else served_check(job, rows=rows, tokens=tokens)
+            if self.check is not None and not stored:
+                print(f"served golden check: {self.check.line()}")
+        return job
+
+    def section(self) -> MachinesSection | None:
+        if not self.jobs:
+            return None
+        engine = self.jobs[0].inputs.engine
+        doc = served_doc(engine, self.check, served_usage(self.jobs))
+        write_record(self.run_dir / SERVED_FILE, doc)
+        return MachinesSection(markdown=served_section(doc, engine), shards={}, audit=None)
 
 
 class WorkerProcessesRunner(StageRunner):
@@ -104,8 +158,11 @@ class FleetRunner(StageRunner):
         self.fleet.run_lab(job)
 
 
-def make_runner(spec: MachinesSpec, *, campaign: str, store: str) -> StageRunner:
-    """The runner a campaign's machines section asks for."""
+def make_runner(spec: MachinesSpec, *, campaign: str, store: str, served_run: Path | None = None) -> StageRunner:
+    """The runner a campaign's machines section asks for; a served model's (`served_run`: its run folder) runs
+    its engine stages here, whatever the provider."""
+    if served_run is not None:
+        return ServedRunner(spec, served_run)
     if spec.provider != "inprocess":
         return FleetRunner(GpuFleet(spec, campaign=campaign, store=store))
     if spec.workers > 1 or spec.fresh_processes:

@@ -30,6 +30,12 @@ def fail(err: Exception) -> NoReturn:
     raise typer.Exit(1)
 
 
+def print_path(path: Path | str) -> None:
+    """The last line of a command that wrote a report, file or folder: its absolute path, as `jex run` ends
+    with its run folder (so `$(jex ... | tail -1)` is the output wherever the command ran)."""
+    typer.echo(os.path.abspath(path))
+
+
 def boundary_error(exc: BaseException) -> JexError | None:
     """The CLI's one error boundary: `exc` as a one-line JexError, or None when it is a bug. Beyond
     `jex.errors.user_error`: invalid parameters (pydantic)."""

@@ -9,7 +9,15 @@ from typing import Annotated, Any
 import typer
 
 from jex.cli import preflight
-from jex.cli.common import connect_prefect, fail, field_default, field_flags, field_option, record_from_flags
+from jex.cli.common import (
+    connect_prefect,
+    fail,
+    field_default,
+    field_flags,
+    field_option,
+    print_path,
+    record_from_flags,
+)
 from jex.cli.run import Provider
 from jex.errors import InputError, JexError
 from jex.lab.bakeoff import ARMS
@@ -51,6 +59,7 @@ def bakeoff(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for ba
     except JexError as e:
         fail(e)
     typer.echo(res.verdict)
+    print_path(out)
     if res.errors:
         fail(JexError(f"arms failed: {res.errors}"))
 
@@ -100,7 +109,8 @@ def parity(suite: Annotated[Path, field_option(ParityJob, "suite")],
         after = res.get("reasoned")
         typer.echo(f"argmax agreement {readout['agree']}/{readout['common']}, max |dp| {readout['max_abs_dp']:.3g}"
                    + (f"; after the rationale {len(after['mismatches'])} of {after['rows']} choices differ, "
-                      f"{after['identical_rationales']} rationales identical" if after else "") + f" -> {out}")
+                      f"{after['identical_rationales']} rationales identical" if after else ""))
+        print_path(out)
         return
     connect_prefect(load_settings())
     from jex.flows.lab import parity as parity_flow
@@ -110,7 +120,8 @@ def parity(suite: Annotated[Path, field_option(ParityJob, "suite")],
         r = parity_flow(job, out=str(out), machines=MachinesSpec(provider=provider) if provider else None)
     except (JexError, ValueError) as e:  # the engine's errors are JexErrors
         fail(e)
-    typer.echo(f"argmax agreement {r.agree}/{r.common}, max |dp| {r.max_abs_dp or 0:.3g} -> {out}")
+    typer.echo(f"argmax agreement {r.agree}/{r.common}, max |dp| {r.max_abs_dp or 0:.3g}")
+    print_path(out)
 
 
 def register(app: typer.Typer) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from jex.cli import preflight
-from jex.cli.common import connect_prefect, fail, spec_fields
+from jex.cli.common import connect_prefect, fail, print_path, spec_fields
 from jex.cli.run import (
     CAMPAIGN_FIELD_OF_FLAG,
     Device,
@@ -80,7 +80,7 @@ def run(arms: Annotated[Path, typer.Option(help="Arms file (TOML): [base], [gate
         folder = run_experiment(spec)
     except JexError as e:
         fail(e)
-    typer.echo(folder)
+    print_path(folder)
 
 
 @experiment_app.command("ledger")

@@ -16,11 +16,15 @@ infra_app = typer.Typer(no_args_is_help=True, help="Machines: reconcile, ledger,
 @infra_app.command("reconcile")
 def infra_reconcile(provider: Annotated[str | None, typer.Option(help="default: settings")] = None,
                     campaign: Annotated[str | None, typer.Option(help="Only this campaign's machines")] = None) -> None:
-    """Supervise, collect and delete every machine the provider tags as jex's (after a restart, or scheduled)."""
+    """Stop the servers and workers a killed jex left running on this host, then supervise, collect and delete
+    every machine the provider tags as jex's (after a restart, or scheduled)."""
     from jex.cli import preflight
+    from jex.infra.processes import orphans_line, stop_orphans
 
     preflight.choice(provider, "--provider", preflight.PROVIDERS)
-    connect_prefect(load_settings())
+    settings = load_settings()
+    typer.echo(orphans_line(stop_orphans(Path(settings.infra.state_dir))))
+    connect_prefect(settings)
     from jex.flows.reconcile import reconcile_flow
 
     report = reconcile_flow(provider=provider, campaign=campaign)
@@ -35,13 +39,13 @@ def infra_reconcile(provider: Annotated[str | None, typer.Option(help="default: 
 
 @infra_app.command("ledger")
 def infra_ledger(campaign: Annotated[str | None, typer.Option(help="Only this campaign")] = None) -> None:
-    """Every machine's life in seconds, its price and cost, and the running total."""
+    """Every machine's life in seconds, the price it was billed at and its cost, and the running total."""
     from jex.infra.cost_ledger import CostLedger
 
     report = CostLedger(Path(load_settings().infra.state_dir) / "ledger.json").usage(campaign)
     for m in report.machines:
-        typer.echo(f"{m.machine_id:<28} {m.campaign or '-':<28} {m.seconds:>9.1f} s "
-                   f"${m.cost_usd:>9.4f}  {m.end_reason or 'running'}")
+        typer.echo(f"{m.machine_id:<28} {m.campaign or '-':<28} {m.provider:<8} {m.seconds:>9.1f} s "
+                   f"at ${m.price_per_hour:g}/h ${m.cost_usd:>9.4f}  {m.end_reason or 'running'}")
     typer.echo(f"total ${report.total_usd:.4f} over {report.machine_seconds:.0f} machine-seconds")
 
 

@@ -1,16 +1,19 @@
-"""`jex show`, `jex diff`, `jex compare`, `jex export inspect|lm-eval` and `jex score --from lm-eval|inspect`:
-a run's samples out, runs side by side, other tools' outputs in. Thin shells over `tasks.samples`,
-`tasks.interop` and `lab.model_comparison` (imported lazily)."""
+"""`jex show`, `jex diff`, `jex compare`, `jex export inspect|lm-eval|mlflow|wandb|hub` and `jex score --from
+lm-eval|inspect`: a run's samples out, runs side by side, results where teams look, other tools' outputs in. Thin
+shells over `tasks.samples`, `tasks.interop` and `lab.model_comparison` (imported lazily)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+from pydantic import BaseModel, ValidationError
 
-from jex.cli.common import fail
-from jex.errors import JexError
+from jex.cli.common import fail, field_flags
+from jex.errors import InputError, JexError
+from jex.tasks.campaign_spec import MlflowTarget
+from jex.tasks.outputs.interop.wandb_run import WandbTarget
 
 if TYPE_CHECKING:
     from jex.tasks.outputs.interop.common import MapMode
@@ -186,3 +189,89 @@ def export_inspect_cmd(run: Annotated[Path, typer.Argument(help="A run folder")]
     except JexError as e:
         fail(e)
     typer.echo(path)
+
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def target_from_flags(record: type[T], flags: dict[str, Any]) -> T:
+    """The tracker target the flags give; a refused value is one line naming its flag, never echoing the value (a
+    URI may hold a password)."""
+    try:
+        return record(**flags)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise InputError(first["msg"].removeprefix("Value error, "),
+                         field="--" + str(first["loc"][0]).replace("_", "-")) from None
+
+
+MLFLOW_FLAGS = {name: (f, str(f.description)) for name, f in MlflowTarget.model_fields.items()}
+WANDB_FLAGS = {name: (f, str(f.description)) for name, f in WandbTarget.model_fields.items()}
+Runs = Annotated[list[Path], typer.Argument(help="Finished run folders (what `jex run` printed last)")]
+
+
+@export_app.command("mlflow")
+@field_flags(MLFLOW_FLAGS, defaults=True)
+def export_mlflow_cmd(runs: Runs, parent: Annotated[str | None, typer.Option(
+        help="Nest the runs under a parent run of this name (a model comparison), made if missing")] = None,
+        **flags: Any) -> None:
+    """One MLflow run per jex run: parameters, metrics with their intervals, tags, report, plots, samples.
+
+    The MLflow run is found again by its `jex.run` tag: exporting again updates it (one value per metric)."""
+    from jex.cli import preflight
+
+    try:
+        for run in runs:
+            preflight.existing_dir(run, "RUN")
+        from jex.tasks.outputs.interop.mlflow_run import export_mlflow
+
+        ids = export_mlflow(runs, target_from_flags(MlflowTarget, flags), parent=parent)
+    except JexError as e:
+        fail(e)
+    for run, run_id in zip(runs, ids, strict=True):
+        typer.echo(f"{run.name}: MLflow run {run_id}")
+
+
+@export_app.command("wandb")
+@field_flags(WANDB_FLAGS, defaults=True)
+def export_wandb_cmd(runs: Runs, **flags: Any) -> None:
+    """One W&B run per jex run: summary metrics, config, a samples table, the plots, the report as an artifact.
+
+    Its id is the run folder's name, so exporting again updates it. Offline (WANDB_MODE=offline) it is written
+    under WANDB_DIR, and `wandb sync` sends it later."""
+    from jex.cli import preflight
+
+    try:
+        for run in runs:
+            preflight.existing_dir(run, "RUN")
+        from jex.tasks.outputs.interop.wandb_run import export_wandb
+
+        logged = export_wandb(runs, target_from_flags(WandbTarget, flags))
+    except JexError as e:
+        fail(e)
+    for run, w in zip(runs, logged, strict=True):
+        typer.echo(f"{run.name}: W&B run {w.id} " + (f"offline in {w.where} (send it: wandb sync {w.where})"
+                                                        if w.offline else f"at {w.where}"))
+
+
+@export_app.command("hub")
+def export_hub_cmd(run: Annotated[Path, typer.Argument(help="A finished run folder")],
+                   out: Annotated[Path, typer.Option("-o", "--out", help="The results folder (lm-eval's Hub layout "
+                                                                         "and a dataset card)")],
+                   repo_id: Annotated[str | None, typer.Option(help="Also push the folder to this Hub dataset "
+                                                                    "repository, ORG/NAME (needs HF_TOKEN)")] = None,
+                   public: Annotated[bool, typer.Option("--public", help="With --repo-id: a public repository "
+                                                                         "(else private)")] = False) -> None:
+    """Results JSON, per-task samples and a dataset card in lm-eval's Hugging Face Hub layout.
+
+    As lm-eval's EvaluationTracker pushes them; `datasets.load_dataset(DIR, "<model>__results")` reads them."""
+    from jex.cli import preflight
+
+    try:
+        preflight.existing_dir(run, "RUN")
+        from jex.tasks.outputs.interop.hub_results import export_hub
+
+        folder = export_hub(run, out, repo_id=repo_id, public=public)
+    except JexError as e:
+        fail(e)
+    typer.echo(f"pushed to the Hub dataset {repo_id}: {folder}" if repo_id else folder)

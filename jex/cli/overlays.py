@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from jex.cli import preflight
-from jex.cli.common import fail
+from jex.cli.common import fail, print_path
 from jex.errors import InputError, JexError
 from jex.settings import load_settings
 
@@ -34,7 +34,7 @@ def overlays_mine(run: Annotated[Path, typer.Argument(help="A finished run folde
     write_text(out / "candidates.toml", candidate_rules_toml(doc["candidates"], top=top))
     for c in doc["candidates"][:top]:
         typer.echo(f"{c['catalog']:>14} {c['kind']:<22} oof gain {c['oof_gain_full']:+.3f}")
-    typer.echo(out / "candidates.toml")
+    print_path(out / "candidates.toml")
 
 
 @overlays_app.command("gate")
@@ -76,6 +76,7 @@ def overlays_gate(run: Annotated[Path, typer.Argument(help="A finished run folde
         typer.echo(f"{r['rule']['id']}: {'PASS' if r['passed'] else 'FAIL ' + ', '.join(failed)} "
                    f"(gain {r['gain_full']:+.3f}, CI {r['ci_full'][0]:+.3f}..{r['ci_full'][1]:+.3f}, "
                    f"p {r['permutation_p']:.4f})" + (f": {r['no_degrade_error']}" if r["no_degrade_error"] else ""))
+    print_path(out)
 
 
 def record_gate(doc: Any, rules: list[Any], run: Path, out: Path) -> tuple[Path, int]:
@@ -118,7 +119,7 @@ def overlays_ladder(run: Annotated[Path, typer.Argument(help="A finished run fol
     write_text(out / "disclosure.md", disclosure(doc, chosen))
     for s in doc["steps"]:
         typer.echo(f"{s['step']:>24} {s['full']:.4f}")
-    typer.echo(out / "disclosure.md")
+    print_path(out / "disclosure.md")
 
 
 def register(app: typer.Typer) -> None:

@@ -157,9 +157,9 @@ def suite(path: Path | str, flag: str = "--suite", *, bundle_ok: bool = True) ->
 def model(value: str | None, flag: str = "--model") -> None:
     """A model folder (holds config.json), a GGUF file (its header: magic, a version jex reads, counts
     its size can hold; `engine.models.gguf_header_problem`), or a Hub id `org/name[@rev]`."""
-    from jex.engine_spec import EMBEDDED_MODEL
+    from jex.engine_spec import EMBEDDED_MODEL, SERVED_PREFIX
 
-    if value is None or value in ("", EMBEDDED_MODEL):
+    if value is None or value in ("", EMBEDDED_MODEL) or value.startswith(SERVED_PREFIX):  # served: its server's
         return
     path = Path(value)
     if path.is_dir():

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from jex.cli.common import field_default, field_option, record_from_flags
+from jex.cli.common import field_default, field_option, print_path, record_from_flags
 from jex.cli.run import Provider
 from jex.errors import JexError
 from jex.lab.early_exit import DEFAULT_KS, DEFAULT_TAUS
@@ -67,7 +67,8 @@ def early_exit(suite: Annotated[Path, field_option(ProbeJob, "suite")],
     except (JexError, ValueError) as e:  # the engine's errors are JexErrors
         fail(e)
     typer.echo(f"full accuracy {res.full_accuracy:.3f}, free gate fired at {100 * res.gate_fire_rate:.2f} % of "
-               f"checkpoints -> {out}")
+               "checkpoints")
+    print_path(out)
 
 
 def register(app: typer.Typer) -> None:

@@ -23,11 +23,12 @@ from jex.cli.common import (
     fail,
     field_flags,
     input_error,
+    print_path,
     spec_fields,
 )
 from jex.cli.results import ResultsStyle, print_results
 from jex.cli.store import resume_from_s3
-from jex.engine_spec import VLLMSettings
+from jex.engine_spec import SERVED_PREFIX, ServedSettings, VLLMSettings
 from jex.errors import InputError, JexError
 from jex.run_records import CAMPAIGN_FILE, STAGE_NAMES, StageName
 from jex.settings import JexSettings, load_settings
@@ -46,16 +47,19 @@ CAMPAIGN_FIELD_OF_FLAG = {
     "engine": "engine.kind", "model": "engine.model", "device": "engine.device", "batch_size": "engine.batch_size",
     "dtype": "engine.dtype", "engine_profile": "engine.profile",
     **{knob: f"engine.{knob}" for knob in VLLMSettings.knobs()},  # every vLLM knob, as it is named
+    **{name: f"engine.{name}" for name in ServedSettings.model_fields},  # and every served-model setting
     "host_stall_s": "machines.host_stall_s",
     "provider": "machines.provider", "host": "machines.hosts", "workers": "machines.workers",
     "budget_usd": "machines.budget_usd", "engine_hosts": "machines.engine_hosts",
     "gpus_per_machine": "machines.gpus_per_machine", "engines_per_gpu": "machines.engines_per_gpu",
     "audit": "machines.audit", "audit_prompts": "machines.audit_prompts", "audit_tokens": "machines.audit_tokens",
+    "mlflow_tracking_uri": "mlflow.tracking_uri", "mlflow_experiment": "mlflow.experiment",
 }
 """`jex run` flag -> the CampaignSpec field it sets (a dotted path into the `engine` and `machines` tables)."""
 GENERATED_FLAGS = {flag: path for flag, path in CAMPAIGN_FIELD_OF_FLAG.items()
-                   if path.startswith(("engine.", "machines.")) and flag not in ("model", "host")}
-"""The engine and machine flags of `jex run`, generated from their fields (`field_flags`): type, help, checks."""
+                   if path.startswith(("engine.", "machines.", "mlflow.")) and flag not in ("model", "host")}
+"""The engine, machine and MLflow flags of `jex run`, generated from their fields (`field_flags`): type, help,
+checks."""
 HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:]*:[0-9A-Fa-f:.]+|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?)$")
 """A host name, an IPv4 address or an IPv6 address (bracketed or not)."""
 
@@ -150,7 +154,7 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
     flags = {**dict.fromkeys(GENERATED_FLAGS), **locals(), **generated}
     settings = load_settings()
     try:  # pre-flight: every input checked before Prefect starts or anything is written
-        models = given_models(model, spec)
+        models = given_models(model, spec, served=names_served_engine(flags, settings))
         flags["model"] = models[0] if len(models) == 1 else None
         check_flags(flags, settings)  # the flags' own paths first: no import of the flows room (prefect) needed
         redo = retried_stages(retry, resume)
@@ -185,9 +189,10 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
     print_results(Path(run_dir), style)
 
 
-def given_models(model: list[str] | None, spec: Path | None) -> list[str]:
-    """The models of `jex run`: the --model flags (each checked), else the --spec file's `models` list."""
-    for m in model or []:
+def given_models(model: list[str] | None, spec: Path | None, *, served: bool = False) -> list[str]:
+    """The models of `jex run`: the --model flags (each checked, unless they name a `served` engine's model:
+    the server's name for it), else the --spec file's `models` list."""
+    for m in [] if served else model or []:
         preflight.model(m)
     return list(dict.fromkeys(model or (spec_file_models(spec) if spec is not None else [])))
 
@@ -205,7 +210,8 @@ def checked_campaign(campaign: CampaignSpec, *, resume: Path | None, store: Path
 
         check_stages_held(campaign, resume.absolute(), redo=redo, recompute=recompute)
     check_campaign(campaign)
-    check_hub_model(campaign.engine.model)
+    if not campaign.engine.is_served():
+        check_hub_model(campaign.engine.model)
     return campaign
 
 
@@ -218,7 +224,8 @@ def check_models(campaign: CampaignSpec, models: list[str], *, resume: Path | No
     for m in models:
         one = campaign.with_model(m)
         check_campaign(one)
-        check_hub_model(one.engine.model)
+        if not one.engine.is_served():
+            check_hub_model(one.engine.model)
 
 
 def run_models(campaign: CampaignSpec, models: list[str], settings: JexSettings, *, style: ResultsStyle,
@@ -305,7 +312,8 @@ def resumed_spec(run_dir: Path, store: Path | None = None) -> CampaignSpec:
 def check_flags(flags: dict[str, Any], settings: JexSettings) -> None:
     """Pre-flight of the flags given that name paths, models, providers, hosts and numbers (in a
     fraction of a second: the whole campaign is checked again by `check_campaign`)."""
-    preflight.model(flags["model"])
+    if not names_served_engine(flags, settings):  # a served model's name is the server's (its /v1/models checks it)
+        preflight.model(flags["model"])
     for flag in ("spec", "render"):
         if flags[flag] is not None:
             preflight.existing_file(flags[flag], f"--{flag}")
@@ -328,19 +336,47 @@ def check_flags(flags: dict[str, Any], settings: JexSettings) -> None:
         preflight.at_least(flags[flag], "--" + flag.replace("_", "-"), 1)
 
 
+def names_served_engine(flags: dict[str, Any], settings: JexSettings) -> bool:
+    """Whether `jex run`'s engine is a served model: by --engine, else the --spec file's [engine] kind, else the
+    settings' (JEX_ENGINE__KIND)."""
+    if flags["engine"] is not None:
+        return bool(flags["engine"] == "openai")
+    if flags["spec"] is not None and Path(flags["spec"]).is_file():
+        try:
+            engine = read_spec_file(flags["spec"]).get("engine")
+        except InputError:  # named by its own check
+            engine = None
+        if isinstance(engine, dict) and "kind" in engine:
+            return bool(engine["kind"] == "openai")
+    return settings.engine.kind == "openai"
+
+
 def check_campaign(campaign: CampaignSpec) -> None:
     """Pre-flight of a campaign: its suite, model (and whether it fits the GPU), rule file, reference rows,
     output folders and machines."""
     if campaign.suite:
         preflight.suite(campaign.suite)
-    preflight.model(campaign.engine.model)
+    if campaign.engine.is_served():  # the server answers and serves the model: one line before any flow
+        from jex.engine.fingerprint import engine_fingerprint
+
+        engine_fingerprint(campaign.engine)
+    else:
+        preflight.model(campaign.engine.model)
     preflight.rules(campaign.overlays)
     if campaign.reference:
         preflight.rows_file(campaign.reference, "--reference", needs=("run_id", "choice"))
     preflight.writable_dir(campaign.out, "--out")
     preflight.writable_dir(campaign.store, "--store")
+    if campaign.mlflow.tracking_uri:  # logged at the end of the flow: the extra is checked before it starts
+        from jex.tasks.outputs.interop.tracked_run import check_extra
+
+        check_extra("mlflow", "mlflow")
+    from jex.infra.instance_catalogue import machine_price, memory_preflight_gpu
+
     infra = load_settings().infra
-    if warning := preflight.model_fits(campaign.engine, gpu_kind=infra.gpu_kind, gpu_kinds=infra.gpu_kinds,
+    machine_price(infra, campaign.machines.provider, campaign.machines.price_per_hour)  # an unknown type: one line
+    gpu_kind, gpu_kinds = memory_preflight_gpu(infra, campaign.machines.provider)
+    if warning := preflight.model_fits(campaign.engine, gpu_kind=gpu_kind, gpu_kinds=gpu_kinds,
                                        reason_max_tokens=campaign.reason_max_tokens, suite=campaign.suite):
         typer.echo(f"WARNING: {warning}", err=True)
     for warning in campaign.gpu_warnings():
@@ -395,11 +431,22 @@ def spec_from(settings: JexSettings, *, spec_file: Path | None, flags: dict[str,
 
 
 def spec_file_models(path: Path) -> list[str]:
-    """The `models = [...]` list of a campaign file (empty when it names none)."""
+    """The `models = [...]` list of a campaign file (empty when it names none): names, folders, Hub ids, and
+    served models as `openai:NAME` or a table `{engine = "openai", model = "NAME", base_url = "URL"}`."""
     models = read_spec_file(path).get("models", [])
-    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
-        raise InputError("models: expected a list of model names, folders or Hub ids", file=str(path), field="models")
-    return models
+    if not isinstance(models, list) or not all(isinstance(m, str | dict) for m in models):
+        raise InputError("models: expected a list of model names, folders, Hub ids or served-model tables",
+                         file=str(path), field="models")
+    return [m if isinstance(m, str) else served_model_name(m, path) for m in models]
+
+
+def served_model_name(table: dict[str, Any], path: Path) -> str:
+    """A campaign file's served-model table as the model name `openai:NAME[@BASE_URL]`."""
+    if table.get("engine") != "openai" or not isinstance(table.get("model"), str) or \
+            set(table) - {"engine", "model", "base_url"} or not isinstance(table.get("base_url", ""), str):
+        raise InputError("models: a table names a served model: {engine = \"openai\", model = \"NAME\", base_url "
+                         f"= \"URL\"}} (base_url optional), got {table}", file=str(path), field="models")
+    return SERVED_PREFIX + table["model"] + (f"@{table['base_url']}" if table.get("base_url") else "")
 
 
 def read_spec_file(path: Path, flag: str = "--spec") -> dict[str, Any]:
@@ -483,7 +530,7 @@ def calibrate(suite: Suite = None, out: Out = None, provider: Provider = None, *
     except JexError as e:
         fail(e)
     connect_prefect(settings)
-    from jex.flows.budget import budget_projection
+    from jex.flows.budget import budget_dir, budget_projection, render
     from jex.tasks.campaign_spec import campaign_spec
 
     campaign = campaign_spec(settings, spec_fields({"suite": suite, "out": out, "provider": provider},
@@ -491,11 +538,8 @@ def calibrate(suite: Suite = None, out: Out = None, provider: Provider = None, *
     spec = BudgetSpec(campaign=campaign, **{CALIBRATE_FIELD_OF_FLAG[flag]: value for flag, value in generated.items()
                                             if value is not None})
     doc = budget_projection(spec)
-    typer.echo(f"recommended coverage: {doc.projection.recommended_coverage}")
-    if doc.row_budget is not None:
-        from jex.flows.budget import render_row_budget
-
-        typer.echo("\n".join(render_row_budget(doc.row_budget)))
+    typer.echo(render(doc).rstrip())  # budget.md: the measure, wall and cost per coverage, the recommendation
+    print_path(budget_dir(spec))
 
 
 def register(app: typer.Typer) -> None:

@@ -9,7 +9,7 @@ import typer
 
 from jex.cli import interop as cli_interop
 from jex.cli import preflight
-from jex.cli.common import fail
+from jex.cli.common import fail, print_path
 from jex.errors import JexError
 from jex.settings import load_settings
 
@@ -35,6 +35,7 @@ def bundle_build(suite: Annotated[Path, typer.Argument(help="Suite folder (holds
     except JexError as e:
         fail(e)
     typer.echo(f"{result.sha256}  {result.path}  ({result.rows} rows)")
+    print_path(result.path)
 
 
 def score(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for score.json and score.md")],
@@ -79,7 +80,8 @@ def score(out: Annotated[Path, typer.Option("-o", "--out", help="Folder for scor
     except JexError as e:
         fail(e)
     lo, hi = doc.ci
-    typer.echo(f"full {doc.full:.4f}  95% CI [{lo:.4f}, {hi:.4f}]  -> {out / 'score.json'}")
+    typer.echo(f"full {doc.full:.4f}  95% CI [{lo:.4f}, {hi:.4f}]")
+    print_path(out)
 
 
 def register(app: typer.Typer) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from jex.cli.common import print_path
 from jex.errors import InfraError, InputError
 from jex.run_records import CAMPAIGN_FILE
 from jex.settings import load_settings
@@ -95,7 +96,7 @@ def pull_cmd(campaign: Annotated[str, typer.Option(help="Campaign name (one run 
     """
     report = pull(campaign, out, store)
     typer.echo(_summary(report))
-    typer.echo(report.run_dir)
+    print_path(report.run_dir)
 
 
 def register(app: typer.Typer) -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from jex.cli.common import fail
+from jex.cli.common import fail, print_path
 from jex.errors import JexError
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ def _report(result: ImportResult) -> None:
     for cat, n in result.rows.items():
         shots = result.fewshot_rows.get(cat, 0)
         typer.echo(f"{cat}: {n} rows" + (f", {shots} few-shot rows" if shots else ""))
-    typer.echo(result.suite_dir)
+    print_path(result.suite_dir)
 
 
 @import_app.command("hf")
@@ -45,9 +45,11 @@ def import_hf_cmd(dataset: Annotated[str, typer.Option(help="Hub dataset id (loc
                                                                    "(default: every row its own cluster)")] = None,
                   force: Annotated[bool, typer.Option(help="Replace a non-empty output folder")] = False) -> None:
     """A Hugging Face dataset as a one-catalog jex suite (prints the suite folder last)."""
+    from jex.cli import preflight
     from jex.suite_import import import_hf
 
     try:
+        preflight.writable_dir(out, "--out")
         result = import_hf(dataset, out, split=split, question=question, choices=choices, answer=answer,
                            config=config, id_col=id, catalog=catalog, revision=revision,
                            fewshot_split=fewshot_split, cluster=cluster, force=force)
@@ -69,6 +71,8 @@ def import_lm_eval_cmd(task: Annotated[str, typer.Option(help="lm-eval task or g
     """An lm-evaluation-harness multiple_choice task (or group) as a jex suite, one catalog per task: each
     row's prompt is lm-eval's own context, read verbatim with its log-likelihood readout. A generate_until
     task becomes a generative catalog (its generation settings, filters and exact_match settings)."""
+    from jex.cli import preflight
+
     try:
         from jex.suite_import import import_lm_eval
     except ImportError as e:
@@ -80,6 +84,7 @@ def import_lm_eval_cmd(task: Annotated[str, typer.Option(help="lm-eval task or g
             fail(JexError(f"--data-files {item!r}: expected SPLIT=FILE, e.g. test=rows.jsonl"))
         files[split] = path
     try:
+        preflight.writable_dir(out, "--out")
         result = import_lm_eval(task, out, data_files=files or None, cluster=cluster, force=force)
     except JexError as e:
         fail(e)
@@ -149,7 +154,7 @@ def suite_sample(out: Annotated[Path, typer.Option("-o", "--out", help="Suite fo
     try:
         preflight.writable_dir(out, "--out")
         preflight.at_least(seed, "--seed", 0)
-        typer.echo(write_sample_suite(out, rows=rows, seed=seed))
+        print_path(write_sample_suite(out, rows=rows, seed=seed))
     except (JexError, ValueError) as e:
         fail(e)
 

@@ -17,6 +17,7 @@ import polars as pl
 from jex.errors import InputError
 from jex.fileio import sha256_file
 from jex.suite import (
+    GENERATIVE_KINDS,
     LOGLIKELIHOOD_READOUTS,
     ScoringKind,
     SuiteRow,
@@ -58,8 +59,8 @@ class CatalogSpec:
 
     @property
     def generative(self) -> bool:
-        """A generative catalog: its rows are generated and scored by the verdict of their extracted answer."""
-        return self.scoring == "exact_match"
+        """A generative catalog: its rows are generated and scored by the verdicts of their extracted answers."""
+        return self.scoring in GENERATIVE_KINDS
 
     @property
     def final_at_fast_pass(self) -> bool:
@@ -158,8 +159,10 @@ choice and the mass of the true options. They are in a run only where a catalog 
 overlays never change them."""
 PREDICTION_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "choice": pl.Int32, "probs": pl.List(pl.Float64),
                                            "abstain": pl.Boolean, "acc_norm_choice": pl.Int32,
-                                           "true_mass": pl.Float64, "exact_match": pl.Boolean}
-"""A predictions file's columns; a generative row's prediction is its `exact_match` verdict (its choice null)."""
+                                           "true_mass": pl.Float64, "exact_match": pl.Boolean,
+                                           "pass_at_k": pl.Float64}
+"""A predictions file's columns; a generative row's prediction is its `exact_match` verdict (its choice null) and, in
+a catalog scored by pass_at_k, its `pass_at_k`."""
 
 
 class _Where(TypedDict):
@@ -184,12 +187,12 @@ def _check_probs(probs: Any, k: int, where: _Where) -> list[float] | None:
 
 
 def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
-    """Read `run_id, choice[, probs][, abstain][, acc_norm_choice][, true_mass][, exact_match]` and check them
-    against the suite rows (a generative catalog's row: `run_id, exact_match`).
+    """Read `run_id, choice[, probs][, abstain][, acc_norm_choice][, true_mass][, exact_match][, pass_at_k]` and
+    check them against the suite rows (a generative catalog's row: `run_id, exact_match[, pass_at_k]`).
 
     Errors name the file, row and field: a duplicate or unknown run_id, a choice that is not an
     integer or lies outside the row's options, probs that are not a distribution over the row's
-    options, an abstain flag that is not a boolean, a true_mass outside [0, 1], a generative row's
+    options, an abstain flag that is not a boolean, a true_mass or pass_at_k outside [0, 1], a generative row's
     verdict that is not a boolean (or a choice given to it). A missing prediction is not an error:
     scoring counts it as unsupported.
     """
@@ -202,6 +205,7 @@ def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
     norm: list[int | None] = []
     mass: list[float | None] = []
     verdicts: list[bool | None] = []
+    passes: list[float | None] = []
     seen: set[str] = set()
     for line, rec in read_row_file(path):
         where: _Where = {"file": str(path), "row": line}
@@ -215,6 +219,7 @@ def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
         if rid not in n_options:
             raise InputError(f"run_id '{rid}' is not in the suite", field="run_id", **where)
         verdict = _check_verdict(rec, generative=n_options[rid] is None, where=where)
+        passes.append(_check_mass(rec.get("pass_at_k"), where, "pass_at_k"))  # a multiple-choice row's: refused
         if n_options[rid] is None:  # a generative row: its verdict is all it predicts
             run_ids.append(rid)
             choices.append(None)
@@ -239,7 +244,7 @@ def load_predictions(path: str | Path, suite: pl.DataFrame) -> pl.DataFrame:
         run_ids.append(rid)
         choices.append(choice)
     return pl.DataFrame({"run_id": run_ids, "choice": choices, "probs": probs, "abstain": abstain,
-                         "acc_norm_choice": norm, "true_mass": mass, "exact_match": verdicts},
+                         "acc_norm_choice": norm, "true_mass": mass, "exact_match": verdicts, "pass_at_k": passes},
                         schema=PREDICTION_SCHEMA)
 
 
@@ -255,6 +260,9 @@ def _check_verdict(rec: dict[str, Any], *, generative: bool, where: _Where) -> b
     multiple-choice row has none."""
     verdict = rec.get("exact_match")
     if not generative:
+        if rec.get("pass_at_k") is not None:
+            raise InputError("pass_at_k is a generative catalog's row's; this row is multiple choice (give its "
+                             "choice)", field="pass_at_k", **where)
         if verdict is not None:
             raise InputError("exact_match is the verdict of a generative catalog's row; this row is multiple "
                              "choice (give its choice)", field="exact_match", **where)
@@ -268,12 +276,12 @@ def _check_verdict(rec: dict[str, Any], *, generative: bool, where: _Where) -> b
     return verdict
 
 
-def _check_mass(mass: Any, where: _Where) -> float | None:
-    """`true_mass`: null or a probability (the mass of the row's true options)."""
+def _check_mass(mass: Any, where: _Where, name: str = "true_mass") -> float | None:
+    """`true_mass` (the mass of the row's true options) or `pass_at_k`: null or a probability."""
     if mass is None:
         return None
     if isinstance(mass, bool) or not isinstance(mass, int | float) or not 0 <= mass <= 1:
-        raise InputError(f"true_mass must be a probability or null, got {mass!r}", field="true_mass", **where)
+        raise InputError(f"{name} must be a probability or null, got {mass!r}", field=name, **where)
     return float(mass)
 
 

@@ -10,7 +10,7 @@ the engine's `preparer()`, and hand them to the engine calls (`read_questions`, 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -18,9 +18,9 @@ import polars as pl
 
 from jex.engine.base import ChatTokenizer
 from jex.engine.render import DEFAULT_RENDER, Example, Renderer, option_order
-from jex.engine.types import Engine, GenerateRequest, Generation, Readout, ReadoutMode, ReadoutRequest
+from jex.engine.types import Engine, GenerateRequest, Generation, Readout, ReadoutMode, ReadoutRequest, Sampling
 from jex.engine_spec import RenderSpec
-from jex.suite import LOGLIKELIHOOD_READOUTS, ReadoutKind
+from jex.suite import LOGLIKELIHOOD_READOUTS, GenerationSettings, ReadoutKind, sample_seed
 
 
 class RowLike(Protocol):
@@ -277,10 +277,46 @@ def reread(engine: Engine, rows: Sequence[RowLike], rationales: Sequence[Generat
 
 @dataclass(frozen=True)
 class GenerationSpec:
-    """How one generative catalog's rows are generated (its suite catalog's `generation` table)."""
+    """How one generative catalog's rows are generated (its suite catalog's `generation` table): `samples`
+    requests per row, greedy at temperature 0, else each sampled with its own seed (`jex.suite.sample_seed`); a
+    reasoning catalog's (`think_end`) without stop sequences, its response cut after the thought
+    (`jex.answer_extraction.response_after_thinking`, as lm-eval's vLLM backend does)."""
 
     until: tuple[str, ...]
     max_tokens: int
+    samples: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    think_end: str | None = None
+
+    @classmethod
+    def of(cls, generation: GenerationSettings) -> GenerationSpec:
+        return cls(generation.until, generation.max_tokens, generation.samples, generation.temperature,
+                   generation.top_p, generation.top_k, generation.seed,
+                   generation.thinking.end if generation.thinking else None)
+
+    def request(self, run_id: str, prompt: str, sample: int) -> GenerateRequest:
+        """Sample `sample` of a row: its stop sequences (none while a thought may be open) and its sampling."""
+        sampling = Sampling(self.temperature, sample_seed(self.seed, run_id, sample), self.top_p, self.top_k) \
+            if self.temperature > 0 else None
+        return GenerateRequest(run_id, prompt, self.max_tokens, () if self.think_end else self.until,
+                               sampling=sampling)
+
+
+@dataclass(frozen=True)
+class SampleCall:
+    """One generation of a row: sample `sample` of its catalog's `samples` (0 for a greedy catalog), and what
+    closes its thought (a reasoning catalog's)."""
+
+    request: GenerateRequest
+    sample: int
+    think_end: str | None = None
+
+    @property
+    def run_id(self) -> str:
+        return self.request.run_id
 
 
 class GenerativeRow(Protocol):
@@ -295,11 +331,37 @@ class GenerativeRow(Protocol):
 def prepared_generations(tokenizer: ChatTokenizer, rows: Sequence[GenerativeRow], *,
                          settings: Mapping[str, GenerationSpec], render: RenderSpec = DEFAULT_RENDER
                          ) -> list[GenerateRequest]:
-    """The generate stage's requests: each row's prompt as it stands (`Renderer.continued`), greedy up to
-    its catalog's max tokens, cut at its stop sequences, with its token ids under `tokenizer`."""
+    """The generate stage's requests (`prepared_samples`, without their sample indices)."""
+    return [c.request for c in prepared_samples(tokenizer, rows, settings=settings, render=render)]
+
+
+def prepared_samples(tokenizer: ChatTokenizer, rows: Sequence[GenerativeRow], *,
+                     settings: Mapping[str, GenerationSpec], render: RenderSpec = DEFAULT_RENDER) -> list[SampleCall]:
+    """The generate stage's calls: each row's prompt as it stands (`Renderer.continued`), up to its catalog's max
+    tokens, cut at its stop sequences, greedy or sampled, its catalog's `samples` times (row by row, samples in
+    order), with its token ids under `tokenizer`."""
     renderer = tokenizer.renderer(render)
-    return with_prompt_ids(tokenizer, [GenerateRequest(r.run_id, renderer.continued(r.prompt),
-                                                       settings[r.catalog].max_tokens, settings[r.catalog].until)
-                                       for r in rows])
+    prompts = [renderer.continued(r.prompt) for r in rows]
+    ids = tokenizer.encode_many(prompts)
+    return [SampleCall(dataclasses.replace(settings[r.catalog].request(r.run_id, p, k), prompt_ids=tuple(i)), k,
+                       settings[r.catalog].think_end)
+            for r, p, i in zip(rows, prompts, ids, strict=True) for k in range(settings[r.catalog].samples)]
+
+
+def thought_tokens(decode: Callable[[Sequence[int]], str], token_ids: Sequence[int], think_end: str) -> int:
+    """How many of a generation's tokens its thought takes: up to the one that completes the last `think_end`
+    of the decoded text (what `response_after_thinking` splits at), all of them when it never closes; found by
+    bisection over the decoded prefixes."""
+    total = decode(token_ids).count(think_end)
+    if total == 0:
+        return len(token_ids)
+    lo, hi = 1, len(token_ids)  # the shortest prefix whose text holds every delimiter
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if decode(token_ids[:mid]).count(think_end) >= total:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypedDict, TypeVar, cast
 
@@ -48,12 +48,14 @@ from jex.tasks.capture.engine_calls import (
     GenerationSpec,
     ReadPlan,
     ReasonCall,
+    SampleCall,
     as_rows,
-    prepared_generations,
     prepared_questions,
     prepared_reasons,
+    prepared_samples,
     read_questions,
     reread,
+    thought_tokens,
 )
 from jex.tasks.execution.engine_pool import CALLS, get_engine, release_engine
 from jex.tasks.inputs import BundleInputs, EngineStageInputs, FastPassInputs, GenerateInputs, ReasonInputs
@@ -70,6 +72,7 @@ from jex.tasks.records import (
     ReasonSummary,
     ShardWork,
     StagePlan,
+    ThoughtCounts,
 )
 from jex.tasks.store import (
     LocalStore,
@@ -107,6 +110,12 @@ GENERATED_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "generation": pl
                                            "refusal": pl.String}
 """The generate stage's rows: the text (cut before the first stop sequence), every generated token id, why
 it ended (`stop`, `length`, `refused`, `error`) and why a row was not generated."""
+SAMPLE_COLUMN: dict[str, PolarsType] = {"sample": pl.Int32}
+"""Appended when a catalog samples (`samples` above 1 or a temperature): one row per generation, a row's samples
+in order; a greedy bundle's frame keeps its bytes."""
+THOUGHT_COLUMN: dict[str, PolarsType] = {"thought_tokens": pl.Int32}
+"""Appended when a catalog names thinking delimiters: the tokens of each generation's thought
+(`engine_calls.thought_tokens`; null on other catalogs' rows and on rows not generated)."""
 REASON_SCHEMA: dict[str, PolarsType] = {"run_id": pl.String, "rationale": pl.String, "token_ids": pl.List(pl.Int64),
                  "finish_reason": pl.String, "post_logprobs": pl.List(pl.Float64), "refusal": pl.String}
 
@@ -218,6 +227,7 @@ def _sharded(stage: EngineStageName, out: StageDir, rows: Sequence[Any],
 
     def compute(prepared: Sequence[Prepared]) -> ShardRows:
         CALLS[stage] += 1
+        get_engine(engine).keep_answers(shards)  # a served model's answers, kept as they arrive (resumes send no more)
         log = BatchLog()
         return ShardRows(compute_resilient(prepared, read, failed, policy=ROW_RETRIES, log=log), log.failed_rows)
 
@@ -307,6 +317,9 @@ def _fast_pass(out: StageDir, store: LocalStore, inputs: FastPassInputs,
     reads = catalog_reads(bundle, store)
     plan = ReadPlan.of(rows, reads)
     continued = continued_options(rows, plan)
+    if rows and engine.is_served() and (lacking := get_engine(engine).readout_refusal()):  # one probe, no row sent
+        catalogs = ", ".join(sorted({f"'{r.catalog}'" for r in rows}))
+        raise EngineDeadError(f"multiple-choice catalog(s) {catalogs}: {lacking}")
 
     def questions(tokenizer: ChatTokenizer, batch: Sequence[CaptureRow]) -> list[ReadoutRequest]:
         return prepared_questions(tokenizer, batch, engine.render, pool, reads)
@@ -456,26 +469,62 @@ def as_generative(frame: pl.DataFrame) -> list[CaptureRow]:
 
 
 def generation_settings(bundle: BundleSummary, store: LocalStore) -> dict[str, GenerationSpec]:
-    """Each generative catalog's stop sequences and token limit, from the bundle's suite manifest."""
+    """Each generative catalog's stop sequences, token limit, sampling and thinking, from the bundle's suite
+    manifest."""
     opened = open_bundle(bundle.bundle, store.extracted_bundle(bundle.key))
-    return {c.id: GenerationSpec(c.generation.until, c.generation.max_tokens)
-            for c in opened.suite_manifest().catalogs if c.generation is not None}
+    return {c.id: GenerationSpec.of(c.generation) for c in opened.suite_manifest().catalogs
+            if c.generation is not None}
 
 
-def generated_frame(gens: Sequence[Generation]) -> pl.DataFrame:
-    """The generate stage's rows (`GENERATED_SCHEMA`); a prompt too long for the context is a context refusal."""
-    return pl.DataFrame({
+@dataclass(frozen=True)
+class GeneratedColumns:
+    """The generate stage's optional columns, the same in every shard of a stage: `sample` when a catalog
+    samples, `thought_tokens` when one thinks (with `decode`, the engine's tokenizer's, to count them)."""
+
+    sampled: bool = False
+    thinking: bool = False
+    decode: Callable[[Sequence[int]], str] | None = None
+
+    @classmethod
+    def of(cls, settings: dict[str, GenerationSpec]) -> GeneratedColumns:
+        return cls(any(g.samples > 1 or g.temperature > 0 for g in settings.values()),
+                   any(g.think_end for g in settings.values()))
+
+    def added(self, frame: pl.DataFrame, calls: Sequence[SampleCall], gens: Sequence[Generation] | None
+              ) -> pl.DataFrame:
+        """`frame` (`GENERATED_SCHEMA`) with the columns this stage writes."""
+        if self.sampled:
+            frame = frame.with_columns(pl.Series("sample", [c.sample for c in calls], dtype=SAMPLE_COLUMN["sample"]))
+        if self.thinking:
+            counted: list[int | None] = [None] * len(calls)
+            if gens is not None and self.decode is not None:
+                decode = self.decode
+                counted = [thought_tokens(decode, g.token_ids, c.think_end)
+                           if c.think_end and g.finish_reason is not FinishReason.REFUSED else None
+                           for c, g in zip(calls, gens, strict=True)]
+            frame = frame.with_columns(pl.Series("thought_tokens", counted, dtype=THOUGHT_COLUMN["thought_tokens"]))
+        return frame
+
+
+def generated_frame(gens: Sequence[Generation], calls: Sequence[SampleCall] = (),
+                    columns: GeneratedColumns = GeneratedColumns()) -> pl.DataFrame:
+    """The generate stage's rows (`GENERATED_SCHEMA`, and the `columns` of `calls`); a prompt too long for the
+    context is a context refusal."""
+    frame = pl.DataFrame({
         "run_id": [g.run_id for g in gens], "generation": [g.text for g in gens],
         "token_ids": [list(g.token_ids) for g in gens], "finish_reason": [g.finish_reason.value for g in gens],
         "refusal": [RefusalKind.CONTEXT.refusal(f"the prompt of {g.prompt_tokens} tokens leaves no room to generate")
                     if g.finish_reason is FinishReason.REFUSED else None for g in gens]}, schema=GENERATED_SCHEMA)
+    return columns.added(frame, calls, gens) if calls else frame
 
 
-def failed_generation_frame(requests: Sequence[GenerateRequest], why: str) -> pl.DataFrame:
+def failed_generation_frame(requests: Sequence[GenerateRequest], why: str, calls: Sequence[SampleCall] = (),
+                            columns: GeneratedColumns = GeneratedColumns()) -> pl.DataFrame:
     """Rows whose batch failed on their own: no generation, finish reason `error`."""
-    return pl.DataFrame({"run_id": [r.run_id for r in requests], "generation": [""] * len(requests),
-                         "token_ids": [[] for _ in requests], "finish_reason": ["error"] * len(requests),
-                         "refusal": [why] * len(requests)}, schema=GENERATED_SCHEMA)
+    frame = pl.DataFrame({"run_id": [r.run_id for r in requests], "generation": [""] * len(requests),
+                          "token_ids": [[] for _ in requests], "finish_reason": ["error"] * len(requests),
+                          "refusal": [why] * len(requests)}, schema=GENERATED_SCHEMA)
+    return columns.added(frame, calls, None) if calls else frame
 
 
 def generate_error_counters(frame: pl.DataFrame) -> GenerateErrors:
@@ -489,15 +538,25 @@ def _generate(out: StageDir, store: LocalStore, inputs: GenerateInputs,
     bundle, engine = inputs.bundle, inputs.engine
     rows = as_generative(generation_rows(bundle, store))
     settings = generation_settings(bundle, store)
+    shape = GeneratedColumns.of(settings)
 
-    def requests(tokenizer: ChatTokenizer, batch: Sequence[CaptureRow]) -> list[GenerateRequest]:
-        return prepared_generations(tokenizer, cast(Sequence[Any], batch), settings=settings, render=engine.render)
+    def calls(tokenizer: ChatTokenizer, batch: Sequence[CaptureRow]) -> list[SampleCall]:
+        return prepared_samples(tokenizer, cast(Sequence[Any], batch), settings=settings, render=engine.render)
 
-    def generate(batch: Sequence[GenerateRequest]) -> pl.DataFrame:
-        return generated_frame(get_engine(engine).generate(batch))
+    def columns() -> GeneratedColumns:
+        tokenizer = getattr(get_engine(engine), "tokenizer", None) if shape.thinking else None
+        if tokenizer is None:  # no thought, or an engine without a local tokenizer (a served one): none counted
+            return shape
+        return replace(shape, decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    done = _sharded("generate", out, rows, requests, generate, failed_generation_frame, engine=engine,
-                    shard_rows=inputs.shard_rows, share=share)
+    def generate(batch: Sequence[SampleCall]) -> pl.DataFrame:
+        return generated_frame(get_engine(engine).generate([c.request for c in batch]), batch, columns())
+
+    def failed(batch: Sequence[SampleCall], why: str) -> pl.DataFrame:
+        return failed_generation_frame([c.request for c in batch], why, batch, shape)
+
+    done = _sharded("generate", out, rows, calls, generate, failed, engine=engine, shard_rows=inputs.shard_rows,
+                    share=share)
     if isinstance(done, PartialSummary):
         return done
     shards, stats = done
@@ -506,14 +565,34 @@ def _generate(out: StageDir, store: LocalStore, inputs: GenerateInputs,
     lengths = [len(t) for t in frame["token_ids"].to_list()]
     tokens = RationaleTokens(mean=sum(lengths) / len(lengths) if lengths else 0.0, max=max(lengths, default=0),
                              hit_max_tokens=frame.filter(pl.col("finish_reason") == "length").height)
-    return GenerateSummary(key=out.key, generated=str(merged), sha256=sha256_file(merged), rows=frame.height,
+    return GenerateSummary(key=out.key, generated=str(merged), sha256=sha256_file(merged),
+                           rows=frame["run_id"].n_unique() if shape.sampled else frame.height,
+                           samples=frame.height if shape.sampled else None,
+                           thinking=thought_counts(frame, settings, bundle, store) if shape.thinking else None,
                            **_shard_fields(stats, shards), **generate_error_counters(frame),
                            generated_tokens=tokens, failed_rows=failed_rows(shards, stats, frame),
                            engine=inputs.fingerprint())
 
 
+def thought_counts(frame: pl.DataFrame, settings: dict[str, GenerationSpec], bundle: BundleSummary,
+                   store: LocalStore) -> ThoughtCounts:
+    """The thoughts of the reasoning catalogs' generations: their tokens, those that never closed, and those of
+    them that reached the token limit (thought and answer share it)."""
+    catalogs = generation_rows(bundle, store).select("run_id", "catalog")
+    ends = pl.DataFrame({"catalog": list(settings), "think_end": [g.think_end for g in settings.values()]},
+                        schema={"catalog": pl.String, "think_end": pl.String})
+    thoughts = (frame.join(catalogs, on="run_id", how="left").join(ends, on="catalog", how="left")
+                .filter(pl.col("think_end").is_not_null() & pl.col("finish_reason").is_in(["stop", "length"])))
+    unclosed = thoughts.filter(~pl.col("generation").str.contains(pl.col("think_end"), literal=True))
+    lengths = thoughts["thought_tokens"].drop_nulls().to_list()
+    return ThoughtCounts(generations=thoughts.height, mean=sum(lengths) / len(lengths) if lengths else 0.0,
+                         max=max(lengths, default=0), unclosed=unclosed.height,
+                         unclosed_at_max_tokens=unclosed.filter(pl.col("finish_reason") == "length").height)
+
+
 generate_stage = CachedStage(GenerateInputs, GenerateSummary, body=_generate)
-"""Every generative row of the bundle continued greedily (its catalog's stop sequences and max tokens)."""
+"""Every generative row of the bundle continued as its catalog says (stop sequences, max tokens, greedy or sampled
+`samples` times, thinking)."""
 
 
 def _written(frame: pl.DataFrame, out: Path) -> pl.DataFrame:

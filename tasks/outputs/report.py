@@ -142,8 +142,14 @@ def _headline(docs: RunDocs, engine: EngineFingerprint) -> list[str]:
     return [f"**Full index {policy.full:.2f}** (95% CI {lo:.2f} to {hi:.2f}) against the fast-pass baseline "
             f"{baseline.full:.2f}: delta {policy.full - baseline.full:+.2f} with fold, calibration and "
             f"overlays; the fold alone has a paired 95% CI of {dlo:+.2f} to {dhi:+.2f}.", "",
-            f"Engine: `{engine.kind}`, weights sha256 `{engine.weights_sha256[:16]}…`, "
-            f"renderer `{engine.renderer.version}`.", ""]
+            f"Engine: `{engine.kind}`, {_model_line(engine)}, renderer `{engine.renderer.version}`.", ""]
+
+
+def _model_line(engine: EngineFingerprint) -> str:
+    """The weights the engine read, or the served model (marked: its batch invariance is not proven)."""
+    if engine.weights_sha256 is not None:
+        return f"weights sha256 `{engine.weights_sha256[:16]}…`"
+    return f"served model `{engine.served_model}` at `{engine.endpoint}` (**served: batch invariance not proven**)"
 
 
 STACK_FIELDS = ("vllm", "torch", "triton", "transformers", "cuda", "driver", "gpu", "device_type")
@@ -228,21 +234,44 @@ def generation_section(samples: pl.DataFrame, generated: GenerateSummary) -> lis
     """The generative catalogs: how the rows were generated, and each filter's exact_match per catalog (lm-eval's
     `exact_match,<filter>`), from the samples record."""
     tokens = generated.generated_tokens
-    lines = ["", "## Generation", "", f"{generated.rows} rows generated greedily: {tokens.mean:.1f} tokens on average, "
+    how = "greedily" if generated.samples is None else f"({generated.samples} generations, sampled by their seeds)"
+    lines = ["", "## Generation", "", f"{generated.rows} rows generated {how}: {tokens.mean:.1f} tokens on average, "
              f"at most {tokens.max}; {tokens.hit_max_tokens} reached their token limit; "
              f"{generated.context_refusals} refused (prompt too long), {generated.batch_errors} failed"
              + (": " + ", ".join(f"{r.run_id} ({r.attempts} attempts, {r.error_type})" for r in generated.failed_rows)
-                if generated.failed_rows else "") + ".", "",
+                if generated.failed_rows else "") + ".", *_thought_lines(generated), "",
              "| catalog | filter | exact_match | matches | n |", "|---|---|---:|---:|---:|"]
     rows = samples.filter(pl.col("decided_by") == "generate", pl.col("scored"))
+    sampled = "samples" in rows.columns  # the index reads each row's verdict (a majority's) or its pass@k
     for catalog in dict.fromkeys(rows["catalog"].to_list()):
         sub = rows.filter(pl.col("catalog") == catalog)
         names: list[str] = next((f for f in sub["filters"].to_list() if f is not None), [])
         for k, name in enumerate(names):
             hits = sum(1 for v in sub["verdicts"].to_list() if v is not None and v[k])
-            lines.append(f"| {catalog} | {name}{' (scored)' if k == 0 else ''} | {hits / sub.height:.4f} | {hits} | "
-                         f"{sub.height} |")
+            mark = "" if k else " (primary)" if sampled else " (scored)"
+            lines.append(f"| {catalog} | {name}{mark} | {hits / sub.height:.4f} | {hits} | {sub.height} |")
+        if sampled:
+            lines += _sampled_scores(catalog, sub)
     return [*lines, ""]
+
+
+def _sampled_scores(catalog: str, sub: pl.DataFrame) -> list[str]:
+    """What the index reads of a sampled catalog's rows: their verdicts (a maj_at_k catalog's: its majorities'),
+    and a pass_at_k catalog's mean pass@k."""
+    hits = int(sub["exact_match"].fill_null(False).sum())
+    passes = sub["pass_at_k"].drop_nulls().to_list()
+    if passes:
+        return [f"| {catalog} | pass@k (scored) | {sum(passes) / sub.height:.4f} | - | {sub.height} |"]
+    return [f"| {catalog} | row verdict (scored) | {hits / sub.height:.4f} | {hits} | {sub.height} |"]
+
+
+def _thought_lines(generated: GenerateSummary) -> list[str]:
+    """The reasoning catalogs' thoughts (none without thinking delimiters)."""
+    t = generated.thinking
+    if t is None:
+        return []
+    return ["", f"Thoughts of {t.generations} generations: {t.mean:.1f} tokens on average, at most {t.max}; "
+                f"{t.unclosed} never closed (read whole), {t.unclosed_at_max_tokens} of them at the token limit."]
 
 
 def failed_rows_section(fold: FoldDoc) -> list[str]:

@@ -46,10 +46,10 @@ class ReportMarker(Record):
 def report_key(run_dir: Path, summaries: CampaignSummaries, spec: CampaignSpec) -> str:
     """The report's cache key: the key and artifact sha256 of every stage summary it renders, the campaign's
     spec and the speculative proof beside it, if any. Not the timings nor the machines: those describe the
-    run that rendered it (each run's own timings are in `stages.json`)."""
+    run that rendered it (each run's own timings are in `stages.json`); nor where the run is logged (`mlflow`)."""
     proof = run_dir / "spec_proof.json"
     return stage_key("report", {"stages": {k: [v.key, v.sha256] for k, v in summaries.done().items()},
-                                "spec": spec.model_dump(mode="json"),
+                                "spec": spec.model_dump(mode="json", exclude={"mlflow"}),
                                 "spec_proof": sha256_file(proof) if proof.exists() else None})
 
 

@@ -40,7 +40,14 @@ its generation ended, `decided_by` `generate`, `correct` the primary filter's ve
     reference                          the row's reference answer
     filters, answers, verdicts         each filter of its catalog (the primary first), the answer it extracted
                                        and that answer's exact_match (lm-eval's filtered_resps and exact_match)
-    exact_match                        the primary filter's verdict (what the index scores)
+    exact_match                        the row's verdict (what the index scores: the primary filter's; maj@k's)
+Only in a run whose generative catalogs sample or think (`SAMPLED_COLUMNS`; `generation` and its finish reason
+the first sample's, the filters' answers those of all samples, as lm-eval's `repeats`):
+    samples, sample_generations, sample_finish_reasons      every generation of the row, in order
+    sample_responses                   what the filters read of each (after the thought, cut at the stop sequences)
+    sample_answers, sample_verdicts    the primary filter's answer of each sample alone, and its exact_match
+    thought_tokens, thought_closed     each sample's thought in tokens and whether it closed (else null)
+    pass_at_k                          a pass_at_k catalog's row: the unbiased pass@k of its samples
 """
 
 from __future__ import annotations
@@ -91,6 +98,12 @@ GENERATIVE_COLUMNS: dict[str, Any] = {"generation": pl.String, "generation_token
                                       "filters": pl.List(pl.String), "answers": pl.List(pl.String),
                                       "verdicts": pl.List(pl.Boolean), "exact_match": pl.Boolean}
 """Appended only when the run generated (a suite with a generative catalog), so other runs keep their bytes."""
+SAMPLED_COLUMNS: dict[str, Any] = {"samples": pl.Int32, "sample_generations": pl.List(pl.String),
+                                   "sample_finish_reasons": pl.List(pl.String), "sample_responses": pl.List(pl.String),
+                                   "sample_answers": pl.List(pl.String), "sample_verdicts": pl.List(pl.Boolean),
+                                   "thought_tokens": pl.List(pl.Int32), "thought_closed": pl.List(pl.Boolean),
+                                   "pass_at_k": pl.Float64}
+"""Appended only when the generate stage sampled or counted thoughts (its frame has `sample` or `thought_tokens`)."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +221,10 @@ def tokenizer_engine(engine_spec: Any) -> Any:
     from jex.engine.fingerprint import tokenizer_sha256
     from jex.engine.models import resolve_model
 
+    if engine_spec.is_served():  # the server tokenises: what jex renders for it needs no tokenizer here
+        from jex.engine.openai_engine import ServedTokenizer
+
+        return ServedTokenizer()
     path = resolve_model(engine_spec.model, Path(engine_spec.cache_dir)).path
     key = (str(path), tokenizer_sha256(path))
     with _TOKENIZERS_LOCK:
@@ -296,7 +313,9 @@ def write_samples(run_dir: Path, summaries: FinishedCampaign, spec: CampaignSpec
     if summaries.generate is not None and continued is not None:
         frame = pl.concat([frame, generative_samples(art, summaries.generate, store, continued, excluded=excluded,
                                                      prompt_ref=ref)], how="diagonal_relaxed")
-        frame = frame.select([pl.col(c).cast(t) for c, t in {**dict(frame.schema), **GENERATIVE_COLUMNS}.items()])
+        sampled = SAMPLED_COLUMNS if SAMPLED_COLUMNS.keys() & set(frame.columns) else {}
+        frame = frame.select([pl.col(c).cast(t) for c, t in {**dict(frame.schema), **GENERATIVE_COLUMNS,
+                                                                **sampled}.items()])
     out = Path(run_dir) / SAMPLES_FILE
     write_parquet(frame, out)
     return out
@@ -327,14 +346,16 @@ def generative_samples(art: StageArtifacts, generated: GenerateSummary, store: L
 
     rows = open_bundle(art.bundle.bundle, store.extracted_bundle(art.bundle.key)).generation_rows()
     verdicts = bundle_verdicts(art.bundle, generated, store)
-    tokens = pl.read_parquet(generated.generated, columns=["run_id", "token_ids"])
+    written = pl.read_parquet(generated.generated)
+    sampled = [c for c in SAMPLED_COLUMNS if {"sample", "thought_tokens"} & set(written.columns)]
+    tokens = written.filter(pl.col("sample") == 0) if "sample" in written.columns else written
     ids = rows["run_id"].to_list()
     texts = [prompts.question.get(r) for r in ids]
     frame = (rows.select("run_id", "catalog", "question_id", "metadata", reference="answer")
              .join(verdicts.select("run_id", "generation", "finish_reason", "filters", "answers", "verdicts",
-                                   "exact_match", fast_refusal="refusal"), on="run_id", how="left",
+                                   "exact_match", *sampled, fast_refusal="refusal"), on="run_id", how="left",
                    maintain_order="left")
-             .join(tokens, on="run_id", how="left", maintain_order="left"))
+             .join(tokens.select("run_id", "token_ids"), on="run_id", how="left", maintain_order="left"))
     return frame.with_columns(
         pl.Series("prompt", [None if prompt_ref else t for t in texts], dtype=pl.String),
         pl.Series("prompt_sha256", [sha256_text(t) for t in texts], dtype=pl.String),
@@ -358,9 +379,11 @@ def bundle_metadata(bundle: BundleSummary, store: LocalStore) -> pl.DataFrame:
 def store_prompts(root: Path, bundle_sha256: str, engine_spec: Any, rendered: RenderedPrompts) -> Path:
     """The prompt texts, once per (bundle, render, model), at `<store>/prompts/<key>/prompts.parquet`."""
     from jex.engine.models import resolve_model, weights_sha256
+    from jex.tasks.inputs import engine_content
     from jex.tasks.store import write_parquet
 
-    weights = weights_sha256(resolve_model(engine_spec.model, Path(engine_spec.cache_dir)).path)
+    weights = sha256_json(engine_content(engine_spec)) if engine_spec.is_served() else \
+        weights_sha256(resolve_model(engine_spec.model, Path(engine_spec.cache_dir)).path)
     key = sha256_json({"bundle": bundle_sha256, "render": engine_spec.render.digest(), "weights": weights})[:32]
     path = root / "prompts" / key / "prompts.parquet"
     if not path.exists():
@@ -384,10 +407,16 @@ def resolve_prompt_ref(ref: str) -> tuple[str | None, str | None]:
 
 
 def read_samples(run_dir: str | Path) -> pl.DataFrame:
-    """`samples.parquet` of a run folder; an InputError naming the folder when it has none."""
+    """`samples.parquet` of a run folder; an InputError naming the folder when it has none (a suite
+    folder given for a run folder is told what makes one)."""
+    from jex.suite import MANIFEST_NAME
+
     path = Path(run_dir) / SAMPLES_FILE
     if not Path(run_dir).is_dir():
         raise InputError("not a run folder", file=str(run_dir))
+    if not path.exists() and (Path(run_dir) / MANIFEST_NAME).is_file():
+        raise InputError(f"a suite folder (holds {MANIFEST_NAME}), not a run folder: jex run --suite {run_dir}, "
+                         "then give the run folder it prints", file=str(run_dir))
     if not path.exists():
         raise InputError(f"no {SAMPLES_FILE} in this run folder (written by the report step of `jex run`; "
                          "run `jex run --resume RUN` to add it)", file=str(path))
@@ -440,6 +469,25 @@ def _why_missing(refusal: str | None) -> str:
     return f"   refused: {refusal}"
 
 
+def _sampled_lines(r: dict[str, Any]) -> list[str]:
+    """Every sample of a row (its generation, thought, response and the primary filter's answer of it alone), then
+    each filter's answer over all of them."""
+    lines = []
+    thoughts = r["thought_tokens"] or [None] * r["samples"]
+    closed = r["thought_closed"] or [None] * r["samples"]
+    for k, (text, why, answer, ok) in enumerate(zip(r["sample_generations"], r["sample_finish_reasons"],
+                                                     r["sample_answers"], r["sample_verdicts"], strict=True)):
+        thought = "" if thoughts[k] is None else (f", thought {thoughts[k]} tokens" if closed[k] else
+                                                   f", thought NEVER CLOSED ({thoughts[k]} tokens)")
+        lines.append(f"  sample {k}, {why}{thought}: answer {answer!r}  {'match' if ok else 'no match'}")
+        lines += [f"    | {line}" for line in text.splitlines() or [""]]
+    for name, answer, ok in zip(r["filters"], r["answers"], r["verdicts"], strict=True):
+        lines.append(f"  filter {name:<16} answer {answer!r}  {'match' if ok else 'no match'}  (all samples)")
+    lines.append(f"  the index reads: pass@k {r['pass_at_k']:.4f}" if r.get("pass_at_k") is not None else
+                 f"  the index reads: {'match' if r['exact_match'] else 'no match'} (the row's verdict)")
+    return lines
+
+
 def format_generative_sample(r: dict[str, Any], *, prompt: bool = False) -> str:
     """One generative sample, readably: verdict, the generation, each filter's answer and verdict, [prompt]."""
     verdict = "excluded" if not r["scored"] else ("right" if r["correct"] else "WRONG")
@@ -447,6 +495,8 @@ def format_generative_sample(r: dict[str, Any], *, prompt: bool = False) -> str:
              f"(reference {r['reference']!r})"]
     if r["answers"] is None:  # refused for context, or failed: no generation to extract from
         lines.append(f"  not generated ({r['finish_reason']})" + _why_missing(r["fast_refusal"]))
+    elif r.get("samples") is not None:
+        lines += _sampled_lines(r)
     else:
         lines.append(f"  generation, {r['generation_tokens']} tokens, {r['finish_reason']}:")
         lines += [f"    | {line}" for line in r["generation"].splitlines() or [""]]

@@ -14,6 +14,11 @@ Definitions (the contract; `docs/suite-and-scoring.md` has them with examples):
                  exact_match          value = mean exact_match (a generative row's verdict: its extracted
                                       answer equals the reference, as lm-eval's exact_match; a missing
                                       verdict is wrong); `correct` counts the matches
+                 maj_at_k             value = mean exact_match, the verdict of the majority answer of a row's
+                                      first k samples (lm-eval's take_first_k, majority_vote); as exact_match
+                 pass_at_k            value = mean pass_at_k, the unbiased estimator 1 - C(n-c, k) / C(n, k)
+                                      of a row's n samples, c of them right (a missing one is 0); `correct`
+                                      counts the rows whose primary verdict (first sample) matches
                  A row without the prediction its kind reads (choice; acc_norm_choice; true_mass; probs
                  for the other kinds) is counted `unsupported`: wrong for the accuracy kinds, the uniform
                  forecast for the others (1/k; t/k for true_mass, t the row's true options). A
@@ -21,7 +26,7 @@ Definitions (the contract; `docs/suite-and-scoring.md` has them with examples):
                  scored as if it had no prediction and counted `abstained`.
                  chance = the value of the uniform guess: c = the manifest's value or mean 1/k for the
                  accuracy kinds (mean t/k for true_mass); 1 - c for brier; -ln c (manifest) or mean ln k
-                 for log_loss; the manifest's value or 0 for exact_match (no answer matches by chance).
+                 for log_loss; the manifest's value or 0 for the generative kinds (no answer matches by chance).
                  best = 1 for the accuracy kinds, 0 for the losses.
                  skill = (value - chance) / (best - chance); acc (accuracy of the choice) is always kept
     per leg      index = 100 * sum(weight * skill) / sum(weight); raw likewise with acc
@@ -49,8 +54,10 @@ if TYPE_CHECKING:  # the shape only: the plain scorer shares no code with this o
 
 LOG_LOSS_FLOOR = 1e-15
 BEST = {"accuracy": 1.0, "acc_norm": 1.0, "calibrated_accuracy": 1.0, "brier": 0.0, "log_loss": 0.0,
-        "true_mass": 1.0, "exact_match": 1.0}
-COUNTED_KINDS = ("accuracy", "acc_norm", "exact_match")
+        "true_mass": 1.0, "exact_match": 1.0, "maj_at_k": 1.0, "pass_at_k": 1.0}
+COUNTED_KINDS = ("accuracy", "acc_norm", "exact_match", "maj_at_k")
+VERDICT_KINDS = ("exact_match", "maj_at_k")
+"""The generative kinds whose value is the share of rows whose verdict (`exact_match`) matches."""
 """The kinds whose value is a count of correct rows over n (exact integers in the bootstrap)."""
 
 
@@ -124,11 +131,12 @@ def scored_frame(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec)
     `abstained` and `correct`, and the per-row `value` of the catalog's kind (what the bootstrap
     resamples; the point estimate is summed exactly in `score_predictions`)."""
     excluded = [rid for c in spec.catalogs for rid in c.exclusions]
-    cols = ["run_id", "choice"] + [c for c in ("probs", "abstain", "exact_match", *FAST_PASS_SCORING_COLUMNS)
-                                   if c in predictions.columns]
+    cols = ["run_id", "choice"] + [c for c in ("probs", "abstain", "exact_match", "pass_at_k",
+                                               *FAST_PASS_SCORING_COLUMNS) if c in predictions.columns]
     frame = (rows.filter(~pl.col("run_id").is_in(excluded))
              .join(predictions.select(cols), on="run_id", how="left", maintain_order="left"))
-    for name, dtype in (("true_options", pl.List(pl.Int32)), ("true_mass", pl.Float64), ("exact_match", pl.Boolean)):
+    for name, dtype in (("true_options", pl.List(pl.Int32)), ("true_mass", pl.Float64), ("exact_match", pl.Boolean),
+                        ("pass_at_k", pl.Float64)):
         if name not in frame.columns:
             frame = frame.with_columns(pl.lit(None, dtype=dtype).alias(name))
     frame = frame.with_columns(n_true=pl.col("true_options").list.len().cast(pl.Int32))
@@ -144,7 +152,8 @@ def scored_frame(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec)
         probs=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("probs")),
         acc_norm_choice=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("acc_norm_choice")),
         true_mass=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("true_mass")),
-        exact_match=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("exact_match")))
+        exact_match=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("exact_match")),
+        pass_at_k=pl.when(pl.col("abstained")).then(None).otherwise(pl.col("pass_at_k")))
     generative = [c.id for c in spec.catalogs if c.generative]
     frame = frame.with_columns(correct=pl.when(pl.col("catalog").is_in(generative))
                                .then(pl.col("exact_match").fill_null(False))
@@ -164,7 +173,8 @@ def _row_value(spec: ScoreSpec) -> pl.Expr:
     brier = pl.when(pl.col("probs").is_null()).then(1.0 - 1.0 / pl.col("n_options")) \
         .otherwise(sum_sq - 2.0 * p_gold + 1.0)
     by_kind = {"accuracy": pl.col("correct").cast(pl.Float64), "acc_norm": pl.col("correct_norm").cast(pl.Float64),
-               "exact_match": pl.col("correct").cast(pl.Float64),
+               "exact_match": pl.col("correct").cast(pl.Float64), "maj_at_k": pl.col("correct").cast(pl.Float64),
+               "pass_at_k": pl.col("pass_at_k").fill_null(0.0),
                "calibrated_accuracy": p_gold, "brier": brier,
                "true_mass": pl.col("true_mass").fill_null(pl.col("n_true") / pl.col("n_options")),
                "log_loss": -(pl.max_horizontal(p_gold, pl.lit(LOG_LOSS_FLOOR)).log())}
@@ -186,7 +196,7 @@ def catalog_chances(frame: pl.DataFrame, spec: ScoreSpec) -> dict[str, float]:
         if cat in shares and t is not None:
             shares[cat][t, k] += n
     return {c.id: true_mass_chance(c.chance, shares[c.id]) if c.scoring == "true_mass" else
-            (c.chance or 0.0) if c.scoring == "exact_match" else
+            (c.chance or 0.0) if c.generative else
             chance_of(c.scoring, c.chance, hist[c.id]) for c in spec.catalogs}
 
 
@@ -217,7 +227,7 @@ def catalog_value(kind: str, sub: pl.DataFrame) -> float:
     n = sub.height
     if kind in ("accuracy", "acc_norm"):
         return int(sub["correct" if kind == "accuracy" else "correct_norm"].sum()) / n
-    if kind == "true_mass":
+    if kind in ("true_mass", "pass_at_k"):
         return math.fsum(sub["value"].to_list()) / n
     p_gold = sub.select(_p_gold())["probs"].to_list()
     if kind == "calibrated_accuracy":
@@ -251,6 +261,7 @@ def score_predictions(rows: pl.DataFrame, predictions: pl.DataFrame, spec: Score
                                            correct_norm=pl.col("correct_norm").sum(),
                                            no_mass=pl.col("true_mass").is_null().sum(),
                                            no_verdict=pl.col("exact_match").is_null().sum(),
+                                           no_pass=pl.col("pass_at_k").is_null().sum(),
                                            abstained=pl.col("abstained").sum())
     per = {r["catalog"]: r for r in totals.iter_rows(named=True)}
     missing = [c.id for c in spec.catalogs if c.id not in per]
@@ -258,14 +269,15 @@ def score_predictions(rows: pl.DataFrame, predictions: pl.DataFrame, spec: Score
         raise ValueError(f"catalog(s) {missing} have no scored rows")
     chance = catalog_chances(frame, spec)
     acc = {c.id: per[c.id]["correct"] / per[c.id]["n"] for c in spec.catalogs}
-    value = {c.id: acc[c.id] if c.scoring in ("accuracy", "exact_match") else
+    value = {c.id: acc[c.id] if c.scoring in ("accuracy", *VERDICT_KINDS) else
              catalog_value(c.scoring, frame.filter(pl.col("catalog") == c.id)) for c in spec.catalogs}
     full, full_raw, legs = aggregate(spec, value, chance, acc)
     catalogs = {}
     for c in spec.catalogs:
         p = per[c.id]
         unsupported = {"accuracy": p["no_choice"], "acc_norm": p["no_norm"], "true_mass": p["no_mass"],
-                       "exact_match": p["no_verdict"]}.get(c.scoring, p["no_probs"])
+                       "exact_match": p["no_verdict"], "maj_at_k": p["no_verdict"],
+                       "pass_at_k": p["no_pass"]}.get(c.scoring, p["no_probs"])
         catalogs[c.id] = CatalogScore(
             n=p["n"], correct=p["correct"], unsupported=unsupported,
             acc=acc[c.id], chance=chance[c.id], skill=skill_of(value[c.id], chance[c.id], BEST[c.scoring]),

@@ -15,6 +15,7 @@ from fractions import Fraction
 from typing import Any, NotRequired, TypedDict
 
 FLOOR = 1e-15
+GENERATIVE = ("exact_match", "maj_at_k", "pass_at_k")
 
 
 class PlainCatalog(TypedDict):
@@ -75,7 +76,7 @@ class _Tally:
 
 def _chance(kind: str, given: float | None, t: _Tally) -> float:
     options, n = t.options, t.n
-    if kind == "exact_match":  # no answer matches by chance
+    if kind in GENERATIVE:  # no answer matches by chance
         return given if given is not None else 0.0
     if kind == "true_mass":
         return given if given is not None else float(t.true_share / n)
@@ -103,7 +104,8 @@ def _value_terms(kind: str, p: list[float] | None, gold: int, k: int) -> list[fl
 def _tally_rows(rows: Iterable[Mapping[str, Any]], catalogs: Sequence[PlainCatalog],
                 choices: Mapping[str, int | None], probs: Mapping[str, list[float] | None],
                 abstain: Mapping[str, bool | None], norm: Mapping[str, int | None],
-                mass: Mapping[str, float | None], verdicts: Mapping[str, bool | None]) -> dict[str, _Tally]:
+                mass: Mapping[str, float | None], verdicts: Mapping[str, bool | None],
+                passes: Mapping[str, float | None]) -> dict[str, _Tally]:
     """One pass over the rows: counts, correct choices, unsupported and abstained rows, value terms."""
     tally = {c["id"]: _Tally() for c in catalogs}
     kinds = {c["id"]: c["scoring"] for c in catalogs}
@@ -117,13 +119,17 @@ def _tally_rows(rows: Iterable[Mapping[str, Any]], catalogs: Sequence[PlainCatal
         t = tally[cat]
         t.n += 1
         kind = kinds[cat]
-        if kind == "exact_match":  # a generative row: its verdict, nothing else
-            verdict = verdicts.get(rid)
+        if kind in GENERATIVE:  # a generative row: its verdict (and pass@k), nothing else
+            verdict, passed = verdicts.get(rid), passes.get(rid)
             if abstain.get(rid) and cat in may_abstain:
                 t.abstained += 1
-                verdict = None
+                verdict = passed = None
             t.correct += verdict is True
-            t.unsupported += verdict is None
+            if kind == "pass_at_k":  # no estimate: 0
+                t.unsupported += passed is None
+                t.terms.append(passed if passed is not None else 0.0)
+            else:
+                t.unsupported += verdict is None
             continue
         t.options[k] = t.options.get(k, 0) + 1
         true_options = row.get("true_options")
@@ -152,7 +158,7 @@ def _catalog_score(c: PlainCatalog, t: _Tally) -> PlainCatalogScore:
     kind = c["scoring"]
     acc = t.correct / t.n
     acc_norm = t.correct_norm / t.n
-    value = acc if kind in ("accuracy", "exact_match") else acc_norm if kind == "acc_norm" else \
+    value = acc if kind in ("accuracy", "exact_match", "maj_at_k") else acc_norm if kind == "acc_norm" else \
         math.fsum(t.terms) / t.n
     chance = _chance(kind, c["chance"], t)
     best = 0.0 if kind in ("brier", "log_loss") else 1.0
@@ -177,13 +183,14 @@ def plain_score(rows: Iterable[Mapping[str, Any]], choices: Mapping[str, int | N
                 abstain: Mapping[str, bool | None] | None = None,
                 acc_norm: Mapping[str, int | None] | None = None,
                 true_mass: Mapping[str, float | None] | None = None,
-                exact_match: Mapping[str, bool | None] | None = None) -> PlainScore:
+                exact_match: Mapping[str, bool | None] | None = None,
+                pass_at_k: Mapping[str, float | None] | None = None) -> PlainScore:
     """rows: dicts with run_id, catalog, gold, n_options[, true_options]; choices, probs, abstain, acc_norm
     (lm-eval's length-normalised choices), true_mass (the mass of a row's true options), exact_match (a
-    generative row's verdict): by run_id (a run_id absent is no prediction); catalogs: id, leg, weight,
-    chance, exclusions, scoring, secondary[, readout]."""
+    generative row's verdict), pass_at_k (its samples' pass@k): by run_id (a run_id absent is no prediction);
+    catalogs: id, leg, weight, chance, exclusions, scoring, secondary[, readout]."""
     tally = _tally_rows(rows, catalogs, choices, probs or {}, abstain or {}, acc_norm or {}, true_mass or {},
-                        exact_match or {})
+                        exact_match or {}, pass_at_k or {})
     out_cats = {c["id"]: _catalog_score(c, tally[c["id"]]) for c in catalogs}
     out_legs = {leg: _leg_score([c for c in catalogs if c["leg"] == leg], out_cats) for leg in legs}
     total = math.fsum(legs.values())

@@ -48,7 +48,7 @@ def score_twice(rows: pl.DataFrame, predictions: pl.DataFrame, spec: ScoreSpec) 
                           "readout": c.readout}
                          for c in spec.catalogs], probs=by_run("probs"), abstain=by_run("abstain"),
                         acc_norm=by_run("acc_norm_choice"), true_mass=by_run("true_mass"),
-                        exact_match=by_run("exact_match"))
+                        exact_match=by_run("exact_match"), pass_at_k=by_run("pass_at_k"))
     diffs = _differences(fast.to_json(), plain)
     if diffs:
         raise ScorerDisagreement("the two scorers disagree: " + "; ".join(diffs[:5]))

@@ -83,22 +83,31 @@ STAGES = ("fast_pass", "gate", "reason", "generate", "fold", "calibrate", "overl
 
 
 def _generated_sample(r: dict[str, Any], model: str, prompt: str | None) -> Any:
-    """A generative row as an `EvalSample`: the prompt in, the generation out, target the reference; the `jex`
-    score is C/I with the primary filter's answer, every filter's answer and verdict in its metadata."""
-    from inspect_ai.model import ChatMessageAssistant, ChatMessageUser, ModelOutput
+    """A generative row as an `EvalSample`: the prompt in, the generation out (every sample of a sampled row, one
+    output choice each), target the reference; the `jex` score is C/I with the row's verdict, every filter's
+    answer and verdict in its metadata (and each sample's answer and verdict, pass@k, the thoughts' tokens)."""
+    from inspect_ai.model import ChatCompletionChoice, ChatMessageAssistant, ChatMessageUser, ModelOutput
     from inspect_ai.scorer import Score
 
     text = r["generation"] or ""
+    sampled = {k: r[k] for k in ("sample_answers", "sample_verdicts", "thought_tokens", "thought_closed",
+                                 "pass_at_k") if r.get("samples") is not None}
     scores = {}
     if r["scored"]:
         scores[SCORER] = Score(value="C" if r["correct"] else "I", answer=(r["answers"] or [None])[0],
                                explanation="exact_match of the primary filter's answer",
                                metadata={"filters": r["filters"], "answers": r["answers"], "verdicts": r["verdicts"],
-                                         "decided_by": r["decided_by"]})
+                                         "decided_by": r["decided_by"], **sampled})
+    output = ModelOutput.from_content(model=model, content=text)
+    if r.get("samples") is not None:
+        output = ModelOutput(model=model, choices=[
+            ChatCompletionChoice(message=ChatMessageAssistant(content=t, model=model),
+                                 stop_reason="max_tokens" if why == "length" else "stop")
+            for t, why in zip(r["sample_generations"], r["sample_finish_reasons"], strict=True)] or output.choices)
     return _inspect().EvalSample(
         id=r["run_id"], epoch=1, input=prompt or "", target=r["reference"],
         messages=[ChatMessageUser(content=prompt or ""), ChatMessageAssistant(content=text, model=model)],
-        output=ModelOutput.from_content(model=model, content=text), scores=scores,
+        output=output, scores=scores,
         metadata={"run_id": r["run_id"], "catalog": r["catalog"], "question_id": r["question_id"],
                   "generation_tokens": r["generation_tokens"], "finish_reason": r["finish_reason"],
                   "scored": r["scored"], "row_metadata": json.loads(r["metadata"]) if r["metadata"] else None})

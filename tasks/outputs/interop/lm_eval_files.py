@@ -503,12 +503,23 @@ class _GenerationKwargs(TypedDict):
     until: list[str]
     max_gen_toks: int
     do_sample: bool
+    temperature: NotRequired[float]
+    top_p: NotRequired[float]
+    top_k: NotRequired[int]
 
 
 def _generation_kwargs(generation: GenerationSettings) -> _GenerationKwargs:
     """A generative catalog's generation settings as lm-eval's generation_kwargs: stop sequences, token
-    limit, greedy."""
-    return {"until": list(generation.until), "max_gen_toks": generation.max_tokens, "do_sample": False}
+    limit, greedy (or sampled: the temperature, and top_p and top_k where they narrow it)."""
+    kwargs: _GenerationKwargs = {"until": list(generation.until), "max_gen_toks": generation.max_tokens,
+                                 "do_sample": generation.sampled}
+    if generation.sampled:
+        kwargs["temperature"] = generation.temperature
+        if generation.top_p != 1:
+            kwargs["top_p"] = generation.top_p
+        if generation.top_k:
+            kwargs["top_k"] = generation.top_k
+    return kwargs
 
 
 def _generation_config(run: RunToExport, c: _ExportCatalog) -> dict[str, Any]:
@@ -519,6 +530,7 @@ def _generation_config(run: RunToExport, c: _ExportCatalog) -> dict[str, Any]:
             "fewshot_delimiter": s.get("fewshot_delimiter", "\n\n"), "description": s.get("description") or "",
             "num_fewshot": s.get("num_fewshot") or 0, "fewshot_split": s.get("fewshot_split"),
             "generation_kwargs": _generation_kwargs(catalog.generation),
+            **({"repeats": catalog.generation.samples} if catalog.generation.samples > 1 else {}),
             "filter_list": [{"name": f.name, "filter": [step.model_dump(mode="json") for step in f.steps]}
                             for f in catalog.answer_filters()],
             "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
@@ -529,8 +541,9 @@ def _generation_config(run: RunToExport, c: _ExportCatalog) -> dict[str, Any]:
 
 def _generation_lines(r: dict[str, Any], index: int, catalog: _ExportCatalog) -> list[dict[str, Any]]:
     """One scored generative row as lm-eval's samples lines, one per filter: the context and generation
-    kwargs (`arguments`), the generation (`resps`), the filter's answer (`filtered_resps`) and its
-    `exact_match`. A row that was not generated has an empty response and no answer (scored 0, as by jex)."""
+    kwargs (`arguments`), the responses (`resps`: every sample, after its thought, as lm-eval's `repeats`), the
+    filter's answer (`filtered_resps`) and its `exact_match`. A row that was not generated has an empty response
+    and no answer (scored 0, as by jex)."""
     from lm_eval.utils import hash_string
 
     from jex.tasks.outputs.samples import resolve_prompt_ref
@@ -546,7 +559,7 @@ def _generation_lines(r: dict[str, Any], index: int, catalog: _ExportCatalog) ->
     kwargs = _generation_kwargs(catalog.generative.generation)
     common = {"doc_id": doc_id, "doc": doc, "target": r["reference"],
               "arguments": {"gen_args_0": {"arg_0": prompt, "arg_1": kwargs}},
-              "resps": [[r["generation"] or ""]], "metrics": ["exact_match"],
+              "resps": [r.get("sample_responses") or [r["generation"] or ""]], "metrics": ["exact_match"],
               "doc_hash": hash_string(json.dumps(doc, indent=2, ensure_ascii=False)),
               "prompt_hash": hash_string(prompt or ""), "target_hash": hash_string(r["reference"])}
     return [{**common, "filtered_resps": [answer], "filter": name, "exact_match": 1.0 if ok else 0.0,
