@@ -98,6 +98,7 @@ def _applied_knobs(config: Any, runner: Any) -> VLLMSettings | None:
             "gpu_memory_utilization": _get(config, "cache_config.gpu_memory_utilization"),
             "kv_cache_memory_gib": kv_bytes / 2**30 if kv_bytes else None,
             "max_model_len": _get(config, "model_config.max_model_len"),
+            "tensor_parallel_size": _get(config, "parallel_config.tensor_parallel_size") or 1,
             "cudagraph_mode": _name(graph_mode if graph_mode is not None else
                                     _get(config, "compilation_config.cudagraph_mode"))}
     if None in (read["max_num_seqs"], read["gpu_memory_utilization"], read["cudagraph_mode"]):
@@ -154,7 +155,7 @@ def asked_kernel(spec: EngineSpec) -> dict[str, JsonValue]:
         return {"engine": "vllm", "profile": spec.profile, "attention_backend": p.attention_backend,
                 "prefix_caching": p.enable_prefix_caching,
                 "enforce_eager": p.enforce_eager, "dtype": p.dtype, "kv_cache_dtype": p.kv_cache_dtype,
-                "tensor_parallel_size": p.tensor_parallel_size, "cudagraph_mode": p.settings.cudagraph_mode,
+                "tensor_parallel_size": p.settings.tensor_parallel_size, "cudagraph_mode": p.settings.cudagraph_mode,
                 "max_num_batched_tokens": p.settings.max_num_batched_tokens}
     return {"engine": "hf", "profile": spec.profile, "dtype": spec.dtype or "float32",
             "batch_invariant": spec.kind == "hf"}
@@ -166,4 +167,4 @@ def vllm_asked(profile: Any) -> dict[str, Any]:
     knobs = profile.settings.model_dump() | {"max_num_seqs": profile.settings.scheduler_seqs()}
     return {"attention_backend": profile.attention_backend, "prefix_caching": profile.enable_prefix_caching,
             "batch_invariant": profile.batch_invariant, "enforce_eager": profile.enforce_eager,
-            "dtype": profile.dtype, "tensor_parallel_size": profile.tensor_parallel_size, **knobs}
+            "dtype": profile.dtype, **knobs}

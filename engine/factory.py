@@ -61,6 +61,7 @@ def vllm_args(knobs: VLLMSettings) -> dict[str, Any]:
         "gpu_memory_utilization": knobs.gpu_memory_utilization,
         "kv_cache_memory_bytes": int(knobs.kv_cache_memory_gib * 2**30) if knobs.kv_cache_memory_gib else None,
         "max_model_len": knobs.max_model_len,
+        "tensor_parallel_size": knobs.tensor_parallel_size,
         "compilation_config": {"cudagraph_mode": knobs.cudagraph_mode} if knobs.cudagraph_mode else None,
     }
     return {k: v for k, v in args.items() if v is not None}

@@ -2,10 +2,12 @@
 
 The audit profile is the recipe under which vLLM's answers were measured not to depend on batch
 size, request order or shard count: `VLLM_BATCH_INVARIANT=1`, `VLLM_ENABLE_V1_MULTIPROCESSING=0`,
-tensor parallel 1, the TRITON_ATTN backend, prefix caching off, no speculative decoding, bf16
+the TRITON_ATTN backend, prefix caching off, no speculative decoding, bf16
 weights and KV cache, compiled with CUDA graphs (never eager: with `enforce_eager=True` the flag
 left 1,889 of 3,072 greedy tokens differing between batch 1 and 32 on an H200 with vLLM 0.22.1).
-A profile that breaks any of these is refused unless it is asked for by a non-audit name.
+A profile that breaks any of these is refused unless it is asked for by a non-audit name. Tensor parallel
+above 1 (`VLLMSettings.tensor_parallel_size`) is not the profile's to refuse: a campaign runs it only where a
+settings audit proved it batch invariant (`flows/machines/audit.py`, `tasks/campaign_spec.py`).
 """
 
 from __future__ import annotations
@@ -61,7 +63,6 @@ class VLLMProfile:
 
     name: str = AUDIT
     batch_invariant: bool = True
-    tensor_parallel_size: int = 1
     attention_backend: str = "TRITON_ATTN"
     enable_prefix_caching: bool = False
     speculative_config: dict[str, Any] | None = None
@@ -82,9 +83,6 @@ class VLLMProfile:
         out = []
         if not self.batch_invariant:
             out.append("VLLM_BATCH_INVARIANT must be 1")
-        if self.tensor_parallel_size != 1:
-            out.append(f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism breaks batch "
-                       "invariance (use data parallelism: one engine per GPU)")
         if self.attention_backend != "TRITON_ATTN":
             out.append(f"attention_backend={self.attention_backend}: the audited backend is TRITON_ATTN")
         if self.enable_prefix_caching:
@@ -163,7 +161,7 @@ class VLLMEngine(TokenizedEngine):
         LLM, SamplingParams = vllm.LLM, vllm.SamplingParams
         self.vllm, self.SamplingParams = vllm, SamplingParams
         kwargs: dict[str, Any] = dict(
-            model=str(self.path), dtype=self.profile.dtype, tensor_parallel_size=self.profile.tensor_parallel_size,
+            model=str(self.path), dtype=self.profile.dtype,
             enable_prefix_caching=self.profile.enable_prefix_caching, attention_backend=self.profile.attention_backend,
             seed=self.profile.seed, enforce_eager=self.profile.enforce_eager,
             kv_cache_dtype=self.profile.kv_cache_dtype, **vllm_args(self.profile.settings), **self.profile.extra)

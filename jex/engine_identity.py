@@ -53,6 +53,7 @@ class EngineFingerprint(Record):
     max_num_seqs: int | None = Field(None, description="vLLM only")
     max_model_len: int | None = Field(None, description="vLLM only")
     cudagraph_mode: str | None = Field(None, description="vLLM only; None = vLLM's default")
+    tensor_parallel_size: int | None = Field(None, description="vLLM only; None = 1 (one GPU per engine)")
     endpoint: str | None = Field(None, description="openai only: the server's scheme://host:port")
     served_model: str | None = Field(None, description="openai only: the model id as the server's /v1/models "
                                                        "reports it")
@@ -107,7 +108,7 @@ class EffectiveSettings(Record):
 
     def value(self, name: str) -> JsonValue:
         """A setting by name: one of this record's, or one of vLLM's knobs (None: not read)."""
-        if name in VLLMSettings.knobs():
+        if name in VLLMSettings.knobs() and name not in EffectiveSettings.model_fields:  # its own field: as read
             return None if self.vllm is None else getattr(self.vllm, name)
         return getattr(self, name)
 

@@ -142,6 +142,10 @@ class VLLMSettings(BaseModel):
     cudagraph_mode: Annotated[CudagraphMode | None, KEYED] = Field(
         None, description="vLLM: CUDA-graph mode; empty = vLLM's default. The audit profile allows the default "
                           "and FULL_DECODE_ONLY (the seeds' setting), both measured batch invariant")
+    tensor_parallel_size: Annotated[int, KEYED] = Field(
+        1, ge=1, description="vLLM: GPUs one engine spans (tensor parallel); above 1 the audit profile runs only "
+                             "where a settings audit proves it batch invariant, and gpus_per_machine must be a "
+                             "multiple of it")
 
     @classmethod
     def knobs(cls) -> tuple[str, ...]:
@@ -163,8 +167,10 @@ class VLLMSettings(BaseModel):
         return self.max_num_batched_tokens or VLLM_BATCHED_TOKENS
 
     def keyed(self) -> dict[str, Any]:
-        """The keyed knobs as the engine runs them (an empty `max_num_seqs`: VLLM_MAX_NUM_SEQS)."""
-        return {**{name: getattr(self, name) for name in self.keyed_knobs()}, "max_num_seqs": self.scheduler_seqs()}
+        """The keyed knobs as the engine runs them (an empty `max_num_seqs`: VLLM_MAX_NUM_SEQS; one GPU's
+        `tensor_parallel_size` as None, so it stays out of the keys written before it was a knob)."""
+        return {**{name: getattr(self, name) for name in self.keyed_knobs()}, "max_num_seqs": self.scheduler_seqs(),
+                "tensor_parallel_size": None if self.tensor_parallel_size == 1 else self.tensor_parallel_size}
 
     @property
     def vllm(self) -> VLLMSettings:
@@ -286,6 +292,8 @@ class EngineSpec(ServedSettings, VLLMSettings, _EngineHead):
             raise ValueError(f"profile {self.profile!r} needs an audited engine kind (hf or vllm), not {self.kind!r}")
         if self.cudagraph_mode is not None and not self.kind.startswith("vllm"):
             raise ValueError(f"cudagraph_mode is a vLLM setting; engine {self.kind!r} has no CUDA graphs")
+        if self.tensor_parallel_size > 1 and not self.kind.startswith("vllm"):
+            raise ValueError(f"tensor_parallel_size is a vLLM setting; engine {self.kind!r} runs on one device")
         if self.kind == "openai" and not self.base_url:
             raise ValueError("the openai engine needs base_url (--base-url http://HOST:PORT/v1, or "
                              "--model openai:NAME@URL)")

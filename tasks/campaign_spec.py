@@ -102,14 +102,26 @@ class MachinesSpec(BaseModel):
 
     @property
     def slots(self) -> int:
-        """Engine processes per machine."""
+        """Engine processes per machine of one-GPU engines."""
         return self.gpus_per_machine * self.engines_per_gpu
+
+    def engine_slots(self, engine: EngineSpec | None) -> int:
+        """Engine processes per machine of `engine`: `engines_per_gpu` on each group of `tensor_parallel_size`
+        GPUs (None: one-GPU engines)."""
+        group = engine.tensor_parallel_size if engine is not None else 1
+        return self.gpus_per_machine // group * self.engines_per_gpu
+
+    def slot_devices(self, engine: EngineSpec) -> list[str]:
+        """Each slot's CUDA_VISIBLE_DEVICES: slot s spans GPU group s // engines_per_gpu, its
+        `tensor_parallel_size` GPUs ("0,1" for one engine over two)."""
+        group = engine.tensor_parallel_size
+        return [",".join(str(s // self.engines_per_gpu * group + g) for g in range(group))
+                for s in range(self.engine_slots(engine))]
 
     def host_options(self, workdir: str, engine: EngineSpec) -> HostOptions:
         """How a machine's jobs hand their engine work to its engine hosts (`jex stage --host-options`)."""
-        slots = self.slots
-        devices = ([str(s // self.engines_per_gpu) for s in range(slots)]  # slot s sees one GPU: s // engines_per_gpu
-                   if engine.device.startswith("cuda") else None)
+        slots = self.engine_slots(engine)
+        devices = self.slot_devices(engine) if engine.device.startswith("cuda") else None
         return HostOptions(home=f"{workdir}/engines", slots=slots, devices=devices,
                            max_requests=0 if self.engine_hosts else 1, stall_s=self.host_stall_s)
 
@@ -185,6 +197,21 @@ class CampaignSpec(BaseModel):
                                                          "for each (the report and samples mark them); off: refused")
     mlflow: MlflowTarget = Field(MlflowTarget(), description="Log the finished run to MLflow after its report")
 
+    @model_validator(mode="after")
+    def _tensor_parallel_fits(self) -> CampaignSpec:
+        """An engine over `tensor_parallel_size` GPUs needs whole groups of them on each machine, and, under the
+        audit profile, a settings audit to prove it batch invariant (none runs with audit off; the inprocess
+        provider runs one engine on one GPU); the control engine (`vllm-control`) opts out of the guarantee."""
+        tp, machines = self.engine.tensor_parallel_size, self.machines
+        if machines.gpus_per_machine % tp:
+            raise ValueError(f"machines.gpus_per_machine {machines.gpus_per_machine} is not a multiple of "
+                             f"engine.tensor_parallel_size {tp}: one engine slot spans {tp} GPUs")
+        if tp > 1 and self.engine.kind == "vllm" and machines.audit == "off":
+            raise ValueError(f"engine.tensor_parallel_size {tp} runs under the audit profile only where a settings "
+                             "audit proves it batch invariant, and machines.audit is 'off': set it to auto, or use "
+                             "engine kind vllm-control (no batch-invariance guarantee)")
+        return self
+
     def identity(self) -> str:
         """Hash of what defines the results, from content only: the suite's files (or the bundle's bytes),
         the engine's fingerprint (weights, tokenizer, what it reads, the settings that change numbers),
@@ -247,7 +274,7 @@ class CampaignSpec(BaseModel):
             return given
         if not self.engine.on_gpu():
             return cpu_rows
-        return gpu_shard_rows(rows, self.machines.workers * self.machines.slots, cpu_rows,
+        return gpu_shard_rows(rows, self.machines.workers * self.machines.engine_slots(self.engine), cpu_rows,
                               fill=self.engine.scheduler_seqs() if generating else 0)
 
     def gpu_warnings(self) -> list[str]:

@@ -76,7 +76,7 @@ def test_mlflow_run_holds_every_number_of_score_json_and_the_run_files(main_job_
         "model.weights_sha256": provenance["engine"]["weights_sha256"]}
     assert {k: v for k, v in run.data.tags.items() if k.startswith("jex.")} == {
         "jex.run": main_job_run.name, "jex.batch_invariance": "not audited", "jex.provider": "inprocess",
-        "jex.where": "local", "jex.engine": "hf", "jex.model_source": "embedded"}
+        "jex.where": "local", "jex.engine": "hf", "jex.model_source": "embedded", "jex.served": "false"}
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {
         "report.md", "skill.png", "reliability.png", "samples.parquet", "score.json", "provenance.json"}
 

@@ -76,3 +76,42 @@ def test_settings_that_starve_the_gpu_are_each_named():
 def test_gpu_sized_defaults_and_cpu_runs_warn_of_nothing():
     assert CampaignSpec(engine=GPU).gpu_warnings() == []
     assert CampaignSpec(engine=EngineSpec(batch_size=1), fast_shard_rows=4).gpu_warnings() == []
+
+
+TP2 = GPU.model_copy(update={"tensor_parallel_size": 2})
+
+
+@pytest.mark.parametrize(("engine", "slots", "devices"), [(GPU, 2, ["0", "1"]), (TP2, 1, ["0,1"])])
+def test_two_gpus_carry_one_slot_per_gpu_or_one_over_both_at_tensor_parallel_two(engine, slots, devices):
+    options = MachinesSpec(provider="local", gpus_per_machine=2).host_options("/w", engine)
+    assert (options.slots, options.devices) == (slots, devices)
+
+
+def test_engines_per_gpu_share_a_tensor_parallel_group():
+    machines = MachinesSpec(provider="local", gpus_per_machine=4, engines_per_gpu=2)
+    assert machines.slot_devices(TP2) == ["0,1", "0,1", "2,3", "2,3"]
+
+
+def test_gpu_shards_are_cut_per_engine_slot_not_per_gpu():
+    machines = MachinesSpec(provider="local", gpus_per_machine=2)
+    rows = {e.tensor_parallel_size: CampaignSpec(engine=e, machines=machines).fast_pass_inputs(bundle(10_000))
+            .shard_rows for e in (GPU, TP2)}
+    assert rows == {1: 625, 2: 1_250}  # 8 shards per engine: two engines, or one over both GPUs
+
+
+@pytest.mark.parametrize(("engine", "machines", "words"), [
+    (TP2, {"provider": "local", "gpus_per_machine": 3}, "gpus_per_machine 3 is not a multiple of "
+                                                         "engine.tensor_parallel_size 2"),
+    (TP2, {"provider": "local", "gpus_per_machine": 2, "audit": "off"}, "machines.audit is 'off'"),
+])
+def test_tensor_parallel_needs_whole_gpu_groups_and_an_audit(engine, machines, words):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=words) as e:
+        CampaignSpec(engine=engine, machines=MachinesSpec(**machines))
+    assert "engine.tensor_parallel_size 2" in str(e.value)
+
+
+def test_the_control_engine_opts_out_of_the_audit_at_tensor_parallel_two():
+    control = TP2.model_copy(update={"kind": "vllm-control"})
+    CampaignSpec(engine=control, machines=MachinesSpec(provider="local", gpus_per_machine=2, audit="off"))

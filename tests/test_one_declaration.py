@@ -78,7 +78,7 @@ def test_the_machine_stacks_are_the_projects_locks_written_from_its_constraints(
     assert stack_lock("hf") == rendered["stack-hf.lock"]
     assert stack_lock("vllm") == stack_lock("vllm-control") == rendered["stack-vllm.lock"]
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
-    assert extra == [f"vllm=={VLLM_PIN}"] and ENGINE_PINS["vllm"]["vllm"] == VLLM_PIN
+    assert extra == [f"vllm=={VLLM_PIN}", "jex[cpu]"] and ENGINE_PINS["vllm"]["vllm"] == VLLM_PIN
     assert f"vllm=={VLLM_PIN}\n" in stack_lock("vllm") and "vllm==" not in stack_lock("hf")
 
 
@@ -97,7 +97,8 @@ def test_a_vllm_knob_is_one_field_and_one_line_of_the_factory():
     knobs = VLLMSettings.knobs()
     assert {"max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_gib",
             "max_model_len", "cudagraph_mode"} <= set(knobs)
-    assert set(VLLMSettings.keyed_knobs()) == {"max_num_seqs", "max_model_len", "cudagraph_mode"}
+    assert set(VLLMSettings.keyed_knobs()) == {"max_num_seqs", "max_model_len", "cudagraph_mode",
+                                               "tensor_parallel_size"}
     params = inspect.signature(run).parameters
     factory = inspect.getsource(vllm_args)
     for knob in knobs:
@@ -118,7 +119,8 @@ def test_the_fingerprint_takes_the_keyed_knobs_by_their_mark(monkeypatch, tmp_pa
 
     spec = EngineSpec(kind="vllm", max_num_seqs=None, max_model_len=2048, max_num_batched_tokens=4096,
                       gpu_memory_utilization=0.5)
-    assert spec.vllm.keyed() == {"max_num_seqs": VLLM_MAX_NUM_SEQS, "max_model_len": 2048, "cudagraph_mode": None}
+    assert spec.vllm.keyed() == {"max_num_seqs": VLLM_MAX_NUM_SEQS, "max_model_len": 2048, "cudagraph_mode": None,
+                                 "tensor_parallel_size": None}  # one GPU: out of the key
     unkeyed = set(VLLMSettings.knobs()) - set(VLLMSettings.keyed_knobs())
     assert unkeyed and not unkeyed & set(spec.vllm.keyed())
     assert "spec.vllm.keyed()" in Path(fingerprint.__file__).read_text()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -100,3 +101,45 @@ def test_the_machines_code_bundle_holds_what_a_machine_job_imports():
 
     names = {arcname for _, arcname in bundle_files()}
     assert {"jex/tasks/inputs.py", "jex/lab/jobs.py", "jex/lab/bakeoff.py"} <= names
+
+
+LOCAL_ENGINE_ONLY = ("torch", "transformers", "gguf", "accelerate", "safetensors")
+"""What the `cpu` extra brings: only an engine on this machine imports them."""
+
+_CORE_COMMANDS = """
+import json, sys
+for name in json.loads(sys.argv[1]):
+    sys.modules[name] = None  # not installed: `import name` fails and find_spec(name) is None
+from typer.testing import CliRunner
+from jex.cli import app
+runner, out = CliRunner(), {}
+for args in (["--help"], ["run", "--help"], ["suite", "sample", "-o", sys.argv[2], "--rows", "24"],
+             ["suite", "validate", sys.argv[2]], ["run", "--suite", sys.argv[2], "--out", sys.argv[3]]):
+    r = runner.invoke(app, args)
+    out[" ".join(args[:2])] = [r.exit_code, r.output.strip().splitlines()[-1] if r.output.strip() else ""]
+out["imported"] = sorted(n for n in json.loads(sys.argv[1]) if sys.modules.get(n) is not None)
+print(json.dumps(out))
+"""
+
+
+def test_the_core_install_leaves_torch_and_transformers_to_the_cpu_extra():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {re.split(r"[<>=\[ ]", d)[0] for d in project["dependencies"]}
+    assert not core & set(LOCAL_ENGINE_ONLY)
+    cpu = {re.split(r"[<>=\[ ]", d)[0] for d in project["optional-dependencies"]["cpu"]}
+    assert cpu == set(LOCAL_ENGINE_ONLY)
+    assert "jex[cpu]" in project["optional-dependencies"]["dev"], "the README's set-up installs everything"
+
+
+def test_the_orchestrator_commands_run_without_the_cpu_extra_and_a_local_engine_names_it(tmp_path):
+    """torch and transformers absent (as after `pip install jex`): help, suite commands work; a campaign whose
+    HF engine would run on this machine is one line naming the extra, before any flow."""
+    out = subprocess.run([sys.executable, "-c", _CORE_COMMANDS, json.dumps(LOCAL_ENGINE_ONLY), str(tmp_path / "suite"),
+                          str(tmp_path / "runs")], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [got[k][0] for k in ("--help", "run --help", "suite sample", "suite validate")] == [0, 0, 0, 0]
+    assert got["run --suite"] == [1, "error: torch is not installed (the hf engine runs on this machine): "
+                                     "pip install 'jex[cpu]'"]
+    assert got["imported"] == []
+    assert not (tmp_path / "runs").exists()

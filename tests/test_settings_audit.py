@@ -71,9 +71,9 @@ def test_settings_that_change_batching_or_kernels_are_in_the_key_and_the_width_i
     assert plan(tmp_path, base, gpu_memory_utilization=0.5).key == key
 
 
-def stored(tmp_path: Path, folder: Path, **fields) -> SettingsAudit:
+def stored(tmp_path: Path, folder: Path, *, engine: dict | None = None, **fields) -> SettingsAudit:
     """A stored audit under the plan's key (what an earlier campaign's probe left)."""
-    p = plan(tmp_path, folder)
+    p = plan(tmp_path, folder, **(engine or {}))
     audit = SettingsAudit(**{"key": p.key, "arm": p.arm, "control": p.control, "gpus": p.gpus,
                              "stack_sha256": p.stack_sha256, "ladder": [1, 8, 16, 32, 64, 128, 256, 512],
                              "passed": True, "powered": True, "verdict": "INVARIANT", "folder": p.folder, **fields})
@@ -105,6 +105,24 @@ def test_a_wider_campaign_reuses_the_stored_power_and_probes_only_its_engine(tmp
     assert max(got.probe.ladder) == 1024
 
 
+@pytest.mark.parametrize(("audited_tp", "campaign_tp"), [(1, 2), (2, 1)])
+def test_an_audit_at_one_tensor_parallel_size_never_covers_another(tmp_path, audited_tp, campaign_tp):
+    base = model_folder(tmp_path / "base", b"w")
+    stored(tmp_path, base, engine={"tensor_parallel_size": audited_tp})
+    assert plan(tmp_path, base, tensor_parallel_size=audited_tp).probe is None
+    got = plan(tmp_path, base, tensor_parallel_size=campaign_tp)
+    assert got.probe is not None and got.kernel["tensor_parallel_size"] == campaign_tp
+    assert got.probe.control is not None and got.probe.control.tensor_parallel_size == campaign_tp  # control beside it
+
+
+def test_an_audit_over_several_gpus_says_so_in_its_line():
+    audit = SettingsAudit(key="k", arm="vllm-bi", control="vllm-control", gpus=["H100", "H100"], stack_sha256="s",
+                          ladder=[1, 8], passed=True, powered=True, verdict="INVARIANT", folder="f",
+                          kernel={"engine": "vllm", "tensor_parallel_size": 2})
+    assert "'vllm-bi' at tensor_parallel_size 2 on ['H100', 'H100']: PROVEN" in audit.line()
+    assert "tensor_parallel_size" not in audit.model_copy(update={"kernel": {"tensor_parallel_size": 1}}).line()
+
+
 def test_a_stored_failed_audit_refuses_before_any_probe(tmp_path):
     base = model_folder(tmp_path / "base", b"w")
     stored(tmp_path, base, passed=False, verdict="NOT INVARIANT: vllm-bi differ")
@@ -133,14 +151,15 @@ def test_a_quiet_control_lengthens_the_probe_to_its_last_scale(quiet_probe):
     assert {p.name for p in out.glob("arm-*.json")} == {"arm-hf-bi.json", "arm-hf-control.json"}
 
 
-def judged(tmp_path: Path, quiet_probe, mode: str):
+def judged(tmp_path: Path, quiet_probe, mode: str, kernel: dict | None = None):
     from jex.flows.machines.audit import AuditPlan
 
     probe, _, out = quiet_probe
     folder = tmp_path / "store" / "bakeoff" / "k"
     p = AuditPlan(key="k", folder=str(folder), arm="hf-bi", control="hf-control", gpus=[], stack_sha256="s",
                   shape=ArchitectureShape(architecture="LlamaForCausalLM", layers=30, hidden=576, heads=9, kv_heads=3,
-                                          head_dim=64, vocab=49152), kernel={"engine": "hf"}, model=None, probe=probe)
+                                          head_dim=64, vocab=49152), kernel=kernel or {"engine": "hf"}, model=None,
+                  probe=probe)
     shutil.copytree(out, tmp_path / "probe")
     return judge_probe(p, tmp_path / "probe", mode)  # type: ignore[arg-type]
 
@@ -151,6 +170,12 @@ def test_an_unproven_audit_is_refused_where_the_audit_is_always_required(tmp_pat
         judged(tmp_path, quiet_probe, "always")
     kept = stored_audit(tmp_path / "store", "k")
     assert kept is not None and kept.status == "unproven" and not kept.covers(1)  # stored, covering nothing
+
+
+@pytest.mark.slow
+def test_an_unproven_audit_refuses_an_engine_over_several_gpus_even_in_auto_mode(tmp_path, quiet_probe):
+    with pytest.raises(SettingsUnproven, match="tensor_parallel_size 2 runs only where proven"):
+        judged(tmp_path, quiet_probe, "auto", kernel={"engine": "vllm", "tensor_parallel_size": 2})
 
 
 @pytest.mark.slow

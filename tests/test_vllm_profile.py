@@ -15,7 +15,6 @@ def model(tmp_path):
 
 
 @pytest.mark.parametrize("settings, words", [
-    ({"tensor_parallel_size": 2}, "tensor parallelism breaks batch invariance"),
     ({"enable_prefix_caching": True}, "prefix caching on"),
     ({"enforce_eager": True}, "1,889 of 3,072"),
     ({"batch_invariant": False}, "VLLM_BATCH_INVARIANT must be 1"),
@@ -43,7 +42,7 @@ def test_non_audited_profile_passes_the_check_by_name(model):
 
 def test_unknown_profile_name_is_refused(model):
     with pytest.raises(EngineDeadError, match="unknown profile name"):
-        VLLMProfile(name="fast", tensor_parallel_size=2).check(model)
+        VLLMProfile(name="fast").check(model)
 
 
 def test_default_audit_profile_is_clean(model):
@@ -67,6 +66,49 @@ def test_a_campaigns_cudagraph_mode_reaches_vllm_and_the_engine_key(model):
     default = engine_fingerprint(fdo.model_copy(update={"cudagraph_mode": None})).key_doc()
     assert "cudagraph_mode" not in default
     assert engine_fingerprint(fdo).key_doc() == {**default, "cudagraph_mode": "FULL_DECODE_ONLY"}
+
+
+def test_tensor_parallel_reaches_vllm_and_keys_only_above_one_gpu(model):
+    """`tensor_parallel_size` is a keyed knob: vLLM's `LLM(...)` gets it, the profile leaves the verdict to the
+    settings audit (whose kernel settings name it), and the fingerprint holds it only above 1, so every key of a
+    one-GPU engine stays what it was."""
+    from jex.engine.effective import asked_kernel
+    from jex.engine.factory import vllm_args, vllm_profile
+    from jex.engine.fingerprint import engine_fingerprint
+    from jex.engine_spec import EngineSpec
+
+    tp2 = EngineSpec(kind="vllm", model=str(model), tensor_parallel_size=2)
+    assert vllm_args(tp2.vllm)["tensor_parallel_size"] == 2 and vllm_profile(tp2).violations(model) == []
+    assert asked_kernel(tp2)["tensor_parallel_size"] == 2 and asked_kernel(EngineSpec(kind="vllm"))[
+        "tensor_parallel_size"] == 1
+    (model / "model.safetensors").write_bytes(b"weights")
+    one_gpu = engine_fingerprint(tp2.model_copy(update={"tensor_parallel_size": 1})).key_doc()
+    assert "tensor_parallel_size" not in one_gpu
+    assert engine_fingerprint(tp2).key_doc() == {**one_gpu, "tensor_parallel_size": 2}
+
+
+def test_the_report_names_the_engines_span_and_a_control_engines_missing_guarantee(model):
+    from jex.engine.fingerprint import engine_fingerprint
+    from jex.engine_spec import EngineSpec
+    from jex.tasks.outputs.report import engine_scope
+
+    (model / "model.safetensors").write_bytes(b"weights")
+    tp2 = EngineSpec(kind="vllm", model=str(model), tensor_parallel_size=2)
+    assert engine_scope(engine_fingerprint(tp2.model_copy(update={"tensor_parallel_size": 1}))) == ""
+    assert engine_scope(engine_fingerprint(tp2)) == " over 2 GPUs (tensor parallel)"
+    control = engine_fingerprint(tp2.model_copy(update={"kind": "vllm-control"}))
+    assert engine_scope(control) == " over 2 GPUs (tensor parallel) (**control: no batch-invariance guarantee**)"
+
+
+def test_tensor_parallel_is_a_vllm_setting():
+    from pydantic import ValidationError
+
+    from jex.engine_spec import EngineSpec
+
+    with pytest.raises(ValidationError, match="tensor_parallel_size is a vLLM setting; engine 'hf'"):
+        EngineSpec(kind="hf", tensor_parallel_size=2)
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        EngineSpec(kind="vllm", tensor_parallel_size=0)
 
 
 def test_cudagraph_mode_on_an_engine_without_cuda_graphs_is_refused():

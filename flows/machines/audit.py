@@ -16,7 +16,9 @@ wider ladder later. An audit is:
 - **failed** when the invariant arm differed: the campaign is refused in one line;
 - **unproven** when the control never diverged, even lengthened (prompts and new tokens x2, then x4):
   stored but covering nothing; the campaign runs with "unproven" in machines.json, the report and
-  provenance, and is refused where `machines.audit = "always"`.
+  provenance, and is refused where `machines.audit = "always"` or the engine spans several GPUs
+  (`tensor_parallel_size` above 1: run only where proven; the settings are part of the key, so an audit at
+  one tensor-parallel size never covers another).
 `machines.audit`: "auto" audits vLLM engines, "always" any engine (the HF engine through the same path:
 the CPU twin; its control arm runs padded batches in bfloat16), "off" none (machines.json says so).
 """
@@ -90,6 +92,11 @@ class SettingsAudit(Record):
     def status(self) -> AuditStatus:
         return "failed" if not self.passed else "proven" if self.powered else "unproven"
 
+    def tensor_parallel(self) -> int:
+        """GPUs the audited engine spans (its kernel settings' `tensor_parallel_size`; 1 when not vLLM)."""
+        tp = self.kernel.get("tensor_parallel_size")
+        return tp if isinstance(tp, int) else 1
+
     def covers(self, rung: int) -> bool:
         return self.status == "proven" and max(self.ladder) >= rung
 
@@ -97,7 +104,8 @@ class SettingsAudit(Record):
         """One line for the campaign's log and report."""
         where = self.gpus or ["CPU"]
         size = f", lengthened x{self.scale}" if self.scale > 1 else ""
-        return (f"engine settings {self.arm!r} on {where}: {self.status.upper()} up to batch {max(self.ladder)}"
+        tp = f" at tensor_parallel_size {self.tensor_parallel()}" if self.tensor_parallel() > 1 else ""
+        return (f"engine settings {self.arm!r}{tp} on {where}: {self.status.upper()} up to batch {max(self.ladder)}"
                 f" ({'stored audit' if self.reused else 'probed now'}{size}; {self.folder})")
 
 
@@ -111,13 +119,16 @@ class SettingsNotAudited(FlowError):
 
 
 class SettingsUnproven(FlowError):
-    """`machines.audit = "always"` and the audit could not show its power: the control arm never diverged."""
+    """`machines.audit = "always"`, or an engine over several GPUs, and the audit could not show its power: the
+    control arm never diverged."""
 
     def __init__(self, audit: SettingsAudit):
         why = (f"the control arm {audit.control!r} failed: {audit.control_error}" if audit.control_error else
                f"the control arm {audit.control!r} never diverged, even at {audit.scale}x the prompts and tokens")
+        needs = (f"tensor_parallel_size {audit.tensor_parallel()} runs only where proven" if audit.tensor_parallel() > 1
+                 else "machines.audit is 'always'")
         super().__init__(f"engine settings {audit.arm!r} on {audit.gpus or ['CPU']}: the audit is unproven ({why}), "
-                         f"and machines.audit is 'always' (bake-off in {audit.folder})")
+                         f"and {needs} (bake-off in {audit.folder})")
         self.audit = audit
 
 
@@ -231,7 +242,8 @@ def plan_audit(engine: EngineSpec, *, store_root: Path, gpus: list[str], stack_l
 def judge_probe(plan: AuditPlan, probe_dir: Path, mode: AuditMode) -> SettingsAudit:
     """The audit of a probe a machine ran (its arms' files in `probe_dir`): the bake-off written and stored
     under the plan's key (`audit.json` last), whatever its status; raises `SettingsNotAudited` when the
-    invariant arm failed, `SettingsUnproven` when the control never diverged and `mode` is "always"."""
+    invariant arm failed, `SettingsUnproven` when the control never diverged and `mode` is "always" or the
+    engine spans several GPUs (tensor parallel: run only where proven)."""
     from jex.lab.bakeoff import bakeoff_result, write_bakeoff
 
     probe = plan.probe
@@ -265,7 +277,7 @@ def judge_probe(plan: AuditPlan, probe_dir: Path, mode: AuditMode) -> SettingsAu
         write_record(Path(plan.folder) / AUDIT_FILE, audit)
     if audit.status == "failed":
         raise SettingsNotAudited(audit)
-    if audit.status == "unproven" and mode == "always":
+    if audit.status == "unproven" and (mode == "always" or audit.tensor_parallel() > 1):
         raise SettingsUnproven(audit)
     return audit
 

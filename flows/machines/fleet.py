@@ -340,9 +340,9 @@ class GpuFleet(GoldenReplays):
         machines = [FleetMachine(**dict(s.record()), engine_starts=len(starts), engine_start_records=starts)
                     for s in self.sessions if s.machine is not None  # one whose creation failed never ran
                     for starts in [self.engine_starts.get(s.machine.id, [])]]
-        return MachinesDoc(provider=self.provider.name, workers=self.spec.workers, slots=self.spec.slots,
-                           engine_hosts=self.spec.engine_hosts, golden=list(self.golden), audit=self.audit,
-                           machines=machines,
+        return MachinesDoc(provider=self.provider.name, workers=self.spec.workers,
+                           slots=self.spec.engine_slots(self.engine), engine_hosts=self.spec.engine_hosts,
+                           golden=list(self.golden), audit=self.audit, machines=machines,
                            engine_starts=sum(m.engine_starts for m in machines),
                            ledger=self.ledger.usage(self.campaign))
 

@@ -154,6 +154,16 @@ def suite(path: Path | str, flag: str = "--suite", *, bundle_ok: bool = True) ->
     return path
 
 
+def local_engine(engine: EngineSpec, provider: str) -> None:
+    """An HF engine that runs on this machine (the `inprocess` and `local` providers) needs torch and
+    transformers, which the orchestrator's core install leaves out: one line naming the `cpu` extra."""
+    from jex.extras import LOCAL_ENGINE_MODULES, check_extra
+
+    if provider in ("inprocess", "local") and engine.kind in ("hf", "hf-batched"):
+        for module in LOCAL_ENGINE_MODULES:
+            check_extra(module, "cpu", why=f" (the {engine.kind} engine runs on this machine)")
+
+
 def model(value: str | None, flag: str = "--model") -> None:
     """A model folder (holds config.json), a GGUF file (its header: magic, a version jex reads, counts
     its size can hold; `engine.models.gguf_header_problem`), or a Hub id `org/name[@rev]`."""

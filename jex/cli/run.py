@@ -362,13 +362,14 @@ def check_campaign(campaign: CampaignSpec) -> None:
         engine_fingerprint(campaign.engine)
     else:
         preflight.model(campaign.engine.model)
+        preflight.local_engine(campaign.engine, campaign.machines.provider)
     preflight.rules(campaign.overlays)
     if campaign.reference:
         preflight.rows_file(campaign.reference, "--reference", needs=("run_id", "choice"))
     preflight.writable_dir(campaign.out, "--out")
     preflight.writable_dir(campaign.store, "--store")
     if campaign.mlflow.tracking_uri:  # logged at the end of the flow: the extra is checked before it starts
-        from jex.tasks.outputs.interop.tracked_run import check_extra
+        from jex.extras import check_extra
 
         check_extra("mlflow", "mlflow")
     from jex.infra.instance_catalogue import machine_price, memory_preflight_gpu

@@ -142,7 +142,15 @@ def _headline(docs: RunDocs, engine: EngineFingerprint) -> list[str]:
     return [f"**Full index {policy.full:.2f}** (95% CI {lo:.2f} to {hi:.2f}) against the fast-pass baseline "
             f"{baseline.full:.2f}: delta {policy.full - baseline.full:+.2f} with fold, calibration and "
             f"overlays; the fold alone has a paired 95% CI of {dlo:+.2f} to {dhi:+.2f}.", "",
-            f"Engine: `{engine.kind}`, {_model_line(engine)}, renderer `{engine.renderer.version}`.", ""]
+            f"Engine: `{engine.kind}`{engine_scope(engine)}, {_model_line(engine)}, renderer "
+            f"`{engine.renderer.version}`.", ""]
+
+
+def engine_scope(engine: EngineFingerprint) -> str:
+    """The engine's span over several GPUs and, for the control engine, that it gives no batch-invariance
+    guarantee (the audited engine's span is its settings audit's to allow: the machines section names it)."""
+    span = f" over {engine.tensor_parallel_size} GPUs (tensor parallel)" if engine.tensor_parallel_size else ""
+    return span + (" (**control: no batch-invariance guarantee**)" if engine.kind == "vllm-control" else "")
 
 
 def _model_line(engine: EngineFingerprint) -> str:

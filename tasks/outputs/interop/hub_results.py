@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from jex.errors import InputError
+from jex.extras import needs_extra
 from jex.tasks.outputs.interop.lm_eval_files import export_lm_eval
-from jex.tasks.outputs.interop.tracked_run import needs_extra
 
 CARD = "README.md"
 

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from jex.errors import InputError
+from jex.extras import needs_extra
 from jex.tasks.campaign_spec import MlflowTarget
-from jex.tasks.outputs.interop.tracked_run import RUN_TAG, TrackedRun, needs_extra, tracked_run
+from jex.tasks.outputs.interop.tracked_run import RUN_TAG, TrackedRun, tracked_run
 
 PARENT_TAG = "jex.parent"
 """The tag naming a parent run (`export_mlflow(parent=...)`), found again by it."""

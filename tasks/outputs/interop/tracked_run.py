@@ -15,10 +15,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterator
-from importlib import import_module
-from importlib.util import find_spec
 from pathlib import Path
-from types import ModuleType
 
 from pydantic import Field, JsonValue
 
@@ -52,20 +49,6 @@ class TrackedRun(Record):
 
     def file(self, name: str) -> Path:
         return Path(self.run_dir) / name
-
-
-def needs_extra(module: str, extra: str) -> ModuleType:
-    """`module`, or one line naming the extra that installs it."""
-    try:
-        return import_module(module)
-    except ImportError:
-        raise InputError(f"{module} is not installed: pip install 'jex[{extra}]'") from None
-
-
-def check_extra(module: str, extra: str) -> None:
-    """One line naming the extra that installs `module` when it is not installed (without importing it)."""
-    if find_spec(module.split(".")[0]) is None:
-        raise InputError(f"{module} is not installed: pip install 'jex[{extra}]'")
 
 
 def tracked_run(run_dir: str | Path) -> TrackedRun:
@@ -138,9 +121,13 @@ def _param_text(value: JsonValue) -> str:
 def _tags(run: str, spec: RecordedCampaign, prov: ProvenanceDoc) -> dict[str, str]:
     """The run's name, its settings audit's verdict (proven, unproven, failed; `NOT_AUDITED` when no audit covered
     it), where its engine stages ran (the provider: inprocess and local on this host), the engine and the model's
-    source (embedded, hub or local)."""
+    source (embedded, hub or local), and whether the model was served (whose batch invariance nothing proves)."""
+    from jex.tasks.capture.served import NOT_PROVEN
+
     source = "embedded" if spec.engine.model is None else "hub" if prov.engine and prov.engine.hub else "local"
-    return {RUN_TAG: run, "jex.batch_invariance": prov.settings_audit.status if prov.settings_audit else NOT_AUDITED,
+    served = spec.engine.is_served()
+    verdict = NOT_PROVEN if served else prov.settings_audit.status if prov.settings_audit else NOT_AUDITED
+    return {RUN_TAG: run, "jex.batch_invariance": verdict, "jex.served": str(served).lower(),
             "jex.provider": spec.machines.provider,
             "jex.where": "local" if spec.machines.provider in ("inprocess", "local") else "machines",
             "jex.engine": spec.engine.kind, "jex.model_source": source}

@@ -16,7 +16,8 @@ import polars as pl
 from pydantic import BaseModel, ConfigDict, Field
 
 from jex.errors import InputError
-from jex.tasks.outputs.interop.tracked_run import PLOTS, RUN_TAG, TrackedRun, needs_extra, tracked_run
+from jex.extras import needs_extra
+from jex.tasks.outputs.interop.tracked_run import PLOTS, RUN_TAG, TrackedRun, tracked_run
 
 SAMPLES_TABLE_ROWS = 10_000  # W&B shows at most this many rows of a logged table (`wandb.Table.MAX_ROWS`)
 
