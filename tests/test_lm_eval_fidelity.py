@@ -35,7 +35,10 @@ from jex.settings import BOOTSTRAP_DRAWS
 pytestmark = pytest.mark.slow
 
 TOL = 1e-4
-LONG_SEQUENCE_TOL = {"fid_mc1": 2e-4, "fid_mc2": 2e-4, "fid_hs": 2e-4, "fid_piqa": 2e-4}
+LONG_SEQUENCE_TOL = {"fid_mc1": 2e-4, "fid_mc2": 2e-4, "fid_hs": 2e-4, "fid_piqa": 2e-4, "fid_metrics": 2e-4}
+"""float32 on a CPU: jex's packed forward and lm-eval's padded batches sum in other orders, and how far apart
+they land depends on the CPU's kernels (fid_metrics: under 1e-4 on the earlier CI machine, 1.48e-4 on an AMD
+EPYC, the same at a commit before any change to the readout); every argmax, acc and acc_norm stays equal."""
 """Where a log-likelihood sums many tokens (TruthfulQA's ~250-token six-shot preamble; HellaSwag's and PIQA's
 sentence-long continuations, log-likelihoods near -47), the fp32 numbers of jex's HF engine (packed,
 per-row attention: batch invariant) and lm-eval's HF backend (padded batches) differ by up to 1.35e-4
