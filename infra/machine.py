@@ -523,9 +523,9 @@ class MachineSession:
                 time.sleep(p.poll_s)
                 continue
             if st.gone or st.self_terminated:  # its watchdog stopped it while nobody polled
-                return self._stopped_itself(job, st, t0, tail)
+                return self._as_budget_stop(self._stopped_itself(job, st, t0, tail))
             if st.marker is not None:
-                return self._collect(job, st.marker, t0, tail)
+                return self._as_budget_stop(self._collect(job, st.marker, t0, tail))
             if st.watchdog is False:
                 return self._salvage(job, "watchdog_lost", "the machine's watchdog is not running (its dead-man's "
                                      "switch is gone); stopping the machine", t0, tail)
@@ -549,6 +549,14 @@ class MachineSession:
         if p.budget_hours is not None and time.time() - self.started.machine.created_at > p.budget_hours * 3600:
             return f"wall-clock budget of {p.budget_hours * 3600:.0f} s reached"
         return None
+
+    def _as_budget_stop(self, outcome: JobOutcome) -> JobOutcome:
+        """A job that ended badly once the budget was spent was stopped by the machine's own cost ceiling (its
+        watchdog's time to live is the budget at the machine's price), whichever side noticed first."""
+        if outcome.ok or (over := self._over_budget()) is None:
+            return outcome
+        return outcome.model_copy(update={"status": "budget", "reason": f"{over}; the machine stopped the job "
+                                                                         f"itself ({outcome.reason})"})
 
     def _stopped_itself(self, job: RemoteJob, st: WorkerStatus, t0: float, tail: list[str]) -> JobOutcome:
         """The machine's watchdog stopped it: adopt its results from S3, else salvage them from its disk."""

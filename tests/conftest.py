@@ -21,7 +21,8 @@ os.environ["PREFECT_HOME"] = str(_WORKER_TMP / "prefect")
 os.environ.setdefault("JEX_INFRA__STATE_DIR", str(_WORKER_TMP / "infra"))
 
 FILE_SECONDS = Path(__file__).with_name("durations.json")
-"""Seconds of the slowest test files in CI (`--durations`, a loaded 2-core run); a file not listed counts 0."""
+"""Seconds of the slowest test files in a whole `make test` run (re-recorded from its JUnit XML by
+`bench/test_durations.py`); a file not listed counts 0."""
 
 
 SLOW_FIXTURES = frozenset({"prefect_harness", "main_job_run", "embedded_model_dir"})

@@ -31,7 +31,7 @@ EVERY_FIELD = {
                "kv_cache_memory_gib": 6.0, "max_model_len": 1024, "cache_dir": "cache",
                "cudagraph_mode": "FULL_DECODE_ONLY", "base_url": "http://h:1/v1", "api_key_env": "MY_KEY",
                "max_concurrency": 3, "max_retries": 1, "request_timeout_s": 30.0, "price_input_per_mtok": 0.5,
-               "price_output_per_mtok": 1.5,
+               "price_output_per_mtok": 1.5, "tensor_parallel_size": 2,
                "render": {"system_prompt": "Be brief.", "chat_template": "none", "num_fewshot": 2}},
     "machines": {"provider": "ssh", "hosts": ["h1", "h2"], "workers": 2, "budget_usd": 5.0, "price_per_hour": 1.5,
                  "budget_hours": 2.0, "heartbeat_timeout_s": 30.0, "golden_rows": 8, "golden_tolerance": 0.001,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from jex.infra.backoff import wait_until
 from jex.infra.cost_ledger import BudgetExceeded, CostLedger
 from jex.infra.machine import JobFailed, MachineSession, Policy, RemoteJob
 from jex.infra.providers import CommandProvider, CommandTemplates, EC2Provider, LocalProvider, SSHProvider
@@ -271,6 +272,24 @@ def test_budget_tears_down_running_machines_and_refuses_new_ones(tmp_path, s3_bu
     ledger = CostLedger(tmp_path / "state" / "ledger.json").usage("c1")
     assert len(ledger.machines) == 1 and ledger.total_usd >= 60.0
 
+
+
+def test_a_job_the_machine_stops_at_its_cost_ceiling_is_a_budget_stop(tmp_path, s3_bucket):
+    """The machine's watchdog (time to live: the budget at its price, 15 s) stops the job while the orchestrator's
+    poll is under way, after its budget check passed: the outcome still says the budget ended it."""
+    provider = LocalProvider(tmp_path / "machines")
+    session = session_for(provider, tmp_path, s3_bucket, price_per_hour=36_000.0, budget_usd=150.0)
+
+    def slow_poll(job):  # the poll's answer comes once the machine has stopped the job itself
+        assert wait_until(lambda: (Path(session.run_dir(job)) / "FAILED.json").exists(), timeout_s=60, every_s=0.2)
+        return MachineSession.status(session, job)
+
+    session.status = slow_poll
+    with pytest.raises(JobFailed) as err, session:
+        session.run(shell_job("j", "echo started > s.bin; sleep 60", tmp_path / "got"))
+    outcome = err.value.outcome
+    assert outcome.status == "budget" and "cost budget" in outcome.reason
+    assert_no_machine_and_nothing_lost(provider, "c1", s3_bucket, outcome, {"s.bin"})
 
 _ORCHESTRATOR = """
 import sys, time

@@ -19,7 +19,7 @@ NOT_DEFAULT = {"kind": "vllm", "profile": "audit-ngram", "model": "org/name@abc"
                "kv_cache_memory_gib": 6.0, "max_model_len": 2048, "cache_dir": "/tmp/jex-cache",
                "cudagraph_mode": "FULL_DECODE_ONLY", "base_url": "http://h:1/v1", "api_key_env": "MY_KEY",
                "max_concurrency": 3, "max_retries": 1, "request_timeout_s": 30.0, "price_input_per_mtok": 0.5,
-               "price_output_per_mtok": 1.5}
+               "price_output_per_mtok": 1.5, "tensor_parallel_size": 2}
 """A value other than the default for every plain field of the engine spec (its render is a table)."""
 
 
@@ -51,10 +51,11 @@ def test_a_misspelt_engine_setting_is_refused_by_name(monkeypatch):
 
 @pytest.mark.parametrize("field", sorted(NOT_DEFAULT))
 def test_an_engine_setting_reaches_the_campaign_engine(field, monkeypatch):
-    if field == "cudagraph_mode":  # a vLLM setting: the engine spec refuses it on the default HF engine
+    if field in ("cudagraph_mode", "tensor_parallel_size"):  # vLLM settings: the HF engine refuses them
         monkeypatch.setenv("JEX_ENGINE__KIND", "vllm")
     monkeypatch.setenv(f"JEX_ENGINE__{field.upper()}", str(NOT_DEFAULT[field]))
-    assert getattr(campaign_spec(load_settings()).engine, field) == NOT_DEFAULT[field]
+    gpus = {"machines": {"gpus_per_machine": 2}}  # one engine slot of tensor_parallel_size 2 spans two GPUs
+    assert getattr(campaign_spec(load_settings(), gpus).engine, field) == NOT_DEFAULT[field]
 
 
 def test_store_bootstrap_and_provider_settings_reach_the_spec(monkeypatch):
