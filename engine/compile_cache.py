@@ -30,16 +30,24 @@ artifacts (`vllm_compile_cache.py`) names each artifact by absolute path, so a c
 another folder has those paths rewritten to its new folder (without that, the start fails with
 FileNotFoundError on the first machine's path, as found on the H200)."""
 _CACHE_INDEX = "vllm_compile_cache.py"
+_SLOT, _SLOT_CACHE = "slot-", "vllm-cache"
+
+
+MODELINFOS = "modelinfos"
+"""`VLLM_CACHE_ROOT/modelinfos/`: vLLM's record of each model architecture it inspected (one JSON file per model
+class, keyed by the hash of vLLM's model file). A start that finds none inspects the architecture in a fresh
+Python process that imports vLLM: 20 s of each of the two engine starts of a first campaign on the H200 (the
+campaign engine's and the settings audit's control, each with a cache folder of its own)."""
 
 
 def slot_dir(home: Path, slot: int) -> Path:
     """The folder of one engine slot under a machine's engine folder: its engine process's files."""
-    return home / f"slot-{slot}"
+    return home / f"{_SLOT}{slot}"
 
 
 def cache_dir(home: Path, slot: int) -> Path:
     """The slot's vLLM cache folder (`VLLM_CACHE_ROOT` of its engine process)."""
-    return slot_dir(home, slot) / "vllm-cache"
+    return slot_dir(home, slot) / _SLOT_CACHE
 
 
 def cache_env(home: Path, slot: int) -> dict[str, str]:
@@ -131,5 +139,24 @@ def take_compile_cache(home: Path, dest: Path) -> bool:
     return True
 
 
+def seed_modelinfos(cache_root: Path, home: Path) -> int:
+    """Before an engine start with its own cache folder `cache_root` (the audit's control): copy in the
+    architecture inspections the machine's engine slots under `home` already made, where it lacks them. Returns
+    how many files it copied. Like the compile cache it only saves time: a copy that fails is printed, never
+    raised, and vLLM inspects again."""
+    copied = 0
+    for source in sorted(home.glob(f"{_SLOT}*/{_SLOT_CACHE}/{MODELINFOS}/*.json")):
+        target = cache_root / MODELINFOS / source.name
+        if target.exists():
+            continue
+        try:
+            with atomic_path(target) as tmp:
+                shutil.copyfile(source, tmp)
+            copied += 1
+        except OSError as e:
+            print(f"model info {source} not copied: {e}", flush=True)
+    return copied
+
+
 __all__ = ["CACHE_ROOT_FILE", "COMPILE_CACHE", "COMPILE_CACHE_IN", "bring_compile_cache", "cache_dir", "cache_env",
-           "pack_compile_cache", "restore_compile_cache", "slot_dir", "take_compile_cache"]
+           "pack_compile_cache", "restore_compile_cache", "seed_modelinfos", "slot_dir", "take_compile_cache"]

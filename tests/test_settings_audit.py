@@ -262,3 +262,35 @@ def test_the_vllm_control_fixes_its_kv_cache_so_it_starts_beside_a_campaign_engi
     assert control.kind == "vllm-control" and control.kv_cache_memory_gib == CONTROL_KV_CACHE_GIB
     assert control.gpu_memory_utilization + campaign.gpu_memory_utilization <= 1.0
     assert not control.starts_alone()
+
+
+def test_the_control_starts_with_the_architecture_inspections_the_campaign_engine_made(tmp_path):
+    """vLLM inspects a model architecture once per cache folder (20 s on the H200 when it has no record); the
+    control has a cache folder of its own, so it is seeded with the records the machine's engine slots made."""
+    from jex.engine.compile_cache import MODELINFOS, cache_dir
+    from jex.tasks.capture.invariance import InvarianceProbe, _start_control
+
+    home = tmp_path / "engines"
+    made = cache_dir(home, 0) / MODELINFOS / "vllm-model_executor-models-llama-LlamaForCausalLM.json"
+    made.parent.mkdir(parents=True)
+    made.write_text('{"hash": "h", "modelinfo": {}}')
+    probe = InvarianceProbe(arm="vllm-bi", control_arm="vllm-control", control=EngineSpec(kind="hf-batched"),
+                            prompts=1, tokens=1, ladder=[1], engine_home=str(home))
+    control = _start_control(probe, tmp_path / "probe")  # no probe request here: the process exits at once
+    assert control.wait(timeout=120) != 0
+    seeded = tmp_path / "probe" / "control-cache" / MODELINFOS / made.name
+    assert seeded.read_text() == made.read_text()
+
+
+def test_seeding_keeps_the_records_a_cache_folder_already_has(tmp_path):
+    from jex.engine.compile_cache import MODELINFOS, cache_dir, seed_modelinfos
+
+    home, control = tmp_path / "engines", tmp_path / "control-cache"
+    for folder, text in ((cache_dir(home, 0), "slot 0"), (cache_dir(home, 1), "slot 1"), (control, "own")):
+        (folder / MODELINFOS).mkdir(parents=True)
+        (folder / MODELINFOS / f"{text.replace(' ', '')}.json").write_text(text)
+    (cache_dir(home, 1) / MODELINFOS / "own.json").write_text("slot 1's")
+    assert seed_modelinfos(control, home) == 2
+    assert {p.name: p.read_text() for p in (control / MODELINFOS).iterdir()} == {
+        "slot0.json": "slot 0", "slot1.json": "slot 1", "own.json": "own"}
+    assert seed_modelinfos(control, home) == 0 and seed_modelinfos(control, tmp_path / "no-machine") == 0

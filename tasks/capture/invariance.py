@@ -287,12 +287,16 @@ def _rung_done(tick: Callable[[str, int], None], what: str, ladder: list[int], b
 
 def _start_control(probe: InvarianceProbe, out: Path) -> Any:
     """The control arm's process, in a session of its own (its compile workers stop with it), with vLLM's
-    default environment and a compile cache of its own."""
+    default environment and a compile cache of its own (seeded with the machine's architecture inspections)."""
     import os
     import subprocess
 
+    from jex.engine.compile_cache import seed_modelinfos
+
     env = {k: v for k, v in os.environ.items() if k not in CONTROL_ENV_DROPPED}
     env["VLLM_CACHE_ROOT"] = str(out / "control-cache")
+    if probe.engine_home:  # the campaign engine inspected the architecture already: the control need not again
+        seed_modelinfos(out / "control-cache", Path(probe.engine_home))
     return subprocess.Popen([sys.executable, "-m", "jex.tasks.capture.invariance", "control",
                              str(out / "probe-request.json"), str(out)], env=env, start_new_session=True)
 
