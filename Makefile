@@ -33,10 +33,12 @@ TYPECHECK = mkdir -p build/typecheck/jex && for room in engine tasks lab flows i
 		ln -sfn ../../../$$room build/typecheck/jex/$$room; done && \
 	set -o pipefail && $(VENV)/bin/mypy $(MYPY_PACKAGES) | sed 's|^build/typecheck/jex/||'
 
+# Each test's seconds land in build/test-results.xml: `bench/test_durations.py` re-records tests/durations.json from it
 test: setup
 	$(VENV)/bin/ruff check .
 	$(TYPECHECK)
-	bash .ci/services.sh $(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	bash .ci/services.sh $(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder \
+		--junitxml=build/test-results.xml $(PYTEST_ARGS)
 
 # The inner loop: the same services and workers, without the tests marked `slow` (the embedded model, whole
 # campaigns, real servers; tests/conftest.py marks those by the fixtures they use too); `make test` runs them all

@@ -1,7 +1,7 @@
 """Re-record `tests/durations.json` (the seconds of each test file, which `tests/conftest.py` hands out longest
 first) from a whole run's JUnit XML, and print the ten slowest tests:
 
-    make test PYTEST_ARGS="--junitxml=/tmp/suite.xml" && .venv/bin/python bench/test_durations.py /tmp/suite.xml
+    make test && .venv/bin/python bench/test_durations.py    (`make test` writes build/test-results.xml)
 
 A file's seconds are the sum of its tests' (set-up included, as pytest reports them); files under 5 s are left
 out (they count 0: their order does not matter)."""
@@ -30,7 +30,8 @@ def file_seconds(junit: Path) -> tuple[dict[str, float], list[tuple[float, str]]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("junit", type=Path, help="the JUnit XML of a whole `make test` run")
+    p.add_argument("junit", type=Path, nargs="?", default=DURATIONS.parent.parent / "build" / "test-results.xml",
+                   help="the JUnit XML of a whole `make test` run (default: the last one's)")
     a = p.parse_args()
     by_file, tests = file_seconds(a.junit)
     kept = {name: round(s) for name, s in sorted(by_file.items(), key=lambda kv: -kv[1]) if s >= 5}
