@@ -101,6 +101,10 @@ def one_cell(kind: str, rows: int, a: argparse.Namespace, env: dict[str, str]) -
     print(json.dumps({"cell": f"{kind}:{rows}", "lm_eval_s": cell["lm_eval_s"]}), flush=True)
     if first is not None:
         cell["generations_or_argmax_differ"] = differences(kind, task.stem, work / "lm", Path(first["run_dir"]))
+    if a.lm_eval_invariant:  # lm_eval as jex runs vLLM: its samples are what jex's must equal, row for row
+        lm_bi = run_lm_eval(task, a.model, work / "lm-invariant", env, a.cpu, reuse=a.reuse, invariant=True)
+        cell["lm_eval_invariant_s"] = round(lm_bi["wall_s"], 1)
+        print(json.dumps({"cell": f"{kind}:{rows}", "lm_eval_invariant_s": cell["lm_eval_invariant_s"]}), flush=True)
     later_store = a.later_store or (work / "jex-first" / "store" if not a.skip_first else None)
     if later_store is not None and not a.skip_later:
         later = run_jex(task, a.model, work / "jex-later", env, later_store, a.cpu, a.jex_args, cluster, a.reuse)
@@ -111,6 +115,9 @@ def one_cell(kind: str, rows: int, a: argparse.Namespace, env: dict[str, str]) -
                         differences(kind, task.stem, work / "lm", Path(later["run_dir"])))
         print(json.dumps({"cell": f"{kind}:{rows}", "jex_later_s": cell["jex_later_s"],
                           "phases": cell["phases_later"], "audit": cell["audit_later"]}), flush=True)
+    jex_run = first["run_dir"] if first is not None else cell.get("later_run_dir")
+    if a.lm_eval_invariant and jex_run is not None:
+        cell["differ_from_invariant_lm_eval"] = differences(kind, task.stem, work / "lm-invariant", Path(jex_run))
     for key in ("jex_first_s", "jex_later_s"):
         if key in cell:
             cell[key.replace("_s", "_over_lm_eval")] = round(cell[key] / cell["lm_eval_s"], 3)
@@ -127,6 +134,9 @@ def main() -> None:
     p.add_argument("--skip-later", action="store_true", help="no later campaign")
     p.add_argument("--skip-first", action="store_true", help="only lm_eval and the later campaign")
     p.add_argument("--cold", action="store_true", help="empty vLLM's compile cache before lm_eval's run")
+    p.add_argument("--lm-eval-invariant", action="store_true",
+                   help="also run lm_eval batch invariant (VLLM_BATCH_INVARIANT=1, prefix caching off) and count "
+                        "jex's differences from it")
     p.add_argument("--max-gen-toks", type=int, default=256)
     p.add_argument("--jex-args", type=lambda s: s.split(), default=[])
     p.add_argument("--work", type=Path, default=Path("/tmp/day-one"))

@@ -250,16 +250,21 @@ def recorded(folder: Path, key: str, result: dict) -> dict:
 
 
 def run_lm_eval(task: Path, model: str, out: Path, env: dict[str, str], cpu: bool, seqs: int = 0,
-                reuse: bool = False) -> dict:
+                reuse: bool = False, invariant: bool = False) -> dict:
     """`lm_eval run` with its samples in `out`, timed from its process start; `seqs`: vLLM's max_num_seqs (on
-    the CPU the HF batch size), 0 = the default (vLLM's; HF 8)."""
-    key = run_key(task, model, cpu, seqs)
+    the CPU the HF batch size), 0 = the default (vLLM's; HF 8); `invariant`: vLLM batch invariant
+    (`VLLM_BATCH_INVARIANT=1`, prefix caching off), as jex runs it."""
+    key = run_key(task, model, cpu, seqs, *(["invariant"] if invariant else []))
     if (earlier := reused(out, reuse, key)) is not None:
         return earlier
+    invariant_args = ",enable_prefix_caching=False" if invariant and not cpu else ""
+    if invariant and not cpu:
+        env = {**env, "VLLM_BATCH_INVARIANT": "1"}
     backend = (["--model", "hf", "--model_args", f"pretrained={model},dtype=float32", "--device", "cpu",
                 "--batch_size", str(seqs or 8)] if cpu else
                ["--model", "vllm", "--model_args", f"pretrained={model},dtype=bfloat16,attention_backend=TRITON_ATTN,"
-                "gpu_memory_utilization=0.5" + (f",max_num_seqs={seqs}" if seqs else ""), "--batch_size", "auto"])
+                "gpu_memory_utilization=0.5" + (f",max_num_seqs={seqs}" if seqs else "") + invariant_args,
+                "--batch_size", "auto"])
     cmd = [sys.executable, "-m", "lm_eval", "run", *backend, "--tasks", task.stem, "--include_path",
            str(task.parent), "--log_samples", "--output_path", str(out)]
     out.parent.mkdir(parents=True, exist_ok=True)
