@@ -69,6 +69,10 @@ STACK_PACKAGES = ("transformers", "gguf", "accelerate", "safetensors", "numpy", 
 """`boto3`: the machine's watchdog uploads its own artifacts when the orchestrator is gone."""
 
 
+FIRST_POLL_S = 0.25
+"""The wait before a job's second poll (`MachineSession._poll_wait`)."""
+
+
 @dataclass
 class Policy:
     poll_s: float = infra_default("poll_s")
@@ -520,7 +524,7 @@ class MachineSession:
                 if time.time() - unreachable_since > p.heartbeat_timeout_s:
                     return self._finish(job, "unreachable", f"machine unreachable for {p.heartbeat_timeout_s:.0f} s: "
                                         f"{e}", t0, tail, lost_all=True)
-                time.sleep(p.poll_s)
+                time.sleep(self._poll_wait(polls))
                 continue
             if st.gone or st.self_terminated:  # its watchdog stopped it while nobody polled
                 return self._as_budget_stop(self._stopped_itself(job, st, t0, tail))
@@ -538,7 +542,13 @@ class MachineSession:
                 return self._salvage(job, "heartbeat_lost",
                                      f"no heartbeat for {st.now - beat:.0f} s (timeout {p.heartbeat_timeout_s:.0f} s)",
                                      t0, tail)
-            time.sleep(p.poll_s)
+            time.sleep(self._poll_wait(polls))
+
+    def _poll_wait(self, polls: int) -> float:
+        """The wait before the next poll of a job: FIRST_POLL_S doubling up to the policy's `poll_s`, so that a
+        short job (a bootstrap, a teardown, a small stage) is seen to end within a fraction of a second and a
+        long one is polled at `poll_s`."""
+        return min(self.policy.poll_s, FIRST_POLL_S * 2 ** (polls - 1))
 
     def _over_budget(self) -> str | None:
         """Why the campaign's cost or this machine's wall-clock budget is spent, or None."""
