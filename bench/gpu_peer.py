@@ -56,8 +56,10 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import IO
 
 COMMON = """dataset_path: json
 output_type: multiple_choice
@@ -216,13 +218,32 @@ def make_tasks(kind: str, rows: int, folder: Path, max_gen_toks: int = 256) -> P
 
 
 def timed(cmd: list[str], log: Path, env: dict[str, str], cwd: Path) -> float:
-    """Seconds from the process's start to its exit (it must succeed); its output in `log`."""
+    """Seconds from the process's start to its exit (it must succeed); its output in `log` (stdout, then
+    stderr) and, each line stamped with the seconds since the start, in `log`'s `-timeline.log` beside it
+    (where a run's fixed cost went)."""
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    streams: dict[str, list[str]] = {"stdout": [], "stderr": []}
+    timeline: list[str] = []
+
+    def read(name: str, stream: IO[str]) -> None:
+        for line in stream:
+            streams[name].append(line)
+            timeline.append(f"{time.perf_counter() - t0:8.2f} {name[3]} {line}")
+
+    readers = [threading.Thread(target=read, args=(name, stream))
+               for name, stream in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    for r in readers:
+        r.start()
+    code = proc.wait()
+    for r in readers:
+        r.join()
     seconds = time.perf_counter() - t0
-    log.write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
-    if done.returncode:
-        raise SystemExit(f"{cmd[:4]} failed ({done.returncode}); see {log}:\n{done.stderr[-3000:]}")
+    stdout, stderr = "".join(streams["stdout"]), "".join(streams["stderr"])
+    log.write_text(stdout + "\n--- stderr ---\n" + stderr)
+    log.with_name(f"{log.stem}-timeline.log").write_text("".join(timeline) + f"{seconds:8.2f} exit {code}\n")
+    if code:
+        raise SystemExit(f"{cmd[:4]} failed ({code}); see {log}:\n{stderr[-3000:]}")
     return seconds
 
 
