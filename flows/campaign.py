@@ -119,9 +119,8 @@ class CampaignRun:
             return stored
         t0 = time.perf_counter()
         if isinstance(inputs, FastPassInputs | ReasonInputs | GenerateInputs):
-            if isinstance(inputs, ReasonInputs) and not LocalStore(self.spec.store).stage(inputs.stage,
-                                                                                          inputs.key()).complete:
-                warm_tokenizer(self.spec.engine)  # the report's prompts need it: loaded while the machine reasons
+            if not LocalStore(self.spec.store).stage(inputs.stage, inputs.key()).complete:
+                warm_tokenizer(self.spec.engine)  # the report renders prompts with it: loaded while machines compute
             inputs = self.runner.compute(EngineJob(inputs=inputs, store=self.spec.store)).inputs
         call = {"inputs": inputs, "store": self.spec.store}
         out = task.with_options(refresh_cache=True)(**call) if name in self.redo else task(**call)

@@ -213,6 +213,8 @@ def render_prompts(engine: Any, rows: Sequence[Any], *, render: Any, fewshot: An
 
 _TOKENIZERS: dict[tuple[str, str], Future[Any]] = {}
 _TOKENIZERS_LOCK = threading.Lock()
+_WARMED: set[str] = set()
+"""The engines whose tokenizer `warm_tokenizer` started loading in this process."""
 
 
 def tokenizer_engine(engine_spec: Any) -> Any:
@@ -249,6 +251,11 @@ def warm_tokenizer(engine_spec: Any) -> None:
         with contextlib.suppress(Exception):
             tokenizer_engine(engine_spec)
 
+    key = engine_spec.model_dump_json()
+    with _TOKENIZERS_LOCK:  # once per engine and process: every engine stage of a campaign asks
+        if key in _WARMED:
+            return
+        _WARMED.add(key)
     threading.Thread(target=load, daemon=True, name="jex-tokenizer-warm").start()
 
 
