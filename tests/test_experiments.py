@@ -368,6 +368,17 @@ def _doc(verdicts: dict[str, str]) -> dict:
     return {"name": "e", "gate": {"settings_sha256": "a" * 64, "metric": "full", "placebo": "reworded"}, "arms": arms}
 
 
+def test_the_forest_plot_draws_an_arm_whose_collapsed_interval_misses_its_point_by_float_noise(tmp_path):
+    """A bootstrap interval that collapses (every draw equal) can sit 1e-15 off its point estimate: the plot
+    still draws it (matplotlib refuses a negative error bar)."""
+    from jex.lab.experiment_report import forest_plot
+
+    delta = 0.1 + 0.2
+    arms = {"collapsed": {**_doc({"collapsed": "NO-GO"})["arms"]["collapsed"], "delta": delta, "ci": [0.3, 0.3]}}
+    forest_plot(arms, None, tmp_path / "forest.png", "full")
+    assert (tmp_path / "forest.png").stat().st_size > 0
+
+
 def test_one_ledger_per_store_keyed_by_test_suite_and_model_and_the_ledger_command(tmp_path):
     """Decisions of experiments and campaigns go to the store's one ledger, append-only; the same test on
     another model is a new registration (a new decision), and a typed reopen condition comes true when
@@ -443,7 +454,11 @@ def finished(tmp_path_factory, prefect_harness):
     from jex.tasks.campaign_spec import CampaignSpec, MachinesSpec
 
     tmp = tmp_path_factory.mktemp("experiment")
-    base = CampaignSpec(sample_rows=36, coverage=0.2, reason_max_tokens=8, bootstrap_draws=50,
+    # The least sample that keeps the statistics honest (the engine arms' cost is in proportion to it): 27 rows
+    # are 3 a catalog, 2 or more question clusters in each (18 leave most catalogs one, a degenerate bootstrap),
+    # and the planted arm's CI stays well below zero; 4-token rationales still give the reason stage and the
+    # fold-weight sweep something to fold. Every arm of the shipped file still runs.
+    base = CampaignSpec(sample_rows=27, coverage=0.2, reason_max_tokens=4, bootstrap_draws=50,
                         store=str(tmp / "store"), machines=MachinesSpec(provider="inprocess"))
     spec = ExperimentSpec(campaign=base, arms_toml=ARMS_E2E, arms_path="examples/arms.toml", out=str(tmp / "out"))
     out = Path(experiment(spec))
