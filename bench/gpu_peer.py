@@ -222,20 +222,26 @@ def timed(cmd: list[str], log: Path, env: dict[str, str], cwd: Path) -> float:
     stderr) and, each line stamped with the seconds since the start, in `log`'s `-timeline.log` beside it
     (where a run's fixed cost went)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            encoding="utf-8", errors="replace")
     streams: dict[str, list[str]] = {"stdout": [], "stderr": []}
     timeline: list[str] = []
 
-    def read(name: str, stream: IO[str]) -> None:
+    def read(name: str, tag: str, stream: IO[str]) -> None:
         for line in stream:
             streams[name].append(line)
-            timeline.append(f"{time.perf_counter() - t0:8.2f} {name[3]} {line}")
+            timeline.append(f"{time.perf_counter() - t0:8.2f} {tag} {line}")
 
-    readers = [threading.Thread(target=read, args=(name, stream))
+    readers = [threading.Thread(target=read, args=(name, name[3], stream))  # tags: o(ut), e(rr)
                for name, stream in (("stdout", proc.stdout), ("stderr", proc.stderr))]
     for r in readers:
         r.start()
-    code = proc.wait()
+    try:
+        code = proc.wait()
+    except BaseException:  # interrupted: the child (a GPU run) must not outlive the bench
+        proc.kill()
+        proc.wait()
+        raise
     for r in readers:
         r.join()
     seconds = time.perf_counter() - t0

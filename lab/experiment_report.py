@@ -350,9 +350,11 @@ def forest_plot(arms: Mapping[str, ArmEntry], placebo: ArmEntry | None, path: Pa
     for i, n in enumerate(names):
         a = arms[n]
         color = {"GO": "tab:green", "NO-GO": "tab:red", "placebo": "tab:orange"}.get(a["verdict"], "tab:grey")
-        # a percentile interval need not hold its point (a collapsed one misses it by float noise): no negative bar
-        below, above = max(0.0, a["delta"] - a["ci"][0]), max(0.0, a["ci"][1] - a["delta"])
-        ax.errorbar(a["delta"], i, xerr=[[below], [above]], fmt="o", color=color, capsize=3)
+        # the interval drawn as it is, not as error bars: a percentile interval need not hold its point (a
+        # collapsed one can miss it by float noise, a negative bar matplotlib refuses)
+        ax.hlines(i, a["ci"][0], a["ci"][1], color=color)
+        ax.plot(a["ci"], [i, i], "|", ms=8, color=color)
+        ax.plot(a["delta"], i, "o", color=color)
     ax.axvline(0, color="black", lw=0.8)
     ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()

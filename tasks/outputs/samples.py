@@ -52,7 +52,6 @@ the first sample's, the filters' answers those of all samples, as lm-eval's `rep
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -247,11 +246,15 @@ def tokenizer_engine(engine_spec: Any) -> Any:
 def warm_tokenizer(engine_spec: Any) -> None:
     """Start loading the campaign's tokenizer in the background (the report renders prompts with it)
     while machines compute; errors wait for the report, which says why its prompts are missing."""
-    def load() -> None:
-        with contextlib.suppress(Exception):
-            tokenizer_engine(engine_spec)
-
     key = engine_spec.model_dump_json()
+
+    def load() -> None:
+        try:
+            tokenizer_engine(engine_spec)
+        except Exception:  # noqa: BLE001 - the report loads it again and says why; a later stage may warm it
+            with _TOKENIZERS_LOCK:
+                _WARMED.discard(key)
+
     with _TOKENIZERS_LOCK:  # once per engine and process: every engine stage of a campaign asks
         if key in _WARMED:
             return
