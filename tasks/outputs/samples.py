@@ -52,6 +52,7 @@ the first sample's, the filters' answers those of all samples, as lm-eval's `rep
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -212,8 +213,6 @@ def render_prompts(engine: Any, rows: Sequence[Any], *, render: Any, fewshot: An
 
 _TOKENIZERS: dict[tuple[str, str], Future[Any]] = {}
 _TOKENIZERS_LOCK = threading.Lock()
-_WARMED: set[str] = set()
-"""The engines whose tokenizer `warm_tokenizer` started loading in this process."""
 
 
 def tokenizer_engine(engine_spec: Any) -> Any:
@@ -246,19 +245,10 @@ def tokenizer_engine(engine_spec: Any) -> Any:
 def warm_tokenizer(engine_spec: Any) -> None:
     """Start loading the campaign's tokenizer in the background (the report renders prompts with it)
     while machines compute; errors wait for the report, which says why its prompts are missing."""
-    key = engine_spec.model_dump_json()
-
-    def load() -> None:
-        try:
+    def load() -> None:  # a second call finds the first's load in `_TOKENIZERS` and only waits for it
+        with contextlib.suppress(Exception):
             tokenizer_engine(engine_spec)
-        except Exception:  # noqa: BLE001 - the report loads it again and says why; a later stage may warm it
-            with _TOKENIZERS_LOCK:
-                _WARMED.discard(key)
 
-    with _TOKENIZERS_LOCK:  # once per engine and process: every engine stage of a campaign asks
-        if key in _WARMED:
-            return
-        _WARMED.add(key)
     threading.Thread(target=load, daemon=True, name="jex-tokenizer-warm").start()
 
 
