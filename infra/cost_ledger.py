@@ -1,5 +1,9 @@
 """The cost ledger: every machine's life in seconds, its price, and each campaign's running total.
 
+A served model's campaign (`engine.kind = "openai"`) records its token usage and cost here too, one entry per
+campaign and served engine, replaced by each recording (the cumulative usage of its answer journals), so a
+resumed campaign adds nothing twice; the running total, and so the budget guard, counts it.
+
 Not the store's decision ledger (`jex.tasks.decisions`, `<store>/ledger.toml`, `jex ledger`): this one is
 the orchestrator's `<state_dir>/ledger.json` (`jex infra ledger`).
 
@@ -20,10 +24,18 @@ from pathlib import Path
 
 from jex.errors import InfraError
 from jex.fileio import write_json
-from jex.infra.records import CostLedgerEntry, CostLedgerReport, CostLedgerRow, ProjectedSpend
+from jex.infra.records import (
+    CostLedgerDoc,
+    CostLedgerEntry,
+    CostLedgerReport,
+    CostLedgerRow,
+    ProjectedSpend,
+    ServedLedgerEntry,
+)
 from jex.record import read_record, write_record
 
-__all__ = ["BudgetExceeded", "CostLedger", "CostLedgerEntry", "ProjectedSpend", "over_projected_budget"]
+__all__ = ["BudgetExceeded", "CostLedger", "CostLedgerEntry", "ProjectedSpend", "ServedLedgerEntry",
+           "over_projected_budget"]
 
 
 class BudgetExceeded(InfraError):
@@ -49,34 +61,50 @@ def over_projected_budget(projected: ProjectedSpend | None, *, price_per_hour: f
 
 
 class CostLedger:
-    """`ledger.json`: `{"machines": {machine_id: CostLedgerEntry}}`."""
+    """`ledger.json` (`CostLedgerDoc`): `{"machines": {machine_id: CostLedgerEntry}, "served": {served_id:
+    ServedLedgerEntry}}`."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
 
-    def _read(self) -> dict[str, CostLedgerEntry]:
+    def _read(self) -> CostLedgerDoc:
         """The entries; a ledger that cannot be read is one InfraError naming the file (never guessed empty)."""
         if not self.path.exists():
-            return {}
+            return CostLedgerDoc(machines={})
         try:
-            doc = json.loads(self.path.read_bytes().decode("utf-8"))
-            return {k: CostLedgerEntry.model_validate(e) for k, e in doc["machines"].items()}
+            return CostLedgerDoc.model_validate(json.loads(self.path.read_bytes().decode("utf-8")))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # ValidationError is a ValueError
             raise InfraError(f"file {self.path}: the cost ledger is unreadable ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''}); repair or move it aside") from None
 
     @contextmanager
-    def _locked(self) -> Iterator[dict[str, CostLedgerEntry]]:
-        """The entries under an exclusive lock; what the block leaves in the dict is written back."""
+    def _locked(self) -> Iterator[tuple[dict[str, CostLedgerEntry], dict[str, ServedLedgerEntry]]]:
+        """The machines and served entries under an exclusive lock; what the block leaves in them is written back."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            machines = self._read()
-            yield machines
-            write_json(self.path, {"machines": {k: e.model_dump() for k, e in machines.items()}})
+            doc = self._read()
+            machines, served = dict(doc.machines), dict(doc.served or {})
+            yield machines, served
+            write_json(self.path, CostLedgerDoc(machines=machines, served=served or None).model_dump())
 
     def entries(self, campaign: str | None = None) -> list[CostLedgerEntry]:
-        return [e for e in self._read().values() if campaign is None or e.campaign == campaign]
+        """The machines of `campaign` (None: all)."""
+        return [e for e in self._read().machines.values() if campaign is None or e.campaign == campaign]
+
+    def served(self, campaign: str | None = None) -> list[ServedLedgerEntry]:
+        """The served models' usage in `campaign` (None: all)."""
+        return [e for e in (self._read().served or {}).values() if campaign is None or e.campaign == campaign]
+
+    def record_served(self, entry: ServedLedgerEntry) -> None:
+        """Record a served model's cumulative usage in a campaign: it replaces the entry of the same `served_id`
+        (recording the same usage again leaves the ledger as it was), never by fewer requests (what was sent was
+        paid for, even where a retried stage's folder carries fewer of its answers)."""
+        with self._locked() as (_, served):
+            old = served.get(entry.served_id)
+            if old is None or (entry.requests >= old.requests and old.model_dump(exclude={"recorded_at"})
+                               != entry.model_dump(exclude={"recorded_at"})):
+                served[entry.served_id] = entry
 
     def get(self, machine_id: str) -> CostLedgerEntry | None:
         return next((e for e in self.entries() if e.machine_id == machine_id), None)
@@ -84,20 +112,23 @@ class CostLedger:
     def open(self, machine_id: str, campaign: str | None, provider: str, price_per_hour: float,
              created_at: float | None = None, host: str | None = None) -> None:
         """Record a machine's start (once: a second call for the same machine changes nothing)."""
-        with self._locked() as machines:
+        with self._locked() as (machines, _):
             machines.setdefault(machine_id, CostLedgerEntry(
                 machine_id=machine_id, campaign=campaign, provider=provider, price_per_hour=price_per_hour,
                 created_at=created_at or time.time(), host=host))
 
     def close(self, machine_id: str, reason: str, at: float | None = None) -> None:
         """Record a machine's end (the first one counts)."""
-        with self._locked() as machines:
+        with self._locked() as (machines, _):
             e = machines.get(machine_id)
             if e is not None and e.deleted_at is None:
                 machines[machine_id] = e.model_copy(update={"deleted_at": at or time.time(), "end_reason": reason})
 
     def total(self, campaign: str | None, now: float | None = None) -> float:
-        return sum(e.cost(now) for e in self.entries(campaign))
+        """What `campaign` (None: all) cost so far: its machines and its served models' tokens."""
+        doc = self._read()
+        return (sum(e.cost(now) for e in doc.machines.values() if campaign is None or e.campaign == campaign)
+                + sum(e.cost() for e in (doc.served or {}).values() if campaign is None or e.campaign == campaign))
 
     def guard(self, campaign: str | None, budget_usd: float, price_per_hour: float = 0.0) -> None:
         """Refuse a new machine when the campaign already spent its budget, or when the budget projection
@@ -124,8 +155,11 @@ class CostLedger:
         return read_record(ProjectedSpend, path) if path.exists() else None
 
     def usage(self, campaign: str | None, now: float | None = None) -> CostLedgerReport:
-        """Every machine of `campaign` (None: all) with its seconds and cost so far, and the totals."""
+        """Every machine of `campaign` (None: all) with its seconds and cost so far, its served models' usage,
+        and the totals."""
         rows = [CostLedgerRow(**e.model_dump(), seconds=round(e.life_s(now), 3), cost_usd=round(e.cost(now), 6))
                 for e in self.entries(campaign)]
-        return CostLedgerReport(campaign=campaign, machines=rows, total_usd=round(sum(r.cost_usd for r in rows), 6),
-                                machine_seconds=round(sum(r.seconds for r in rows), 3))
+        served = self.served(campaign)
+        total = sum(r.cost_usd for r in rows) + sum(e.cost() for e in served)
+        return CostLedgerReport(campaign=campaign, machines=rows, total_usd=round(total, 6),
+                                machine_seconds=round(sum(r.seconds for r in rows), 3), served=served)

@@ -242,6 +242,35 @@ class CostLedgerEntry(Record):
         return self.life_s(now) / 3600.0 * self.price_per_hour
 
 
+class ServedLedgerEntry(Record):
+    """A served model's usage in one campaign in `ledger.json` (`served`): the requests and tokens its answer
+    journals hold so far (cumulative: recorded again, it replaces the entry, never adds to it) and their cost."""
+
+    served_id: str = Field(description="The entry's key: the campaign and the served engine's fingerprint")
+    campaign: str | None
+    endpoint: str | None = Field(description="The server's scheme://host:port")
+    model: str | None = Field(description="The model id as the server's /v1/models reports it")
+    requests: int = Field(ge=0)
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    price_input_per_mtok: float | None = Field(description="USD per million prompt tokens; None: not set")
+    price_output_per_mtok: float | None = Field(description="USD per million completion tokens; None: not set")
+    cost_usd: float | None = Field(description="The usage at those prices; None: no price set (as `served.json`)")
+    recorded_at: float = Field(description="When this usage was recorded (seconds since the epoch)")
+
+    def cost(self) -> float:
+        """What the campaign's running total counts (an unpriced model: nothing)."""
+        return self.cost_usd or 0.0
+
+
+class CostLedgerDoc(Record):
+    """`ledger.json`: the machines, and the served models' usage (left out while there is none)."""
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"served"})
+    machines: dict[str, CostLedgerEntry]
+    served: dict[str, ServedLedgerEntry] | None = None
+
+
 class CostLedgerRow(CostLedgerEntry):
     """An entry with its life and cost at the time of the report."""
 
@@ -250,12 +279,13 @@ class CostLedgerRow(CostLedgerEntry):
 
 
 class CostLedgerReport(Record):
-    """Every machine of a campaign (or all) with its seconds and cost, and the totals."""
+    """Every machine of a campaign (or all) with its seconds and cost, its served models' usage, and the totals."""
 
     campaign: str | None
     machines: list[CostLedgerRow]
-    total_usd: float
+    total_usd: float = Field(description="The machines' cost and the served models' (an unpriced one: 0)")
     machine_seconds: float
+    served: list[ServedLedgerEntry] = Field(default_factory=list, description="The served models' usage")
 
 
 class ProjectedSpend(Record):

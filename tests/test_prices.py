@@ -1,6 +1,7 @@
 """Prices from the machine: the instance catalogue is the one source of an EC2 type's GPUs and price, the
 image is looked up by name, a local machine costs nothing unless priced, and a campaign whose projected
-machine-hours cost more than its budget is refused before any machine starts.
+machine-hours cost more than its budget is refused before any machine starts. A served model's tokens and their
+cost are in the same cost ledger, once per campaign and served engine.
 
 EC2 calls go to moto's server (`s3_server`). moto does not implement the AWS Price List API (`pricing`):
 the refresh script's price half is fed a recorded `get_products` answer, shaped as AWS documents it,
@@ -10,6 +11,7 @@ through botocore's Stubber, which checks the request against the API's own model
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from datetime import date
 
@@ -18,7 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from jex.errors import InputError
-from jex.infra.cost_ledger import BudgetExceeded, CostLedger
+from jex.infra.cost_ledger import BudgetExceeded, CostLedger, ServedLedgerEntry
 from jex.infra.instance_catalogue import catalogue, machine_price
 from jex.infra.machine import MachineSession, Policy, priced
 from jex.infra.providers import EC2Provider, LocalProvider
@@ -97,6 +99,80 @@ def test_a_local_machine_costs_nothing_unless_priced_and_the_ledger_shows_each_m
     monkeypatch.setenv("JEX_INFRA__STATE_DIR", str(tmp_path / "state"))
     out = CliRunner().invoke(app, ["infra", "ledger"]).output
     assert "local" in out and "at $0/h" in out and "at $55.04/h" in out
+
+
+def served_usage(campaign: str = "c1", *, requests: int = 10, cost_usd: float | None = 0.25) -> ServedLedgerEntry:
+    """A served model's usage in `campaign`: 10 requests, 4,000 + 1,000 tokens, at $50 / $50 per million."""
+    price = None if cost_usd is None else 50.0
+    return ServedLedgerEntry(served_id=f"{campaign}/served-0123456789ab", campaign=campaign,
+                             endpoint="http://127.0.0.1:8000", model="smollm2", requests=requests,
+                             prompt_tokens=400 * requests, completion_tokens=100 * requests,
+                             price_input_per_mtok=price, price_output_per_mtok=price, cost_usd=cost_usd,
+                             recorded_at=time.time())
+
+
+def test_a_served_models_tokens_and_cost_are_in_the_ledger_beside_the_machines(tmp_path, monkeypatch):
+    from jex.cli import app
+
+    ledger = CostLedger(tmp_path / "state" / "ledger.json")
+    ledger.open("m-p5", "c1", "ec2", 36.0, created_at=1.0)
+    ledger.close("m-p5", "done", at=101.0)  # $1
+    ledger.record_served(served_usage())
+    monkeypatch.setenv("JEX_INFRA__STATE_DIR", str(tmp_path / "state"))
+    out = CliRunner().invoke(app, ["infra", "ledger", "--campaign", "c1"]).output
+    (line,) = [x for x in out.splitlines() if x.startswith("c1/served-")]
+    assert "10 requests, 4000 prompt + 1000 completion tokens" in line and "$   0.2500" in line
+    assert "total $1.2500 over 100 machine-seconds and 5000 served tokens" in out
+    assert ledger.total("c1") == pytest.approx(1.25) and [e.cost_usd for e in ledger.usage("c1").served] == [0.25]
+
+
+def test_recording_a_served_models_usage_again_replaces_it_and_never_adds_it(tmp_path):
+    ledger = CostLedger(tmp_path / "state" / "ledger.json")
+    ledger.record_served(served_usage())
+    written = ledger.path.read_bytes()
+    ledger.record_served(served_usage())  # a resumed campaign that sent no request: the same cumulative usage
+    assert ledger.path.read_bytes() == written and ledger.total("c1") == pytest.approx(0.25)
+    ledger.record_served(served_usage(requests=12, cost_usd=0.30))  # two requests more: the new total
+    assert [e.requests for e in ledger.served("c1")] == [12] and ledger.total("c1") == pytest.approx(0.30)
+
+
+def test_a_served_models_recorded_usage_never_goes_down(tmp_path):
+    ledger = CostLedger(tmp_path / "state" / "ledger.json")
+    ledger.record_served(served_usage(requests=12, cost_usd=0.30))
+    ledger.record_served(served_usage(requests=10, cost_usd=0.25))  # a retried stage's folder carried fewer answers
+    assert [e.requests for e in ledger.served("c1")] == [12] and ledger.total("c1") == pytest.approx(0.30)
+
+
+def test_an_unpriced_served_model_records_its_tokens_and_no_cost(tmp_path, monkeypatch):
+    from jex.cli import app
+
+    ledger = CostLedger(tmp_path / "state" / "ledger.json")
+    ledger.record_served(served_usage(cost_usd=None))
+    monkeypatch.setenv("JEX_INFRA__STATE_DIR", str(tmp_path / "state"))
+    out = CliRunner().invoke(app, ["infra", "ledger"]).output
+    assert "4000 prompt + 1000 completion tokens no price set" in out and "total $0.0000" in out
+    assert ledger.total("c1") == 0.0 and ledger.served()[0].cost_usd is None
+
+
+def test_the_budget_guard_counts_a_served_models_cost(tmp_path):
+    ledger = CostLedger(tmp_path / "state" / "ledger.json")
+    ledger.record_served(served_usage(cost_usd=0.25))
+    ledger.guard("c1", 0.30)
+    with pytest.raises(BudgetExceeded, match=r"campaign c1: \$0.2500 spent of a \$0.2000 budget"):
+        ledger.guard("c1", 0.20)
+    ledger.guard("c2", 0.20)  # another campaign's budget is its own
+
+
+def test_a_ledger_of_machines_alone_is_written_and_read_as_before(tmp_path):
+    path = tmp_path / "state" / "ledger.json"
+    path.parent.mkdir()
+    entry = {"machine_id": "m0", "campaign": "c1", "provider": "local", "price_per_hour": 0.0, "created_at": 0.0,
+             "deleted_at": None, "end_reason": None, "host": None}
+    path.write_text(json.dumps({"machines": {"m0": entry}}))  # written before served models were recorded
+    ledger = CostLedger(path)
+    assert ledger.served() == [] and ledger.usage("c1").served == []
+    ledger.close("m0", "done", at=10.0)
+    assert set(json.loads(path.read_text())) == {"machines"}
 
 
 def test_jex_runs_lists_the_prices_a_campaigns_machines_were_billed_at():

@@ -131,7 +131,8 @@ def first(tmp_path_factory, served, prefect_harness):
     before = served.posts()
     with pytest.MonkeyPatch.context() as env:
         env.setenv("JEX_ENGINE__API_KEY", KEY)
-        for logger in loggers:
+        for logger in loggers:  # as they are, and as Prefect's logging set up again by the run (its env overrides)
+            env.setenv(f"PREFECT_LOGGING_LOGGERS_{logger.name.upper().replace('.', '_')}_LEVEL", "INFO")
             logger.setLevel(logging.INFO)
         try:
             code, output = jex(*run_args(served, suite, root / "runs"))
@@ -139,8 +140,10 @@ def first(tmp_path_factory, served, prefect_harness):
             for logger, level in zip(loggers, levels, strict=True):
                 logger.setLevel(level)
     assert code == 0, output
+    from jex.settings import load_settings
+
     return {"root": root, "suite": suite, "run": Path(output.splitlines()[-1]), "output": output,
-            "sent": served.posts() - before}
+            "sent": served.posts() - before, "ledger": Path(load_settings().infra.state_dir).resolve() / "ledger.json"}
 
 
 def test_every_row_is_generated_through_the_server_and_scored(first):
@@ -166,11 +169,27 @@ def test_the_report_and_served_json_mark_the_run_and_count_its_tokens(first, ser
                                                            "served: batch invariance not proven")
 
 
-def test_the_same_campaign_again_sends_no_request(first, served):
+def test_the_cost_ledger_holds_the_campaigns_served_usage_beside_its_machines(first):
+    from jex.infra.cost_ledger import CostLedger
+
+    ledger = CostLedger(first["ledger"])
+    (entry,) = ledger.served(first["run"].name)
+    doc = json.loads((first["run"] / "served.json").read_text())
+    assert (entry.requests, entry.prompt_tokens, entry.completion_tokens) == (
+        doc["usage"]["requests"], doc["usage"]["prompt_tokens"], doc["usage"]["completion_tokens"])
+    assert entry.cost_usd is None and ledger.total(first["run"].name) == 0.0  # no price set, as served.json says
+
+
+def test_the_same_campaign_again_sends_no_request(first, served, monkeypatch):
+    from jex.infra.cost_ledger import CostLedger
+
+    monkeypatch.setenv("JEX_INFRA__STATE_DIR", str(first["ledger"].parent))  # the first run's cost ledger
+    recorded = CostLedger(first["ledger"]).served(first["run"].name)
     before = served.posts()
     code, output = jex(*run_args(served, first["suite"], first["root"] / "runs"))
     assert code == 0, output
     assert Path(output.splitlines()[-1]) == first["run"] and served.posts() == before
+    assert CostLedger(first["ledger"]).served(first["run"].name) == recorded  # its usage is not added twice
 
 
 def test_the_api_key_appears_in_no_file_parameter_or_log(first):

@@ -16,12 +16,15 @@ Lab jobs (the early-exit probe, parity, the bake-off: `jex.lab.jobs`) go the sam
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
+from jex.fileio import sha256_json
 from jex.flows.machines.fleet import GpuFleet
 from jex.flows.machines.machines_doc import MachinesDoc, report_section
+from jex.infra.cost_ledger import CostLedger, ServedLedgerEntry
 from jex.lab.jobs import LabJob, LabSummary, lab_summary, run_lab_job
 from jex.record import write_record
 from jex.run_records import ENGINE_STAGES
@@ -29,6 +32,7 @@ from jex.tasks.campaign_spec import MachinesSpec
 from jex.tasks.capture.served import (
     SERVED_FILE,
     ServedCheck,
+    ServedDoc,
     served_check,
     served_doc,
     served_section,
@@ -83,19 +87,40 @@ class ServedRunner(InProcessRunner):
     """A served model's engine stages (`engine.kind = "openai"`): in this process, each request to its server
     (the server computes: no machine is rented, whatever the provider). Before the first stage that sends rows,
     the golden check (`tasks/capture/served.py`: rows sent twice, at concurrency 1 and at the engine's); at the
-    end `served.json` and the report's section (identity, check, usage, cost). No settings audit: a served
-    model's batch invariance cannot be proven."""
+    end `served.json` and the report's section (identity, check, usage, cost), and on exit (also on failure: its
+    answers were paid for) the usage in the cost ledger (`served_entry`). No settings audit: a served model's
+    batch invariance cannot be proven."""
 
-    def __init__(self, spec: MachinesSpec, run_dir: Path):
+    def __init__(self, spec: MachinesSpec, run_dir: Path, *, campaign: str | None = None,
+                 ledger: CostLedger | None = None):
+        from jex.settings import load_settings
+
         self.spec, self.run_dir = spec, run_dir
+        self.campaign = campaign or run_dir.name
+        self.ledger = ledger or CostLedger(Path(load_settings().infra.state_dir) / "ledger.json")
         self.jobs: list[EngineJob] = []
         self.check: ServedCheck | None = None
+        self.doc: ServedDoc | None = None
+        """The usage and cost at the end of the engine stages (`__exit__`)."""
 
     def __enter__(self) -> ServedRunner:
         if self.spec.provider not in ("inprocess", "local"):
             print(f"a served model needs no machine: its engine stages run in this process (provider "
                   f"{self.spec.provider} unused)")
         return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Record the engine stages' usage in the cost ledger; after a failure a ledger that cannot be written is
+        a warning (the failure is what the campaign reports)."""
+        if not self.jobs:
+            return
+        try:
+            self.doc = served_doc(self.jobs[0].inputs.engine, self.check, served_usage(self.jobs))
+            self.ledger.record_served(served_entry(self.campaign, self.jobs[0], self.doc))
+        except Exception as e:
+            if exc[0] is None:
+                raise
+            print(f"WARNING: the served model's usage is not in the cost ledger ({type(e).__name__}: {e})")
 
     def compute(self, job: EngineJob) -> EngineJob:
         self.jobs.append(job)
@@ -111,9 +136,20 @@ class ServedRunner(InProcessRunner):
         if not self.jobs:
             return None
         engine = self.jobs[0].inputs.engine
-        doc = served_doc(engine, self.check, served_usage(self.jobs))
+        doc = self.doc or served_doc(engine, self.check, served_usage(self.jobs))
         write_record(self.run_dir / SERVED_FILE, doc)
         return MachinesSection(markdown=served_section(doc, engine), shards={}, audit=None)
+
+
+def served_entry(campaign: str, job: EngineJob, doc: ServedDoc) -> ServedLedgerEntry:
+    """The cost ledger's entry of a served model's usage in `campaign` (`doc`: what `served.json` holds), keyed
+    by the campaign and the served engine's fingerprint: a resumed campaign replaces it, never adds to it."""
+    engine = job.inputs.engine
+    return ServedLedgerEntry(
+        served_id=f"{campaign}/served-{sha256_json(job.inputs.fingerprint().key_doc())[:12]}", campaign=campaign,
+        endpoint=doc.endpoint, model=doc.model, requests=doc.usage.requests, prompt_tokens=doc.usage.prompt_tokens,
+        completion_tokens=doc.usage.completion_tokens, price_input_per_mtok=engine.price_input_per_mtok,
+        price_output_per_mtok=engine.price_output_per_mtok, cost_usd=doc.cost_usd, recorded_at=time.time())
 
 
 class WorkerProcessesRunner(StageRunner):
@@ -162,7 +198,7 @@ def make_runner(spec: MachinesSpec, *, campaign: str, store: str, served_run: Pa
     """The runner a campaign's machines section asks for; a served model's (`served_run`: its run folder) runs
     its engine stages here, whatever the provider."""
     if served_run is not None:
-        return ServedRunner(spec, served_run)
+        return ServedRunner(spec, served_run, campaign=campaign)
     if spec.provider != "inprocess":
         return FleetRunner(GpuFleet(spec, campaign=campaign, store=store))
     if spec.workers > 1 or spec.fresh_processes:

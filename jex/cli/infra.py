@@ -39,14 +39,22 @@ def infra_reconcile(provider: Annotated[str | None, typer.Option(help="default: 
 
 @infra_app.command("ledger")
 def infra_ledger(campaign: Annotated[str | None, typer.Option(help="Only this campaign")] = None) -> None:
-    """Every machine's life in seconds, the price it was billed at and its cost, and the running total."""
+    """Every machine's life in seconds, the price it was billed at and its cost; every served model's requests,
+    tokens and their cost; and the running total."""
     from jex.infra.cost_ledger import CostLedger
 
     report = CostLedger(Path(load_settings().infra.state_dir) / "ledger.json").usage(campaign)
     for m in report.machines:
         typer.echo(f"{m.machine_id:<28} {m.campaign or '-':<28} {m.provider:<8} {m.seconds:>9.1f} s "
                    f"at ${m.price_per_hour:g}/h ${m.cost_usd:>9.4f}  {m.end_reason or 'running'}")
-    typer.echo(f"total ${report.total_usd:.4f} over {report.machine_seconds:.0f} machine-seconds")
+    for s in report.served:
+        price = (f"at ${s.price_input_per_mtok or 0:g}/${s.price_output_per_mtok or 0:g} per Mtok "
+                 f"${s.cost_usd:>9.4f}" if s.cost_usd is not None else "no price set")
+        typer.echo(f"{s.served_id:<28} {s.campaign or '-':<28} {'served':<8} {s.requests} requests, "
+                   f"{s.prompt_tokens} prompt + {s.completion_tokens} completion tokens {price}  {s.model or '-'}")
+    served = (f" and {sum(s.prompt_tokens + s.completion_tokens for s in report.served)} served tokens"
+              if report.served else "")
+    typer.echo(f"total ${report.total_usd:.4f} over {report.machine_seconds:.0f} machine-seconds{served}")
 
 
 def register(app: typer.Typer) -> None:
