@@ -275,10 +275,12 @@ def test_budget_tears_down_running_machines_and_refuses_new_ones(tmp_path, s3_bu
 
 
 def test_a_job_the_machine_stops_at_its_cost_ceiling_is_a_budget_stop(tmp_path, s3_bucket):
-    """The machine's watchdog (time to live: the budget at its price, 15 s) stops the job while the orchestrator's
+    """The machine's watchdog (time to live: the budget at its price, 9 s) stops the job while the orchestrator's
     poll is under way, after its budget check passed: the outcome still says the budget ended it."""
     provider = LocalProvider(tmp_path / "machines")
-    session = session_for(provider, tmp_path, s3_bucket, price_per_hour=36_000.0, budget_usd=150.0)
+    # the watchdog checks its time to live every 0.5 s (its default, 5 s, would add up to 5 s of waiting)
+    session = session_for(provider, tmp_path, s3_bucket, price_per_hour=36_000.0, budget_usd=90.0,
+                          watchdog_check_s=0.5)
 
     def slow_poll(job):  # the poll's answer comes once the machine has stopped the job itself
         assert wait_until(lambda: (Path(session.run_dir(job)) / "FAILED.json").exists(), timeout_s=60, every_s=0.2)
@@ -423,6 +425,39 @@ def test_golden_replay_mismatch_stops_the_machine_before_its_shards(tmp_path, mo
 
 
 @pytest.mark.slow
+def test_a_machine_life_whose_task_run_ends_without_its_steps_fails_the_stage_instead_of_waiting(tmp_path,
+                                                                                                 monkeypatch):
+    """Prefect may fail a task run before its function runs (its database busy, say): the fleet's bootstrap order
+    to that life must fail, not wait forever for a step nobody will take."""
+    from prefect import task
+
+    from jex.engine_spec import EngineSpec
+    from jex.errors import InfraError
+    from jex.flows.machines import fleet as fleet_module
+    from jex.flows.machines.fleet import GpuFleet
+    from jex.sample_suite import write_sample_suite
+    from jex.settings import load_settings
+    from jex.tasks.campaign_spec import MachinesSpec
+    from jex.tasks.capture.stages import bundle_stage
+    from jex.tasks.inputs import EngineJob, FastPassInputs
+    from jex.tasks.store import LocalStore
+
+    @task(name="machine")
+    def never_begins(label: str, life: object) -> None:
+        raise RuntimeError("the task run could not begin")
+
+    for k, v in _env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(fleet_module, "machine_life", never_begins)
+    store = LocalStore(tmp_path / "store")
+    bundle = bundle_stage(store, suite=write_sample_suite(tmp_path / "suite", rows=18, seed=1))
+    job = EngineJob(inputs=FastPassInputs(bundle=bundle, engine=EngineSpec(), shard_rows=18), store=str(store.root))
+    fleet = GpuFleet(MachinesSpec(provider="local"), campaign="b", store=str(store.root), settings=load_settings(),
+                     echo=lambda s: None)
+    with pytest.raises(InfraError, match="no bootstrap step, its life ended \\(its task run ended\\)"), fleet:
+        fleet.run_stage(job)
+
+
 def test_golden_generation_is_token_identical_on_every_machine_or_the_machine_stops(tmp_path, monkeypatch):
     """The first machine's greedy generation becomes the reference of the bundle, engine and GPU models; the
     second machine's matches it token for token (the HF engine's lock-step decoder, the CPU twin of vLLM's
@@ -494,8 +529,10 @@ def test_a_campaign_runs_only_with_settings_a_stored_passing_bake_off_covers(tmp
     bundle = bundle_stage(store, suite=write_sample_suite(tmp_path / "suite", rows=18, seed=1))
     job = EngineJob(inputs=FastPassInputs(bundle=bundle, engine=EngineSpec(batch_size=2), shard_rows=18),
                     store=str(store.root))
-    spec = MachinesSpec(provider="local", golden_rows=2, golden_generation_rows=0, audit="always", audit_prompts=3,
-                        audit_tokens=6)
+    # 6 prompts x 12 tokens: the size at which the control arm diverges on this model (at 3 x 6 it stays quiet and the
+    # probe is lengthened x2 to this size, a path test_settings_audit covers): one scale, not two
+    spec = MachinesSpec(provider="local", golden_rows=2, golden_generation_rows=0, audit="always", audit_prompts=6,
+                        audit_tokens=12)
 
     def fleet(name: str) -> GpuFleet:
         return GpuFleet(spec, campaign=name, store=str(store.root), settings=load_settings(), echo=lambda s: None)

@@ -39,10 +39,16 @@ def _jex(args: list[str], env: dict[str, str], timeout: float = 300) -> subproce
     return out
 
 
+PREFECT_PACE = {"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5"}
+"""Prefect's own settings, for the server and worker `jex server start` starts: its worker asks for runs to start
+every second (Prefect's default: 10 s) and its scheduler creates scheduled runs every 5 s (default 60 s); the
+same services doing the same work, less time waiting for their next turn."""
+
+
 def _start(tmp: Path, defaults: dict, extra_env: dict[str, str] | None = None) -> dict:
     env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect"), "JEX_INFRA__STATE_DIR": str(tmp / "infra"),
            "JEX_PREFECT__PORT": str(free_port()), "JEX_INFRA__POLL_S": "0.5", "JEX_INFRA__HEARTBEAT_S": "1",
-           "PREFECT_LOGGING_LEVEL": "WARNING", **(extra_env or {})}
+           "PREFECT_LOGGING_LEVEL": "WARNING", **PREFECT_PACE, **(extra_env or {})}
     env.pop("PREFECT_API_URL", None)
     (tmp / "defaults.json").write_text(json.dumps(defaults))
     _jex(["server", "start", "--defaults", str(tmp / "defaults.json")], env)
@@ -84,7 +90,7 @@ def _run(name: str, parameters: dict, timeout: float = 900):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: os.environ["PREFECT_API_URL"]}):
-        return run_deployment(name, parameters=parameters, timeout=timeout)
+        return run_deployment(name, parameters=parameters, timeout=timeout, poll_interval=1)  # its state: each second
 
 
 @contextlib.contextmanager
@@ -188,7 +194,7 @@ def test_a_browser_starts_a_campaign_from_the_run_form(server, tmp_path):
                 state = c.read_flow_run(run_id).state_name
             if state in ("Completed", "Failed", "Crashed"):
                 break
-            time.sleep(3)
+            time.sleep(1)
         assert state == "Completed"
         page.reload(wait_until="networkidle")
         page.get_by_text("Completed", exact=True).first.wait_for(timeout=30_000)  # and the UI shows it
@@ -330,7 +336,7 @@ def test_a_failed_campaign_triggers_reconcile_through_the_automation(server):
         triggered = next((r for r in runs if r.parameters.get("flow_run_id") == str(failed.id)), None)
         if triggered is not None and triggered.state_name == "Completed":
             break
-        time.sleep(2)
+        time.sleep(1)
     assert triggered is not None, "the automation did not run reconcile"
     assert triggered.state_name == "Completed"
     hook.close()

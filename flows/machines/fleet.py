@@ -215,6 +215,8 @@ class GpuFleet(GoldenReplays):
             life = MachineLife(session)
             life.run = self._task_runner.submit(cast(Any, machine_life),  # mypy misses the sync overload
                                                 parameters={"label": session.label, "life": life})
+            # a life run that ends without taking its steps (its task run could not begin) fails them, not hangs
+            life.run.add_done_callback(life.run_ended)
             self._lives.append(life)
         # one machine after another, as the budget guard and the ledger expect; none after a failed one
         self._each_machine("bootstrap", lambda i, s: self._boot(s), one_at_a_time=True)

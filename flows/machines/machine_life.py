@@ -62,13 +62,19 @@ class MachineLife:
             if not self._ended:
                 self._orders.put(_Order("close", None, reason))
 
+    def run_ended(self, run: object) -> None:
+        """The life's task run ended (its future's callback): a run that could not begin (Prefect failed to
+        create it) took none of its steps, which would otherwise wait for it forever."""
+        self.end("its task run ended")
+
     def next(self) -> _Order:
         return self._orders.get()
 
     def end(self, reason: str) -> None:
-        """The life ends: steps still waiting, and any asked for later, fail naming `reason`."""
+        """The life ends: steps still waiting, and any asked for later, fail naming `reason` (the first one)."""
         with self._lock:
-            self._ended = reason
+            self._ended = self._ended or reason
+            reason = self._ended
             while not self._orders.empty():
                 order = self._orders.get_nowait()
                 if order.work is not None:
