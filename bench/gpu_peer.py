@@ -303,11 +303,13 @@ def run_lm_eval(task: Path, model: str, out: Path, env: dict[str, str], cpu: boo
 
 
 def run_jex(task: Path, model: str, work: Path, env: dict[str, str], warm_from: Path | None, cpu: bool,
-            extra: list[str] | None = None, cluster: str | None = "topic", reuse: bool = False) -> dict:
+            extra: list[str] | None = None, cluster: str | None = "topic", reuse: bool = False,
+            engine: list[str] | None = None) -> dict:
     """Import and run in a store of its own (nothing cached) but for the compile cache of the run before,
     when `warm_from` names its store (as a team's store carries it from one campaign to the next); `extra`:
-    more `jex run` flags (after the harness's, so a flag given twice takes its last value)."""
-    key = run_key(task, model, cpu, extra or [], cluster, warm_from)  # a cold run is never reused as a warm one
+    more `jex run` flags (after the harness's, so a flag given twice takes its last value); `engine`: the
+    engine's flags (default: in-process vLLM on the GPU, jex's HF engine with `cpu`)."""
+    key = run_key(task, model, cpu, extra or [], cluster, warm_from, engine)  # a cold run is never reused as a warm one
     if warm_from is not None and work in (warm_from, *warm_from.parents):
         raise SystemExit(f"the warm store {warm_from} lies inside {work}, which a fresh run empties first")
     if (earlier := reused(work, reuse, key)) is not None:
@@ -323,7 +325,8 @@ def run_jex(task: Path, model: str, work: Path, env: dict[str, str], warm_from: 
                       "--force"], work / "import.log", env, work)
     env = {**env, "JEX_INFRA__STATE_DIR": str(work / "infra"), "JEX_INFRA__REMOTE_ROOT": str(work / "machines"),
            "PREFECT_HOME": str(work / "prefect")}
-    engine = [] if cpu else ["--engine", "vllm", "--device", "cuda"]
+    if engine is None:
+        engine = [] if cpu else ["--engine", "vllm", "--device", "cuda"]
     run_s = timed([*jex, "run", "--suite", str(suite), "--model", model, *engine,
                    "--coverage", "0", "--name", task.stem, "--out", str(work / "runs"), "--store", str(store),
                    "--quiet", *(extra or [])], work / "run.log", env, work)
