@@ -302,14 +302,21 @@ def run_lm_eval(task: Path, model: str, out: Path, env: dict[str, str], cpu: boo
                                "seqs": seqs, "results": doc["results"][task.stem]})
 
 
+def jex_run_key(task: Path, model: str, cpu: bool, extra: list[str] | None, cluster: str | None,
+                warm_from: Path | None, engine_key: list[str] | None) -> str:
+    """What a `run_jex` result depends on (a cold run is never reused as a warm one)."""
+    return run_key(task, model, cpu, extra or [], cluster, warm_from, *([engine_key] if engine_key is not None else []))
+
+
 def run_jex(task: Path, model: str, work: Path, env: dict[str, str], warm_from: Path | None, cpu: bool,
             extra: list[str] | None = None, cluster: str | None = "topic", reuse: bool = False,
-            engine: list[str] | None = None) -> dict:
+            engine: list[str] | None = None, engine_key: list[str] | None = None) -> dict:
     """Import and run in a store of its own (nothing cached) but for the compile cache of the run before,
     when `warm_from` names its store (as a team's store carries it from one campaign to the next); `extra`:
     more `jex run` flags (after the harness's, so a flag given twice takes its last value); `engine`: the
-    engine's flags (default: in-process vLLM on the GPU, jex's HF engine with `cpu`)."""
-    key = run_key(task, model, cpu, extra or [], cluster, warm_from, engine)  # a cold run is never reused as a warm one
+    engine's flags (default: in-process vLLM on the GPU, jex's HF engine with `cpu`), `engine_key` what of them
+    the result depends on (default: all)."""
+    key = jex_run_key(task, model, cpu, extra, cluster, warm_from, engine_key if engine_key is not None else engine)
     if warm_from is not None and work in (warm_from, *warm_from.parents):
         raise SystemExit(f"the warm store {warm_from} lies inside {work}, which a fresh run empties first")
     if (earlier := reused(work, reuse, key)) is not None:

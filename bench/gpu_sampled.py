@@ -62,7 +62,7 @@ def sampled_task(rows: int, folder: Path, max_gen_toks: int, temperature: float,
 
 def jex_samples(run_dir: Path) -> dict[int, tuple[str, ...]]:
     """Each row's samples (the K generated texts, in sample order) by doc_id."""
-    return {d: tuple(r["sample_generations"]) for d, r in gpu_peer.jex_rows(run_dir, TASK).items()}
+    return {d: tuple(r["sample_generations"] or ()) for d, r in gpu_peer.jex_rows(run_dir, TASK).items()}  # refused: ()
 
 
 def lm_eval_samples(lm_out: Path) -> dict[int, tuple[str, ...]]:

@@ -154,14 +154,20 @@ def main() -> None:
         warm = a.work / f"{kind}-local" / "store"
         tasks.append((kind, int(rows), task, cluster, local))
         save(cell=spec, run="in-process", wall_s=round(local["wall_s"], 1))
-    server = Server(a.model, a.work / "server.log", env, a.cpu, a.gpu_memory_utilization)
-    doc["server"] = {"command": server.cmd, "start_s": server.start_s, "models": server.models}
-    save(run="server", start_s=round(server.start_s, 1))
+    server: Server | None = None
     try:
         for kind, rows, task, cluster, local in tasks:
-            served = gpu_peer.run_jex(
-                task, a.model, a.work / f"{kind}-served", env, None, a.cpu, a.jex_args, cluster, a.reuse,
-                engine=["--engine", "openai", "--base-url", server.url, "--max-concurrency", str(a.max_concurrency)])
+            folder, engine_key = a.work / f"{kind}-served", ["openai", str(a.max_concurrency)]  # not the URL's port
+            key = gpu_peer.jex_run_key(task, a.model, a.cpu, a.jex_args, cluster, None, engine_key)
+            served = gpu_peer.reused(folder, a.reuse, key)  # an earlier call's run needs no server
+            if served is None:
+                if server is None:
+                    server = Server(a.model, a.work / "server.log", env, a.cpu, a.gpu_memory_utilization)
+                    doc["server"] = {"command": server.cmd, "start_s": server.start_s, "models": server.models}
+                    save(run="server", start_s=round(server.start_s, 1))
+                served = gpu_peer.run_jex(task, a.model, folder, env, None, a.cpu, a.jex_args, cluster, a.reuse,
+                                          engine=["--engine", "openai", "--base-url", server.url,
+                                                  "--max-concurrency", str(a.max_concurrency)], engine_key=engine_key)
             diff = compare(kind, task.stem, Path(local["run_dir"]), Path(served["run_dir"]))
             metrics = {name: scores(gpu_peer.jex_metrics(Path(run["run_dir"]), a.work / f"{kind}-{name}-export", env,
                                                          task.stem))
@@ -172,7 +178,8 @@ def main() -> None:
             save(cell=f"{kind}:{rows}", in_process_s=round(local["wall_s"], 1), served_s=round(served["wall_s"], 1),
                  **diff, metrics_equal=metrics["local"] == metrics["served"])
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The cost ledger: every machine's life in seconds, its price, and each campaign's running total.
 
 A served model's campaign (`engine.kind = "openai"`) records its token usage and cost here too, one entry per
-campaign and served engine, replaced by each recording (the cumulative usage of its answer journals), so a
-resumed campaign adds nothing twice; the running total, and so the budget guard, counts it.
+answer journal (an engine stage's folder in the store), charged to the campaign that first records it and grown
+to its cumulative usage by a resume, so no answer is counted twice; the running total counts it (an experiment's
+budget sees it; a served campaign itself rents no machine for the guard to refuse).
 
 Not the store's decision ledger (`jex.tasks.decisions`, `<store>/ledger.toml`, `jex ledger`): this one is
 the orchestrator's `<state_dir>/ledger.json` (`jex infra ledger`).
@@ -97,14 +98,15 @@ class CostLedger:
         return [e for e in (self._read().served or {}).values() if campaign is None or e.campaign == campaign]
 
     def record_served(self, entry: ServedLedgerEntry) -> None:
-        """Record a served model's cumulative usage in a campaign: it replaces the entry of the same `served_id`
-        (recording the same usage again leaves the ledger as it was), never by fewer requests (what was sent was
-        paid for, even where a retried stage's folder carries fewer of its answers)."""
+        """Record an answer journal's cumulative usage: a new journal is charged to `entry.campaign`; a known one
+        grows to a usage of more requests (a resumed campaign's) and keeps its campaign; the same or a smaller
+        usage leaves the ledger as it was (another campaign reading the stored stage sent nothing)."""
         with self._locked() as (_, served):
             old = served.get(entry.served_id)
-            if old is None or (entry.requests >= old.requests and old.model_dump(exclude={"recorded_at"})
-                               != entry.model_dump(exclude={"recorded_at"})):
+            if old is None:
                 served[entry.served_id] = entry
+            elif entry.requests > old.requests:
+                served[entry.served_id] = entry.model_copy(update={"campaign": old.campaign})
 
     def get(self, machine_id: str) -> CostLedgerEntry | None:
         return next((e for e in self.entries() if e.machine_id == machine_id), None)

@@ -243,11 +243,13 @@ class CostLedgerEntry(Record):
 
 
 class ServedLedgerEntry(Record):
-    """A served model's usage in one campaign in `ledger.json` (`served`): the requests and tokens its answer
-    journals hold so far (cumulative: recorded again, it replaces the entry, never adds to it) and their cost."""
+    """A served model's answers in `ledger.json` (`served`): the requests and tokens one answer journal (an engine
+    stage's folder in the store) holds so far, cumulative (recorded again, a larger usage replaces the entry, never
+    adds to it), and their cost, charged to the campaign that first recorded the journal."""
 
-    served_id: str = Field(description="The entry's key: the campaign and the served engine's fingerprint")
-    campaign: str | None
+    served_id: str = Field(description="The entry's key: its answer journal's (sha256 of the folder's path)")
+    campaign: str | None = Field(description="The campaign that first recorded the journal (that sent its answers)")
+    journal: str = Field(description="The answer journal: an engine stage's folder in the store")
     endpoint: str | None = Field(description="The server's scheme://host:port")
     model: str | None = Field(description="The model id as the server's /v1/models reports it")
     requests: int = Field(ge=0)

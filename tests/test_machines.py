@@ -458,6 +458,7 @@ def test_a_machine_life_whose_task_run_ends_without_its_steps_fails_the_stage_in
         fleet.run_stage(job)
 
 
+@pytest.mark.slow
 def test_golden_generation_is_token_identical_on_every_machine_or_the_machine_stops(tmp_path, monkeypatch):
     """The first machine's greedy generation becomes the reference of the bundle, engine and GPU models; the
     second machine's matches it token for token (the HF engine's lock-step decoder, the CPU twin of vLLM's

@@ -101,10 +101,11 @@ def test_a_local_machine_costs_nothing_unless_priced_and_the_ledger_shows_each_m
     assert "local" in out and "at $0/h" in out and "at $55.04/h" in out
 
 
-def served_usage(campaign: str = "c1", *, requests: int = 10, cost_usd: float | None = 0.25) -> ServedLedgerEntry:
-    """A served model's usage in `campaign`: 10 requests, 4,000 + 1,000 tokens, at $50 / $50 per million."""
+def journal_entry(campaign: str = "c1", *, requests: int = 10, cost_usd: float | None = 0.25) -> ServedLedgerEntry:
+    """An answer journal's usage recorded by `campaign`: 10 requests, 4,000 + 1,000 tokens, at $50 / $50 per
+    million (every call: the same journal)."""
     price = None if cost_usd is None else 50.0
-    return ServedLedgerEntry(served_id=f"{campaign}/served-0123456789ab", campaign=campaign,
+    return ServedLedgerEntry(served_id="journal-0123456789abcdef", campaign=campaign, journal="/store/generate/k",
                              endpoint="http://127.0.0.1:8000", model="smollm2", requests=requests,
                              prompt_tokens=400 * requests, completion_tokens=100 * requests,
                              price_input_per_mtok=price, price_output_per_mtok=price, cost_usd=cost_usd,
@@ -117,10 +118,10 @@ def test_a_served_models_tokens_and_cost_are_in_the_ledger_beside_the_machines(t
     ledger = CostLedger(tmp_path / "state" / "ledger.json")
     ledger.open("m-p5", "c1", "ec2", 36.0, created_at=1.0)
     ledger.close("m-p5", "done", at=101.0)  # $1
-    ledger.record_served(served_usage())
+    ledger.record_served(journal_entry())
     monkeypatch.setenv("JEX_INFRA__STATE_DIR", str(tmp_path / "state"))
     out = CliRunner().invoke(app, ["infra", "ledger", "--campaign", "c1"]).output
-    (line,) = [x for x in out.splitlines() if x.startswith("c1/served-")]
+    (line,) = [x for x in out.splitlines() if x.startswith("journal-")]
     assert "10 requests, 4000 prompt + 1000 completion tokens" in line and "$   0.2500" in line
     assert "total $1.2500 over 100 machine-seconds and 5000 served tokens" in out
     assert ledger.total("c1") == pytest.approx(1.25) and [e.cost_usd for e in ledger.usage("c1").served] == [0.25]
@@ -128,18 +129,26 @@ def test_a_served_models_tokens_and_cost_are_in_the_ledger_beside_the_machines(t
 
 def test_recording_a_served_models_usage_again_replaces_it_and_never_adds_it(tmp_path):
     ledger = CostLedger(tmp_path / "state" / "ledger.json")
-    ledger.record_served(served_usage())
+    ledger.record_served(journal_entry())
     written = ledger.path.read_bytes()
-    ledger.record_served(served_usage())  # a resumed campaign that sent no request: the same cumulative usage
+    ledger.record_served(journal_entry())  # a resumed campaign that sent no request: the same cumulative usage
     assert ledger.path.read_bytes() == written and ledger.total("c1") == pytest.approx(0.25)
-    ledger.record_served(served_usage(requests=12, cost_usd=0.30))  # two requests more: the new total
+    ledger.record_served(journal_entry(requests=12, cost_usd=0.30))  # two requests more: the new total
     assert [e.requests for e in ledger.served("c1")] == [12] and ledger.total("c1") == pytest.approx(0.30)
+
+
+def test_a_stored_journal_read_by_another_campaign_stays_charged_to_the_one_that_sent_it(tmp_path):
+    ledger = CostLedger(tmp_path / "state" / "ledger.json")
+    ledger.record_served(journal_entry("c1"))
+    ledger.record_served(journal_entry("c2"))  # another campaign on the same stored stage: it sent nothing
+    ledger.record_served(journal_entry("c2", requests=12, cost_usd=0.30))  # or resumed it: the journal grew
+    assert ledger.total("c2") == 0.0 and ledger.total(None) == ledger.total("c1") == pytest.approx(0.30)
 
 
 def test_a_served_models_recorded_usage_never_goes_down(tmp_path):
     ledger = CostLedger(tmp_path / "state" / "ledger.json")
-    ledger.record_served(served_usage(requests=12, cost_usd=0.30))
-    ledger.record_served(served_usage(requests=10, cost_usd=0.25))  # a retried stage's folder carried fewer answers
+    ledger.record_served(journal_entry(requests=12, cost_usd=0.30))
+    ledger.record_served(journal_entry(requests=10, cost_usd=0.25))  # a retried stage's folder carried fewer answers
     assert [e.requests for e in ledger.served("c1")] == [12] and ledger.total("c1") == pytest.approx(0.30)
 
 
@@ -147,7 +156,7 @@ def test_an_unpriced_served_model_records_its_tokens_and_no_cost(tmp_path, monke
     from jex.cli import app
 
     ledger = CostLedger(tmp_path / "state" / "ledger.json")
-    ledger.record_served(served_usage(cost_usd=None))
+    ledger.record_served(journal_entry(cost_usd=None))
     monkeypatch.setenv("JEX_INFRA__STATE_DIR", str(tmp_path / "state"))
     out = CliRunner().invoke(app, ["infra", "ledger"]).output
     assert "4000 prompt + 1000 completion tokens no price set" in out and "total $0.0000" in out
@@ -156,7 +165,7 @@ def test_an_unpriced_served_model_records_its_tokens_and_no_cost(tmp_path, monke
 
 def test_the_budget_guard_counts_a_served_models_cost(tmp_path):
     ledger = CostLedger(tmp_path / "state" / "ledger.json")
-    ledger.record_served(served_usage(cost_usd=0.25))
+    ledger.record_served(journal_entry(cost_usd=0.25))
     ledger.guard("c1", 0.30)
     with pytest.raises(BudgetExceeded, match=r"campaign c1: \$0.2500 spent of a \$0.2000 budget"):
         ledger.guard("c1", 0.20)

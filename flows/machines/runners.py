@@ -33,11 +33,13 @@ from jex.tasks.capture.served import (
     SERVED_FILE,
     ServedCheck,
     ServedDoc,
+    answer_journals,
     served_check,
     served_doc,
     served_section,
     served_usage,
     stored_check,
+    usage_cost,
 )
 from jex.tasks.capture.stages import stage_plan
 from jex.tasks.execution import WorkerReport, run_workers
@@ -88,7 +90,7 @@ class ServedRunner(InProcessRunner):
     (the server computes: no machine is rented, whatever the provider). Before the first stage that sends rows,
     the golden check (`tasks/capture/served.py`: rows sent twice, at concurrency 1 and at the engine's); at the
     end `served.json` and the report's section (identity, check, usage, cost), and on exit (also on failure: its
-    answers were paid for) the usage in the cost ledger (`served_entry`). No settings audit: a served model's
+    answers were paid for) the usage in the cost ledger (`served_entries`). No settings audit: a served model's
     batch invariance cannot be proven."""
 
     def __init__(self, spec: MachinesSpec, run_dir: Path, *, campaign: str | None = None,
@@ -116,7 +118,8 @@ class ServedRunner(InProcessRunner):
             return
         try:
             self.doc = served_doc(self.jobs[0].inputs.engine, self.check, served_usage(self.jobs))
-            self.ledger.record_served(served_entry(self.campaign, self.jobs[0], self.doc))
+            for entry in served_entries(self.campaign, self.jobs, self.doc):
+                self.ledger.record_served(entry)
         except Exception as e:
             if exc[0] is None:
                 raise
@@ -141,15 +144,17 @@ class ServedRunner(InProcessRunner):
         return MachinesSection(markdown=served_section(doc, engine), shards={}, audit=None)
 
 
-def served_entry(campaign: str, job: EngineJob, doc: ServedDoc) -> ServedLedgerEntry:
-    """The cost ledger's entry of a served model's usage in `campaign` (`doc`: what `served.json` holds), keyed
-    by the campaign and the served engine's fingerprint: a resumed campaign replaces it, never adds to it."""
-    engine = job.inputs.engine
-    return ServedLedgerEntry(
-        served_id=f"{campaign}/served-{sha256_json(job.inputs.fingerprint().key_doc())[:12]}", campaign=campaign,
-        endpoint=doc.endpoint, model=doc.model, requests=doc.usage.requests, prompt_tokens=doc.usage.prompt_tokens,
-        completion_tokens=doc.usage.completion_tokens, price_input_per_mtok=engine.price_input_per_mtok,
-        price_output_per_mtok=engine.price_output_per_mtok, cost_usd=doc.cost_usd, recorded_at=time.time())
+def served_entries(campaign: str, jobs: list[EngineJob], doc: ServedDoc) -> list[ServedLedgerEntry]:
+    """The cost ledger's entries of a served model's answers: one per answer journal (an engine stage's folder in
+    the store, keyed by its path), charged to the campaign that first records it. A resumed campaign's journal
+    grows its entry; another campaign reading the same stored stage adds nothing (it sent nothing)."""
+    engine = jobs[0].inputs.engine
+    return [ServedLedgerEntry(
+        served_id=f"journal-{sha256_json(str(folder.resolve()))[:16]}", campaign=campaign, journal=str(folder),
+        endpoint=doc.endpoint, model=doc.model, requests=usage.requests, prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens, price_input_per_mtok=engine.price_input_per_mtok,
+        price_output_per_mtok=engine.price_output_per_mtok, cost_usd=usage_cost(engine, usage),
+        recorded_at=time.time()) for folder, usage in answer_journals(jobs).items() if usage.requests]
 
 
 class WorkerProcessesRunner(StageRunner):

@@ -113,13 +113,26 @@ def served_check(job: EngineJob, *, rows: int, tokens: int) -> ServedCheck | Non
     return check
 
 
+def answer_journals(jobs: list[EngineJob]) -> dict[Path, ServedUsage]:
+    """The usage of the answers kept in each of the jobs' engine stage folders in the store (its journal), by
+    folder: what was sent for that stage, by whichever campaign sent it."""
+    return {folder: journal_usage(folder)
+            for folder in sorted({Path(stage_plan(j.inputs, j.store).shards_dir) for j in jobs})}
+
+
 def served_usage(jobs: list[EngineJob]) -> ServedUsage:
     """The usage of every answer kept for the jobs' engine stages (each stage's journal once)."""
     usage = ServedUsage()
-    folders = {Path(stage_plan(j.inputs, j.store).shards_dir) for j in jobs}
-    for folder in sorted(folders):
-        usage += journal_usage(folder)
+    for journal in answer_journals(jobs).values():
+        usage += journal
     return usage
+
+
+def usage_cost(spec: EngineSpec, usage: ServedUsage) -> float | None:
+    """`usage` at the served engine's prices per million tokens; None when it sets none."""
+    prices = (spec.price_input_per_mtok, spec.price_output_per_mtok)
+    return None if prices == (None, None) else (
+        usage.prompt_tokens * (prices[0] or 0.0) + usage.completion_tokens * (prices[1] or 0.0)) / 1e6
 
 
 def served_doc(spec: EngineSpec, check: ServedCheck | None, usage: ServedUsage) -> ServedDoc:
@@ -127,11 +140,8 @@ def served_doc(spec: EngineSpec, check: ServedCheck | None, usage: ServedUsage) 
     from jex.engine.fingerprint import engine_fingerprint
 
     fp = engine_fingerprint(spec)
-    prices = (spec.price_input_per_mtok, spec.price_output_per_mtok)
-    cost = None if prices == (None, None) else (
-        usage.prompt_tokens * (prices[0] or 0.0) + usage.completion_tokens * (prices[1] or 0.0)) / 1e6
     return ServedDoc(endpoint=fp.endpoint, model=fp.served_model, revision=fp.served_revision, check=check,
-                     usage=usage, cost_usd=cost)
+                     usage=usage, cost_usd=usage_cost(spec, usage))
 
 
 def served_section(doc: ServedDoc, spec: EngineSpec) -> list[str]:
