@@ -15,6 +15,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout "${BENCH_TIMEOUT:-570}" python3 "bench/$SCRIPT" --out "$OUT/$NAME.json" "$@" 2>&1 | tee "$OUT/$NAME.out"
 rc=${PIPESTATUS[0]}
 find "$WORK" \( -name '*.log' -o -name machines.json -o -name 'result.json' -o -name 'served.json' \
-  -o -name 'stages.json' -o -name 'engine-start*.json' \) -size -2M -print0 2>/dev/null \
+  -o -name 'stages.json' -o -name 'engine-start*.json' -o -name 'probe*.json' -o -name 'arm-*.json' \
+  -o -name 'control-s*.json' -o -name bakeoff.json -o -name 'audit*.json' \) -size -2M -print0 2>/dev/null \
   | tar czf "$OUT/$NAME-logs.tar.gz" --null -T - 2>/dev/null
 exit $rc

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -49,8 +48,7 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/gpu-determinism"))
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONUNBUFFERED": "1"}
+    env = gpu_peer.bench_env()
     task = gpu_peer.make_tasks("gsm8k", a.rows, a.work / "tasks", a.max_gen_toks)
     first_dir = a.work / "run-0"
     runs: list[dict] = []

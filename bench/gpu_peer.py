@@ -58,6 +58,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -437,6 +438,22 @@ def jex_metrics(run_dir: Path, out: Path, env: dict[str, str], task: str) -> dic
     return json.loads(Path(results).read_text())["results"][task]
 
 
+def bench_env() -> dict[str, str]:
+    """The environment every tool runs in here: no Hub, no tokenizer threads, unbuffered output."""
+    return {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1"}
+
+
+def recorder(out: Path, doc: dict) -> Callable[..., None]:
+    """`record(**line)`: prints the line as JSON and rewrites `out` with `doc` as it stands (a call cut off keeps
+    what it measured so far)."""
+    def record(**line: object) -> None:
+        say(**line)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=2, default=str))
+    return record
+
+
 def save(a: argparse.Namespace, done: list[dict]) -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"command": " ".join(sys.argv), "cells": done}, indent=2, default=str))
@@ -553,8 +570,7 @@ def main() -> None:
     if a.warm_store is not None and not any((a.warm_store / c).is_dir() for c in ("compile_cache", "bakeoff")):
         p.error(f"--warm-store {a.warm_store}: no compile_cache or bakeoff folder in it")
     a.work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONUNBUFFERED": "1"}
+    env = bench_env()
     cells: list[dict] = []
     for spec in a.cell:
         kind, rows = spec.split(":")

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -106,16 +105,11 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONUNBUFFERED": "1"}
+    env = gpu_peer.bench_env()
     task = sampled_task(a.rows, a.work / "tasks", a.max_gen_toks, a.temperature, a.samples)
     doc: dict = {"command": " ".join(sys.argv), "rows": a.rows, "samples": a.samples, "temperature": a.temperature,
                  "max_gen_toks": a.max_gen_toks, "jex": [], "lm_eval": []}
-
-    def save(**line: object) -> None:
-        print(json.dumps(line, default=str), flush=True)
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(doc, indent=2, default=str))
+    save = gpu_peer.recorder(a.out, doc)
 
     first: dict[int, tuple[str, ...]] = {}
     for i, seqs in enumerate(a.jex_seqs or [0]):

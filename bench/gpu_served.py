@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import socket
 import subprocess
@@ -134,14 +133,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONUNBUFFERED": "1"}
+    env = gpu_peer.bench_env()
     doc: dict = {"command": " ".join(sys.argv), "cells": []}
-
-    def save(**line: object) -> None:
-        print(json.dumps(line, default=str), flush=True)
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(doc, indent=2, default=str))
+    save = gpu_peer.recorder(a.out, doc)
 
     tasks = []
     warm = a.warm_store

@@ -19,9 +19,10 @@ from __future__ import annotations
 import fcntl
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from jex.errors import InfraError
 from jex.fileio import write_json
@@ -34,6 +35,8 @@ from jex.infra.records import (
     ServedLedgerEntry,
 )
 from jex.record import read_record, write_record
+
+_Entry = TypeVar("_Entry", CostLedgerEntry, ServedLedgerEntry)
 
 __all__ = ["BudgetExceeded", "CostLedger", "CostLedgerEntry", "ProjectedSpend", "ServedLedgerEntry",
            "over_projected_budget"]
@@ -59,6 +62,11 @@ def over_projected_budget(projected: ProjectedSpend | None, *, price_per_hour: f
             f"{projected.machine_hours:.1f} machine-hours at coverage {projected.coverage:g}, ${cost:.2f} at "
             f"${price_per_hour:g}/hour, over its ${budget_usd:g} budget; no machine started: raise budget_usd, "
             "lower --coverage or pick a cheaper machine")
+
+
+def _of(campaign: str | None, entries: Iterable[_Entry]) -> list[_Entry]:
+    """The entries of `campaign` (None: all)."""
+    return [e for e in entries if campaign is None or e.campaign == campaign]
 
 
 class CostLedger:
@@ -91,11 +99,11 @@ class CostLedger:
 
     def entries(self, campaign: str | None = None) -> list[CostLedgerEntry]:
         """The machines of `campaign` (None: all)."""
-        return [e for e in self._read().machines.values() if campaign is None or e.campaign == campaign]
+        return _of(campaign, self._read().machines.values())
 
     def served(self, campaign: str | None = None) -> list[ServedLedgerEntry]:
         """The served models' usage in `campaign` (None: all)."""
-        return [e for e in (self._read().served or {}).values() if campaign is None or e.campaign == campaign]
+        return _of(campaign, (self._read().served or {}).values())
 
     def record_served(self, entry: ServedLedgerEntry) -> None:
         """Record an answer journal's cumulative usage: a new journal is charged to `entry.campaign`; a known one
@@ -129,8 +137,8 @@ class CostLedger:
     def total(self, campaign: str | None, now: float | None = None) -> float:
         """What `campaign` (None: all) cost so far: its machines and its served models' tokens."""
         doc = self._read()
-        return (sum(e.cost(now) for e in doc.machines.values() if campaign is None or e.campaign == campaign)
-                + sum(e.cost() for e in (doc.served or {}).values() if campaign is None or e.campaign == campaign))
+        return (sum(e.cost(now) for e in _of(campaign, doc.machines.values()))
+                + sum(e.cost() for e in _of(campaign, (doc.served or {}).values())))
 
     def guard(self, campaign: str | None, budget_usd: float, price_per_hour: float = 0.0) -> None:
         """Refuse a new machine when the campaign already spent its budget, or when the budget projection
@@ -159,9 +167,10 @@ class CostLedger:
     def usage(self, campaign: str | None, now: float | None = None) -> CostLedgerReport:
         """Every machine of `campaign` (None: all) with its seconds and cost so far, its served models' usage,
         and the totals."""
+        doc = self._read()
         rows = [CostLedgerRow(**e.model_dump(), seconds=round(e.life_s(now), 3), cost_usd=round(e.cost(now), 6))
-                for e in self.entries(campaign)]
-        served = self.served(campaign)
+                for e in _of(campaign, doc.machines.values())]
+        served = _of(campaign, (doc.served or {}).values())
         total = sum(r.cost_usd for r in rows) + sum(e.cost() for e in served)
         return CostLedgerReport(campaign=campaign, machines=rows, total_usd=round(total, 6),
                                 machine_seconds=round(sum(r.seconds for r in rows), 3), served=served)
