@@ -38,7 +38,7 @@ TYPECHECK = mkdir -p build/typecheck/jex && for room in engine tasks lab flows i
 # core idle; its report is printed after theirs, and either failing fails the target.
 test: setup
 	$(VENV)/bin/ruff check .
-	@mkdir -p build; ( $(TYPECHECK) ) > build/typecheck.log 2>&1 & typecheck=$$!; \
+	mkdir -p build; ( $(TYPECHECK) ) > build/typecheck.log 2>&1 & typecheck=$$!; \
 	bash .ci/services.sh $(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder \
 		--junitxml=build/test-results.xml $(PYTEST_ARGS); tests=$$?; \
 	wait $$typecheck; typed=$$?; cat build/typecheck.log; \
