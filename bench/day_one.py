@@ -11,7 +11,8 @@ Per cell (a task shape of `bench/gpu_peer.py` and its rows), each tool in its ow
 1. `lm_eval --model vllm` (vLLM's defaults, TRITON_ATTN, `batch_size auto`); with `--cold` first, vLLM's own
    compile cache on the machine (~/.cache/vllm) is emptied, so its first cell of a model starts cold;
 2. jex "first": `jex run` (default `local` provider, settings audit on by default for vLLM) on a fresh store:
-   the model's first campaign, audit included, no compile cache;
+   the model's first campaign, audit included, no compile cache (with `--first-store`, a fine-tune's first
+   campaign: the base's store's stored audit and compile cache carried over);
 3. jex "later": the same model's next campaign, on a store that holds no result of this task: only the
    compile cache and the stored audit of the first run's store (or `--later-store`'s) are carried over, as a
    team's store carries them from one task's campaign to the next.
@@ -66,6 +67,13 @@ def phases(result: dict) -> dict[str, float]:
             "work": round(work_s, 1), "everything_else": round(wall - audit_s - start_s - golden_s - work_s, 1)}
 
 
+def probes_of(result: dict) -> list[dict]:
+    """The settings audit's probe outcomes (`probe.json`) of a jex run: how long it held the campaign and whether
+    its control started beside the campaign's engine."""
+    store = Path(result["run_dir"]).parent.parent / "store"
+    return [json.loads(p.read_text()) for p in sorted(store.glob(".machines/*/golden/audit/probe.json"))]
+
+
 def audit_of(result: dict) -> dict | None:
     audit = (result.get("machines") or {}).get("audit")
     if not audit:
@@ -89,9 +97,9 @@ def one_cell(kind: str, rows: int, a: argparse.Namespace, env: dict[str, str]) -
     cluster = None if kind == "gsm8k" else "topic"
     first = None  # jex's own compile caches live in its store and machine folders, never in ~/.cache/vllm
     if not a.skip_first:
-        first = run_jex(task, a.model, work / "jex-first", env, None, a.cpu, a.jex_args, cluster, a.reuse)
+        first = run_jex(task, a.model, work / "jex-first", env, a.first_store, a.cpu, a.jex_args, cluster, a.reuse)
         cell |= {"jex_first_s": round(first["wall_s"], 1), "phases_first": phases(first), "audit_first":
-                 audit_of(first), "first_run_dir": first["run_dir"]}
+                 audit_of(first), "probes_first": probes_of(first), "first_run_dir": first["run_dir"]}
         print(json.dumps({"cell": f"{kind}:{rows}", "jex_first_s": cell["jex_first_s"],
                           "phases": cell["phases_first"], "audit": cell["audit_first"]}), flush=True)
     if a.cold:  # lm_eval's first cell of the model on this machine: no vLLM compile cache of an earlier run
@@ -131,6 +139,9 @@ def main() -> None:
     p.add_argument("--cell", action="append", required=True, help="KIND:ROWS, KIND one of gsm8k, text, letters")
     p.add_argument("--later-store", type=Path, help="the store whose compile cache and stored audit each cell's "
                                                     "'later' campaign starts from (default: the cell's first run's)")
+    p.add_argument("--first-store", type=Path, help="the store of a measured base whose stored audit (and compile "
+                                                    "cache) the first campaign starts from: the model is its "
+                                                    "fine-tune, of the same architecture shape")
     p.add_argument("--skip-later", action="store_true", help="no later campaign")
     p.add_argument("--skip-first", action="store_true", help="only lm_eval and the later campaign")
     p.add_argument("--cold", action="store_true", help="empty vLLM's compile cache before lm_eval's run")

@@ -153,3 +153,23 @@ def estimate_fit(req: FitRequest) -> FitEstimate:
     return FitEstimate(gpu=req.gpu.name, budget_gib=g[0], weights_gib=round(weights / GIB, 2), overhead_gib=g[2],
                        kv_cache_gib=g[3], kv_bytes_per_token=per_token, reason_batch=batch, fits=fits,
                        refusal=refusal, warning=warning)
+
+
+BESIDE_START_KV_SHARE = 0.5
+"""A neighbour may start beside a profiling engine when its whole footprint is at most this share of the KV
+cache that engine would get alone (`neighbour_fits_start`)."""
+
+
+def neighbour_fits_start(shape: ModelShape, *, dtype: str | None, weights_bytes_on_disk: int | None, gpu: GpuKind,
+                         engine: VLLMSettings, neighbour: VLLMSettings) -> bool:
+    """Whether a second engine of the same model (its KV cache fixed: `neighbour`) may start while `engine`
+    sizes its KV cache. vLLM counts every byte the GPU loses from its start to the end of its profiling as its
+    own (`non_torch_increase` in vLLM's `memory_profiling`), a neighbour's weights and cache among them: the
+    engine's KV cache shrinks by the neighbour's footprint, so that footprint must leave it most of its cache."""
+    def fit(vllm: VLLMSettings) -> FitEstimate:
+        return estimate_fit(FitRequest(shape=shape, dtype=dtype, weights_bytes_on_disk=weights_bytes_on_disk,
+                                       gpu=gpu, vllm=vllm, reason_seq_tokens=1))
+
+    alone, other = fit(engine), fit(neighbour)
+    footprint = other.weights_gib + other.overhead_gib + other.kv_cache_gib
+    return alone.fits and other.fits and footprint <= BESIDE_START_KV_SHARE * alone.kv_cache_gib

@@ -517,9 +517,11 @@ def test_a_campaign_runs_only_with_settings_a_stored_passing_bake_off_covers(tmp
     from jex.engine_spec import EngineSpec
     from jex.flows.machines.audit import SettingsAudit, SettingsNotAudited
     from jex.flows.machines.fleet import GpuFleet
+    from jex.record import read_record
     from jex.sample_suite import write_sample_suite
     from jex.settings import load_settings
     from jex.tasks.campaign_spec import MachinesSpec
+    from jex.tasks.capture.invariance import PROBE_FILE, ProbeOutcome
     from jex.tasks.capture.stages import bundle_stage
     from jex.tasks.inputs import EngineJob, FastPassInputs
     from jex.tasks.store import LocalStore
@@ -548,6 +550,8 @@ def test_a_campaign_runs_only_with_settings_a_stored_passing_bake_off_covers(tmp
     assert [j.job for j in first.sessions[0].outcomes][0] == "golden"  # the probe ran inside the golden job
     assert not any(j.job.startswith("lab") for j in first.sessions[0].outcomes)
     assert first.report().engine_starts == 1  # one engine start for the audit and the campaign
+    first_probe = tmp_path / "store" / ".machines" / first.sessions[0].machine.id / "golden" / "audit" / PROBE_FILE
+    assert read_record(ProbeOutcome, first_probe).control_beside_start  # the control started with it, not after
     assert first.report().audit == audit  # machines.json says which audit covers the settings
     for f in (tmp_path / "store" / "fast_pass").rglob("shard-*.parquet"):
         f.unlink()

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from jex.cli import app
 from jex.cli.preflight import model_fits
-from jex.engine.memory import GIB, GPU_KINDS, FitRequest, ModelShape, estimate_fit
+from jex.engine.memory import GIB, GPU_KINDS, FitRequest, GpuKind, ModelShape, estimate_fit
 from jex.engine_spec import EngineSpec, VLLMSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,3 +92,29 @@ def test_an_unknown_gpu_kind_is_refused_by_its_setting(tmp_path):
     engine = VLLM_ON_CUDA.model_copy(update={"model": str(model_dir(tmp_path / "m", LLAMA_3_8B))})
     with pytest.raises(InputError, match="JEX_INFRA__GPU_KIND.*unknown GPU kind 'B300'"):
         model_fits(engine, gpu_kind="B300", gpu_kinds={}, reason_max_tokens=48)
+
+
+SMOLLM2_135M = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
+                "torch_dtype": "bfloat16"}
+H100 = GpuKind(name="H100", memory_gib=79.19)  # torch.cuda.mem_get_info total on the bench's H100 80GB HBM3
+
+
+@pytest.mark.parametrize(("config", "beside"), [(SMOLLM2_135M, True), (LLAMA_3_8B, False)])
+def test_the_audit_control_starts_beside_the_campaign_engine_only_where_it_leaves_it_most_of_its_cache(config, beside):
+    """vLLM counts what a neighbour allocates during its start as its own: the 8B's control (15 GiB of weights)
+    would leave the campaign's engine at 0.3 of an H100 no KV cache, so it starts after it."""
+    from jex.engine.memory import neighbour_fits_start
+    from jex.flows.machines.audit import control_engine
+
+    campaign = EngineSpec(kind="vllm", device="cuda")
+    assert neighbour_fits_start(ModelShape.from_config(config), dtype="bfloat16", weights_bytes_on_disk=None, gpu=H100,
+                                engine=campaign.vllm, neighbour=control_engine(campaign).vllm) is beside
+
+
+def test_the_audit_control_of_an_hf_engine_always_starts_beside_it():
+    from jex.flows.machines.audit import control_engine
+    from jex.tasks.capture.invariance import control_beside_start
+
+    campaign = EngineSpec(kind="hf", batch_size=2)
+    assert control_beside_start(campaign, control_engine(campaign))

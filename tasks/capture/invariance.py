@@ -2,17 +2,21 @@
 ladder, each rung compared with the arm's reference (batch 1, or for a prompt batch 1 did not read, its
 run at the smallest rung above). The lab's bake-off (`jex.lab.bakeoff`) runs arms of it in processes of
 their own; a machine's engine host runs the campaign's own engine through it for the settings audit
-(`audit_arm`), with the control arm beside it in another process (`python -m jex.tasks.capture.invariance
-control PROBE OUT`), which stops at its first divergence: it only has to show the test's power.
+(`probe_engine`), with the control arm beside it in another process (`python -m jex.tasks.capture.invariance
+control PROBE OUT`), which stops at its first divergence: it only has to show the test's power. The control
+starts with the campaign's engine where the GPU's memory allows (`start_probe`), so its start hides behind
+the engine's instead of following it.
 """
 
 from __future__ import annotations
 
 import functools
 import random
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypedDict
 
@@ -216,6 +220,60 @@ class ProbeOutcome(Record):
     powered: bool | None = Field(description="The control arm diverged (None: no control ran)")
     control_error: str | None = None
     seconds: float
+    control_beside_start: bool | None = Field(None, description="The control's process started with the campaign's "
+                                                                "engine (True) or once it was up (False); None: "
+                                                                "no control ran")
+
+
+@dataclass
+class StartedProbe:
+    """A probe whose folder is laid out, its control arm's process running (None: no control)."""
+
+    out: Path
+    control: subprocess.Popen[bytes] | None
+    beside_start: bool
+
+
+def control_beside_start(campaign: EngineSpec, control: EngineSpec) -> bool:
+    """Whether the control may start while the campaign's engine starts. Always where the campaign's engine
+    does not size its KV cache from the GPU's free memory (HF, or a fixed `kv_cache_memory_gib`); for vLLM
+    otherwise, when the control's footprint leaves the campaign's engine most of its cache
+    (`engine.memory.neighbour_fits_start`). A GPU or model this cannot size: after (the safe order)."""
+    if not campaign.kind.startswith("vllm") or not campaign.starts_alone():
+        return True
+    try:
+        import json
+
+        import torch
+
+        from jex.engine.hf import DEFAULT_CACHE
+        from jex.engine.memory import GpuKind, ModelShape, neighbour_fits_start
+        from jex.engine.models import resolve_model
+
+        folder = resolve_model(campaign.model, DEFAULT_CACHE).path
+        config = json.loads((folder / "config.json").read_text())
+        index = folder / "model.safetensors.index.json"
+        on_disk = json.loads(index.read_text()).get("metadata", {}).get("total_size") if index.exists() else None
+        total = torch.cuda.mem_get_info()[1]
+        return neighbour_fits_start(ModelShape.from_config(config.get("text_config") or config),
+                                    dtype=campaign.dtype, weights_bytes_on_disk=on_disk,
+                                    gpu=GpuKind(name="this machine's", memory_gib=total / 2**30),
+                                    engine=campaign.vllm, neighbour=control.vllm)
+    except Exception as e:  # noqa: BLE001 - no answer means the order that cannot starve the campaign's engine
+        print(f"settings audit: the control starts after the engine ({type(e).__name__}: {e})", flush=True)
+        return False
+
+
+def start_probe(probe: InvarianceProbe, out: Path, campaign: EngineSpec | None = None) -> StartedProbe:
+    """Lay out the probe's folder (an earlier attempt's files removed) and start its control arm: now when
+    `campaign` (the engine about to start) is given and `control_beside_start` allows it, else None (then
+    `probe_engine` starts it once the campaign's engine is up)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("control-s*.json"), *out.glob("arm-*.json"), out / PROBE_FILE]:
+        stale.unlink(missing_ok=True)  # an earlier attempt's (a host replaced mid-probe): never read as this one's
+    write_record(out / "probe-request.json", probe)
+    beside = probe.control is not None and campaign is not None and control_beside_start(campaign, probe.control)
+    return StartedProbe(out=out, control=_start_control(probe, out) if beside else None, beside_start=beside)
 
 
 def arm_result(engine: Any, probe: InvarianceProbe, scale: int, *, invariant: bool,
@@ -247,16 +305,15 @@ CONTROL_ENV_DROPPED = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "VL
 Progress = Callable[[str, int, int], None]
 
 
-def probe_engine(engine: Any, probe: InvarianceProbe, out: Path, progress: Progress | None = None) -> ProbeOutcome:
+def probe_engine(engine: Any, probe: InvarianceProbe, out: Path, progress: Progress | None = None,
+                 started: StartedProbe | None = None) -> ProbeOutcome:
     """The audit on a machine: `engine` (the campaign's, already started: no second start) through the
     ladder, the control arm in its own process beside it (batch invariance is process-wide), scale after
-    scale while the control stays quiet and the invariant arm holds. Writes the arms' files and `probe.json`;
-    `progress(what, done, total)` as each rung ends and while it waits for the control."""
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("control-s*.json"), *out.glob("arm-*.json"), out / PROBE_FILE]:
-        stale.unlink(missing_ok=True)  # an earlier attempt's (a host replaced mid-probe): never read as this one's
-    write_record(out / "probe-request.json", probe)
-    control = _start_control(probe, out) if probe.control else None
+    scale while the control stays quiet and the invariant arm holds. `started`: the probe as `start_probe`
+    laid it out before the engine started (its control perhaps running already). Writes the arms' files and
+    `probe.json`; `progress(what, done, total)` as each rung ends and while it waits for the control."""
+    started = started or start_probe(probe, out)
+    control = started.control or (_start_control(probe, out) if probe.control else None)
     t0, powered, error, scale = time.perf_counter(), None, None, probe.scales[0]
     def tick(what: str, done: int) -> None:
         if progress is not None:
@@ -276,7 +333,8 @@ def probe_engine(engine: Any, probe: InvarianceProbe, out: Path, progress: Progr
         if control is not None:
             _stop(control)
     outcome = ProbeOutcome(scale=scale, passed=invariant(arm), powered=powered, control_error=error,
-                           seconds=time.perf_counter() - t0)
+                           seconds=time.perf_counter() - t0,
+                           control_beside_start=started.beside_start if probe.control else None)
     write_record(out / PROBE_FILE, outcome)
     return outcome
 
@@ -285,11 +343,11 @@ def _rung_done(tick: Callable[[str, int], None], what: str, ladder: list[int], b
     tick(f"{what} rung", ladder.index(batch) + 1)
 
 
-def _start_control(probe: InvarianceProbe, out: Path) -> Any:
+def _start_control(probe: InvarianceProbe, out: Path) -> subprocess.Popen[bytes]:
     """The control arm's process, in a session of its own (its compile workers stop with it), with vLLM's
-    default environment and a compile cache of its own (seeded with the machine's architecture inspections)."""
+    default environment and a compile cache of its own (seeded with the machine's architecture inspections,
+    where its engine slots made any)."""
     import os
-    import subprocess
 
     from jex.engine.compile_cache import seed_modelinfos
 
@@ -301,10 +359,15 @@ def _start_control(probe: InvarianceProbe, out: Path) -> Any:
                              str(out / "probe-request.json"), str(out)], env=env, start_new_session=True)
 
 
-def _stop(control: Any) -> None:
+def stop_control(probe: StartedProbe) -> None:
+    """Stop the probe's control arm if it still runs (its probe ended, or the engine beside it never started)."""
+    if probe.control is not None:
+        _stop(probe.control)
+
+
+def _stop(control: subprocess.Popen[bytes]) -> None:
     import os
     import signal
-    import subprocess
 
     if control.poll() is not None:
         return
@@ -319,7 +382,7 @@ def _stop(control: Any) -> None:
             continue
 
 
-def _control_at(control: Any, out: Path, scale: int, waiting: Callable[[], None],
+def _control_at(control: subprocess.Popen[bytes], out: Path, scale: int, waiting: Callable[[], None],
                 timeout_s: float = CONTROL_WAIT_S) -> tuple[bool | None, str | None]:
     """(quiet, error) of the control arm at `scale`: its file, else its process's end or the deadline."""
     target = out / f"control-s{scale}.json"

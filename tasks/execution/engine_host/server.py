@@ -48,6 +48,7 @@ from jex.tasks.execution.engine_host.protocol import (
 )
 
 if TYPE_CHECKING:
+    from jex.tasks.capture.invariance import StartedProbe
     from jex.tasks.capture.stages import Progress
 
 
@@ -103,13 +104,15 @@ class EngineHost:
 
     def handle(self, request: HostRequest) -> HostReply:
         t0 = time.perf_counter()
+        probe = None
         try:
+            probe = _start_probe(request)  # the audit's control starts with the engine, not after it
             self.warm(request.engine_job.inputs.engine)
             started = time.perf_counter() - t0
             self.progress("computing", request.job)
             summary = execute(request, lambda stage, done, total: self.progress("computing",
                                                                                f"{stage} shard {done}/{total}"),
-                              engine_start_s=started)
+                              engine_start_s=started, probe=probe)
             return HostReply(ok=True, summary=summary, host_pid=os.getpid(), engine_starts=self.starts,
                              seconds=time.perf_counter() - t0)
         except (KeyboardInterrupt, SystemExit):
@@ -120,6 +123,11 @@ class EngineHost:
             traceback.print_exc()
             return HostReply(ok=False, error=f"{type(e).__name__}: {e}", host_pid=os.getpid(),
                              engine_starts=self.starts, seconds=time.perf_counter() - t0)
+        finally:
+            if probe is not None:  # the probe stops its control; this is for an engine that never started
+                from jex.tasks.capture.invariance import stop_control
+
+                stop_control(probe)
 
     def _forget_pid_file(self) -> None:
         """On exit: no pid file may name this (soon reusable) pid for teardown to kill later."""
@@ -211,9 +219,23 @@ class EngineHost:
         self._forget_pid_file()
 
 
-def execute(request: HostRequest, progress: Progress | None = None, engine_start_s: float = 0.0) -> JobSummary:
+def _start_probe(request: HostRequest) -> StartedProbe | None:
+    """A golden request's settings audit, laid out before its engine starts: its control arm starts now, beside
+    the engine's start, unless that engine is already up (or memory says after: `start_probe`)."""
+    if request.job != "golden" or request.probe is None:
+        return None
+    from jex.tasks.capture.invariance import start_probe
+    from jex.tasks.execution.engine_pool import is_loaded
+
+    engine = request.engine_job.inputs.engine
+    return start_probe(request.probe, Path(request.probe_out), None if is_loaded(engine) else engine)
+
+
+def execute(request: HostRequest, progress: Progress | None = None, engine_start_s: float = 0.0,
+            probe: StartedProbe | None = None) -> JobSummary:
     """The engine work of one request, in this process (the host's, or a client's with no host);
-    `engine_start_s`: what starting the engine for it took just before (recorded with the shards)."""
+    `engine_start_s`: what starting the engine for it took just before (recorded with the shards); `probe`:
+    a golden request's audit as `_start_probe` began it before the engine started."""
     from jex.tasks.capture.stages import ShardShare
     from jex.tasks.execution.engine_job import run_engine_job
 
@@ -221,11 +243,16 @@ def execute(request: HostRequest, progress: Progress | None = None, engine_start
         from jex.tasks.capture.golden import golden_job
 
         if request.probe is not None:  # the settings audit, on the engine the campaign then uses
-            from jex.tasks.capture.invariance import probe_engine
+            from jex.tasks.capture.invariance import probe_engine, stop_control
             from jex.tasks.execution.engine_pool import get_engine
 
-            probe_engine(get_engine(request.engine_job.inputs.engine), request.probe, Path(request.probe_out),
-                         progress)
+            probe = probe or _start_probe(request)
+            try:
+                probe_engine(get_engine(request.engine_job.inputs.engine), request.probe, Path(request.probe_out),
+                             progress, probe)
+            finally:
+                if probe is not None:
+                    stop_control(probe)
 
         golden_job(request.engine_job, request.golden_rows, Path(request.golden_out), Path(request.fingerprint_out),
                    (request.generation_rows, request.generation_tokens, Path(request.generation_out))
