@@ -3,6 +3,7 @@ state folder, and whatever a killed owner left running is stopped by reconcile, 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -110,3 +111,64 @@ def test_the_next_run_stops_what_a_killed_one_left_and_says_so_in_one_line(tmp_p
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"processes: stopped 1 left running by a jex process that is gone: "
                                                    f"worker pid {proc.pid}")
+
+
+AHEAD = """
+import json
+from prefect.client.orchestration import get_client
+from jex.flows.local_api import ensure_local_api, start_temporary_api
+from jex.infra.processes import PROCESSES
+from jex.settings import load_settings
+from pathlib import Path
+
+assert ensure_local_api()
+api = start_temporary_api()  # as `jex run` does before it imports its flows
+api.ready()
+state = Path(load_settings().infra.state_dir) / PROCESSES
+with get_client(sync_client=True) as client:
+    answers, used = client.api_healthcheck() is None, str(client.api_url)
+recorded = [json.loads(p.read_text())["pid"] for p in state.glob("*.json")]
+pid = api.server.server_process.pid
+api.stop()
+print(json.dumps({"client": used, "server": api.server.api_url, "answers": answers,
+                  "recorded": recorded, "pid": pid, "left": [p.name for p in state.glob("*.json")]}))
+"""
+
+
+def test_a_temporary_server_started_ahead_of_the_flows_is_the_one_they_use_and_is_recorded_until_stopped(tmp_path):
+    state = tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "JEX_"))}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), JEX_INFRA__STATE_DIR=str(state))
+    out = subprocess.run([sys.executable, "-c", AHEAD], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["answers"] and seen["client"].rstrip("/") == seen["server"].rstrip("/")
+    assert seen["recorded"] == [seen["pid"]] and seen["left"] == [] and not running(seen["pid"])
+
+
+NOT_NEEDED = """
+import json, time
+from jex.flows.local_api import ensure_local_api, start_temporary_api
+from jex.infra.processes import PROCESSES
+from jex.settings import load_settings
+from pathlib import Path
+
+assert ensure_local_api()
+api = start_temporary_api()
+t0 = time.monotonic()
+api.stop()  # a campaign stored in full: no flow will ask for it
+process = api.server.server_process
+state = Path(load_settings().infra.state_dir) / PROCESSES
+print(json.dumps({"stop_s": time.monotonic() - t0, "process": process is not None,
+                  "left": [p.name for p in state.glob("*.json")]}))
+"""
+
+
+def test_a_temporary_server_no_flow_needs_is_stopped_without_waiting_for_it_to_answer(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "JEX_"))}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), JEX_INFRA__STATE_DIR=str(tmp_path / "state"))
+    out = subprocess.run([sys.executable, "-c", NOT_NEEDED], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not seen["process"] and seen["left"] == []
+    assert seen["stop_s"] < 5, "a server starts in ~5-10 s here: stopping it must not wait for that"

@@ -170,17 +170,24 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
     if len(models) > 1:
         return run_models(campaign, models, settings, style=style, recompute=recompute)
     temporary = connect_prefect(settings, notice=False)  # before Prefect is imported: it reads its settings once
+    from jex.flows.local_api import start_temporary_api
+
+    api = start_temporary_api() if temporary else None  # it starts while the flows are imported
     from jex.flows.campaign import run_campaign, stored_run
 
     panel = None
     try:
         if panel_catalogs and resume is None:  # a resumed run already reads its panel
             campaign, panel = on_panel(campaign, catalog_list(panel_catalogs), declared_share=panel_share)
-        # with no server to record the run, a campaign stored in full needs no temporary one started
+        # with no server to record the run, a campaign stored in full needs no temporary one
         run_dir = stored_run(campaign, settings) if temporary and not redo else None
+        if run_dir is not None and api is not None:
+            api.stop()
         if run_dir is None:
             if temporary:
                 typer.echo(TEMPORARY_API_NOTICE, err=True)
+            if api is not None:
+                api.ready()
             run_dir = run_campaign(campaign, recompute=recompute, redo=redo)
         if panel is not None:
             project_panel(Path(run_dir), panel, campaign)
