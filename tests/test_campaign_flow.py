@@ -142,8 +142,9 @@ def test_budget_projection_flow_measures_and_projects(harness, tiny_suite, tmp_p
     assert "Coverage cliff" in next(tmp_path.glob("*-budget/budget.md")).read_text()
 
 
-def test_killed_run_resumes_at_the_first_missing_shard(tiny_suite, tmp_path):
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+def test_killed_run_resumes_at_the_first_missing_shard(tiny_suite, tmp_path, prefect_api_url):
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": prefect_api_url,
+           "PYTHONUNBUFFERED": "1"}
     jex = [sys.executable, "-m", "jex"]
     cmd = jex + ["run", "--suite", str(tiny_suite), "--out", str(tmp_path), "--shard-rows", "3",
                  "--reason-max-tokens", "4", "--name", "crash", "--provider", "inprocess"]

@@ -145,11 +145,9 @@ def test_a_panel_whose_share_is_not_the_declared_one_is_refused_before_the_run(r
 
 
 @pytest.mark.slow
-def test_a_panel_campaign_projects_its_delta_onto_the_full_index(tmp_path, prefect_harness):
+def test_a_panel_campaign_projects_its_delta_onto_the_full_index(tmp_path, prefect_api_url):
     """The run's final predictions against its fast pass, each panel catalog's delta weighted by its share of
     the full weight, recomputed here from the run's own catalog scores."""
-    from prefect.settings import PREFECT_API_URL
-
     from jex.lab.experiment_stats import panel_share
     from jex.sample_suite import write_sample_suite
     from jex.tasks.bundle.suite_table import load_suite_table
@@ -157,7 +155,7 @@ def test_a_panel_campaign_projects_its_delta_onto_the_full_index(tmp_path, prefe
 
     sample_suite = write_sample_suite(tmp_path / "suite", rows=144, seed=0)  # 16 rows a catalog: 32 in the panel
     shares = panel_share(load_suite_table(sample_suite).spec, ["arith", "boolean"])
-    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    env = {**os.environ, "PREFECT_API_URL": prefect_api_url}
     done = subprocess.run([sys.executable, "-m", "jex", "run", "--suite", str(sample_suite), "--provider",
                            "inprocess", "--coverage", "0.3", "--reason-max-tokens", "6", "--panel-catalogs",
                            "arith,boolean", "--panel-share", f"{sum(shares.values()):.6f}", "--name", "panel",

@@ -235,18 +235,16 @@ def lm_results(lm_out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def jex_run(task_dir, embedded_model_dir, tmp_path_factory, prefect_harness) -> Path:
+def jex_run(task_dir, embedded_model_dir, tmp_path_factory, prefect_api_url) -> Path:
     """Both tasks imported as one suite (a group: one catalog per task) and run by `jex run --coverage 0`
     in its own process, on the default provider (a local worker process, the golden replay first), as a
     user runs it; its flow reports to the session's Prefect test API."""
-    from prefect.settings import PREFECT_API_URL
-
     root = tmp_path_factory.mktemp("fid-jex")
     imported = cli("suite", "import", "lm-eval", "--task", task_dir / "fid.yaml", "--cluster", "topic",
                    "-o", root / "suite")
     assert imported.exit_code == 0, imported.output
     (root / "spec.toml").write_text("[machines]\ngolden_rows = 2\n")  # the replay before the shards: 2 rows
-    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "JEX_INFRA__STATE_DIR": str(root / "infra"),
+    env = {**os.environ, "PREFECT_API_URL": prefect_api_url, "JEX_INFRA__STATE_DIR": str(root / "infra"),
            "JEX_INFRA__POLL_S": "0.3", "JEX_INFRA__HEARTBEAT_S": "1", "JEX_INFRA__WORKER_PYTHON": sys.executable}
     done = subprocess.run([sys.executable, "-m", "jex", "run", "--spec", str(root / "spec.toml"), "--suite",
                            str(root / "suite"), "--model", str(embedded_model_dir), "--coverage", "0", "--name", "fid",

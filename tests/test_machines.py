@@ -347,14 +347,16 @@ def _env(tmp_path, sshd=None, s3_server=None, bucket=None) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_jex_run_over_ssh_runs_the_gpu_stages_through_the_full_lifecycle(sshd, tmp_path, s3_server, s3_bucket):
+def test_jex_run_over_ssh_runs_the_gpu_stages_through_the_full_lifecycle(sshd, tmp_path, s3_server, s3_bucket,
+                                                                         prefect_api_url):
     from jex.sample_suite import write_sample_suite
 
     suite = write_sample_suite(tmp_path / "suite", rows=36, seed=3)
     out = subprocess.run([sys.executable, "-m", "jex", "run", "--provider", "ssh", "--host", "127.0.0.1", "--suite",
                           str(suite), "--out", str(tmp_path / "runs"), "--shard-rows", "9", "--reason-max-tokens", "6",
                           "--name", "ssh"], env=_env(tmp_path, sshd, s3_server, s3_bucket) |
-                         {"JEX_INFRA__PRICE_PER_HOUR": "2.5"},  # a host of one's own is billed at the price set
+                         {"JEX_INFRA__PRICE_PER_HOUR": "2.5",  # a host of one's own is billed at the price set
+                          "PREFECT_API_URL": prefect_api_url},
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run_dir = Path(out.stdout.strip().splitlines()[-1])

@@ -104,10 +104,11 @@ def test_an_unknown_or_ambiguous_campaign_is_a_clear_error(tmp_path, s3_bucket):
 
 
 @pytest.mark.slow
-def test_orchestrator_killed_and_local_store_deleted_resumes_from_s3_with_zero_engine_calls(tmp_path, s3_bucket,
-                                                                                            s3_server):
+def test_orchestrator_killed_and_local_store_deleted_resumes_from_s3_with_zero_engine_calls(
+        tmp_path, s3_bucket, s3_server, prefect_api_url):
     """A campaign runs with S3; its orchestrator is gone with everything local (store, run folder,
-    Prefect database) after the reason stage's checkpoint; a new one resumes from S3."""
+    Prefect home with the result storage Prefect's cache lives in) after the reason stage's checkpoint; a new
+    one resumes from S3. Both report to the session's Prefect test API, as to a team's server."""
     from jex.sample_suite import write_sample_suite
 
     suite = write_sample_suite(tmp_path / "suite", rows=18, seed=5)
@@ -116,8 +117,7 @@ def test_orchestrator_killed_and_local_store_deleted_resumes_from_s3_with_zero_e
         env = {**os.environ, "PREFECT_HOME": str(tmp_path / home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                "JEX_STORE__S3_BUCKET": s3_bucket.bucket, "JEX_STORE__S3_PREFIX": "jex",
                "JEX_STORE__S3_ENDPOINT_URL": s3_server, "JEX_INFRA__AWS_ACCESS_KEY_ID": "test",
-               "JEX_INFRA__AWS_SECRET_ACCESS_KEY": "test"}
-        env.pop("PREFECT_API_URL", None)
+               "JEX_INFRA__AWS_SECRET_ACCESS_KEY": "test", "PREFECT_API_URL": prefect_api_url}
         p = subprocess.run([JEX, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
         assert p.returncode == 0, p.stderr[-3000:]
         return p

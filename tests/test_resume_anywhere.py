@@ -63,14 +63,6 @@ class Place:
 
 
 @pytest.fixture(scope="module")
-def api_url(prefect_harness) -> str:
-    """The session's Prefect test API, for the places after the first."""
-    from prefect.settings import PREFECT_API_URL
-
-    return str(PREFECT_API_URL.value())
-
-
-@pytest.fixture(scope="module")
 def s3_env(s3_server) -> dict[str, str]:
     import boto3
 
@@ -116,9 +108,9 @@ def assert_nothing_recomputed(run_dir: Path, predictions: bytes) -> None:
 
 @pytest.mark.slow
 def test_a_run_is_resumed_retried_mined_moved_and_pulled_without_computing_its_capture_again(
-        first, tmp_path, s3_env, api_url):
+        first, tmp_path, s3_env, prefect_api_url):
     run_dir, predictions = first.run_dir, first.predictions
-    b = Place(tmp_path / "B", s3_env, api_url)
+    b = Place(tmp_path / "B", s3_env, prefect_api_url)
 
     # from another folder and HOME, through the default (local) provider: same run folder, no engine call
     p = b.jex("run", "--resume", str(run_dir), "--provider", "local", "--quiet")
@@ -150,15 +142,15 @@ def test_a_run_is_resumed_retried_mined_moved_and_pulled_without_computing_its_c
 
     # another machine: the local store is gone; `jex store pull` brings the run back into a fresh folder
     shutil.rmtree(c)
-    d = Place(tmp_path / "D", s3_env, api_url)
+    d = Place(tmp_path / "D", s3_env, prefect_api_url)
     pulled = Path(d.jex("store", "pull", "--campaign", run_dir.name, "--out", "runs").stdout.strip().splitlines()[-1])
     d.jex("run", "--resume", str(pulled), "--quiet")
     assert_nothing_recomputed(d.root / pulled, predictions)
 
 
 @pytest.mark.slow
-def test_a_bundle_file_gives_the_capture_of_the_suite_it_was_built_from(first, tmp_path, api_url):
-    e = Place(tmp_path / "E", {}, api_url)
+def test_a_bundle_file_gives_the_capture_of_the_suite_it_was_built_from(first, tmp_path, prefect_api_url):
+    e = Place(tmp_path / "E", {}, prefect_api_url)
     e.jex("bundle", "build", str(first.suite), "-o", "suite.tar.gz")
     p = e.jex("run", "--suite", "suite.tar.gz", "--model", str(first.model), "--provider", "inprocess",
               "--coverage", "0", "--shard-rows", "4", "--name", "b", "--out", "runs", "--quiet")
