@@ -12,8 +12,6 @@ settings audit proved it batch invariant (`flows/machines/audit.py`, `tasks/camp
 
 from __future__ import annotations
 
-import importlib
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -150,27 +148,6 @@ def import_vllm(profile: VLLMProfile) -> Any:
     return vllm
 
 
-def inspect_here(vllm: Any, model: Path) -> None:
-    """Let vLLM inspect the model's architecture in this process. vLLM inspects an architecture it holds no
-    record of (`VLLM_CACHE_ROOT/modelinfos`) in a fresh Python process that imports torch and vLLM again: 22 s
-    of a first start on the H100, where this process has both imported already. Registering the in-tree
-    class itself (`ModelRegistry.register_model`, vLLM's API for a model class) makes vLLM inspect it here.
-    Only saves time: anything unexpected leaves vLLM's own path."""
-    if not (model / "config.json").is_file():
-        return
-    try:
-        config = json.loads((model / "config.json").read_text())
-        registry = vllm.ModelRegistry
-        for arch in config.get("architectures") or []:
-            entry = registry.models.get(arch)
-            module, name = getattr(entry, "module_name", None), getattr(entry, "class_name", None)
-            if module and name and str(module).startswith("vllm.model_executor.models."):
-                registry.register_model(arch, getattr(importlib.import_module(module), name))
-    except Exception as e:  # noqa: BLE001 - vLLM's inspection in its own process still works
-        print(f"vLLM inspects {model.name}'s architecture in a process of its own ({type(e).__name__}: {e})",
-              flush=True)
-
-
 class VLLMEngine(TokenizedEngine):
     name = "vllm"
     continuation_reserve = 1  # vLLM must sample one token after the scored prompt
@@ -190,8 +167,6 @@ class VLLMEngine(TokenizedEngine):
             kv_cache_dtype=self.profile.kv_cache_dtype, **vllm_args(self.profile.settings), **self.profile.extra)
         if self.profile.speculative_config:
             kwargs["speculative_config"] = self.profile.speculative_config
-        if self.profile.settings.tensor_parallel_size == 1:  # over several GPUs vLLM starts worker processes
-            inspect_here(vllm, self.path)
         # the weights' sha256 (seconds per GB on a first start) is read beside the engine start, not after it:
         # hashlib and file reads release the GIL, and the reads leave the files in the page cache vLLM loads from
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="jex-weights-sha256") as hashing:
