@@ -22,6 +22,7 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jex.engine.types import EngineDeadError
 from jex.engine_identity import ArchitectureShape
@@ -110,11 +111,29 @@ def parameter_count(folder: Path) -> int | None:
     return total or None
 
 
+def safetensors_index_size(folder: Path) -> int | None:
+    """`metadata.total_size` of the model folder's safetensors index (Hugging Face), if it has one."""
+    index = folder / "model.safetensors.index.json"
+    try:
+        size = json.loads(index.read_text())["metadata"]["total_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return int(size) if isinstance(size, int | float) and size > 0 else None
+
+
+def model_config(folder: Path) -> dict[str, Any]:
+    """The model folder's `config.json` (Hugging Face's format, read by key); raises OSError or ValueError."""
+    config = json.loads((folder / "config.json").read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{folder / 'config.json'}: not a JSON object")
+    return config
+
+
 def architecture_shape(folder: Path) -> ArchitectureShape:
     """The model's kernel shapes from its `config.json` (no weight is read)."""
     path = folder / "config.json"
     try:
-        config = json.loads(path.read_text())
+        config = model_config(folder)
         text = config.get("text_config") or config  # a multimodal config keeps the language model's apart
         heads = int(text["num_attention_heads"])
         hidden = int(text["hidden_size"])

@@ -151,8 +151,8 @@ RAW_JSON_READERS = {
     # foreign formats, and JSON that is not a file the house writes
     "jex/settings.py": "JSON values of environment variables",
     "jex/suite.py": "suite row files (JSONL a user writes), each validated as a SuiteRow",
-    "jex/cli/preflight.py": "a user's flag file, and a model folder's safetensors index (Hugging Face)",
-    "engine/models.py": "a model folder's config.json and safetensors headers (Hugging Face), its size cache",
+    "jex/cli/preflight.py": "a user's flag file",
+    "engine/models.py": "a model folder's config.json, safetensors index and headers (Hugging Face), its size cache",
     "tasks/outputs/interop/": "lm-eval and Inspect files, and rows' metadata column (JSON text)",
 }
 """Where `read_json(` or `json.loads(` may appear among the rooms that write the house's documents (core,

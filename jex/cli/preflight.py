@@ -301,6 +301,7 @@ def model_fits(engine: EngineSpec, *, gpu_kind: str, gpu_kinds: dict[str, float]
     64 reason sequences, None otherwise. Skipped (None) for CPU or HF engines, the embedded model, a
     GGUF file, a Hub model not in the local cache and a config that is not a decoder's."""
     from jex.engine.memory import GPU_KINDS, FitRequest, GpuKind, ModelShape, estimate_fit
+    from jex.engine.models import safetensors_index_size
 
     if not engine.device.startswith("cuda") or not engine.kind.startswith("vllm"):
         return None
@@ -319,7 +320,7 @@ def model_fits(engine: EngineSpec, *, gpu_kind: str, gpu_kinds: dict[str, float]
     prompt_tokens = _prompt_tokens(suite)
     seq = prompt_tokens + reason_max_tokens
     fit = estimate_fit(FitRequest(
-        shape=shape, dtype=engine.dtype, weights_bytes_on_disk=_index_total_size(folder), gpu=kinds[gpu_kind],
+        shape=shape, dtype=engine.dtype, weights_bytes_on_disk=safetensors_index_size(folder), gpu=kinds[gpu_kind],
         vllm=engine.vllm,
         reason_seq_tokens=min(seq, engine.max_model_len) if engine.max_model_len else seq))
     if fit.refusal:
@@ -345,16 +346,6 @@ def _model_folder(model: str | None) -> Path | None:
     except Exception:  # noqa: BLE001 - not in the local Hub cache: nothing to estimate from
         return None
     return folder if (folder / "config.json").is_file() else None
-
-
-def _index_total_size(folder: Path) -> int | None:
-    """`metadata.total_size` of the safetensors index, if the model has one."""
-    index = folder / "model.safetensors.index.json"
-    try:
-        size = json.loads(index.read_text())["metadata"]["total_size"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return int(size) if isinstance(size, int | float) and size > 0 else None
 
 
 def _prompt_tokens(suite: str | None) -> int:

@@ -36,6 +36,7 @@ from jex.tasks.campaign_spec import BudgetSpec, CampaignSpec, settings_variable,
 
 if TYPE_CHECKING:
     from jex.engine_spec import RenderSpec
+    from jex.flows.local_api import TemporaryAPI
     from jex.lab.panel import Panel
 
 CAMPAIGN_FIELD_OF_FLAG = {
@@ -173,27 +174,32 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
     from jex.flows.local_api import start_temporary_api
 
     api = start_temporary_api() if temporary else None  # it starts while the flows are imported
-    from jex.flows.campaign import run_campaign, stored_run
-
     panel = None
     try:
         if panel_catalogs and resume is None:  # a resumed run already reads its panel
             campaign, panel = on_panel(campaign, catalog_list(panel_catalogs), declared_share=panel_share)
-        # with no server to record the run, a campaign stored in full needs no temporary one
-        run_dir = stored_run(campaign, settings) if temporary and not redo else None
-        if run_dir is not None and api is not None:
-            api.stop()
-        if run_dir is None:
-            if temporary:
-                typer.echo(TEMPORARY_API_NOTICE, err=True)
-            if api is not None:
-                api.ready()
-            run_dir = run_campaign(campaign, recompute=recompute, redo=redo)
+        run_dir = stored_or_run(campaign, settings, api, recompute=recompute, redo=redo)
         if panel is not None:
             project_panel(Path(run_dir), panel, campaign)
     except JexError as e:  # the engine's errors too
         fail(e)
     print_results(Path(run_dir), style)
+
+
+def stored_or_run(campaign: CampaignSpec, settings: JexSettings, api: TemporaryAPI | None, *, recompute: bool,
+                  redo: list[StageName]) -> Path:
+    """The campaign's run folder: with no server to record the run (`api`, the temporary one started ahead), a
+    campaign stored in full is found without a flow and the server stopped unanswered; else the flow runs."""
+    from jex.flows.campaign import run_campaign, stored_run
+
+    run_dir = stored_run(campaign, settings) if api is not None and not redo else None
+    if api is not None:
+        if run_dir is not None:
+            api.stop()
+            return run_dir
+        typer.echo(TEMPORARY_API_NOTICE, err=True)
+        api.ready()
+    return run_campaign(campaign, recompute=recompute, redo=redo)
 
 
 def given_models(model: list[str] | None, spec: Path | None, *, served: bool = False) -> list[str]:

@@ -242,21 +242,17 @@ def control_beside_start(campaign: EngineSpec, control: EngineSpec) -> bool:
     if not campaign.kind.startswith("vllm") or not campaign.starts_alone():
         return True
     try:
-        import json
-
         import torch
 
         from jex.engine.hf import DEFAULT_CACHE
         from jex.engine.memory import GpuKind, ModelShape, neighbour_fits_start
-        from jex.engine.models import resolve_model
+        from jex.engine.models import model_config, resolve_model, safetensors_index_size
 
         folder = resolve_model(campaign.model, DEFAULT_CACHE).path
-        config = json.loads((folder / "config.json").read_text())
-        index = folder / "model.safetensors.index.json"
-        on_disk = json.loads(index.read_text()).get("metadata", {}).get("total_size") if index.exists() else None
+        config = model_config(folder)
         total = torch.cuda.mem_get_info()[1]
         return neighbour_fits_start(ModelShape.from_config(config.get("text_config") or config),
-                                    dtype=campaign.dtype, weights_bytes_on_disk=on_disk,
+                                    dtype=campaign.dtype, weights_bytes_on_disk=safetensors_index_size(folder),
                                     gpu=GpuKind(name="this machine's", memory_gib=total / 2**30),
                                     engine=campaign.vllm, neighbour=control.vllm)
     except Exception as e:  # noqa: BLE001 - no answer means the order that cannot starve the campaign's engine
