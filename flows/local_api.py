@@ -37,11 +37,12 @@ SERVER_MODULE = "prefect.server.api.server"
 SERVER_KIND = "prefect-server"
 
 
-def ensure_local_api(state_dir: Path | None = None) -> bool:
+def ensure_local_api(state_dir: Path | None = None, *, ahead: bool = False) -> bool:
     """Stop the processes a killed jex left running (one line on stderr when there were any), then prepare
     the ephemeral API's database if no API URL is configured and none exists yet, and have its server
     recorded in `state_dir` (default: the settings') when it starts; returns whether flows will use the
-    ephemeral API (no URL configured, in the environment or Prefect's profile)."""
+    ephemeral API (no URL configured, in the environment or Prefect's profile). `ahead`: the caller starts
+    the server itself next (`start_temporary_api`), which records it."""
     if state_dir is None:
         from jex.settings import load_settings
 
@@ -57,7 +58,9 @@ def ensure_local_api(state_dir: Path | None = None) -> bool:
     settings = get_current_settings()
     if settings.api.url:
         return False
-    record_temporary_servers(state_dir)
+    RECORD_IN[:] = [Path(state_dir)]
+    if not ahead:
+        record_temporary_servers(state_dir)
     url = settings.server.database.connection_url
     url_text = url.get_secret_value() if url is not None else ""
     if url_text and not url_text.startswith("sqlite"):
@@ -73,48 +76,74 @@ def ensure_local_api(state_dir: Path | None = None) -> bool:
 
 
 def start_temporary_api() -> TemporaryAPI:
-    """Start Prefect's temporary API server now, on a thread, instead of at the first flow's first API call: its
-    process comes up while this one imports its flows and checks its inputs (on a GPU host the server's start
-    took 4.7 s after 3.7 s of those). Call only where `ensure_local_api` said flows use the temporary API;
-    `TemporaryAPI.ready()` before any flow runs."""
-    import importlib
-    import threading
+    """Start Prefect's temporary API server now, before this process imports Prefect's server module and its
+    flows, instead of at the first flow's first API call: the server's process comes up while this one imports
+    (on a GPU host the server's start took 4.7 s after 3.7 s of those). Prefect's client finds it as its own
+    temporary server (the `SubprocessASGIServer` it would have started, as Prefect's test harness registers
+    one). Call after `ensure_local_api(ahead=True)` said flows use the temporary API; `TemporaryAPI.ready()`
+    before any flow runs."""
+    import atexit
+    import importlib.util
+    import socket
 
-    server = importlib.import_module(SERVER_MODULE).SubprocessASGIServer()  # Prefect's one, as its client finds it
+    from prefect.settings import get_current_settings
+
+    with socket.socket() as probe:  # a free port, as the server binds it in a moment
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    spec = importlib.util.find_spec("prefect")
+    assert spec is not None and spec.origin is not None
+    command = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(spec.origin).parent.parent), "--factory",
+               "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port), "--log-level",
+               "error", "--lifespan", "on"]  # Prefect's own temporary server's command and environment
+    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+           **get_current_settings().to_environment_variables(exclude_unset=True)}
+    process = subprocess.Popen(command, env=env)
+    state_dir = RECORD_IN[-1]
+    try:
+        record_process(state_dir, kind=SERVER_KIND, pid=process.pid, port=port, command=command)
+    except OSError as e:
+        log.warning("could not record the temporary Prefect server (pid %s) in %s: %s", process.pid, state_dir, e)
+    record_temporary_servers(state_dir)  # Prefect's server module, imported while the server starts
+    import prefect.server.api.server as module
+
+    server: Any = module.SubprocessASGIServer(port)
+    server.server_process, server.running, server.jex_state_dir = process, True, state_dir
+    module.SubprocessASGIServer._instances[None] = server  # the one Prefect's client asks for
+    log.info("started a temporary Prefect server on %s", server.address)
     api = TemporaryAPI(server)
-    api.thread = threading.Thread(target=api.start, name="jex-temporary-api", daemon=True)
-    api.thread.start()
+    atexit.register(api.stop)
     return api
 
 
 class TemporaryAPI:
-    """Prefect's temporary server as `start_temporary_api` starts it."""
+    """Prefect's temporary server as `start_temporary_api` started it."""
 
     def __init__(self, server: Any):
         self.server = server
-        self.thread: Any = None
-        self.error: BaseException | None = None
 
-    def start(self) -> None:
-        try:
-            self.server.start()
-        except BaseException as e:  # noqa: BLE001 - raised where the flow waits for it (`ready`)
-            self.error = e
+    def ready(self, timeout_s: float | None = None) -> None:
+        """Wait until the server answers; raise RuntimeError naming its end when it exits or does not answer."""
+        import httpx
 
-    def ready(self) -> None:
-        """Wait until the server answers; raise what its start raised."""
-        if self.thread is not None:
-            self.thread.join()
-        if self.error is not None:
-            raise self.error
+        timeout_s = timeout_s or float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120"))
+        deadline = time.monotonic() + timeout_s
+        process = self.server.server_process
+        with httpx.Client() as client:
+            while time.monotonic() < deadline:
+                if process is None or process.poll() is not None:
+                    raise RuntimeError(f"the temporary Prefect server on {self.server.address} exited "
+                                       f"({None if process is None else process.returncode}) before it answered")
+                try:
+                    if client.get(f"{self.server.api_url}/health", timeout=5).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+        raise RuntimeError(f"the temporary Prefect server on {self.server.address} did not answer in {timeout_s:.0f} s")
 
-    def stop(self, spawn_wait_s: float = 30.0) -> None:
-        """No flow needs it after all (a campaign stored in full): stop its process as soon as it is spawned,
-        without waiting for it to answer (the thread then ends on the stopped server's error, never raised)."""
-        deadline = time.monotonic() + spawn_wait_s
-        while self.thread is not None and self.thread.is_alive() and self.server.server_process is None \
-                and time.monotonic() < deadline:
-            time.sleep(0.02)
+    def stop(self) -> None:
+        """Stop it (also when no flow needed it, before it answered) and forget its record."""
         if self.server.server_process is not None:
             self.server.stop()
 

@@ -50,7 +50,7 @@ pytestmark = pytest.mark.usefixtures("no_user_settings")
 def ran(monkeypatch) -> list[CampaignSpec]:
     """The campaigns `jex run` hands to the flow (which is not run)."""
     specs: list[CampaignSpec] = []
-    monkeypatch.setattr("jex.cli.run.connect_prefect", lambda settings, notice=True: False)  # a configured server
+    monkeypatch.setattr("jex.cli.run.connect_prefect", lambda settings, **how: False)  # a configured server
     monkeypatch.setattr("jex.cli.run.check_campaign", lambda spec: None)  # the paths named here need not exist
     monkeypatch.setattr(campaign_module, "run_campaign", lambda spec, **how: specs.append(spec) or "RUN")
     monkeypatch.setattr("jex.cli.run.project_panel", lambda run_dir, panel, spec: None)  # no run to project

@@ -121,7 +121,7 @@ from jex.infra.processes import PROCESSES
 from jex.settings import load_settings
 from pathlib import Path
 
-assert ensure_local_api()
+assert ensure_local_api(ahead=True)
 api = start_temporary_api()  # as `jex run` does before it imports its flows
 api.ready()
 state = Path(load_settings().infra.state_dir) / PROCESSES
@@ -153,7 +153,7 @@ from jex.infra.processes import PROCESSES
 from jex.settings import load_settings
 from pathlib import Path
 
-assert ensure_local_api()
+assert ensure_local_api(ahead=True)
 api = start_temporary_api()
 t0 = time.monotonic()
 api.stop()  # a campaign stored in full: no flow will ask for it

@@ -80,11 +80,12 @@ TEMPORARY_API_NOTICE = ("no Prefect server configured: using a temporary one (th
 """What a command that runs a flow says first, on stderr, when its runs go to Prefect's temporary API."""
 
 
-def connect_prefect(settings: JexSettings, *, notice: bool = True) -> bool:
+def connect_prefect(settings: JexSettings, *, notice: bool = True, ahead: bool = False) -> bool:
     """Before a flow runs in this process: PREFECT_API_URL if set, else `JEX_PREFECT__API_URL`, else the
     running `jex server` (its state file, if it answers), else Prefect's temporary local API (its database
     made ready; `TEMPORARY_API_NOTICE` on stderr unless not `notice`). The server's basic-auth secret, if
-    any, goes along. Returns whether flows will use the temporary API."""
+    any, goes along. Returns whether flows will use the temporary API (`ahead`: the caller starts it next,
+    `jex.flows.local_api.start_temporary_api`)."""
     from jex.deployments.server import client_env, running_api_url
     from jex.flows.local_api import ensure_local_api
 
@@ -97,7 +98,7 @@ def connect_prefect(settings: JexSettings, *, notice: bool = True) -> bool:
             os.environ.setdefault(name, value)
     if os.environ.get("PREFECT_API_URL"):
         check_api_answers(os.environ["PREFECT_API_URL"])
-    temporary = ensure_local_api()
+    temporary = ensure_local_api(ahead=ahead)
     if temporary and notice:
         typer.echo(TEMPORARY_API_NOTICE, err=True)
     quiet_user_errors_in_flows()

@@ -170,8 +170,8 @@ def run(suite: Suite = None, model: Model = None, coverage: Coverage = None, out
     style: ResultsStyle = "json" if as_json else "quiet" if quiet else "table"
     if len(models) > 1:
         return run_models(campaign, models, settings, style=style, recompute=recompute)
-    temporary = connect_prefect(settings, notice=False)  # before Prefect is imported: it reads its settings once
-    from jex.flows.local_api import start_temporary_api
+    temporary = connect_prefect(settings, notice=False, ahead=True)  # before Prefect is imported: it reads its
+    from jex.flows.local_api import start_temporary_api  # settings once
 
     api = start_temporary_api() if temporary else None  # it starts while the flows are imported
     panel = None
