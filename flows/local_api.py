@@ -104,48 +104,61 @@ def start_temporary_api() -> TemporaryAPI:
         record_process(state_dir, kind=SERVER_KIND, pid=process.pid, port=port, command=command)
     except OSError as e:
         log.warning("could not record the temporary Prefect server (pid %s) in %s: %s", process.pid, state_dir, e)
-    record_temporary_servers(state_dir)  # Prefect's server module, imported while the server starts
-    import prefect.server.api.server as module
-
-    server: Any = module.SubprocessASGIServer(port)
-    server.server_process, server.running, server.jex_state_dir = process, True, state_dir
-    module.SubprocessASGIServer._instances[None] = server  # the one Prefect's client asks for
-    log.info("started a temporary Prefect server on %s", server.address)
-    api = TemporaryAPI(server)
+    api = TemporaryAPI(process, port, state_dir)
     atexit.register(api.stop)
     return api
 
 
 class TemporaryAPI:
-    """Prefect's temporary server as `start_temporary_api` started it."""
+    """Prefect's temporary server as `start_temporary_api` started it: handed to Prefect's client by `ready()`."""
 
-    def __init__(self, server: Any):
-        self.server = server
+    def __init__(self, process: subprocess.Popen[bytes], port: int, state_dir: Path):
+        self.process, self.port, self.state_dir = process, port, state_dir
+        self.server: Any = None
+        self.address = f"http://127.0.0.1:{port}"
 
     def ready(self, timeout_s: float | None = None) -> None:
-        """Wait until the server answers; raise RuntimeError naming its end when it exits or does not answer."""
+        """Register the server as the temporary one Prefect's client asks for (as Prefect's test harness does;
+        importing Prefect's server module for it while the server starts) and wait until it answers; raise
+        RuntimeError naming its end when it exits first or does not answer."""
         import httpx
 
+        record_temporary_servers(self.state_dir)  # any server Prefect itself would start is recorded too
+        import prefect.server.api.server as module
+
+        self.server = module.SubprocessASGIServer(self.port)
+        self.server.server_process, self.server.running, self.server.jex_state_dir = \
+            self.process, True, self.state_dir
+        module.SubprocessASGIServer._instances[None] = self.server
         timeout_s = timeout_s or float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120"))
         deadline = time.monotonic() + timeout_s
-        process = self.server.server_process
         with httpx.Client() as client:
             while time.monotonic() < deadline:
-                if process is None or process.poll() is not None:
-                    raise RuntimeError(f"the temporary Prefect server on {self.server.address} exited "
-                                       f"({None if process is None else process.returncode}) before it answered")
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the temporary Prefect server on {self.address} exited "
+                                       f"({self.process.returncode}) before it answered")
                 try:
-                    if client.get(f"{self.server.api_url}/health", timeout=5).status_code == 200:
+                    if client.get(f"{self.address}/api/health", timeout=5).status_code == 200:
                         return
                 except httpx.TransportError:
                     pass
                 time.sleep(0.1)
-        raise RuntimeError(f"the temporary Prefect server on {self.server.address} did not answer in {timeout_s:.0f} s")
+        raise RuntimeError(f"the temporary Prefect server on {self.address} did not answer in {timeout_s:.0f} s")
 
     def stop(self) -> None:
         """Stop it (also when no flow needed it, before it answered) and forget its record."""
-        if self.server.server_process is not None:
-            self.server.stop()
+        if self.server is not None:  # Prefect's own stop, as for the server it would have started
+            if self.server.server_process is not None:
+                self.server.stop()
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        forget_process(self.state_dir, self.process.pid)
 
 
 def migrated_template() -> Path:
