@@ -229,7 +229,6 @@ class ProbeOutcome(Record):
 class StartedProbe:
     """A probe whose folder is laid out, its control arm's process running (None: no control)."""
 
-    out: Path
     control: subprocess.Popen[bytes] | None
     beside_start: bool
 
@@ -269,7 +268,7 @@ def start_probe(probe: InvarianceProbe, out: Path, campaign: EngineSpec | None =
         stale.unlink(missing_ok=True)  # an earlier attempt's (a host replaced mid-probe): never read as this one's
     write_record(out / "probe-request.json", probe)
     beside = probe.control is not None and campaign is not None and control_beside_start(campaign, probe.control)
-    return StartedProbe(out=out, control=_start_control(probe, out) if beside else None, beside_start=beside)
+    return StartedProbe(control=_start_control(probe, out) if beside else None, beside_start=beside)
 
 
 def arm_result(engine: Any, probe: InvarianceProbe, scale: int, *, invariant: bool,
