@@ -11,6 +11,10 @@ from jex.engine_spec import ENGINE_KINDS, EngineKind, EngineSpec, VLLMSettings
 if TYPE_CHECKING:
     from jex.engine.vllm_engine import VLLMProfile
 
+SHAPE_LINKS = "served"
+"""Under the engine cache folder: the links vLLM is given models through, one per architecture shape
+(`engine/shape_link.py`)."""
+
 
 def make_engine(spec: EngineSpec, **engine_options: Any) -> TokenizedEngine:
     """The engine `spec` names, started. `dtype`, the memory settings and `max_model_len` reach vLLM's
@@ -38,7 +42,8 @@ def make_engine(spec: EngineSpec, **engine_options: Any) -> TokenizedEngine:
         raise ValueError("the vLLM engine needs --model: a dequantised bf16 model folder or a Hub id")
     if not Path(model).exists() and HUB_ID.match(model):
         model = str(resolve_hub(model).path)
-    return VLLMEngine(model, vllm_profile(spec), batch_size=spec.requests_per_call(), **engine_options)
+    return VLLMEngine(model, vllm_profile(spec), batch_size=spec.requests_per_call(),
+                      shape_links=Path(spec.cache_dir) / SHAPE_LINKS, **engine_options)
 
 
 def vllm_profile(spec: EngineSpec) -> VLLMProfile:

@@ -12,10 +12,12 @@ settings audit proved it batch invariant (`flows/machines/audit.py`, `tasks/camp
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,8 @@ from typing import Any
 from jex.engine.base import ContinuationPlan, TokenizedEngine, continuation_readout, package_version
 from jex.engine.effective import asked_problems, vllm_asked, vllm_effective
 from jex.engine.factory import vllm_args
-from jex.engine.models import weights_sha256
+from jex.engine.models import model_config, weights_sha256
+from jex.engine.shape_link import served_by_shape
 from jex.engine.types import (
     EngineDeadError,
     FinishReason,
@@ -148,12 +151,37 @@ def import_vllm(profile: VLLMProfile) -> Any:
     return vllm
 
 
+def inspect_here(vllm: Any, model: Path) -> None:
+    """Let vLLM inspect the model's architecture in this process. vLLM inspects an architecture it holds no
+    record of (`VLLM_CACHE_ROOT/modelinfos`) in a fresh Python process that imports torch and vLLM again: 22 s
+    of a first start on the H100, where this process has both imported already. Registering the in-tree
+    class itself (`ModelRegistry.register_model`, vLLM's API for a model class) makes vLLM inspect it here.
+    Only saves time: anything unexpected leaves vLLM's own path."""
+    if not (model / "config.json").is_file():
+        return
+    try:
+        config = model_config(model)
+        registry = vllm.ModelRegistry
+        for arch in config.get("architectures") or []:
+            entry = registry.models.get(arch)
+            module, name = getattr(entry, "module_name", None), getattr(entry, "class_name", None)
+            if module and name and str(module).startswith("vllm.model_executor.models."):
+                registry.register_model(arch, getattr(importlib.import_module(module), name))
+    except Exception as e:  # noqa: BLE001 - vLLM's inspection in its own process still works
+        print(f"vLLM inspects {model.name}'s architecture in a process of its own ({type(e).__name__}: {e})",
+              flush=True)
+
+
 class VLLMEngine(TokenizedEngine):
     name = "vllm"
     continuation_reserve = 1  # vLLM must sample one token after the scored prompt
     feeds_last_token = True  # a continuation's log-probs are the prompt log-probs of context + continuation
 
-    def __init__(self, model: str | Path, profile: VLLMProfile | None = None, *, batch_size: int = 32):
+    def __init__(self, model: str | Path, profile: VLLMProfile | None = None, *, batch_size: int = 32,
+                 shape_links: Path | None = None):
+        """`shape_links`: the folder of the links vLLM is given the model through, one per architecture
+        shape (`engine/shape_link.py`: a fine-tune then starts from its base's compile cache); None: the
+        model's own path."""
         self.profile = profile or VLLMProfile()
         self.path = Path(model)
         self.profile.check(self.path)
@@ -161,20 +189,23 @@ class VLLMEngine(TokenizedEngine):
         LLM, SamplingParams = vllm.LLM, vllm.SamplingParams
         self.vllm, self.SamplingParams = vllm, SamplingParams
         kwargs: dict[str, Any] = dict(
-            model=str(self.path), dtype=self.profile.dtype,
+            dtype=self.profile.dtype,
             enable_prefix_caching=self.profile.enable_prefix_caching, attention_backend=self.profile.attention_backend,
             seed=self.profile.seed, enforce_eager=self.profile.enforce_eager,
             kv_cache_dtype=self.profile.kv_cache_dtype, **vllm_args(self.profile.settings), **self.profile.extra)
         if self.profile.speculative_config:
             kwargs["speculative_config"] = self.profile.speculative_config
+        if self.profile.settings.tensor_parallel_size == 1:  # over several GPUs vLLM starts worker processes
+            inspect_here(vllm, self.path)
         # the weights' sha256 (seconds per GB on a first start) is read beside the engine start, not after it:
         # hashlib and file reads release the GIL, and the reads leave the files in the page cache vLLM loads from
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="jex-weights-sha256") as hashing:
             weights = hashing.submit(weights_sha256, self.path)
-            try:
-                self.llm = LLM(**kwargs)
-            except Exception as e:  # noqa: BLE001 - anything at start-up is fatal for this engine
-                raise EngineDeadError(f"vLLM could not start with {kwargs}: {e}") from e
+            with served_by_shape(self.path, shape_links) if shape_links else nullcontext(self.path) as served:
+                try:
+                    self.llm = LLM(model=str(served), **kwargs)
+                except Exception as e:  # noqa: BLE001 - anything at start-up is fatal for this engine
+                    raise EngineDeadError(f"vLLM could not start {served} with {kwargs}: {e}") from e
             self.weights_sha256 = weights.result()
         self.effective = vllm_effective(self.llm)
         if self.profile.name == AUDIT and (problems := asked_problems(vllm_asked(self.profile), self.effective)):

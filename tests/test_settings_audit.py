@@ -224,6 +224,58 @@ def test_a_campaign_that_changes_only_the_scheduler_width_restores_the_compile_c
     assert key(cudagraph_mode="FULL_DECODE_ONLY") != key()
 
 
+def test_a_fine_tune_restores_its_bases_compile_cache_and_another_shape_does_not(tmp_path):
+    from jex.tasks.execution import compile_cache_key
+
+    machine = {"gpus": ["NVIDIA H100 80GB HBM3"], "vllm": "0.22.1", "python": "3.12.3"}
+
+    def key(folder: Path) -> str:
+        return compile_cache_key(EngineSpec(model=str(folder), kind="vllm", device="cuda"), machine)
+
+    base = model_folder(tmp_path / "base", b"weights of the base")
+    assert key(model_folder(tmp_path / "tuned", b"the fine-tune's other weights")) == key(base)
+    assert key(model_folder(tmp_path / "deeper", b"weights of the base", num_hidden_layers=32)) != key(base)
+
+
+def test_models_of_one_shape_are_served_through_one_link_that_names_one_at_a_time(tmp_path):
+    import threading
+
+    from jex.engine.shape_link import served_by_shape
+
+    base = model_folder(tmp_path / "base", b"weights of the base")
+    tuned = model_folder(tmp_path / "tuned", b"the fine-tune's other weights")
+    deeper = model_folder(tmp_path / "deeper", b"w", num_hidden_layers=32)
+    links = tmp_path / "served"
+    tuned_served = threading.Event()
+    with served_by_shape(base, links) as served:
+        assert served.parent == links and served.resolve() == base.resolve()
+        with served_by_shape(deeper, links) as other:  # another shape: its own link, no wait
+            assert other != served and other.resolve() == deeper.resolve()
+        with served_by_shape(base, links) as again:  # the same model (another slot's start): no wait
+            assert again == served
+
+        def start_tuned() -> None:
+            with served_by_shape(tuned, links) as link:
+                assert link == served and link.resolve() == tuned.resolve()
+                tuned_served.set()
+
+        waiting = threading.Thread(target=start_tuned)
+        waiting.start()
+        assert not tuned_served.wait(0.5)  # the base's start still reads through the link
+        assert served.resolve() == base.resolve()
+    waiting.join(10)
+    assert tuned_served.is_set()
+
+
+def test_a_model_without_a_shape_is_served_by_its_own_path(tmp_path):
+    from jex.engine.shape_link import served_by_shape
+
+    folder = tmp_path / "no-config"
+    folder.mkdir()
+    with served_by_shape(folder, tmp_path / "served") as served:
+        assert served == folder
+
+
 @pytest.mark.slow
 def test_a_control_that_fails_leaves_the_audit_unproven_and_says_why(tmp_path):
     from jex.tasks.capture.invariance import InvarianceProbe, probe_engine

@@ -69,15 +69,18 @@ def preload(spec: EngineSpec) -> None:
 def compile_cache_key(engine: EngineSpec, machine: Mapping[str, JsonValue]) -> str:
     """The store key of an engine's compile cache on a kind of machine (`machine`: its GPU models, vLLM
     and Python): what compiled code depends on, so the engine fingerprint without its renderer and the
-    scheduler's width, and the scheduler's token budget."""
+    scheduler's width, the model's architecture shape in place of its files, and the scheduler's token budget.
+    vLLM keys its compiled graphs itself and compiles what its key says differs: a campaign that changes only
+    the scheduler's width, or a fine-tune of the base that compiled (served through the same shape's link,
+    `engine/shape_link.py`), restores the cache."""
     from jex.engine.fingerprint import engine_fingerprint
     from jex.tasks.keys import stage_key
 
     fp = engine_fingerprint(engine).key_doc()
-    fp.pop("renderer")
-    fp.pop("max_num_seqs", None)  # vLLM keys its compiled graphs itself and recompiles what its key says differs:
-    # a campaign that changes only the scheduler's width restores the cache (and compiles where vLLM must)
-    return stage_key("compile_cache", {"engine": fp, "max_num_batched_tokens": engine.max_num_batched_tokens,
+    for identity in ("renderer", "max_num_seqs", "weights_sha256", "tokenizer_sha256", "hub"):
+        fp.pop(identity, None)
+    return stage_key("compile_cache", {"engine": fp, "shape": model_shape(engine).model_dump(mode="json"),
+                                       "max_num_batched_tokens": engine.max_num_batched_tokens,
                                        "machine": dict(machine)})
 
 
