@@ -83,4 +83,5 @@ def _hold(lock: IO[str], link: Path, target: Path) -> None:
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)  # then shared again: another model may have taken it meanwhile
 
+
 __all__ = ["served_by_shape", "shape_link_name"]

@@ -384,7 +384,7 @@ def test_a_dotenv_that_is_not_utf8_is_one_line(tmp_path):
 
 # --- 4. the fleet's failure path ---------------------------------------------------------------------
 
-def test_a_machine_that_never_started_is_reported_with_its_cause(tmp_path, monkeypatch):
+def test_a_machine_that_never_started_is_reported_with_its_cause(tmp_path, monkeypatch, prefect_harness):
     from jex.engine_spec import EngineSpec
     from jex.flows.machines.fleet import GpuFleet
     from jex.infra.providers import ProviderError

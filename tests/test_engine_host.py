@@ -205,7 +205,7 @@ def test_one_host_serves_successive_jobs_with_one_engine_start(engine_home, suit
 
 @pytest.mark.slow
 def test_the_first_machine_s_compile_cache_is_restored_on_the_next_machine_of_the_engine(tmp_path, monkeypatch,
-                                                                                       suite_dir):
+                                                                                       suite_dir, prefect_harness):
     """The carry path of vLLM's compile cache, on CPU: the HF engine compiles nothing, so the test puts
     a file where vLLM writes its cache (`VLLM_CACHE_ROOT`) on the first machine before its engine starts."""
     import shutil

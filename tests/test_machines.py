@@ -386,7 +386,7 @@ def test_jex_run_over_ssh_runs_the_gpu_stages_through_the_full_lifecycle(sshd, t
 
 
 @pytest.mark.slow
-def test_golden_replay_mismatch_stops_the_machine_before_its_shards(tmp_path, monkeypatch):
+def test_golden_replay_mismatch_stops_the_machine_before_its_shards(tmp_path, monkeypatch, prefect_harness):
     import polars as pl
 
     from jex.engine_spec import EngineSpec
@@ -427,8 +427,8 @@ def test_golden_replay_mismatch_stops_the_machine_before_its_shards(tmp_path, mo
 
 
 @pytest.mark.slow
-def test_a_machine_life_whose_task_run_ends_without_its_steps_fails_the_stage_instead_of_waiting(tmp_path,
-                                                                                                 monkeypatch):
+def test_a_machine_life_whose_task_run_ends_without_its_steps_fails_the_stage_instead_of_waiting(
+        tmp_path, monkeypatch, prefect_harness):
     """Prefect may fail a task run before its function runs (its database busy, say): the fleet's bootstrap order
     to that life must fail, not wait forever for a step nobody will take."""
     from prefect import task
@@ -461,7 +461,8 @@ def test_a_machine_life_whose_task_run_ends_without_its_steps_fails_the_stage_in
 
 
 @pytest.mark.slow
-def test_golden_generation_is_token_identical_on_every_machine_or_the_machine_stops(tmp_path, monkeypatch):
+def test_golden_generation_is_token_identical_on_every_machine_or_the_machine_stops(tmp_path, monkeypatch,
+                                                                                   prefect_harness):
     """The first machine's greedy generation becomes the reference of the bundle, engine and GPU models; the
     second machine's matches it token for token (the HF engine's lock-step decoder, the CPU twin of vLLM's
     batch invariance); a machine generating other tokens stops before its shards, naming the row."""
@@ -511,7 +512,7 @@ def test_golden_generation_is_token_identical_on_every_machine_or_the_machine_st
 
 
 @pytest.mark.slow
-def test_a_campaign_runs_only_with_settings_a_stored_passing_bake_off_covers(tmp_path, monkeypatch):
+def test_a_campaign_runs_only_with_settings_a_stored_passing_bake_off_covers(tmp_path, monkeypatch, prefect_harness):
     """The CPU twin of the vLLM audit (`machines.audit = "always"`: the HF engine through the same path): the
     first campaign's golden job probes the campaign's own engine (one engine start for audit and campaign)
     with the control arm beside it, and stores a proven audit; the next one on the same machine kind, stack

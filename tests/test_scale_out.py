@@ -50,7 +50,8 @@ def one_process(tmp_path_factory) -> Callable[[], tuple]:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"workers": 2}, {"workers": 1, "engines_per_gpu": 2}],
                          ids=["two-machines", "two-engines-on-one-machine"])
-def test_merged_capture_of_two_engines_is_byte_identical_to_one_process(tmp_path, monkeypatch, layout, one_process):
+def test_merged_capture_of_two_engines_is_byte_identical_to_one_process(tmp_path, monkeypatch, layout, one_process,
+                                                                        prefect_harness):
     import sys
 
     from jex.engine_spec import EngineSpec
