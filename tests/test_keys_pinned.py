@@ -13,7 +13,7 @@ from jex.tasks.records import BundleSummary, FastPassSummary, GateSummary
 PINNED = {
     "bundle": "b5e24ba2da9a7d5cd21e8566a68d0a01",
     "calibrate": "bf96c99012a95db5f1f27b34237db4b2",
-    "compile_cache": "fbf6cb3e5f919bec3add54390b4c175c",
+    "compile_cache": "d5f1557e71d6aa733cc2d3bf2bae851c",
     "fast_pass": "d489d8d184a14a6db9bacedfca6e4935",
     "fold": "e244b03fcfa1801fc4419e7f895c6335",
     "gate": "4ce47151fa5bae9cf149e460f1ce6839",
